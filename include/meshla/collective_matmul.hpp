@@ -1,0 +1,84 @@
+// Collective matmul for tensor parallelism: the communication of a tensor-parallel linear layer
+// fused with its GEMM so that one hides behind the other.
+//
+//   all_gather_matmul      a [m/tp, k] on each rank, b [k, n]     -> out [m, n] = all_gather(a) @ b
+//   matmul_reduce_scatter  a [m, k] (k = local slice), b [k, n]   -> out [m/tp, n], this rank's
+//   rows
+//                                                                    of the sum over ranks
+//   matmul_all_reduce      the same product                        -> out [m, n], the whole sum
+//
+// A CollectiveMatmul is a plan: built once per shape (collectively, by every rank of the group),
+// it owns the GEMM handle, the side stream, the events and the staging buffers. execute() only
+// enqueues work on the caller's stream and forks/joins its side stream there, so it can be
+// captured in a CUDA graph.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include <cuda_runtime_api.h>
+
+#include "meshla/communicator.hpp"
+#include "meshla/tensor.hpp"
+
+namespace meshla {
+
+enum class CollectiveOp { kAllGatherMatmul, kMatmulReduceScatter, kMatmulAllReduce };
+
+enum class Algorithm {
+  kAuto,        // the fastest supported algorithm for the shape and group
+  kSequential,  // the collective, then one GEMM (or the GEMM, then the collective)
+  kPipelined,   // rows split into chunks; chunk i's collective overlaps chunk i+1's GEMM
+  kRing,        // point-to-point ring: compute on the block held while the next one travels
+};
+
+std::string_view collective_op_name(CollectiveOp op);
+std::string_view algorithm_name(Algorithm algorithm);
+
+struct CollectiveMatmulConfig {
+  CollectiveOp op = CollectiveOp::kAllGatherMatmul;
+  Algorithm algorithm = Algorithm::kAuto;
+  DType dtype = DType::kBFloat16;
+  std::int64_t m = 0;    // rows of the full product, summed over ranks for all_gather_matmul
+  std::int64_t n = 0;    // columns of the output
+  std::int64_t k = 0;    // the contraction this rank computes (the local slice for RS and AR)
+  bool trans_b = false;  // b is stored [n, k], as a torch.nn.Linear weight
+  bool bias = false;     // a length-n bias is added once to the result
+  bool return_gathered = false;  // all_gather_matmul also writes all_gather(a) to the caller
+  int chunks = 0;                // pipeline depth; 0 picks the default of the algorithm
+};
+
+// Arguments of one execute(); views left empty (data == nullptr) are absent.
+struct CollectiveMatmulArgs {
+  TensorView a;
+  TensorView b;
+  TensorView bias;
+  TensorView out;
+  TensorView gathered;  // all_gather_matmul with return_gathered: [m, k]
+};
+
+class CollectiveMatmul {
+ public:
+  // Collective: every rank of `comm` builds the plan with the same config. Throws kInvalidArgument
+  // (shapes, chunk counts) or kNotImplemented (an algorithm the shape cannot use).
+  CollectiveMatmul(Communicator comm, const CollectiveMatmulConfig& config);
+  ~CollectiveMatmul();
+  CollectiveMatmul(CollectiveMatmul&&) noexcept;
+  CollectiveMatmul& operator=(CollectiveMatmul&&) noexcept;
+  CollectiveMatmul(const CollectiveMatmul&) = delete;
+  CollectiveMatmul& operator=(const CollectiveMatmul&) = delete;
+
+  // Enqueues the op on `stream`. Every rank must call it, in the same order as its other
+  // collective work on this communicator.
+  void execute(const CollectiveMatmulArgs& args, cudaStream_t stream);
+
+  const CollectiveMatmulConfig& config() const;  // with algorithm and chunks resolved
+  const Communicator& communicator() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace meshla

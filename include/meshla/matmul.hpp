@@ -1,0 +1,65 @@
+// Matmul: row-major GEMM on cuBLASLt, the building block of every compute step in meshla.
+//
+//   d[i] = a[i] @ op(b) (+ bias) (+ addend[i])      for i in [0, batch)
+//
+// a is [m, k] row-major, op(b) is b [k, n] or, with trans_b, the transpose of b stored [n, k]
+// (a torch.nn.Linear weight). Batched rows of a and d sit at fixed strides; b and the bias are
+// shared by the batch. bf16 and fp16 accumulate in fp32; fp32 is computed in full fp32.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include <cuda_runtime_api.h>
+
+#include "meshla/tensor.hpp"
+
+namespace meshla {
+
+struct MatmulShape {
+  DType dtype = DType::kBFloat16;
+  std::int64_t m = 0, n = 0, k = 0;
+  bool trans_b = false;
+  int batch = 1;
+  std::int64_t lda = 0, ldb = 0, ldd = 0;  // row pitches in elements (0: packed)
+  std::int64_t batch_stride_a = 0;         // elements between batch members of a
+  std::int64_t batch_stride_d = 0;         // ... of d and of the addend
+  bool bias = false;                       // add a length-n bias to every row
+  bool addend = false;                     // add a [m, n] array laid out like d
+};
+
+struct MatmulOperands {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  const void* bias = nullptr;
+  const void* addend = nullptr;
+  void* d = nullptr;
+};
+
+class Matmul {
+ public:
+  // Creates the cuBLASLt handle and a workspace on `device`.
+  explicit Matmul(int device);
+  ~Matmul();
+  Matmul(Matmul&&) noexcept;
+  Matmul& operator=(Matmul&&) noexcept;
+  Matmul(const Matmul&) = delete;
+  Matmul& operator=(const Matmul&) = delete;
+
+  // Chooses and caches the algorithm for `shape` with 16-byte aligned operands, so that run() on
+  // a prepared shape only enqueues. Host-only; no device work.
+  void prepare(const MatmulShape& shape);
+
+  // Enqueues the product on `stream`. Never allocates device memory or waits on the host. The
+  // algorithm is cached per shape and operand alignment; an alignment not seen before costs one
+  // host-side heuristic query, which is safe inside CUDA-graph capture.
+  void run(const MatmulShape& shape, const MatmulOperands& operands, cudaStream_t stream);
+
+  int device() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace meshla

@@ -1,0 +1,8 @@
+// Everything public in meshla.
+#pragma once
+
+#include "meshla/collective_matmul.hpp"
+#include "meshla/communicator.hpp"
+#include "meshla/error.hpp"
+#include "meshla/matmul.hpp"
+#include "meshla/tensor.hpp"

@@ -1,0 +1,49 @@
+// Non-owning views of device or host arrays, the currency of the public API. Frameworks hand their
+// arrays over through DLPack in the bindings; the core never sees a framework type.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace meshla {
+
+enum class DType {
+  kFloat32,
+  kFloat64,
+  kFloat16,
+  kBFloat16,
+  kComplex64,
+  kComplex128,
+  kInt32,
+  kInt64
+};
+
+std::string_view dtype_name(DType dtype);
+std::size_t dtype_size(DType dtype);
+
+enum class DeviceKind { kCpu, kCuda };
+
+inline constexpr int kMaxTensorDims = 4;
+
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  DeviceKind device_kind = DeviceKind::kCuda;
+  int device = 0;
+  int ndim = 0;
+  std::array<std::int64_t, kMaxTensorDims> shape{};
+  std::array<std::int64_t, kMaxTensorDims> strides{};  // in elements, as DLPack
+
+  std::int64_t numel() const;
+  bool is_row_major_contiguous() const;
+  std::string shape_string() const;  // "[1024, 8192]"
+};
+
+// A contiguous row-major view of `shape` starting at `data`.
+TensorView make_tensor_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                            int device, DeviceKind device_kind = DeviceKind::kCuda);
+
+}  // namespace meshla

@@ -1,0 +1,204 @@
+// The Python extension _meshla: the only C++ that knows nanobind. Arrays arrive through DLPack
+// (capsules or objects with __dlpack__), streams as integers, and meshla::Error leaves as the
+// matching Python exception.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <string>
+
+#include "core/checks.hpp"
+#include "meshla/meshla.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace meshla {
+namespace {
+
+using Array = nb::ndarray<nb::ro>;
+
+DType dtype_of(const Array& array, const char* name) {
+  const nb::dlpack::dtype type = array.dtype();
+  const auto code = static_cast<nb::dlpack::dtype_code>(type.code);
+  if (type.lanes == 1) {
+    if (code == nb::dlpack::dtype_code::Bfloat && type.bits == 16) return DType::kBFloat16;
+    if (code == nb::dlpack::dtype_code::Float && type.bits == 16) return DType::kFloat16;
+    if (code == nb::dlpack::dtype_code::Float && type.bits == 32) return DType::kFloat32;
+    if (code == nb::dlpack::dtype_code::Float && type.bits == 64) return DType::kFloat64;
+    if (code == nb::dlpack::dtype_code::Complex && type.bits == 64) return DType::kComplex64;
+    if (code == nb::dlpack::dtype_code::Complex && type.bits == 128) return DType::kComplex128;
+    if (code == nb::dlpack::dtype_code::Int && type.bits == 32) return DType::kInt32;
+    if (code == nb::dlpack::dtype_code::Int && type.bits == 64) return DType::kInt64;
+  }
+  MESHLA_THROW(kInvalidArgument, name << ": DLPack dtype (code " << int(type.code) << ", "
+                                      << int(type.bits) << " bits, " << type.lanes
+                                      << " lanes) is not supported");
+}
+
+TensorView view_of(const std::optional<Array>& maybe, const char* name) {
+  TensorView view;
+  if (!maybe) return view;
+  const Array& array = *maybe;
+  MESHLA_CHECK_ARG(array.ndim() <= static_cast<std::size_t>(kMaxTensorDims),
+                   name << " has " << array.ndim() << " dimensions, more than " << kMaxTensorDims);
+  view.data = const_cast<void*>(array.data());
+  view.dtype = dtype_of(array, name);
+  const int device_type = array.device_type();
+  MESHLA_CHECK_ARG(
+      device_type == nb::device::cuda::value || device_type == nb::device::cpu::value,
+      name << " is on DLPack device type " << device_type << "; meshla takes CUDA or host arrays");
+  view.device_kind = device_type == nb::device::cuda::value ? DeviceKind::kCuda : DeviceKind::kCpu;
+  view.device = array.device_id();
+  view.ndim = static_cast<int>(array.ndim());
+  for (int i = 0; i < view.ndim; ++i) {
+    view.shape[i] = static_cast<std::int64_t>(array.shape(i));
+    view.strides[i] = static_cast<std::int64_t>(array.stride(i));
+  }
+  return view;
+}
+
+DType parse_dtype(const std::string& name) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32, DType::kFloat64,
+                      DType::kComplex64, DType::kComplex128, DType::kInt32, DType::kInt64}) {
+    if (dtype_name(dtype) == name) return dtype;
+  }
+  MESHLA_THROW(kInvalidArgument, "dtype '" << name << "' is not a meshla dtype");
+}
+
+std::chrono::milliseconds to_timeout(double seconds) {
+  MESHLA_CHECK_ARG(seconds > 0, "timeout_s=" << seconds << " must be positive");
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0));
+}
+
+cudaStream_t to_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+void translate_errors() {
+  nb::register_exception_translator([](const std::exception_ptr& thrown, void*) {
+    try {
+      std::rethrow_exception(thrown);
+    } catch (const Error& error) {
+      switch (error.code()) {
+        case ErrorCode::kInvalidArgument:
+          PyErr_SetString(PyExc_ValueError, error.what());
+          break;
+        case ErrorCode::kNotImplemented:
+          PyErr_SetString(PyExc_NotImplementedError, error.what());
+          break;
+        case ErrorCode::kTimeout:
+          PyErr_SetString(PyExc_TimeoutError, error.what());
+          break;
+        default:
+          PyErr_SetString(PyExc_RuntimeError, error.what());
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace meshla
+
+NB_MODULE(_meshla, m) {
+  using namespace meshla;
+  translate_errors();
+
+  m.def(
+      "unique_id",
+      [] {
+        const UniqueId id = make_unique_id();
+        return nb::bytes(reinterpret_cast<const char*>(id.bytes.data()), id.bytes.size());
+      },
+      "A fresh NCCL unique id (128 bytes) to hand to every rank of a new group.");
+
+  nb::class_<Communicator>(m, "Communicator",
+                           "Shared handle to one NCCL communicator; plans keep it alive.")
+      .def(
+          "__init__",
+          [](Communicator* self, nb::bytes id, int rank, int size, int device, double timeout_s) {
+            MESHLA_CHECK_ARG(id.size() == UniqueId::kSize, "Communicator: unique_id has "
+                                                               << id.size() << " bytes, expected "
+                                                               << UniqueId::kSize);
+            UniqueId unique;
+            std::memcpy(unique.bytes.data(), id.c_str(), UniqueId::kSize);
+            CommunicatorOptions options{.timeout = to_timeout(timeout_s)};
+            nb::gil_scoped_release release;
+            new (self) Communicator(Communicator::create(unique, rank, size, device, options));
+          },
+          "unique_id"_a, "rank"_a, "size"_a, "device"_a, "timeout_s"_a = 300.0)
+      .def_static(
+          "create_local",
+          [](const std::vector<int>& devices, double timeout_s) {
+            CommunicatorOptions options{.timeout = to_timeout(timeout_s)};
+            nb::gil_scoped_release release;
+            return Communicator::create_local(devices, options);
+          },
+          "devices"_a, "timeout_s"_a = 300.0,
+          "One communicator per device for a group driven by this process, in device order.")
+      .def("split", &Communicator::split, "color"_a, "key"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("rank", &Communicator::rank)
+      .def_prop_ro("size", &Communicator::size)
+      .def_prop_ro("device", &Communicator::device)
+      .def("__repr__", [](const Communicator& c) {
+        return "Communicator(rank=" + std::to_string(c.rank()) +
+               ", size=" + std::to_string(c.size()) + ", device=" + std::to_string(c.device()) +
+               ")";
+      });
+
+  nb::enum_<CollectiveOp>(m, "CollectiveOp")
+      .value("all_gather_matmul", CollectiveOp::kAllGatherMatmul)
+      .value("matmul_reduce_scatter", CollectiveOp::kMatmulReduceScatter)
+      .value("matmul_all_reduce", CollectiveOp::kMatmulAllReduce);
+
+  nb::enum_<Algorithm>(m, "Algorithm")
+      .value("auto", Algorithm::kAuto)
+      .value("sequential", Algorithm::kSequential)
+      .value("pipelined", Algorithm::kPipelined)
+      .value("ring", Algorithm::kRing);
+
+  nb::class_<CollectiveMatmul>(m, "CollectiveMatmul",
+                               "A collective-matmul plan for one shape on one communicator.")
+      .def(
+          "__init__",
+          [](CollectiveMatmul* self, const Communicator& comm, CollectiveOp op,
+             const std::string& dtype, std::int64_t m_rows, std::int64_t n, std::int64_t k,
+             Algorithm algorithm, bool trans_b, bool bias, bool return_gathered, int chunks) {
+            CollectiveMatmulConfig config{.op = op,
+                                          .algorithm = algorithm,
+                                          .dtype = parse_dtype(dtype),
+                                          .m = m_rows,
+                                          .n = n,
+                                          .k = k,
+                                          .trans_b = trans_b,
+                                          .bias = bias,
+                                          .return_gathered = return_gathered,
+                                          .chunks = chunks};
+            nb::gil_scoped_release release;
+            new (self) CollectiveMatmul(comm, config);
+          },
+          "comm"_a, "op"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "algorithm"_a = Algorithm::kAuto,
+          "trans_b"_a = false, "bias"_a = false, "return_gathered"_a = false, "chunks"_a = 0)
+      .def(
+          "execute",
+          [](CollectiveMatmul& plan, const Array& a, const Array& b,
+             const std::optional<Array>& bias, const Array& out,
+             const std::optional<Array>& gathered, std::uintptr_t stream) {
+            CollectiveMatmulArgs args{.a = view_of(a, "a"),
+                                      .b = view_of(b, "b"),
+                                      .bias = view_of(bias, "bias"),
+                                      .out = view_of(out, "out"),
+                                      .gathered = view_of(gathered, "gathered")};
+            nb::gil_scoped_release release;
+            plan.execute(args, to_stream(stream));
+          },
+          "a"_a, "b"_a, "bias"_a.none(), "out"_a, "gathered"_a.none(), "stream"_a,
+          "Enqueues the op on `stream` (a cudaStream_t as an integer).")
+      .def_prop_ro("algorithm", [](const CollectiveMatmul& p) { return p.config().algorithm; })
+      .def_prop_ro("chunks", [](const CollectiveMatmul& p) { return p.config().chunks; })
+      .def_prop_ro("communicator", &CollectiveMatmul::communicator);
+}

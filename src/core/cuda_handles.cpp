@@ -1,0 +1,75 @@
+#include "core/cuda_handles.hpp"
+
+#include "core/cuda_checks.hpp"
+
+namespace meshla::detail {
+
+DeviceGuard::DeviceGuard(int device) {
+  MESHLA_CHECK_CUDA(cudaGetDevice(&previous_));
+  if (previous_ != device) MESHLA_CHECK_CUDA(cudaSetDevice(device));
+}
+
+DeviceGuard::~DeviceGuard() {
+  int current = -1;
+  // Destructors must not throw; a failure to restore leaves the device the guard selected.
+  if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+}
+
+Stream::Stream(int device, bool high_priority) {
+  DeviceGuard guard(device);
+  int least = 0;
+  int greatest = 0;
+  MESHLA_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  MESHLA_CHECK_CUDA(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking,
+                                                 high_priority ? greatest : least));
+}
+
+Stream::~Stream() {
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+Stream& Stream::operator=(Stream&& other) noexcept {
+  if (this != &other) {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+    stream_ = std::exchange(other.stream_, nullptr);
+  }
+  return *this;
+}
+
+Event::Event(int device) {
+  DeviceGuard guard(device);
+  MESHLA_CHECK_CUDA(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+}
+
+Event::~Event() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
+Event& Event::operator=(Event&& other) noexcept {
+  if (this != &other) {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+    event_ = std::exchange(other.event_, nullptr);
+  }
+  return *this;
+}
+
+DeviceBuffer::DeviceBuffer(int device, std::size_t bytes) : bytes_(bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(device);
+  MESHLA_CHECK_CUDA(cudaMalloc(&data_, bytes));
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (data_ != nullptr) cudaFree(data_);
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) cudaFree(data_);
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+}  // namespace meshla::detail

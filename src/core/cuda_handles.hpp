@@ -1,0 +1,68 @@
+// Move-only RAII owners of CUDA runtime objects, and a guard that makes a device current for a
+// scope and restores the caller's device afterwards.
+#pragma once
+
+#include <cstddef>
+#include <utility>
+
+#include <cuda_runtime_api.h>
+
+namespace meshla::detail {
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+// Owns a non-blocking stream; `priority` as cudaDeviceGetStreamPriorityRange (lower is higher).
+class Stream {
+ public:
+  Stream() = default;
+  Stream(int device, bool high_priority);
+  ~Stream();
+  Stream(Stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+  Stream& operator=(Stream&& other) noexcept;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// Owns an event without timing (cheapest to record and wait on).
+class Event {
+ public:
+  Event() = default;
+  explicit Event(int device);
+  ~Event();
+  Event(Event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+  Event& operator=(Event&& other) noexcept;
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// Owns device memory from cudaMalloc.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(int device, std::size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  void* data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace meshla::detail

@@ -1,0 +1,253 @@
+#include "meshla/matmul.hpp"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "core/cuda_checks.hpp"
+#include "core/cuda_handles.hpp"
+
+namespace meshla {
+namespace {
+
+// cuBLASLt's recommended workspace for Hopper.
+constexpr std::size_t kWorkspaceBytes = 32u << 20;
+
+cudaDataType_t cuda_type(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return CUDA_R_16BF;
+    case DType::kFloat16:
+      return CUDA_R_16F;
+    case DType::kFloat32:
+      return CUDA_R_32F;
+    default:
+      MESHLA_THROW(kNotImplemented, "matmul: dtype " << dtype_name(dtype)
+                                                     << " is not supported; use bfloat16, "
+                                                     << "float16 or float32");
+  }
+}
+
+// Largest power of two up to 256 dividing the address and every step from it.
+std::uint32_t alignment_of(const void* pointer, std::int64_t pitch_bytes,
+                           std::int64_t batch_stride_bytes) {
+  std::uint64_t bits = reinterpret_cast<std::uint64_t>(pointer) | 256u |
+                       static_cast<std::uint64_t>(pitch_bytes) |
+                       static_cast<std::uint64_t>(batch_stride_bytes);
+  return static_cast<std::uint32_t>(bits & (~bits + 1));
+}
+
+struct Alignments {
+  std::uint32_t a = 256, b = 256, d = 256, addend = 256, bias = 256;
+  auto tie() const { return std::tie(a, b, d, addend, bias); }
+};
+
+// Null operands count as fully aligned. Alignments past 16 bytes choose the same kernels, so they
+// are folded to 16 to keep the cache small.
+Alignments alignments_of(const MatmulShape& s, const MatmulOperands& ops) {
+  const std::int64_t element = static_cast<std::int64_t>(dtype_size(s.dtype));
+  Alignments align;
+  align.a = alignment_of(ops.a, s.lda * element, s.batch_stride_a * element);
+  align.b = alignment_of(ops.b, s.ldb * element, 0);
+  align.d = alignment_of(ops.d, s.ldd * element, s.batch_stride_d * element);
+  if (s.addend)
+    align.addend = alignment_of(ops.addend, s.ldd * element, s.batch_stride_d * element);
+  if (s.bias) align.bias = alignment_of(ops.bias, 0, 0);
+  for (std::uint32_t* value : {&align.a, &align.b, &align.d, &align.addend, &align.bias}) {
+    *value = std::min<std::uint32_t>(*value, 16);
+  }
+  return align;
+}
+
+struct ResolvedShape {
+  MatmulShape shape;
+  Alignments alignments;
+
+  auto key() const {
+    const MatmulShape& s = shape;
+    return std::tuple_cat(
+        std::make_tuple(static_cast<int>(s.dtype), s.m, s.n, s.k, s.trans_b, s.batch, s.lda, s.ldb,
+                        s.ldd, s.batch_stride_a, s.batch_stride_d, s.bias, s.addend),
+        alignments.tie());
+  }
+};
+
+using Key = decltype(std::declval<ResolvedShape>().key());
+
+MatmulShape with_packed_pitches(MatmulShape shape) {
+  if (shape.lda == 0) shape.lda = shape.k;
+  if (shape.ldb == 0) shape.ldb = shape.trans_b ? shape.k : shape.n;
+  if (shape.ldd == 0) shape.ldd = shape.n;
+  return shape;
+}
+
+void validate(const MatmulShape& s) {
+  MESHLA_CHECK_ARG(s.m >= 0 && s.n >= 0 && s.k >= 0,
+                   "matmul: negative extent in m=" << s.m << ", n=" << s.n << ", k=" << s.k);
+  MESHLA_CHECK_ARG(s.batch >= 1, "matmul: batch=" << s.batch << " must be at least 1");
+  MESHLA_CHECK_ARG(s.lda >= s.k, "matmul: lda=" << s.lda << " is smaller than k=" << s.k);
+  MESHLA_CHECK_ARG(s.ldb >= (s.trans_b ? s.k : s.n),
+                   "matmul: ldb=" << s.ldb << " is smaller than the row length of b");
+  MESHLA_CHECK_ARG(s.ldd >= s.n, "matmul: ldd=" << s.ldd << " is smaller than n=" << s.n);
+}
+
+// The cuBLASLt objects for one shape and alignment, made once.
+class Descriptors {
+ public:
+  Descriptors(cublasLtHandle_t handle, const ResolvedShape& resolved, std::size_t workspace_bytes) {
+    const MatmulShape& s = resolved.shape;
+    const cudaDataType_t type = cuda_type(s.dtype);
+    MESHLA_CHECK_CUBLAS(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    // Row-major d = a @ op(b) is column-major d^T = op(b)^T a^T: cuBLAS's first operand is b.
+    const cublasOperation_t op_b = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_n = CUBLAS_OP_N;
+    MESHLA_CHECK_CUBLAS(
+        cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof(op_b)));
+    MESHLA_CHECK_CUBLAS(
+        cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
+    if (s.bias) {
+      const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                         &epilogue, sizeof(epilogue)));
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                         &type, sizeof(type)));
+    }
+    if (s.trans_b) {
+      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&layout_b_, type, s.k, s.n, s.ldb));
+    } else {
+      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&layout_b_, type, s.n, s.k, s.ldb));
+    }
+    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&layout_a_, type, s.k, s.m, s.lda));
+    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&layout_d_, type, s.n, s.m, s.ldd));
+    if (s.batch > 1) {
+      set_batch(layout_b_, s.batch, 0);  // b is shared by the batch
+      set_batch(layout_a_, s.batch, s.batch_stride_a);
+      set_batch(layout_d_, s.batch, s.batch_stride_d);
+    }
+    choose_algorithm(handle, resolved, workspace_bytes);
+  }
+
+  ~Descriptors() {
+    if (preference_) cublasLtMatmulPreferenceDestroy(preference_);
+    if (layout_a_) cublasLtMatrixLayoutDestroy(layout_a_);
+    if (layout_b_) cublasLtMatrixLayoutDestroy(layout_b_);
+    if (layout_d_) cublasLtMatrixLayoutDestroy(layout_d_);
+    if (desc_) cublasLtMatmulDescDestroy(desc_);
+  }
+  Descriptors(const Descriptors&) = delete;
+  Descriptors& operator=(const Descriptors&) = delete;
+
+  void run(cublasLtHandle_t handle, const MatmulOperands& ops, bool addend, void* workspace,
+           std::size_t workspace_bytes, cudaStream_t stream) {
+    if (ops.bias != nullptr) {
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                         &ops.bias, sizeof(ops.bias)));
+    }
+    const float alpha = 1.0f;
+    const float beta = addend ? 1.0f : 0.0f;
+    const void* c = addend ? ops.addend : ops.d;
+    MESHLA_CHECK_CUBLAS(cublasLtMatmul(handle, desc_, &alpha, ops.b, layout_b_, ops.a, layout_a_,
+                                       &beta, c, layout_d_, ops.d, layout_d_, &algorithm_,
+                                       workspace, workspace_bytes, stream));
+  }
+
+ private:
+  static void set_batch(cublasLtMatrixLayout_t layout, int batch, std::int64_t stride) {
+    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                         &batch, sizeof(batch)));
+    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(
+        layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+
+  void choose_algorithm(cublasLtHandle_t handle, const ResolvedShape& resolved,
+                        std::size_t workspace_bytes) {
+    MESHLA_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&preference_));
+    auto set = [&](cublasLtMatmulPreferenceAttributes_t attribute, auto value) {
+      MESHLA_CHECK_CUBLAS(
+          cublasLtMatmulPreferenceSetAttribute(preference_, attribute, &value, sizeof(value)));
+    };
+    set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes));
+    const Alignments& align = resolved.alignments;
+    // cuBLAS's A is our b, its B our a, its C the addend (or d), its D our d.
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align.b);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.a);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::min(align.addend, align.d));
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.d);
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    MESHLA_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc_, layout_b_, layout_a_,
+                                                       layout_d_, layout_d_, preference_, 1,
+                                                       &result, &found));
+    const MatmulShape& s = resolved.shape;
+    if (found == 0) {
+      MESHLA_THROW(kNotImplemented, "matmul: cuBLASLt has no algorithm for "
+                                        << dtype_name(s.dtype) << " m=" << s.m << ", n=" << s.n
+                                        << ", k=" << s.k << ", batch=" << s.batch
+                                        << ", trans_b=" << s.trans_b);
+    }
+    algorithm_ = result.algo;
+  }
+
+  cublasLtMatmulDesc_t desc_ = nullptr;
+  cublasLtMatrixLayout_t layout_a_ = nullptr;
+  cublasLtMatrixLayout_t layout_b_ = nullptr;
+  cublasLtMatrixLayout_t layout_d_ = nullptr;
+  cublasLtMatmulPreference_t preference_ = nullptr;
+  cublasLtMatmulAlgo_t algorithm_{};
+};
+
+}  // namespace
+
+struct Matmul::Impl {
+  explicit Impl(int device_) : device(device_), workspace(device_, kWorkspaceBytes) {
+    detail::DeviceGuard guard(device);
+    MESHLA_CHECK_CUBLAS(cublasLtCreate(&handle));
+  }
+  ~Impl() {
+    cache.clear();
+    if (handle) cublasLtDestroy(handle);
+  }
+
+  Descriptors& lookup(const ResolvedShape& resolved) {
+    auto key = resolved.key();
+    auto found = cache.find(key);
+    if (found != cache.end()) return *found->second;
+    auto made = std::make_unique<Descriptors>(handle, resolved, workspace.bytes());
+    return *cache.emplace(key, std::move(made)).first->second;
+  }
+
+  int device;
+  cublasLtHandle_t handle = nullptr;
+  detail::DeviceBuffer workspace;
+  std::map<Key, std::unique_ptr<Descriptors>> cache;
+};
+
+Matmul::Matmul(int device) : impl_(std::make_unique<Impl>(device)) {}
+Matmul::~Matmul() = default;
+Matmul::Matmul(Matmul&&) noexcept = default;
+Matmul& Matmul::operator=(Matmul&&) noexcept = default;
+
+int Matmul::device() const { return impl_->device; }
+
+void Matmul::prepare(const MatmulShape& shape) {
+  const MatmulShape packed = with_packed_pitches(shape);
+  validate(packed);
+  // Operands as the framework allocators hand them out: aligned far past 16 bytes.
+  impl_->lookup({packed, alignments_of(packed, MatmulOperands{})});
+}
+
+void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream_t stream) {
+  const MatmulShape packed = with_packed_pitches(shape);
+  validate(packed);
+  if (packed.m == 0 || packed.n == 0) return;
+  MESHLA_CHECK_ARG(ops.a && ops.b && ops.d, "matmul: a, b and d must be non-null");
+  MESHLA_CHECK_ARG(!packed.bias || ops.bias, "matmul: the shape asks for a bias but none is given");
+  MESHLA_CHECK_ARG(!packed.addend || ops.addend,
+                   "matmul: the shape asks for an addend but none is given");
+  detail::DeviceGuard guard(impl_->device);
+  impl_->lookup({packed, alignments_of(packed, ops)})
+      .run(impl_->handle, ops, packed.addend, impl_->workspace.data(), impl_->workspace.bytes(),
+           stream);
+}
+
+}  // namespace meshla

@@ -1,0 +1,364 @@
+#include "overlap/schedule.hpp"
+
+#include <string>
+
+#include "core/checks.hpp"
+
+namespace meshla::overlap {
+
+std::string_view buffer_name(Buffer buffer) {
+  switch (buffer) {
+    case Buffer::kInput:
+      return "input";
+    case Buffer::kGathered:
+      return "gathered";
+    case Buffer::kPartial:
+      return "partial";
+    case Buffer::kOutput:
+      return "output";
+  }
+  return "unknown";
+}
+
+std::string_view comm_kind_name(CommKind kind) {
+  switch (kind) {
+    case CommKind::kCopy:
+      return "copy";
+    case CommKind::kSendRecv:
+      return "send_recv";
+    case CommKind::kAllGather:
+      return "all_gather";
+    case CommKind::kReduceScatter:
+      return "reduce_scatter";
+    case CommKind::kAllReduce:
+      return "all_reduce";
+  }
+  return "unknown";
+}
+
+std::int64_t rows_per_rank(const ScheduleParams& params) { return params.m / params.tp; }
+
+std::int64_t chunk_begin(std::int64_t rows, int count, int index) {
+  // Balanced split: chunk sizes differ by at most one row.
+  return rows / count * index + std::min<std::int64_t>(index, rows % count);
+}
+
+namespace {
+
+std::int64_t chunk_size(std::int64_t rows, int count, int index) {
+  return chunk_begin(rows, count, index + 1) - chunk_begin(rows, count, index);
+}
+
+int wrap(int value, int tp) { return ((value % tp) + tp) % tp; }
+
+void validate(const ScheduleParams& p) {
+  const std::string_view op = collective_op_name(p.op);
+  MESHLA_CHECK_ARG(p.tp >= 1, op << ": tp_size=" << p.tp << " must be at least 1");
+  MESHLA_CHECK_ARG(p.rank >= 0 && p.rank < p.tp,
+                   op << ": rank=" << p.rank << " is outside [0, tp_size=" << p.tp << ")");
+  MESHLA_CHECK_ARG(p.m >= 1, op << ": m=" << p.m << " must be at least 1");
+  MESHLA_CHECK_ARG(p.algorithm != Algorithm::kAuto,
+                   op << ": the schedule needs a resolved algorithm, not auto");
+  MESHLA_CHECK_ARG(p.chunks >= 1, op << ": chunks=" << p.chunks << " must be at least 1");
+  MESHLA_CHECK_ARG(p.algorithm != Algorithm::kSequential || p.chunks == 1,
+                   op << ": algorithm sequential runs one chunk, got chunks=" << p.chunks);
+  MESHLA_CHECK_ARG(!p.return_gathered || p.op == CollectiveOp::kAllGatherMatmul,
+                   op << ": only all_gather_matmul can return the gathered input");
+
+  const bool needs_equal_blocks = p.op != CollectiveOp::kMatmulAllReduce;
+  if (needs_equal_blocks) {
+    MESHLA_CHECK_ARG(p.m % p.tp == 0, op << ": m=" << p.m << " rows are not divisible by tp_size="
+                                         << p.tp << " (every rank holds an equal row block)");
+  } else if (p.algorithm == Algorithm::kRing && p.m % p.tp != 0) {
+    MESHLA_THROW(kNotImplemented,
+                 op << ": algorithm ring needs m divisible by tp_size, got m=" << p.m
+                    << ", tp_size=" << p.tp << "; use pipelined or sequential");
+  }
+
+  // The rows that chunks split: each rank's block, or all rows for a pipelined all-reduce.
+  std::int64_t split_rows = p.m / p.tp;
+  if (p.op == CollectiveOp::kMatmulAllReduce && p.algorithm == Algorithm::kPipelined) {
+    split_rows = p.m;
+  }
+  MESHLA_CHECK_ARG(p.chunks <= split_rows, op << ": chunks=" << p.chunks << " exceeds the "
+                                              << split_rows << " rows it splits (m=" << p.m
+                                              << ", tp_size=" << p.tp << ")");
+}
+
+Schedule all_gather_sequential(const ScheduleParams& p, Schedule s) {
+  const std::int64_t block = rows_per_rank(p);
+  s.comms.push_back({.kind = CommKind::kAllGather,
+                     .src = {Buffer::kInput, 0},
+                     .dst = {Buffer::kGathered, 0},
+                     .rows = block});
+  s.gemms.push_back({.a = {Buffer::kGathered, 0},
+                     .d = {Buffer::kOutput, 0},
+                     .rows = p.m,
+                     .bias = p.bias,
+                     .wait_comm = 0});
+  return s;
+}
+
+Schedule all_gather_pipelined(const ScheduleParams& p, Schedule s) {
+  const std::int64_t block = rows_per_rank(p);
+  // The own block goes into the gathered buffer first so that every chunk is one batched GEMM
+  // over all ranks' blocks at a fixed stride.
+  s.comms.push_back({.kind = CommKind::kCopy,
+                     .src = {Buffer::kInput, 0},
+                     .dst = {Buffer::kGathered, p.rank * block},
+                     .rows = block});
+  for (int j = 0; j < p.chunks; ++j) {
+    const std::int64_t begin = chunk_begin(block, p.chunks, j);
+    const std::int64_t rows = chunk_size(block, p.chunks, j);
+    if (p.tp > 1) {
+      CommTask exchange{.kind = CommKind::kSendRecv};
+      // Start with the next rank so that the ranks' first transfers go to distinct peers.
+      for (int step = 1; step < p.tp; ++step) {
+        const int peer = wrap(p.rank + step, p.tp);
+        const int source = wrap(p.rank - step, p.tp);
+        exchange.sends.push_back({peer, {Buffer::kInput, begin}, rows});
+        exchange.recvs.push_back({source, {Buffer::kGathered, source * block + begin}, rows});
+      }
+      s.comms.push_back(std::move(exchange));
+    }
+    s.gemms.push_back({.a = {Buffer::kGathered, begin},
+                       .d = {Buffer::kOutput, begin},
+                       .rows = rows,
+                       .batch = p.tp,
+                       .a_stride = block,
+                       .d_stride = block,
+                       .bias = p.bias,
+                       .wait_comm = static_cast<int>(s.comms.size()) - 1});
+  }
+  return s;
+}
+
+Schedule all_gather_ring(const ScheduleParams& p, Schedule s) {
+  const std::int64_t block = rows_per_rank(p);
+  const int next = wrap(p.rank + 1, p.tp);
+  const int prev = wrap(p.rank - 1, p.tp);
+  // Step t computes on the block of rank (rank - t), which arrived from the previous rank during
+  // step t - 1 and is forwarded to the next rank during step t.
+  std::vector<int> comm_of_chunk(p.chunks, -1);  // comm task that delivered each sub-chunk
+  for (int t = 0; t < p.tp; ++t) {
+    const int owner = wrap(p.rank - t, p.tp);
+    for (int j = 0; j < p.chunks; ++j) {
+      const std::int64_t begin = chunk_begin(block, p.chunks, j);
+      const std::int64_t rows = chunk_size(block, p.chunks, j);
+      const Rows held =
+          t == 0 ? Rows{Buffer::kInput, begin} : Rows{Buffer::kGathered, owner * block + begin};
+      s.gemms.push_back({.a = held,
+                         .d = {Buffer::kOutput, owner * block + begin},
+                         .rows = rows,
+                         .bias = p.bias,
+                         .wait_comm = t == 0 ? -1 : comm_of_chunk[j]});
+      if (t + 1 < p.tp) {
+        const int incoming = wrap(owner - 1, p.tp);
+        CommTask pass{.kind = CommKind::kSendRecv};
+        pass.sends.push_back({next, held, rows});
+        pass.recvs.push_back({prev, {Buffer::kGathered, incoming * block + begin}, rows});
+        s.comms.push_back(std::move(pass));
+        comm_of_chunk[j] = static_cast<int>(s.comms.size()) - 1;
+      }
+    }
+  }
+  if (p.return_gathered) {
+    s.comms.push_back({.kind = CommKind::kCopy,
+                       .src = {Buffer::kInput, 0},
+                       .dst = {Buffer::kGathered, p.rank * block},
+                       .rows = block});
+  }
+  return s;
+}
+
+// Only one rank's partial carries the bias, so the reduction adds it once.
+bool partial_bias(const ScheduleParams& p) { return p.bias && p.rank == 0; }
+
+Schedule reduce_sequential(const ScheduleParams& p, Schedule s) {
+  s.gemms.push_back(
+      {.a = {Buffer::kInput, 0}, .d = {Buffer::kPartial, 0}, .rows = p.m, .bias = partial_bias(p)});
+  const bool scatter = p.op == CollectiveOp::kMatmulReduceScatter;
+  s.comms.push_back({.kind = scatter ? CommKind::kReduceScatter : CommKind::kAllReduce,
+                     .src = {Buffer::kPartial, 0},
+                     .dst = {Buffer::kOutput, 0},
+                     .rows = scatter ? rows_per_rank(p) : p.m,
+                     .wait_gemm = 0});
+  s.partial_rows = p.m;
+  return s;
+}
+
+Schedule reduce_scatter_pipelined(const ScheduleParams& p, Schedule s) {
+  const std::int64_t block = rows_per_rank(p);
+  // Chunk j covers rows [begin, begin + rows) of every rank's block; its partials are packed
+  // rank-major so that one reduce-scatter delivers each rank its part.
+  for (int j = 0; j < p.chunks; ++j) {
+    const std::int64_t begin = chunk_begin(block, p.chunks, j);
+    const std::int64_t rows = chunk_size(block, p.chunks, j);
+    s.gemms.push_back({.a = {Buffer::kInput, begin},
+                       .d = {Buffer::kPartial, p.tp * begin},
+                       .rows = rows,
+                       .batch = p.tp,
+                       .a_stride = block,
+                       .d_stride = rows,
+                       .bias = partial_bias(p)});
+    s.comms.push_back({.kind = CommKind::kReduceScatter,
+                       .src = {Buffer::kPartial, p.tp * begin},
+                       .dst = {Buffer::kOutput, begin},
+                       .rows = rows,
+                       .wait_gemm = j});
+  }
+  s.partial_rows = p.m;
+  return s;
+}
+
+Schedule all_reduce_pipelined(const ScheduleParams& p, Schedule s) {
+  for (int j = 0; j < p.chunks; ++j) {
+    const std::int64_t begin = chunk_begin(p.m, p.chunks, j);
+    const std::int64_t rows = chunk_size(p.m, p.chunks, j);
+    s.gemms.push_back({.a = {Buffer::kInput, begin},
+                       .d = {Buffer::kPartial, begin},
+                       .rows = rows,
+                       .bias = partial_bias(p)});
+    s.comms.push_back({.kind = CommKind::kAllReduce,
+                       .src = {Buffer::kPartial, begin},
+                       .dst = {Buffer::kOutput, begin},
+                       .rows = rows,
+                       .wait_gemm = j});
+  }
+  s.partial_rows = p.m;
+  return s;
+}
+
+// Ring reduce-scatter: the partial sum of each block travels once around the ring, each rank
+// adding its own product in the GEMM epilogue, and ends at the block's owner. Blocks are split
+// into sub-chunks so that a sub-chunk travels while the next one is computed.
+Schedule reduce_ring(const ScheduleParams& p, Schedule s) {
+  const std::int64_t block = rows_per_rank(p);
+  const int next = wrap(p.rank + 1, p.tp);
+  const int prev = wrap(p.rank - 1, p.tp);
+  const bool all_reduce = p.op == CollectiveOp::kMatmulAllReduce;
+  // Partial rows: send slots for steps 0..tp-2, then receive slots for steps 1..tp-1.
+  const std::int64_t recv_base = static_cast<std::int64_t>(p.tp - 1) * block;
+  std::vector<int> comm_of_chunk(p.chunks, -1);
+  std::vector<int> final_gemm(p.chunks, -1);
+  for (int t = 0; t < p.tp; ++t) {
+    const int target = wrap(p.rank - 1 - t, p.tp);  // block whose sum this step extends
+    const bool last = t + 1 == p.tp;
+    for (int j = 0; j < p.chunks; ++j) {
+      const std::int64_t begin = chunk_begin(block, p.chunks, j);
+      const std::int64_t rows = chunk_size(block, p.chunks, j);
+      GemmTask gemm{.a = {Buffer::kInput, target * block + begin}, .rows = rows, .bias = false};
+      if (last) {
+        gemm.d = {Buffer::kOutput, (all_reduce ? p.rank * block : 0) + begin};
+        gemm.bias = p.bias;
+      } else {
+        gemm.d = {Buffer::kPartial, t * block + begin};
+      }
+      if (t > 0) {
+        gemm.has_addend = true;
+        gemm.addend = {Buffer::kPartial, recv_base + (t - 1) * block + begin};
+        gemm.wait_comm = comm_of_chunk[j];
+      }
+      s.gemms.push_back(gemm);
+      const int gemm_index = static_cast<int>(s.gemms.size()) - 1;
+      if (last) {
+        final_gemm[j] = gemm_index;
+        continue;
+      }
+      CommTask pass{.kind = CommKind::kSendRecv, .wait_gemm = gemm_index};
+      pass.sends.push_back({next, gemm.d, rows});
+      pass.recvs.push_back({prev, {Buffer::kPartial, recv_base + t * block + begin}, rows});
+      s.comms.push_back(std::move(pass));
+      comm_of_chunk[j] = static_cast<int>(s.comms.size()) - 1;
+    }
+  }
+  if (all_reduce && p.tp > 1) {
+    // Each finished sub-chunk of the own block goes straight to every other rank.
+    for (int j = 0; j < p.chunks; ++j) {
+      const std::int64_t begin = chunk_begin(block, p.chunks, j);
+      const std::int64_t rows = chunk_size(block, p.chunks, j);
+      CommTask spread{.kind = CommKind::kSendRecv, .wait_gemm = final_gemm[j]};
+      for (int step = 1; step < p.tp; ++step) {
+        const int peer = wrap(p.rank + step, p.tp);
+        const int source = wrap(p.rank - step, p.tp);
+        spread.sends.push_back({peer, {Buffer::kOutput, p.rank * block + begin}, rows});
+        spread.recvs.push_back({source, {Buffer::kOutput, source * block + begin}, rows});
+      }
+      s.comms.push_back(std::move(spread));
+    }
+  }
+  s.partial_rows = 2 * recv_base;
+  return s;
+}
+
+}  // namespace
+
+Algorithm default_algorithm(CollectiveOp op, int tp, std::int64_t m) {
+  if (tp == 1) return Algorithm::kSequential;
+  if (op == CollectiveOp::kMatmulAllReduce && m % tp != 0) return Algorithm::kPipelined;
+  return Algorithm::kRing;
+}
+
+int default_chunks(CollectiveOp op, Algorithm algorithm, int tp, std::int64_t m) {
+  std::int64_t wanted = 1;
+  std::int64_t split_rows = m / tp;
+  switch (algorithm) {
+    case Algorithm::kAuto:
+    case Algorithm::kSequential:
+      return 1;
+    case Algorithm::kPipelined:
+      wanted = 4;
+      if (op == CollectiveOp::kMatmulAllReduce) split_rows = m;
+      break;
+    case Algorithm::kRing:
+      // Reduction rings need two sub-chunks to overlap a transfer with the next product.
+      wanted = op == CollectiveOp::kAllGatherMatmul ? 1 : 2;
+      break;
+  }
+  return static_cast<int>(std::max<std::int64_t>(1, std::min(wanted, split_rows)));
+}
+
+Schedule make_schedule(const ScheduleParams& p) {
+  validate(p);
+  Schedule s{.params = p};
+  const std::int64_t block = rows_per_rank(p);
+  switch (p.op) {
+    case CollectiveOp::kAllGatherMatmul:
+      s.input_rows = block;
+      s.output_rows = p.m;
+      s.gathered_rows = p.m;
+      switch (p.algorithm) {
+        case Algorithm::kSequential:
+          return all_gather_sequential(p, std::move(s));
+        case Algorithm::kPipelined:
+          return all_gather_pipelined(p, std::move(s));
+        default:
+          return all_gather_ring(p, std::move(s));
+      }
+    case CollectiveOp::kMatmulReduceScatter:
+      s.input_rows = p.m;
+      s.output_rows = block;
+      switch (p.algorithm) {
+        case Algorithm::kSequential:
+          return reduce_sequential(p, std::move(s));
+        case Algorithm::kPipelined:
+          return reduce_scatter_pipelined(p, std::move(s));
+        default:
+          return reduce_ring(p, std::move(s));
+      }
+    case CollectiveOp::kMatmulAllReduce:
+      s.input_rows = p.m;
+      s.output_rows = p.m;
+      switch (p.algorithm) {
+        case Algorithm::kSequential:
+          return reduce_sequential(p, std::move(s));
+        case Algorithm::kPipelined:
+          return all_reduce_pipelined(p, std::move(s));
+        default:
+          return reduce_ring(p, std::move(s));
+      }
+  }
+  MESHLA_THROW(kInternal, "make_schedule: unknown op");
+}
+
+}  // namespace meshla::overlap

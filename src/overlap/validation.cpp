@@ -1,0 +1,121 @@
+#include "overlap/validation.hpp"
+
+#include <string>
+
+#include "core/checks.hpp"
+#include "overlap/schedule.hpp"
+
+namespace meshla::overlap {
+namespace {
+
+std::string expected_shape(std::int64_t rows, std::int64_t cols) {
+  return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+}
+
+void check_matrix(std::string_view op, const char* name, const TensorView& view, std::int64_t rows,
+                  std::int64_t cols, DType dtype, int device, const std::string& why) {
+  MESHLA_CHECK_ARG(view.data != nullptr || rows * cols == 0, op << ": " << name << " is missing");
+  MESHLA_CHECK_ARG(view.device_kind == DeviceKind::kCuda,
+                   op << ": " << name << " must be on a CUDA device, not the host");
+  MESHLA_CHECK_ARG(view.device == device, op << ": " << name << " is on cuda:" << view.device
+                                             << " but the communicator uses cuda:" << device);
+  MESHLA_CHECK_ARG(view.dtype == dtype, op << ": " << name << ".dtype=" << dtype_name(view.dtype)
+                                           << " does not match the plan's " << dtype_name(dtype));
+  const bool shape_ok =
+      (rows < 0 && view.ndim == 1 && view.shape[0] == cols) ||
+      (rows >= 0 && view.ndim == 2 && view.shape[0] == rows && view.shape[1] == cols);
+  MESHLA_CHECK_ARG(shape_ok,
+                   op << ": " << name << ".shape=" << view.shape_string() << " but expected "
+                      << (rows < 0 ? "[" + std::to_string(cols) + "]" : expected_shape(rows, cols))
+                      << " (" << why << ")");
+  MESHLA_CHECK_ARG(view.is_row_major_contiguous(), op << ": " << name << " with shape "
+                                                      << view.shape_string()
+                                                      << " must be contiguous row-major");
+}
+
+}  // namespace
+
+CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int tp) {
+  const std::string_view op = collective_op_name(config.op);
+  MESHLA_CHECK_ARG(config.m >= 1 && config.n >= 1 && config.k >= 1,
+                   op << ": m=" << config.m << ", n=" << config.n << ", k=" << config.k
+                      << " must all be positive");
+  MESHLA_CHECK_ARG(config.dtype == DType::kBFloat16 || config.dtype == DType::kFloat16 ||
+                       config.dtype == DType::kFloat32,
+                   op << ": dtype " << dtype_name(config.dtype)
+                      << " is not supported; use bfloat16, float16 or float32");
+  MESHLA_CHECK_ARG(config.chunks >= 0, op << ": chunks=" << config.chunks << " is negative");
+  CollectiveMatmulConfig resolved = config;
+  if (resolved.algorithm == Algorithm::kAuto) {
+    resolved.algorithm = default_algorithm(config.op, tp, config.m);
+  }
+  if (resolved.chunks == 0) {
+    resolved.chunks = default_chunks(config.op, resolved.algorithm, tp, config.m);
+  }
+  // Building rank 0's schedule checks divisibility and chunk counts, identical on every rank.
+  make_schedule({.op = resolved.op,
+                 .algorithm = resolved.algorithm,
+                 .tp = tp,
+                 .rank = 0,
+                 .m = resolved.m,
+                 .chunks = resolved.chunks,
+                 .bias = resolved.bias,
+                 .return_gathered = resolved.return_gathered});
+  return resolved;
+}
+
+void validate_args(const CollectiveMatmulConfig& c, int tp, int device,
+                   const CollectiveMatmulArgs& args) {
+  const std::string_view op = collective_op_name(c.op);
+  const std::string m_k = "m=" + std::to_string(c.m) + ", k=" + std::to_string(c.k);
+  const std::string per_rank = "m=" + std::to_string(c.m) + " / tp_size=" + std::to_string(tp);
+  switch (c.op) {
+    case CollectiveOp::kAllGatherMatmul:
+      check_matrix(op, "a", args.a, c.m / tp, c.k, c.dtype, device, per_rank + " rows, k");
+      break;
+    case CollectiveOp::kMatmulReduceScatter:
+    case CollectiveOp::kMatmulAllReduce:
+      check_matrix(op, "a", args.a, c.m, c.k, c.dtype, device, m_k + " local");
+      break;
+  }
+  if (c.trans_b) {
+    check_matrix(op, "b", args.b, c.n, c.k, c.dtype, device, "trans_b: [n, k]");
+  } else {
+    check_matrix(op, "b", args.b, c.k, c.n, c.dtype, device, "[k, n]");
+  }
+  if (c.bias) {
+    check_matrix(op, "bias", args.bias, -1, c.n, c.dtype, device, "one value per output column");
+  } else {
+    MESHLA_CHECK_ARG(args.bias.data == nullptr,
+                     op << ": a bias was passed to a plan built without one");
+  }
+  if (c.op == CollectiveOp::kMatmulReduceScatter) {
+    check_matrix(op, "out", args.out, c.m / tp, c.n, c.dtype, device, per_rank + " rows, n");
+  } else {
+    check_matrix(op, "out", args.out, c.m, c.n, c.dtype, device, "m, n");
+  }
+  if (c.return_gathered) {
+    check_matrix(op, "gathered", args.gathered, c.m, c.k, c.dtype, device, m_k);
+  } else {
+    MESHLA_CHECK_ARG(args.gathered.data == nullptr,
+                     op << ": a gathered output was passed to a plan built without one");
+  }
+  // The schedule reads its inputs while writing the outputs on other streams: no overlap allowed.
+  auto bytes = [&](const TensorView& v) {
+    return v.numel() * static_cast<std::int64_t>(dtype_size(v.dtype));
+  };
+  auto overlaps = [&](const TensorView& x, const TensorView& y) {
+    if (x.data == nullptr || y.data == nullptr) return false;
+    const char* x0 = static_cast<const char*>(x.data);
+    const char* y0 = static_cast<const char*>(y.data);
+    return x0 < y0 + bytes(y) && y0 < x0 + bytes(x);
+  };
+  for (const TensorView* input : {&args.a, &args.b, &args.bias}) {
+    MESHLA_CHECK_ARG(!overlaps(*input, args.out) && !overlaps(*input, args.gathered),
+                     op << ": an output shares memory with an input; outputs must not alias");
+  }
+  MESHLA_CHECK_ARG(!overlaps(args.out, args.gathered),
+                   op << ": out and gathered share memory; outputs must not alias");
+}
+
+}  // namespace meshla::overlap

@@ -1,0 +1,179 @@
+// Config resolution and argument checks of collective matmul: every message names the op, the
+// argument and the shapes.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "meshla/error.hpp"
+#include "overlap/validation.hpp"
+
+namespace meshla::overlap {
+namespace {
+
+std::string message_of(const std::function<void()>& call, ErrorCode expected) {
+  try {
+    call();
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), expected) << error.what();
+    return error.what();
+  }
+  ADD_FAILURE() << "no error was raised";
+  return "";
+}
+
+// Fake device addresses: validation never dereferences them.
+void* fake_address(std::uintptr_t offset) { return reinterpret_cast<void*>(0x100000 + offset); }
+
+struct Case {
+  CollectiveMatmulConfig config;
+  CollectiveMatmulArgs args;
+};
+
+Case all_gather_case(int tp) {
+  Case c;
+  c.config = {.op = CollectiveOp::kAllGatherMatmul,
+              .algorithm = Algorithm::kRing,
+              .dtype = DType::kBFloat16,
+              .m = 64,
+              .n = 48,
+              .k = 32};
+  c.config = resolve_config(c.config, tp);
+  c.args.a = make_tensor_view(fake_address(0), DType::kBFloat16, {64 / tp, 32}, 0);
+  c.args.b = make_tensor_view(fake_address(1 << 20), DType::kBFloat16, {32, 48}, 0);
+  c.args.out = make_tensor_view(fake_address(2 << 20), DType::kBFloat16, {64, 48}, 0);
+  return c;
+}
+
+TEST(Validation, AcceptsMatchingArguments) {
+  Case c = all_gather_case(4);
+  EXPECT_NO_THROW(validate_args(c.config, 4, 0, c.args));
+}
+
+TEST(Validation, ResolvesAutoAndChunks) {
+  const CollectiveMatmulConfig resolved =
+      resolve_config({.op = CollectiveOp::kMatmulReduceScatter, .m = 64, .n = 8, .k = 8}, 4);
+  EXPECT_EQ(resolved.algorithm, Algorithm::kRing);
+  EXPECT_EQ(resolved.chunks, 2);
+  EXPECT_EQ(
+      resolve_config({.op = CollectiveOp::kMatmulAllReduce, .m = 8, .n = 8, .k = 8}, 1).algorithm,
+      Algorithm::kSequential);
+}
+
+TEST(Validation, NamesTheWrongShape) {
+  Case c = all_gather_case(4);
+  c.args.a = make_tensor_view(fake_address(0), DType::kBFloat16, {15, 32}, 0);
+  const std::string message =
+      message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("all_gather_matmul: a.shape=[15, 32] but expected [16, 32]"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("m=64 / tp_size=4"), std::string::npos) << message;
+}
+
+TEST(Validation, TransposedWeightShape) {
+  Case c = all_gather_case(2);
+  c.config.trans_b = true;
+  c.args.a = make_tensor_view(fake_address(0), DType::kBFloat16, {32, 32}, 0);
+  const std::string message =
+      message_of([&] { validate_args(c.config, 2, 0, c.args); }, ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("b.shape=[32, 48] but expected [48, 32] (trans_b: [n, k])"),
+            std::string::npos)
+      << message;
+}
+
+TEST(Validation, DtypeDeviceAndLayout) {
+  Case c = all_gather_case(4);
+  c.args.b.dtype = DType::kFloat32;
+  EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
+                .find("b.dtype=float32 does not match the plan's bfloat16"),
+            std::string::npos);
+
+  c = all_gather_case(4);
+  c.args.out.device = 3;
+  EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
+                .find("out is on cuda:3 but the communicator uses cuda:0"),
+            std::string::npos);
+
+  c = all_gather_case(4);
+  std::swap(c.args.b.strides[0], c.args.b.strides[1]);  // a transposed view
+  EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
+                .find("must be contiguous row-major"),
+            std::string::npos);
+
+  c = all_gather_case(4);
+  c.args.a.device_kind = DeviceKind::kCpu;
+  EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
+                .find("must be on a CUDA device"),
+            std::string::npos);
+}
+
+TEST(Validation, BiasAndGatheredMustMatchThePlan) {
+  Case c = all_gather_case(4);
+  c.args.bias = make_tensor_view(fake_address(3 << 20), DType::kBFloat16, {48}, 0);
+  EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
+                .find("a bias was passed to a plan built without one"),
+            std::string::npos);
+
+  c = all_gather_case(4);
+  c.config.bias = true;
+  c.args.bias = make_tensor_view(fake_address(3 << 20), DType::kBFloat16, {47}, 0);
+  EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
+                .find("bias.shape=[47] but expected [48]"),
+            std::string::npos);
+
+  c = all_gather_case(4);
+  c.config.return_gathered = true;
+  EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
+                .find("gathered is missing"),
+            std::string::npos);
+}
+
+TEST(Validation, OutputsMustNotAliasInputs) {
+  Case c = all_gather_case(4);
+  c.args.out.data = c.args.b.data;
+  EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
+                .find("shares memory with an input"),
+            std::string::npos);
+}
+
+TEST(Validation, ConfigErrors) {
+  EXPECT_NE(message_of(
+                [] {
+                  resolve_config(
+                      {.op = CollectiveOp::kMatmulReduceScatter, .m = 10, .n = 8, .k = 8}, 4);
+                },
+                ErrorCode::kInvalidArgument)
+                .find("matmul_reduce_scatter: m=10 rows are not divisible by tp_size=4"),
+            std::string::npos);
+  EXPECT_NE(message_of(
+                [] {
+                  resolve_config({.op = CollectiveOp::kAllGatherMatmul,
+                                  .dtype = DType::kFloat64,
+                                  .m = 8,
+                                  .n = 8,
+                                  .k = 8},
+                                 2);
+                },
+                ErrorCode::kInvalidArgument)
+                .find("dtype float64 is not supported"),
+            std::string::npos);
+  EXPECT_NE(
+      message_of(
+          [] { resolve_config({.op = CollectiveOp::kAllGatherMatmul, .m = 8, .n = 0, .k = 8}, 2); },
+          ErrorCode::kInvalidArgument)
+          .find("n=0"),
+      std::string::npos);
+  message_of(
+      [] {
+        resolve_config({.op = CollectiveOp::kMatmulAllReduce,
+                        .algorithm = Algorithm::kRing,
+                        .m = 10,
+                        .n = 8,
+                        .k = 8},
+                       4);
+      },
+      ErrorCode::kNotImplemented);
+}
+
+}  // namespace
+}  // namespace meshla::overlap
