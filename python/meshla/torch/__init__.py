@@ -1,0 +1,259 @@
+"""PyTorch front end of meshla's collective matmul.
+
+A :class:`TPGroup` names the tensor-parallel group an op runs over. Build one from a
+torch.distributed process group of any backend (:func:`group_from_process_group`), from an mpi4py
+communicator (:func:`group_from_mpi`), or, for one process driving several GPUs from threads, one
+per device (:func:`local_groups`).
+
+On CUDA tensors the ops run meshla's plans on the current CUDA stream, so they can be captured in
+a CUDA graph once each shape has run eagerly. On CPU tensors they run a reference implementation
+(torch.distributed collective + matmul) over the group's process group, so the same code runs on a
+machine without GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.dlpack import to_dlpack
+
+from meshla import _meshla
+
+__all__ = [
+    "TPGroup",
+    "all_gather_matmul",
+    "group_from_mpi",
+    "group_from_process_group",
+    "local_groups",
+    "matmul_all_reduce",
+    "matmul_reduce_scatter",
+]
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass(eq=False)
+class TPGroup:
+    """A tensor-parallel group.
+
+    ``comm`` is the NCCL communicator for CUDA tensors (None where the group has no GPU);
+    ``process_group`` the torch.distributed group used by the CPU reference path (None for groups
+    made by :func:`local_groups` or :func:`group_from_mpi`).
+    """
+
+    rank: int
+    size: int
+    comm: _meshla.Communicator | None = None
+    process_group: Any = None
+    # Plans by (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks); each plan
+    # owns its buffers, so a group keeps one per shape it has run.
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        if self.comm is None:
+            return torch.device("cpu")
+        return torch.device("cuda", self.comm.device)
+
+    def plan(self, op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks):
+        if self.comm is None:
+            raise ValueError(
+                f"{op.name}: this TPGroup has no CUDA communicator (it was built for CPU tensors)"
+            )
+        key = (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _meshla.CollectiveMatmul(
+                self.comm, op, _DTYPE_NAMES[dtype], m, n, k, _algorithm(algorithm),
+                trans_b=trans_b, bias=bias, return_gathered=return_gathered, chunks=chunks,
+            )
+            self._plans[key] = plan
+        return plan
+
+
+def _cuda_device(device) -> int | None:
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"device={device} is neither a CUDA device nor the CPU")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def group_from_process_group(group=None, device=None, timeout_s: float = 300.0) -> TPGroup:
+    """The TPGroup of a torch.distributed process group (the default group if None).
+
+    Collective over ``group``. Its rank 0 makes the NCCL unique id and broadcasts it through the
+    group itself, whatever its backend (gloo, nccl, mpi). ``device`` is this rank's GPU (default:
+    the current one); pass ``"cpu"``, or run without GPUs, for a CPU-only group.
+    """
+    if not dist.is_initialized():
+        raise ValueError("group_from_process_group: torch.distributed is not initialized")
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    cuda_device = _cuda_device(device)
+    if cuda_device is None:
+        return TPGroup(rank=rank, size=size, process_group=group)
+    unique = _exchange_unique_id(group)
+    comm = _meshla.Communicator(unique, rank, size, cuda_device, timeout_s=timeout_s)
+    return TPGroup(rank=rank, size=size, comm=comm, process_group=group)
+
+
+def _exchange_unique_id(group) -> bytes:
+    """A unique id made on the group's rank 0 and broadcast over the group (any backend)."""
+    payload = [_meshla.unique_id() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(payload, group_src=0, group=group)
+    return payload[0]
+
+
+def group_from_mpi(mpi_comm, device=None, timeout_s: float = 300.0) -> TPGroup:
+    """The TPGroup of an mpi4py communicator; the unique id travels by ``mpi_comm.bcast``."""
+    rank = mpi_comm.Get_rank()
+    size = mpi_comm.Get_size()
+    cuda_device = _cuda_device(device)
+    if cuda_device is None:
+        raise ValueError("group_from_mpi: needs a CUDA device; use a gloo process group on CPU")
+    unique = mpi_comm.bcast(_meshla.unique_id() if rank == 0 else None, root=0)
+    comm = _meshla.Communicator(unique, rank, size, cuda_device, timeout_s=timeout_s)
+    return TPGroup(rank=rank, size=size, comm=comm)
+
+
+def local_groups(devices, timeout_s: float = 300.0) -> list[TPGroup]:
+    """One TPGroup per device for a group driven by this process, each used from its own thread."""
+    devices = [_cuda_device(d) if not isinstance(d, int) else d for d in devices]
+    comms = _meshla.Communicator.create_local(devices, timeout_s=timeout_s)
+    return [TPGroup(rank=c.rank, size=c.size, comm=c) for c in comms]
+
+
+def _algorithm(name) -> _meshla.Algorithm:
+    if isinstance(name, _meshla.Algorithm):
+        return name
+    try:
+        return getattr(_meshla.Algorithm, name)
+    except (AttributeError, TypeError):
+        names = ", ".join(a.name for a in _meshla.Algorithm)
+        raise ValueError(f"algorithm={name!r} is not one of {names}") from None
+
+
+def _shape(t) -> str:
+    return str(list(t.shape))
+
+
+def _check_operands(op: str, a, b, bias, trans_b: bool, group: TPGroup):
+    if not isinstance(group, TPGroup):
+        raise ValueError(f"{op}: group must be a meshla.torch.TPGroup, got {type(group).__name__}")
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            shape = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{op}: {name} must be a 2-D tensor, got {shape}")
+    if a.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"{op}: a.dtype={a.dtype} is not supported; use bfloat16, float16 or float32")
+    for name, t in (("b", b), ("bias", bias)):
+        if t is not None and (t.dtype != a.dtype or t.device != a.device):
+            raise ValueError(
+                f"{op}: {name} is {t.dtype} on {t.device} but a is {a.dtype} on {a.device}"
+            )
+    k_b = b.shape[1] if trans_b else b.shape[0]
+    if k_b != a.shape[1]:
+        layout = "[n, k]" if trans_b else "[k, n]"
+        raise ValueError(
+            f"{op}: b.shape={_shape(b)} ({layout}) does not match a.shape={_shape(a)}: "
+            f"the contraction needs k={a.shape[1]}"
+        )
+    n = b.shape[0] if trans_b else b.shape[1]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise ValueError(f"{op}: bias.shape={_shape(bias)} but expected [{n}]")
+    if a.device.type == "cuda" and a.device != group.device:
+        raise ValueError(f"{op}: a is on {a.device} but the group's communicator uses {group.device}")
+    if a.device.type == "cpu" and group.process_group is None:
+        raise ValueError(f"{op}: CPU tensors need a TPGroup with a torch.distributed process group")
+    return n
+
+
+def _capsule(t):
+    return None if t is None else to_dlpack(t)
+
+
+def _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks):
+    plan = group.plan(op, a.dtype, m, n, k, algorithm, trans_b, bias is not None,
+                      gathered is not None, chunks)
+    stream = torch.cuda.current_stream(a.device).cuda_stream
+    plan.execute(_capsule(a.contiguous()), _capsule(b.contiguous()),
+                 _capsule(None if bias is None else bias.contiguous()), _capsule(out),
+                 _capsule(gathered), stream)
+
+
+def _reference_product(a, b, bias, trans_b: bool, add_bias: bool):
+    b = b.t() if trans_b else b
+    product = a.float() @ b.float()
+    if bias is not None and add_bias:
+        product += bias.float()
+    return product
+
+
+def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
+                      algorithm="auto", chunks: int = 0, return_gathered: bool = False):
+    """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
+
+    ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
+    product, and with ``return_gathered`` also the gathered [m, k] ``a`` (the backward needs it).
+    """
+    op = _meshla.CollectiveOp.all_gather_matmul
+    n = _check_operands(op.name, a, b, bias, trans_b, group)
+    m, k = a.shape[0] * group.size, a.shape[1]
+    if a.device.type == "cpu":
+        _algorithm(algorithm)
+        parts = [torch.empty_like(a) for _ in range(group.size)]
+        dist.all_gather(parts, a.contiguous(), group=group.process_group)
+        gathered = torch.cat(parts)
+        out = _reference_product(gathered, b, bias, trans_b, True).to(a.dtype)
+        return (out, gathered) if return_gathered else out
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    gathered = torch.empty((m, k), dtype=a.dtype, device=a.device) if return_gathered else None
+    _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks)
+    return (out, gathered) if return_gathered else out
+
+
+def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
+                          algorithm="auto", chunks: int = 0):
+    """This rank's [m/tp, n] row block of ``sum over ranks(a @ b) (+ bias)``.
+
+    ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``): the slices of
+    a row-parallel linear layer. The bias is added once, not once per rank.
+    """
+    op = _meshla.CollectiveOp.matmul_reduce_scatter
+    n = _check_operands(op.name, a, b, bias, trans_b, group)
+    m, k = a.shape
+    if m % group.size != 0:
+        raise ValueError(f"{op.name}: a.shape[0]={m} is not divisible by tp_size={group.size}")
+    if a.device.type == "cpu":
+        _algorithm(algorithm)
+        total = _reference_product(a, b, bias, trans_b, group.rank == 0)
+        dist.all_reduce(total, group=group.process_group)
+        block = m // group.size
+        return total[group.rank * block:(group.rank + 1) * block].to(a.dtype).contiguous()
+    out = torch.empty((m // group.size, n), dtype=a.dtype, device=a.device)
+    _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks)
+    return out
+
+
+def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
+                      algorithm="auto", chunks: int = 0):
+    """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank."""
+    op = _meshla.CollectiveOp.matmul_all_reduce
+    n = _check_operands(op.name, a, b, bias, trans_b, group)
+    m, k = a.shape
+    if a.device.type == "cpu":
+        _algorithm(algorithm)
+        total = _reference_product(a, b, bias, trans_b, group.rank == 0)
+        dist.all_reduce(total, group=group.process_group)
+        return total.to(a.dtype)
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks)
+    return out

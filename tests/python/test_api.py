@@ -1,0 +1,82 @@
+"""Argument checks of the Python API and the extension, and the unique-id exchange."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import meshla
+import meshla.torch as mt
+
+
+@pytest.fixture
+def world1(gloo_env):
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield mt.group_from_process_group(device="cpu")
+    dist.destroy_process_group()
+
+
+def test_bad_shapes_name_the_arguments(world1):
+    a = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"b.shape=\[6, 5\] \(\[k, n\]\) does not match "
+                                         r"a.shape=\[4, 8\]: the contraction needs k=8"):
+        mt.all_gather_matmul(a, torch.randn(6, 5), world1)
+    with pytest.raises(ValueError, match=r"b.shape=\[8, 5\] \(\[n, k\]\)"):
+        mt.matmul_all_reduce(a, torch.randn(8, 5), world1, trans_b=True)
+    with pytest.raises(ValueError, match=r"bias.shape=\[4\] but expected \[5\]"):
+        mt.matmul_reduce_scatter(a, torch.randn(8, 5), world1, bias=torch.randn(4))
+    with pytest.raises(ValueError, match=r"a must be a 2-D tensor, got \[4, 8, 1\]"):
+        mt.matmul_all_reduce(a[..., None], torch.randn(8, 5), world1)
+    with pytest.raises(ValueError, match=r"a.dtype=torch.float64 is not supported"):
+        mt.all_gather_matmul(a.double(), torch.randn(8, 5).double(), world1)
+    with pytest.raises(ValueError, match=r"b is torch.float16 on cpu but a is torch.float32"):
+        mt.all_gather_matmul(a, torch.randn(8, 5).half(), world1)
+    with pytest.raises(ValueError, match=r"algorithm='fastest' is not one of"):
+        mt.all_gather_matmul(a, torch.randn(8, 5), world1, algorithm="fastest")
+    with pytest.raises(ValueError, match=r"group must be a meshla.torch.TPGroup"):
+        mt.all_gather_matmul(a, torch.randn(8, 5), None)
+
+
+def _reduce_scatter_uneven(rank, size):
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        group = mt.group_from_process_group(device="cpu")
+        with pytest.raises(ValueError, match=r"a.shape\[0\]=5 is not divisible by tp_size=2"):
+            mt.matmul_reduce_scatter(torch.randn(5, 4), torch.randn(4, 3), group)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_scatter_rejects_uneven_rows(gloo_env):
+    mp.spawn(_reduce_scatter_uneven, args=(2,), nprocs=2, join=True)
+
+
+def test_extension_errors_map_to_python_exceptions():
+    with pytest.raises(ValueError, match="unique_id has 3 bytes, expected 128"):
+        meshla.Communicator(b"abc", 0, 1, 0)
+    with pytest.raises(ValueError, match="timeout_s=0 must be positive"):
+        meshla.Communicator(meshla.unique_id(), 0, 1, 0, timeout_s=0)
+    if not torch.cuda.is_available():
+        # Without a GPU the failing CUDA call is named in a RuntimeError.
+        with pytest.raises(RuntimeError, match=r"cudaGetDeviceCount\(&device_count\) failed"):
+            meshla.Communicator(meshla.unique_id(), 0, 1, 0)
+    # Rank and size are checked before any CUDA call, so this holds with or without a GPU.
+    with pytest.raises(ValueError, match=r"rank=2 is outside \[0, size=2\)"):
+        meshla.Communicator(meshla.unique_id(), 2, 2, 0)
+
+
+def _exchange(rank, size, results):
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        results[rank] = mt._exchange_unique_id(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unique_id_travels_through_the_process_group(gloo_env):
+    results = mp.Manager().dict()
+    mp.spawn(_exchange, args=(3, results), nprocs=3, join=True)
+    ids = [results[r] for r in range(3)]
+    assert len(ids[0]) == 128
+    assert ids[0] == ids[1] == ids[2]
+    assert meshla.unique_id() != ids[0]  # fresh ids differ
