@@ -176,6 +176,20 @@ def _check_operands(op: str, a, b, bias, trans_b: bool, group: TPGroup):
     return n
 
 
+def _output(given, shape, like):
+    """The caller's preallocated output, checked, or a fresh one."""
+    if given is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if tuple(given.shape) != tuple(shape) or given.dtype != like.dtype or given.device != like.device:
+        raise ValueError(
+            f"out has shape {_shape(given)}, {given.dtype} on {given.device}; expected "
+            f"{list(shape)}, {like.dtype} on {like.device}"
+        )
+    if not given.is_contiguous():
+        raise ValueError(f"out with shape {_shape(given)} must be contiguous")
+    return given
+
+
 def _capsule(t):
     return None if t is None else to_dlpack(t)
 
@@ -198,11 +212,16 @@ def _reference_product(a, b, bias, trans_b: bool, add_bias: bool):
 
 
 def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
-                      algorithm="auto", chunks: int = 0, return_gathered: bool = False):
+                      algorithm="auto", chunks: int = 0, return_gathered: bool = False,
+                      out=None, gathered_out=None):
     """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
 
     ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
     product, and with ``return_gathered`` also the gathered [m, k] ``a`` (the backward needs it).
+    ``out`` and ``gathered_out`` are optional preallocated outputs (CUDA only).
+
+    ``algorithm`` is "auto", "sequential", "pipelined" or "ring"; ``chunks`` the pipeline depth
+    (0: the algorithm's default).
     """
     op = _meshla.CollectiveOp.all_gather_matmul
     n = _check_operands(op.name, a, b, bias, trans_b, group)
@@ -214,14 +233,14 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
         gathered = torch.cat(parts)
         out = _reference_product(gathered, b, bias, trans_b, True).to(a.dtype)
         return (out, gathered) if return_gathered else out
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    gathered = torch.empty((m, k), dtype=a.dtype, device=a.device) if return_gathered else None
+    out = _output(out, (m, n), a)
+    gathered = _output(gathered_out, (m, k), a) if return_gathered else None
     _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks)
     return (out, gathered) if return_gathered else out
 
 
 def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
-                          algorithm="auto", chunks: int = 0):
+                          algorithm="auto", chunks: int = 0, out=None):
     """This rank's [m/tp, n] row block of ``sum over ranks(a @ b) (+ bias)``.
 
     ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``): the slices of
@@ -238,13 +257,13 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
         dist.all_reduce(total, group=group.process_group)
         block = m // group.size
         return total[group.rank * block:(group.rank + 1) * block].to(a.dtype).contiguous()
-    out = torch.empty((m // group.size, n), dtype=a.dtype, device=a.device)
+    out = _output(out, (m // group.size, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks)
     return out
 
 
 def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
-                      algorithm="auto", chunks: int = 0):
+                      algorithm="auto", chunks: int = 0, out=None):
     """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank."""
     op = _meshla.CollectiveOp.matmul_all_reduce
     n = _check_operands(op.name, a, b, bias, trans_b, group)
@@ -254,6 +273,6 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)
         dist.all_reduce(total, group=group.process_group)
         return total.to(a.dtype)
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    out = _output(out, (m, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks)
     return out

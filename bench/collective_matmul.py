@@ -1,0 +1,313 @@
+"""Collective matmul benchmark: meshla against NCCL + torch.matmul and PyTorch SymmetricMemory.
+
+One process per GPU; the whole world is the tensor-parallel group:
+  torchrun --nproc-per-node=TP bench/collective_matmul.py --commit SHA --out bench/results/F.json
+
+Shapes are a Llama-70B MLP in bf16 (hidden 8192, intermediate 28672): all_gather_matmul is the
+column-parallel up projection, matmul_reduce_scatter and matmul_all_reduce the row-parallel down
+projection. Every variant of one (op, M) runs on the same inputs. A time is the median over
+repetitions of `iters` back-to-back calls, taken on the slowest rank. Rank 0 appends the run to
+the JSON file at --out and prints a table last.
+"""
+
+import os
+
+# Never use NVLink multicast (NVLS): set before torch, NCCL or NVSHMEM can read the environment.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+for _name, _value in MULTICAST_OFF.items():
+    os.environ.setdefault(_name, _value)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import warnings  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+HIDDEN, INTERMEDIATE = 8192, 28672
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+ALGORITHMS = ("sequential", "pipelined", "ring", "auto")
+CHECK_TOLERANCE = 2e-2
+
+
+@dataclass
+class Case:
+    """One (op, M): its operands, preallocated outputs and a zero-argument callable per variant."""
+
+    n: int
+    k: int
+    variants: dict[str, Callable[[], object]]
+    torch_out: torch.Tensor  # written by torch_sequential
+    meshla_out: torch.Tensor  # written by every meshla variant
+
+
+def randn(*shape: int) -> torch.Tensor:
+    # Random, never zeros (a GEMM on zeros draws less power and runs faster); scaled so that bf16
+    # sums over thousands of products stay well inside range.
+    return torch.randn(*shape, dtype=torch.bfloat16, device="cuda").mul_(0.02)
+
+
+def empty(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, dtype=torch.bfloat16, device="cuda")
+
+
+def meshla_variants(meshla_op, a, b, group, out) -> dict[str, Callable[[], object]]:
+    return {f"meshla_{algorithm}": (lambda algorithm=algorithm: meshla_op(
+        a, b, group, algorithm=algorithm, out=out)) for algorithm in ALGORITHMS}
+
+
+def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str) -> Case:
+    k, n = HIDDEN, INTERMEDIATE // tp
+    a, b = randn(m // tp, k), randn(k, n)
+    gathered, torch_out, meshla_out = empty(m, k), empty(m, n), empty(m, n)
+
+    def gemm():
+        torch.matmul(gathered, b, out=torch_out)
+
+    def collective():
+        dist.all_gather_into_tensor(gathered, a)
+
+    def torch_sequential():
+        collective()
+        gemm()
+
+    def torch_symm_mem():
+        # Allocates its outputs on every call: that is the API PyTorch offers.
+        torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=group_name)
+
+    variants = {"gemm": gemm, "collective": collective, "torch_sequential": torch_sequential,
+                "torch_symm_mem": torch_symm_mem,
+                **meshla_variants(meshla_op, a, b, group, meshla_out)}
+    return Case(n, k, variants, torch_out, meshla_out)
+
+
+def row_parallel_case(op: str, m: int, tp: int, meshla_op, group, group_name: str) -> Case:
+    """matmul_reduce_scatter or matmul_all_reduce: a [M, K/tp] @ b [K/tp, N], summed over ranks."""
+    k, n = INTERMEDIATE // tp, HIDDEN
+    a, b = randn(m, k), randn(k, n)
+    partial = empty(m, n)
+    reduce_scatter = op == "matmul_reduce_scatter"
+    torch_out = empty(m // tp, n) if reduce_scatter else partial
+    meshla_out = empty(m // tp, n) if reduce_scatter else empty(m, n)
+
+    def gemm():
+        torch.matmul(a, b, out=partial)
+
+    def collective():
+        if reduce_scatter:
+            dist.reduce_scatter_tensor(torch_out, partial)
+        else:
+            # In place: the sum grows with every call, which NCCL's time does not depend on.
+            dist.all_reduce(partial)
+
+    def torch_sequential():
+        gemm()
+        collective()
+
+    def torch_symm_mem():
+        torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0,
+                                                       group_name=group_name)
+
+    variants = {"gemm": gemm, "collective": collective, "torch_sequential": torch_sequential}
+    if reduce_scatter:  # PyTorch has no fused matmul + all-reduce
+        variants["torch_symm_mem"] = torch_symm_mem
+    variants.update(meshla_variants(meshla_op, a, b, group, meshla_out))
+    return Case(n, k, variants, torch_out, meshla_out)
+
+
+def agreed_error(fn: Callable[[], object]) -> str | None:
+    """Runs fn once on every rank: None if it ran everywhere, else the first failing rank's error.
+
+    Every rank must then take the same branch (a rank that skips a collective the others run
+    would hang them), so the outcome is exchanged between ranks.
+    """
+    error = None
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # an unsupported variant is recorded, not fatal
+        error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((f"rank {rank}: {e}" for rank, e in enumerate(errors) if e), None)
+
+
+def enable_symm_mem() -> str | None:
+    def setup():
+        import torch.distributed._symmetric_memory as symm_mem
+        with warnings.catch_warnings():
+            # Newer torch deprecates the call (groups are enabled on first use); older needs it.
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+
+    return agreed_error(setup)
+
+
+def slowest_rank(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def time_ms(fn: Callable[[], object], iters: int, warmup: int, reps: int) -> float:
+    """Milliseconds per call: median over reps of `iters` back-to-back calls, slowest rank."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        # Start every repetition from idle GPUs and aligned ranks, so no rank times a wait for
+        # another rank's leftover work.
+        dist.barrier()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return slowest_rank(statistics.median(samples))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_case(op: str, m: int, tp: int, case: Case, symm_mem_error, args) -> list[dict]:
+    case.variants["torch_sequential"]()
+    reference = case.torch_out.clone()
+    unavailable = {}
+    for name, fn in case.variants.items():
+        # The first call also builds meshla's plan and PyTorch's workspace outside the timing.
+        error = symm_mem_error if name == "torch_symm_mem" and symm_mem_error else agreed_error(fn)
+        if error:
+            unavailable[name] = error
+    check_error = None
+    if "meshla_ring" not in unavailable:
+        case.variants["meshla_ring"]()
+        check_error = slowest_rank(relative_error(case.meshla_out, reference))
+        if not check_error < CHECK_TOLERANCE and dist.get_rank() == 0:  # NaN fails too
+            print(f"WARNING: {op} M={m}: meshla ring differs from torch_sequential, relative "
+                  f"error {check_error:.2e} >= {CHECK_TOLERANCE}", flush=True)
+    times = {name: time_ms(fn, args.iters, args.warmup, args.reps)
+             for name, fn in case.variants.items() if name not in unavailable}
+    limits = [times[name] for name in ("gemm", "collective") if name in times]
+    limit = max(limits) if len(limits) == 2 else None
+    baseline = times.get("meshla_sequential")
+    rows = []
+    for name in case.variants:
+        t = times.get(name)
+        rows.append({
+            "op": op, "m": m, "n": case.n, "k": case.k, "tp": tp, "variant": name,
+            "time_ms": t,
+            "ratio": t / limit if t and limit else None,  # 1.0: perfect overlap
+            "speedup_vs_meshla_sequential": baseline / t if t and baseline else None,
+            "check_error": check_error,  # meshla ring vs torch_sequential, this (op, M)
+            "unavailable": unavailable.get(name),
+        })
+    return rows
+
+
+def print_table(rows: list[dict]):
+    def number(x, digits):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    print(f"{'op':<22} {'M':>6} {'tp':>3} {'variant':<18} {'time_ms':>9} {'ratio':>6} "
+          f"{'speedup':>8}  note")
+    for r in rows:
+        note = f"unavailable: {r['unavailable']}" if r["unavailable"] else ""
+        print(f"{r['op']:<22} {r['m']:>6} {r['tp']:>3} {r['variant']:<18} "
+              f"{number(r['time_ms'], 3):>9} {number(r['ratio'], 2):>6} "
+              f"{number(r['speedup_vs_meshla_sequential'], 2):>8}  {note}".rstrip())
+    print("ratio = time / max(gemm, collective); speedup = meshla_sequential time / time")
+
+
+def append_run(path: str, run: dict):
+    """Adds this run to the file's list of runs, so several tp sizes can share one file."""
+    runs = []
+    if os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f)["runs"]
+    runs.append(run)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"runs": runs}, f, indent=2)
+        f.write("\n")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--commit", required=True, help="the meshla commit being measured")
+    parser.add_argument("--out", required=True, help="JSON file; an existing one gets this run "
+                        "appended to its 'runs'")
+    parser.add_argument("--m", type=int, nargs="+", default=[4096, 8192, 16384],
+                        help="token counts M (rows of the full product); divisible by tp")
+    parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    parser.add_argument("--reps", type=int, default=5, help="timings; the median is reported")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), metavar="OP",
+                        help=f"ops to time, of: {', '.join(OPS)} (default: all)")
+    args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ:
+        parser.error("launch with torchrun --nproc-per-node=TP (one process per GPU)")
+    tp = int(os.environ["WORLD_SIZE"])
+    if INTERMEDIATE % tp or any(m % tp for m in args.m):
+        parser.error(f"the world size {tp} must divide {INTERMEDIATE} and every --m")
+    if min(args.iters, args.reps) < 1 or args.warmup < 0:
+        parser.error("--iters and --reps must be at least 1, --warmup at least 0")
+    return args
+
+
+def main():
+    args = parse_args()
+    # Imported after parsing so that --help works on a machine without meshla's CUDA build.
+    import meshla.torch as mt
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl", device_id=device)
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234 + rank)  # ranks hold different shards
+    group = mt.group_from_process_group(device=device)
+    group_name = dist.group.WORLD.group_name
+    symm_mem_error = enable_symm_mem()
+
+    rows = []
+    for op in args.ops:
+        for m in args.m:
+            meshla_op = getattr(mt, op)
+            if op == "all_gather_matmul":
+                case = all_gather_matmul_case(m, tp, meshla_op, group, group_name)
+            else:
+                case = row_parallel_case(op, m, tp, meshla_op, group, group_name)
+            rows += bench_case(op, m, tp, case, symm_mem_error, args)
+            del case  # free this shape's tensors before the next one's
+            if rank == 0:
+                print(f"done: {op} M={m}", flush=True)
+
+    if rank == 0:
+        append_run(args.out, {
+            "device": torch.cuda.get_device_name(device),
+            "device_count": torch.cuda.device_count(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "commit": args.commit,
+            "torch": torch.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "env": {name: os.environ.get(name) for name in MULTICAST_OFF},
+            "dtype": "bfloat16", "iters": args.iters, "warmup": args.warmup, "reps": args.reps,
+            "tp": tp,
+            "rows": rows,
+        })
+        print_table(rows)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

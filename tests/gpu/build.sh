@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds and installs meshla into the current Python on a GPU machine (no network needed there:
+# scikit-build-core, nanobind and cmake come with the image).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+if [ -z "${NCCL_ROOT:-}" ] && [ ! -f "${CUDA_HOME:-/usr/local/cuda}/include/nccl.h" ]; then
+  # NCCL from the nvidia-nccl wheel that PyTorch brings.
+  NCCL_ROOT=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null || true)
+  export NCCL_ROOT
+fi
+echo "NCCL_ROOT=${NCCL_ROOT:-<toolkit>}"
+python3 -m pip install --no-build-isolation --no-deps --no-index -q . 2>&1
+python3 -c "import meshla; print('meshla installed:', meshla.__file__)"

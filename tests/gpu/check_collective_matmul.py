@@ -1,0 +1,234 @@
+"""GPU correctness checks of collective matmul, one JSON line per check and rank.
+
+Two process models:
+  torchrun --nproc-per-node=N tests/gpu/check_collective_matmul.py --results FILE
+      one process per GPU; bootstrapped over a gloo process group (no NCCL bootstrap needed);
+      with 4 ranks, also tp=2 groups inside the 4 ranks, both groups running at once.
+  python tests/gpu/check_collective_matmul.py --threads --results FILE
+      one process driving every visible GPU, one thread per GPU (Communicator.create_local, and
+      Communicator.split for the tp=2 groups).
+
+Every check draws fresh random inputs, poisons the outputs with NaN, runs the op and compares with
+a float64 reference computed from the same (rounded) inputs: ||out - ref|| / ||ref|| under a
+per-dtype threshold. tests/gpu/run.sh runs every model and prints "N passed, N failed".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import threading
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import meshla.torch as mt
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+ALGORITHMS = ("sequential", "pipelined", "ring", "auto")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+
+class Reporter:
+    """Appends one JSON line per check; safe across threads."""
+
+    def __init__(self, path: str, model: str):
+        self.path, self.model, self.lock = path, model, threading.Lock()
+
+    def record(self, name: str, rank: int, ok: bool, detail: str):
+        line = json.dumps({"model": self.model, "name": name, "rank": rank, "ok": ok,
+                           "detail": detail})
+        with self.lock, open(self.path, "a") as f:
+            f.write(line + "\n")
+        if not ok:
+            print(f"FAIL [{self.model}] {name} rank {rank}: {detail}", flush=True)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return float("inf")  # NaN poison left somewhere, or an overflow
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+class Problem:
+    """One op's full inputs, identical on every rank of the group (same seed), and its slices."""
+
+    def __init__(self, op, group, dtype, m, n, k, seed, trans_b, bias):
+        device = group.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        tp, r = group.size, group.rank
+        # Full problem: x [m, k_total] @ w [k_total, n]; AG shards x's rows, RS/AR shard k.
+        k_total = k if op == "all_gather_matmul" else k * tp
+        x = torch.randn(m, k_total, generator=gen, device=device).to(dtype)
+        w = (torch.randn(k_total, n, generator=gen, device=device) / k_total**0.5).to(dtype)
+        b = torch.randn(n, generator=gen, device=device).to(dtype) if bias else None
+        block = m // tp
+        if op == "all_gather_matmul":
+            self.a, self.w_local = x[r * block:(r + 1) * block].contiguous(), w
+        else:
+            self.a, self.w_local = x[:, r * k:(r + 1) * k].contiguous(), w[r * k:(r + 1) * k]
+        self.b = self.w_local.t().contiguous() if trans_b else self.w_local.contiguous()
+        self.bias = b
+        ref = x.double() @ w.double()
+        if b is not None:
+            ref += b.double()
+        self.ref = ref[r * block:(r + 1) * block] if op == "matmul_reduce_scatter" else ref
+        self.x = x
+        out_rows = block if op == "matmul_reduce_scatter" else m
+        self.out = torch.full((out_rows, n), float("nan"), dtype=dtype, device=device)
+        self.gathered = torch.full((m, k), float("nan"), dtype=dtype, device=device)
+
+
+def run_op(op, problem, group, algorithm, trans_b, chunks=0):
+    kwargs = dict(bias=problem.bias, trans_b=trans_b, algorithm=algorithm, chunks=chunks,
+                  out=problem.out)
+    if op == "all_gather_matmul":
+        return mt.all_gather_matmul(problem.a, problem.b, group, return_gathered=True,
+                                    gathered_out=problem.gathered, **kwargs)
+    return getattr(mt, op)(problem.a, problem.b, group, **kwargs)
+
+
+def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16, torch.float32)):
+    """Every op x algorithm x dtype, with uneven chunking, bias and trans_b variants."""
+    case = 0
+    for dtype in dtypes:
+        for op in OPS:
+            for algorithm in ALGORITHMS:
+                case += 1
+                trans_b = case % 2 == 0
+                bias = case % 3 != 0
+                # 200 rows per rank: not divisible by the default chunk counts 3 or 8.
+                m, n, k = 200 * group.size, 384, 256
+                chunks = 3 if algorithm in ("pipelined", "ring") else 0
+                name = (f"{label}/{op}/{algorithm}/{str(dtype)[6:]}"
+                        f"/trans_b={int(trans_b)}/bias={int(bias)}")
+                try:
+                    p = Problem(op, group, dtype, m, n, k, seed_base + case, trans_b, bias)
+                    result = run_op(op, p, group, algorithm, trans_b, chunks)
+                    out = result[0] if op == "all_gather_matmul" else result
+                    torch.cuda.synchronize(group.device)
+                    err = relative_error(out, p.ref)
+                    ok = err < TOLERANCE[dtype]
+                    detail = f"rel_err={err:.2e}"
+                    if op == "all_gather_matmul":
+                        ok = ok and torch.equal(result[1], p.x)
+                        detail += f" gathered_exact={torch.equal(result[1], p.x)}"
+                except Exception as e:  # a check that raises is a failed check, not a crash
+                    ok, detail = False, f"{type(e).__name__}: {e}"
+                reporter.record(name, group.rank, ok, detail)
+
+
+def check_graph_replay(group, reporter, label, seed_base, replays=20):
+    """Capture each op once, replay with new inputs copied into the captured buffers."""
+    for index, op in enumerate(OPS):
+        name = f"{label}/graph/{op}/ring/bfloat16"
+        try:
+            dtype, m, n, k = torch.bfloat16, 256 * group.size, 512, 256
+            p = Problem(op, group, dtype, m, n, k, seed_base + 1000 * index, False, True)
+            run_op(op, p, group, "ring", False)  # eager first: builds the plan outside capture
+            torch.cuda.synchronize(group.device)
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream(group.device)
+            stream.wait_stream(torch.cuda.current_stream(group.device))
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                run_op(op, p, group, "ring", False)
+            torch.cuda.current_stream(group.device).wait_stream(stream)
+            worst = 0.0
+            for replay in range(replays):
+                fresh = Problem(op, group, dtype, m, n, k, seed_base + 1000 * index + replay + 1,
+                                False, True)
+                p.a.copy_(fresh.a)
+                p.b.copy_(fresh.b)
+                p.bias.copy_(fresh.bias)
+                p.out.fill_(float("nan"))
+                p.gathered.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize(group.device)
+                worst = max(worst, relative_error(p.out, fresh.ref))
+            ok = worst < TOLERANCE[dtype]
+            detail = f"worst rel_err over {replays} replays={worst:.2e}"
+        except Exception as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, group.rank, ok, detail)
+
+
+def check_argument_errors(group, reporter, label):
+    """Bad input on CUDA tensors raises ValueError naming the shapes, before any communication."""
+    name = f"{label}/errors"
+    a = torch.randn(8, 16, device=group.device, dtype=torch.bfloat16)
+    try:
+        mt.all_gather_matmul(a, torch.randn(12, 4, device=group.device, dtype=torch.bfloat16),
+                             group)
+        ok, detail = False, "no error for mismatched k"
+    except ValueError as e:
+        ok, detail = "b.shape=[12, 4]" in str(e) and "a.shape=[8, 16]" in str(e), str(e)
+    reporter.record(name, group.rank, ok, detail)
+
+
+def run_all(group, reporter, label, seed_base, quick):
+    torch.cuda.set_device(group.device)
+    if quick:
+        check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,))
+        return
+    check_correctness(group, reporter, label, seed_base)
+    check_graph_replay(group, reporter, label, seed_base + 50_000)
+    check_argument_errors(group, reporter, label)
+
+
+def main_processes(args, reporter):
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("gloo")  # the unique id travels over gloo: no NCCL bootstrap
+    rank, size = dist.get_rank(), dist.get_world_size()
+    seed = [random.randrange(2**30) if rank == 0 else None]
+    dist.broadcast_object_list(seed, src=0)
+    device = torch.device("cuda", local_rank)
+    world = mt.group_from_process_group(device=device)
+    run_all(world, reporter, f"tp{size}", seed[0], args.quick)
+    if size == 4 and not args.quick:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        sub = mt.group_from_process_group(pairs[rank // 2], device=device)
+        # Both pairs run their checks at the same time, on their own communicators.
+        run_all(sub, reporter, f"tp2-in-4/pair{rank // 2}", seed[0] + 7, args.quick)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main_threads(args, reporter):
+    devices = list(range(torch.cuda.device_count()))
+    groups = mt.local_groups(devices)
+    seed = random.randrange(2**30)
+    errors = []
+
+    def work(group):
+        try:
+            run_all(group, reporter, f"threads-tp{len(devices)}", seed, args.quick)
+            if len(devices) == 4 and not args.quick:
+                pair = group.comm.split(group.rank // 2, group.rank)
+                sub = mt.TPGroup(rank=pair.rank, size=pair.size, comm=pair)
+                run_all(sub, reporter, f"threads-tp2-in-4/pair{group.rank // 2}", seed + 7, False)
+        except Exception:
+            errors.append(traceback.format_exc())
+
+    threads = [threading.Thread(target=work, args=(g,)) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for error in errors:
+        reporter.record("threads/driver", -1, False, error)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", required=True, help="JSON-lines file to append to")
+    parser.add_argument("--threads", action="store_true", help="one process, a thread per GPU")
+    parser.add_argument("--quick", action="store_true", help="bf16 correctness only")
+    parser.add_argument("--model", default=None, help="label of this run in the results")
+    args = parser.parse_args()
+    model = args.model or ("threads" if args.threads else "processes")
+    reporter = Reporter(args.results, model)
+    (main_threads if args.threads else main_processes)(args, reporter)

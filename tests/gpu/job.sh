@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
+#   tests/gpu/job.sh COMMIT [suite] [bench]      (default: both)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/../.."
+commit=${1:?commit sha}
+shift
+steps=${*:-suite bench}
+OUT=${OUT:-/tmp/meshla-job}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv >"$OUT/gpus.csv"
+nvidia-smi topo -m >"$OUT/topology.txt" 2>&1 || true
+tests/gpu/build.sh >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+for step in $steps; do
+  case $step in
+    suite)
+      LOG_DIR="$OUT/suite" MESHLA_SKIP_BUILD=1 tests/gpu/run.sh 2>&1 | tee "$OUT/suite.txt" | tail -60
+      ;;
+    bench)
+      stamp=$(date -u +%Y%m%dT%H%M%SZ)
+      json="$OUT/collective_matmul_${stamp}.json"
+      for tp in 2 4; do
+        [ "$gpus" -ge "$tp" ] || continue
+        devices=$(seq -s, 0 $((tp - 1)))
+        CUDA_VISIBLE_DEVICES=$devices timeout 900 torchrun --nproc-per-node=$tp \
+          bench/collective_matmul.py --commit "$commit" --out "$json" ${BENCH_ARGS:-} \
+          2>&1 | tee "$OUT/bench_tp$tp.txt" | tail -45
+      done
+      ;;
+  esac
+done

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds meshla and runs the whole GPU suite on this machine's GPUs; the last line is
+# "N passed, N failed". Logs and the per-check results go to $LOG_DIR (default $OUT/gpu-suite).
+#   tests/gpu/run.sh            build, then every process model
+#   MESHLA_SKIP_BUILD=1 ...     reuse the installed package
+set -uo pipefail
+# Never NVLink multicast: it can take a shared host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/../.."
+LOG_DIR=${LOG_DIR:-${OUT:-/tmp}/gpu-suite}
+mkdir -p "$LOG_DIR"
+results="$LOG_DIR/results.jsonl"
+: >"$results"
+
+if [ "${MESHLA_SKIP_BUILD:-0}" != 1 ]; then
+  tests/gpu/build.sh >"$LOG_DIR/build.log" 2>&1 || { tail -40 "$LOG_DIR/build.log"; echo "0 passed, 1 failed"; exit 1; }
+fi
+
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+echo "GPUs: $gpus ($(nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"
+
+# Runs one launcher under a time limit; a launcher that dies or hangs counts as a failed check.
+launch() {
+  local label=$1
+  shift
+  echo "== $label: $*"
+  if ! timeout 900 "$@" >"$LOG_DIR/$label.log" 2>&1; then
+    echo "{\"model\": \"$label\", \"name\": \"launcher\", \"rank\": -1, \"ok\": false, \"detail\": \"exited non-zero; see $label.log\"}" >>"$results"
+    tail -30 "$LOG_DIR/$label.log"
+  fi
+}
+
+check=tests/gpu/check_collective_matmul.py
+if [ "$gpus" -lt 2 ]; then
+  echo "skipped: the GPU suite needs at least 2 GPUs, this machine has $gpus"
+else
+  launch processes-tp2 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node=2 "$check" --results "$results" --model processes-tp2
+  if [ "$gpus" -ge 4 ]; then
+    launch processes-tp4 env CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc-per-node=4 "$check" --results "$results" --model processes-tp4
+  fi
+  launch threads python3 "$check" --threads --results "$results" --model threads
+  # NCCL's network transport (the path that crosses nodes) instead of NVLink / shared memory.
+  launch network env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node=$((gpus >= 4 ? 4 : 2)) "$check" --quick --results "$results" --model network
+fi
+python3 tests/gpu/summarize.py "$results"
