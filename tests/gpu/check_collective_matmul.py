@@ -133,7 +133,9 @@ def check_graph_replay(group, reporter, label, seed_base, replays=20):
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream(group.device)
             stream.wait_stream(torch.cuda.current_stream(group.device))
-            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            # thread_local: in the threads model the other GPUs' threads keep working meanwhile.
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream,
+                                                             capture_error_mode="thread_local"):
                 run_op(op, p, group, "ring", False)
             torch.cuda.current_stream(group.device).wait_stream(stream)
             worst = 0.0

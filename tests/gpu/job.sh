@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
-#   tests/gpu/job.sh COMMIT [suite] [bench]      (default: both)
+#   tests/gpu/job.sh COMMIT [suite] [bench]      (default: both; SUITE_MODELS picks suite models)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -17,7 +17,7 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 for step in $steps; do
   case $step in
     suite)
-      LOG_DIR="$OUT/suite" MESHLA_SKIP_BUILD=1 tests/gpu/run.sh 2>&1 | tee "$OUT/suite.txt" | tail -60
+      LOG_DIR="$OUT/suite" MESHLA_SKIP_BUILD=1 tests/gpu/run.sh ${SUITE_MODELS:-} 2>&1 | tee "$OUT/suite.txt" | tail -60
       ;;
     bench)
       stamp=$(date -u +%Y%m%dT%H%M%SZ)
@@ -25,7 +25,7 @@ for step in $steps; do
       for tp in 2 4; do
         [ "$gpus" -ge "$tp" ] || continue
         devices=$(seq -s, 0 $((tp - 1)))
-        CUDA_VISIBLE_DEVICES=$devices timeout 900 torchrun --nproc-per-node=$tp \
+        CUDA_VISIBLE_DEVICES=$devices timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node=$tp \
           bench/collective_matmul.py --commit "$commit" --out "$json" ${BENCH_ARGS:-} \
           2>&1 | tee "$OUT/bench_tp$tp.txt" | tail -45
       done

@@ -2,6 +2,7 @@
 # Builds meshla and runs the whole GPU suite on this machine's GPUs; the last line is
 # "N passed, N failed". Logs and the per-check results go to $LOG_DIR (default $OUT/gpu-suite).
 #   tests/gpu/run.sh            build, then every process model
+#   tests/gpu/run.sh threads    only the named models (processes, threads, network)
 #   MESHLA_SKIP_BUILD=1 ...     reuse the installed package
 set -uo pipefail
 # Never NVLink multicast: it can take a shared host's GPUs out of service.
@@ -25,22 +26,24 @@ launch() {
   local label=$1
   shift
   echo "== $label: $*"
-  if ! timeout 900 "$@" >"$LOG_DIR/$label.log" 2>&1; then
+  if ! timeout "${MESHLA_LAUNCH_TIMEOUT:-300}" "$@" >"$LOG_DIR/$label.log" 2>&1; then
     echo "{\"model\": \"$label\", \"name\": \"launcher\", \"rank\": -1, \"ok\": false, \"detail\": \"exited non-zero; see $label.log\"}" >>"$results"
     tail -30 "$LOG_DIR/$label.log"
   fi
 }
 
 check=tests/gpu/check_collective_matmul.py
+models=${*:-processes threads network}
+wants() { [[ " $models " == *" $1 "* ]]; }
 if [ "$gpus" -lt 2 ]; then
   echo "skipped: the GPU suite needs at least 2 GPUs, this machine has $gpus"
 else
-  launch processes-tp2 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node=2 "$check" --results "$results" --model processes-tp2
-  if [ "$gpus" -ge 4 ]; then
+  wants processes && launch processes-tp2 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node=2 "$check" --results "$results" --model processes-tp2
+  if wants processes && [ "$gpus" -ge 4 ]; then
     launch processes-tp4 env CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc-per-node=4 "$check" --results "$results" --model processes-tp4
   fi
-  launch threads python3 "$check" --threads --results "$results" --model threads
+  wants threads && launch threads python3 "$check" --threads --results "$results" --model threads
   # NCCL's network transport (the path that crosses nodes) instead of NVLink / shared memory.
-  launch network env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node=$((gpus >= 4 ? 4 : 2)) "$check" --quick --results "$results" --model network
+  wants network && launch network env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node=$((gpus >= 4 ? 4 : 2)) "$check" --quick --results "$results" --model network
 fi
 python3 tests/gpu/summarize.py "$results"
