@@ -56,12 +56,21 @@ def empty(*shape: int) -> torch.Tensor:
     return torch.empty(*shape, dtype=torch.bfloat16, device="cuda")
 
 
-def meshla_variants(meshla_op, a, b, group, out) -> dict[str, Callable[[], object]]:
-    return {f"meshla_{algorithm}": (lambda algorithm=algorithm: meshla_op(
-        a, b, group, algorithm=algorithm, out=out)) for algorithm in ALGORITHMS}
+def meshla_variants(meshla_op, a, b, group, out, sweep) -> dict[str, Callable[[], object]]:
+    """meshla_<algorithm> at its defaults, plus one variant per (comm_sms, chunks) of the sweep
+    for the overlapping algorithms: meshla_<algorithm>_s<comm_sms>_c<chunks>."""
+    settings = [(algorithm, -1, 0) for algorithm in ALGORITHMS]
+    settings += [(algorithm, sms, chunks) for algorithm in ("pipelined", "ring")
+                 for sms, chunks in sweep]
+    variants = {}
+    for algorithm, sms, chunks in settings:
+        name = f"meshla_{algorithm}" + ("" if (sms, chunks) == (-1, 0) else f"_s{sms}_c{chunks}")
+        variants[name] = (lambda algorithm=algorithm, sms=sms, chunks=chunks: meshla_op(
+            a, b, group, algorithm=algorithm, comm_sms=sms, chunks=chunks, out=out))
+    return variants
 
 
-def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str) -> Case:
+def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, sweep) -> Case:
     k, n = HIDDEN, INTERMEDIATE // tp
     a, b = randn(m // tp, k), randn(k, n)
     gathered, torch_out, meshla_out = empty(m, k), empty(m, n), empty(m, n)
@@ -82,11 +91,12 @@ def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str) -
 
     variants = {"gemm": gemm, "collective": collective, "torch_sequential": torch_sequential,
                 "torch_symm_mem": torch_symm_mem,
-                **meshla_variants(meshla_op, a, b, group, meshla_out)}
+                **meshla_variants(meshla_op, a, b, group, meshla_out, sweep)}
     return Case(n, k, variants, torch_out, meshla_out)
 
 
-def row_parallel_case(op: str, m: int, tp: int, meshla_op, group, group_name: str) -> Case:
+def row_parallel_case(op: str, m: int, tp: int, meshla_op, group, group_name: str,
+                      sweep) -> Case:
     """matmul_reduce_scatter or matmul_all_reduce: a [M, K/tp] @ b [K/tp, N], summed over ranks."""
     k, n = INTERMEDIATE // tp, HIDDEN
     a, b = randn(m, k), randn(k, n)
@@ -116,7 +126,7 @@ def row_parallel_case(op: str, m: int, tp: int, meshla_op, group, group_name: st
     variants = {"gemm": gemm, "collective": collective, "torch_sequential": torch_sequential}
     if reduce_scatter:  # PyTorch has no fused matmul + all-reduce
         variants["torch_symm_mem"] = torch_symm_mem
-    variants.update(meshla_variants(meshla_op, a, b, group, meshla_out))
+    variants.update(meshla_variants(meshla_op, a, b, group, meshla_out, sweep))
     return Case(n, k, variants, torch_out, meshla_out)
 
 
@@ -253,7 +263,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timings; the median is reported")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), metavar="OP",
                         help=f"ops to time, of: {', '.join(OPS)} (default: all)")
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="SMS:CHUNKS",
+                        help="extra meshla pipelined/ring settings to time, e.g. 8:0 16:4 "
+                        "(comm_sms:chunks; -1 and 0 mean the defaults)")
     args = parser.parse_args()
+    try:
+        args.sweep = [tuple(int(v) for v in item.split(":")) for item in args.sweep]
+    except ValueError:
+        parser.error("--sweep takes comm_sms:chunks pairs of integers")
     if "LOCAL_RANK" not in os.environ:
         parser.error("launch with torchrun --nproc-per-node=TP (one process per GPU)")
     tp = int(os.environ["WORLD_SIZE"])
@@ -284,9 +301,9 @@ def main():
         for m in args.m:
             meshla_op = getattr(mt, op)
             if op == "all_gather_matmul":
-                case = all_gather_matmul_case(m, tp, meshla_op, group, group_name)
+                case = all_gather_matmul_case(m, tp, meshla_op, group, group_name, args.sweep)
             else:
-                case = row_parallel_case(op, m, tp, meshla_op, group, group_name)
+                case = row_parallel_case(op, m, tp, meshla_op, group, group_name, args.sweep)
             rows += bench_case(op, m, tp, case, symm_mem_error, args)
             del case  # free this shape's tensors before the next one's
             if rank == 0:

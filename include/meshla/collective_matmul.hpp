@@ -47,6 +47,10 @@ struct CollectiveMatmulConfig {
   bool bias = false;     // a length-n bias is added once to the result
   bool return_gathered = false;  // all_gather_matmul also writes all_gather(a) to the caller
   int chunks = 0;                // pipeline depth; 0 picks the default of the algorithm
+  // SMs kept free of GEMM work while it overlaps communication, so that NCCL's kernels start at
+  // once instead of queueing behind the GEMM's thread blocks. -1 picks the algorithm's default;
+  // sequential never overlaps and uses every SM.
+  int comm_sms = -1;
 };
 
 // Arguments of one execute(); views left empty (data == nullptr) are absent.

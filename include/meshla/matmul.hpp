@@ -26,6 +26,7 @@ struct MatmulShape {
   std::int64_t batch_stride_d = 0;         // ... of d and of the addend
   bool bias = false;                       // add a length-n bias to every row
   bool addend = false;                     // add a [m, n] array laid out like d
+  int sm_count = 0;  // SMs the GEMM may occupy (0: all), leaving the rest to concurrent kernels
 };
 
 struct MatmulOperands {

@@ -167,7 +167,8 @@ NB_MODULE(_meshla, m) {
           "__init__",
           [](CollectiveMatmul* self, const Communicator& comm, CollectiveOp op,
              const std::string& dtype, std::int64_t m_rows, std::int64_t n, std::int64_t k,
-             Algorithm algorithm, bool trans_b, bool bias, bool return_gathered, int chunks) {
+             Algorithm algorithm, bool trans_b, bool bias, bool return_gathered, int chunks,
+             int comm_sms) {
             CollectiveMatmulConfig config{.op = op,
                                           .algorithm = algorithm,
                                           .dtype = parse_dtype(dtype),
@@ -177,12 +178,14 @@ NB_MODULE(_meshla, m) {
                                           .trans_b = trans_b,
                                           .bias = bias,
                                           .return_gathered = return_gathered,
-                                          .chunks = chunks};
+                                          .chunks = chunks,
+                                          .comm_sms = comm_sms};
             nb::gil_scoped_release release;
             new (self) CollectiveMatmul(comm, config);
           },
           "comm"_a, "op"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "algorithm"_a = Algorithm::kAuto,
-          "trans_b"_a = false, "bias"_a = false, "return_gathered"_a = false, "chunks"_a = 0)
+          "trans_b"_a = false, "bias"_a = false, "return_gathered"_a = false, "chunks"_a = 0,
+          "comm_sms"_a = -1)
       .def(
           "execute",
           [](CollectiveMatmul& plan, const Array& a, const Array& b,
@@ -200,5 +203,6 @@ NB_MODULE(_meshla, m) {
           "Enqueues the op on `stream` (a cudaStream_t as an integer).")
       .def_prop_ro("algorithm", [](const CollectiveMatmul& p) { return p.config().algorithm; })
       .def_prop_ro("chunks", [](const CollectiveMatmul& p) { return p.config().chunks; })
+      .def_prop_ro("comm_sms", [](const CollectiveMatmul& p) { return p.config().comm_sms; })
       .def_prop_ro("communicator", &CollectiveMatmul::communicator);
 }

@@ -67,7 +67,7 @@ struct ResolvedShape {
     const MatmulShape& s = shape;
     return std::tuple_cat(
         std::make_tuple(static_cast<int>(s.dtype), s.m, s.n, s.k, s.trans_b, s.batch, s.lda, s.ldb,
-                        s.ldd, s.batch_stride_a, s.batch_stride_d, s.bias, s.addend),
+                        s.ldd, s.batch_stride_a, s.batch_stride_d, s.bias, s.addend, s.sm_count),
         alignments.tie());
   }
 };
@@ -89,6 +89,7 @@ void validate(const MatmulShape& s) {
   MESHLA_CHECK_ARG(s.ldb >= (s.trans_b ? s.k : s.n),
                    "matmul: ldb=" << s.ldb << " is smaller than the row length of b");
   MESHLA_CHECK_ARG(s.ldd >= s.n, "matmul: ldd=" << s.ldd << " is smaller than n=" << s.n);
+  MESHLA_CHECK_ARG(s.sm_count >= 0, "matmul: sm_count=" << s.sm_count << " is negative");
 }
 
 // The cuBLASLt objects for one shape and alignment, made once.
@@ -111,6 +112,10 @@ class Descriptors {
                                                          &epilogue, sizeof(epilogue)));
       MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                          &type, sizeof(type)));
+    }
+    if (s.sm_count > 0) {
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+          desc_, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &s.sm_count, sizeof(s.sm_count)));
     }
     if (s.trans_b) {
       MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&layout_b_, type, s.k, s.n, s.ldb));

@@ -93,6 +93,13 @@ struct CollectiveMatmul::Impl {
         fork(comm.device()),
         join(comm.device()) {
     const int device = comm.device();
+    int device_sms = 0;
+    MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
+    MESHLA_CHECK_ARG(config.comm_sms < device_sms,
+                     collective_op_name(config.op) << ": comm_sms=" << config.comm_sms
+                                                   << " leaves no SM of the " << device_sms
+                                                   << " on cuda:" << device << " to the GEMM");
+    gemm_sms = config.comm_sms > 0 ? device_sms - config.comm_sms : 0;
     const std::size_t element = dtype_size(config.dtype);
     if (config.op == CollectiveOp::kAllGatherMatmul && !config.return_gathered) {
       own_gathered = detail::DeviceBuffer(device, schedule.gathered_rows * config.k * element);
@@ -134,7 +141,8 @@ struct CollectiveMatmul::Impl {
             .batch_stride_a = gemm.a_stride * config.k,
             .batch_stride_d = gemm.d_stride * config.n,
             .bias = gemm.bias,
-            .addend = gemm.has_addend};
+            .addend = gemm.has_addend,
+            .sm_count = gemm_sms};
   }
 
   void run_gemm(std::size_t index, const Bindings& at, const CollectiveMatmulArgs& args,
@@ -241,6 +249,7 @@ struct CollectiveMatmul::Impl {
   std::vector<detail::Event> comm_done;
   detail::DeviceBuffer own_gathered;
   detail::DeviceBuffer partial;
+  int gemm_sms = 0;  // set in the constructor body, before any GEMM shape is prepared
   bool executed = false;
 };
 

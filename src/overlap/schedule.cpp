@@ -318,6 +318,10 @@ int default_chunks(CollectiveOp op, Algorithm algorithm, int tp, std::int64_t m)
   return static_cast<int>(std::max<std::int64_t>(1, std::min(wanted, split_rows)));
 }
 
+int default_comm_sms(CollectiveOp, Algorithm algorithm) {
+  return algorithm == Algorithm::kSequential ? 0 : 16;
+}
+
 Schedule make_schedule(const ScheduleParams& p) {
   validate(p);
   Schedule s{.params = p};

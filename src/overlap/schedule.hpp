@@ -100,5 +100,6 @@ Schedule make_schedule(const ScheduleParams& params);
 // The algorithm and chunk count used when the caller leaves them to meshla.
 Algorithm default_algorithm(CollectiveOp op, int tp, std::int64_t m);
 int default_chunks(CollectiveOp op, Algorithm algorithm, int tp, std::int64_t m);
+int default_comm_sms(CollectiveOp op, Algorithm algorithm);
 
 }  // namespace meshla::overlap

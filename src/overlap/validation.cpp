@@ -49,6 +49,13 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
   if (resolved.algorithm == Algorithm::kAuto) {
     resolved.algorithm = default_algorithm(config.op, tp, config.m);
   }
+  MESHLA_CHECK_ARG(config.comm_sms >= -1,
+                   op << ": comm_sms=" << config.comm_sms << " must be -1 (default) or at least 0");
+  if (resolved.algorithm == Algorithm::kSequential) {
+    resolved.comm_sms = 0;
+  } else if (resolved.comm_sms < 0) {
+    resolved.comm_sms = default_comm_sms(resolved.op, resolved.algorithm);
+  }
   if (resolved.chunks == 0) {
     resolved.chunks = default_chunks(config.op, resolved.algorithm, tp, config.m);
   }

@@ -48,7 +48,8 @@ class TPGroup:
     size: int
     comm: _meshla.Communicator | None = None
     process_group: Any = None
-    # Plans by (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks); each plan
+    # Plans by (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks, comm_sms);
+    # each plan
     # owns its buffers, so a group keeps one per shape it has run.
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -58,17 +59,19 @@ class TPGroup:
             return torch.device("cpu")
         return torch.device("cuda", self.comm.device)
 
-    def plan(self, op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks):
+    def plan(self, op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks,
+             comm_sms):
         if self.comm is None:
             raise ValueError(
                 f"{op.name}: this TPGroup has no CUDA communicator (it was built for CPU tensors)"
             )
-        key = (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks)
+        key = (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks, comm_sms)
         plan = self._plans.get(key)
         if plan is None:
             plan = _meshla.CollectiveMatmul(
                 self.comm, op, _DTYPE_NAMES[dtype], m, n, k, _algorithm(algorithm),
                 trans_b=trans_b, bias=bias, return_gathered=return_gathered, chunks=chunks,
+                comm_sms=comm_sms,
             )
             self._plans[key] = plan
         return plan
@@ -194,9 +197,9 @@ def _capsule(t):
     return None if t is None else to_dlpack(t)
 
 
-def _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks):
+def _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks, comm_sms):
     plan = group.plan(op, a.dtype, m, n, k, algorithm, trans_b, bias is not None,
-                      gathered is not None, chunks)
+                      gathered is not None, chunks, comm_sms)
     stream = torch.cuda.current_stream(a.device).cuda_stream
     plan.execute(_capsule(a.contiguous()), _capsule(b.contiguous()),
                  _capsule(None if bias is None else bias.contiguous()), _capsule(out),
@@ -212,7 +215,8 @@ def _reference_product(a, b, bias, trans_b: bool, add_bias: bool):
 
 
 def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
-                      algorithm="auto", chunks: int = 0, return_gathered: bool = False,
+                      algorithm="auto", chunks: int = 0, comm_sms: int = -1,
+                      return_gathered: bool = False,
                       out=None, gathered_out=None):
     """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
 
@@ -221,7 +225,8 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     ``out`` and ``gathered_out`` are optional preallocated outputs (CUDA only).
 
     ``algorithm`` is "auto", "sequential", "pipelined" or "ring"; ``chunks`` the pipeline depth
-    (0: the algorithm's default).
+    (0: the algorithm's default); ``comm_sms`` the SMs kept free of GEMM work for NCCL while the
+    two overlap (-1: the algorithm's default).
     """
     op = _meshla.CollectiveOp.all_gather_matmul
     n = _check_operands(op.name, a, b, bias, trans_b, group)
@@ -235,12 +240,12 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
         return (out, gathered) if return_gathered else out
     out = _output(out, (m, n), a)
     gathered = _output(gathered_out, (m, k), a) if return_gathered else None
-    _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks)
+    _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks, comm_sms)
     return (out, gathered) if return_gathered else out
 
 
 def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
-                          algorithm="auto", chunks: int = 0, out=None):
+                          algorithm="auto", chunks: int = 0, comm_sms: int = -1, out=None):
     """This rank's [m/tp, n] row block of ``sum over ranks(a @ b) (+ bias)``.
 
     ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``): the slices of
@@ -258,12 +263,12 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
         block = m // group.size
         return total[group.rank * block:(group.rank + 1) * block].to(a.dtype).contiguous()
     out = _output(out, (m // group.size, n), a)
-    _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks)
+    _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks, comm_sms)
     return out
 
 
 def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
-                      algorithm="auto", chunks: int = 0, out=None):
+                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, out=None):
     """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank."""
     op = _meshla.CollectiveOp.matmul_all_reduce
     n = _check_operands(op.name, a, b, bias, trans_b, group)
@@ -274,5 +279,5 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
         dist.all_reduce(total, group=group.process_group)
         return total.to(a.dtype)
     out = _output(out, (m, n), a)
-    _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks)
+    _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks, comm_sms)
     return out
