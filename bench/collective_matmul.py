@@ -256,7 +256,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--commit", required=True, help="the meshla commit being measured")
     parser.add_argument("--out", required=True, help="JSON file; an existing one gets this run "
                         "appended to its 'runs'")
-    parser.add_argument("--m", type=int, nargs="+", default=[4096, 8192, 16384],
+    parser.add_argument("--tokens", dest="m", type=int, nargs="+", default=[4096, 8192, 16384],
                         help="token counts M (rows of the full product); divisible by tp")
     parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
