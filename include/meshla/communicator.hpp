@@ -1,4 +1,5 @@
-// Communicator: a shared handle to one NCCL communicator.
+// Communicator: a shared handle to one NCCL communicator. Groups smaller than the world (tp=2
+// inside 4 ranks) are made the same way, from the id exchanged inside the smaller group.
 //
 // Every object that communicates (a collective-matmul plan, a solver) holds a copy, so the NCCL
 // communicator lives exactly as long as its last user and the order in which Python or C++ drops
@@ -42,10 +43,6 @@ class Communicator {
   // communicator is then used from its own host thread.
   static std::vector<Communicator> create_local(const std::vector<int>& devices,
                                                 const CommunicatorOptions& options = {});
-
-  // Collective over this communicator: ranks with the same color form a new group, ordered by
-  // key. Gives tp=2 groups inside 4 ranks without a second bootstrap.
-  Communicator split(int color, int key) const;
 
   int rank() const;
   int size() const;

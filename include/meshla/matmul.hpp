@@ -48,12 +48,13 @@ class Matmul {
   Matmul& operator=(const Matmul&) = delete;
 
   // Chooses and caches the algorithm for `shape` with 16-byte aligned operands, so that run() on
-  // a prepared shape only enqueues. Host-only; no device work.
+  // a prepared shape only enqueues: times cuBLASLt's candidates on scratch data of the shape
+  // (allocated, filled and freed here) and keeps the fastest. Synchronizes the device.
   void prepare(const MatmulShape& shape);
 
   // Enqueues the product on `stream`. Never allocates device memory or waits on the host. The
-  // algorithm is cached per shape and operand alignment; an alignment not seen before costs one
-  // host-side heuristic query, which is safe inside CUDA-graph capture.
+  // algorithm is cached per shape and operand alignment; a shape or alignment not prepared costs
+  // one host-side heuristic query (its first candidate, untimed), safe inside graph capture.
   void run(const MatmulShape& shape, const MatmulOperands& operands, cudaStream_t stream);
 
   int device() const;

@@ -139,8 +139,6 @@ NB_MODULE(_meshla, m) {
           },
           "devices"_a, "timeout_s"_a = 300.0,
           "One communicator per device for a group driven by this process, in device order.")
-      .def("split", &Communicator::split, "color"_a, "key"_a,
-           nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("rank", &Communicator::rank)
       .def_prop_ro("size", &Communicator::size)
       .def_prop_ro("device", &Communicator::device)

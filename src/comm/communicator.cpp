@@ -168,26 +168,6 @@ std::vector<Communicator> Communicator::create_local(const std::vector<int>& dev
   return result;
 }
 
-Communicator Communicator::split(int color, int key) const {
-  MESHLA_CHECK_ARG(color >= 0, "Communicator.split: color=" << color << " must be non-negative");
-  detail::DeviceGuard guard(state_->device);
-  detail::wait_until_ready(*state_, "Communicator.split");
-  ncclConfig_t config = detail::nonblocking_config();
-  ncclComm_t child = nullptr;
-  const ncclResult_t status = ncclCommSplit(state_->comm, color, key, &child, &config);
-  if (status != ncclSuccess && status != ncclInProgress) {
-    if (child != nullptr) ncclCommAbort(child);
-    detail::throw_nccl_error(status, "ncclCommSplit", __FILE__, __LINE__);
-  }
-  // The child's rank and size are known only once the split has finished.
-  auto state = std::make_shared<detail::CommState>(child, 0, 0, state_->device, state_->timeout,
-                                                   detail::release_nccl_comm);
-  detail::wait_until_ready(*state, "ncclCommSplit");
-  MESHLA_CHECK_NCCL(ncclCommUserRank(child, &state->rank));
-  MESHLA_CHECK_NCCL(ncclCommCount(child, &state->size));
-  return Communicator(std::move(state));
-}
-
 int Communicator::rank() const { return state_->rank; }
 int Communicator::size() const { return state_->size; }
 int Communicator::device() const { return state_->device; }

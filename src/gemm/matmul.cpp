@@ -1,17 +1,44 @@
 #include "meshla/matmul.hpp"
 
 #include <algorithm>
+#include <array>
+#include <limits>
 #include <map>
 #include <tuple>
+#include <vector>
 
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
+#include "gemm/random_fill.hpp"
 
 namespace meshla {
 namespace {
 
 // cuBLASLt's recommended workspace for Hopper.
 constexpr std::size_t kWorkspaceBytes = 32u << 20;
+// Heuristic candidates timed by prepare(), and timed runs of each.
+constexpr int kCandidates = 8;
+constexpr int kTuneRepeats = 5;
+
+// Two timing events, destroyed with the scope.
+struct TimingEvents {
+  explicit TimingEvents(int device) {
+    detail::DeviceGuard guard(device);
+    MESHLA_CHECK_CUDA(cudaEventCreate(&start));
+    if (cudaEventCreate(&stop) != cudaSuccess) {
+      cudaEventDestroy(start);
+      MESHLA_THROW(kCuda, "matmul: cudaEventCreate failed while tuning");
+    }
+  }
+  ~TimingEvents() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  TimingEvents(const TimingEvents&) = delete;
+  TimingEvents& operator=(const TimingEvents&) = delete;
+  cudaEvent_t start = nullptr;
+  cudaEvent_t stop = nullptr;
+};
 
 cudaDataType_t cuda_type(DType dtype) {
   switch (dtype) {
@@ -178,11 +205,11 @@ class Descriptors {
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.a);
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::min(align.addend, align.d));
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.d);
-    cublasLtMatmulHeuristicResult_t result{};
+    std::array<cublasLtMatmulHeuristicResult_t, kCandidates> results{};
     int found = 0;
     MESHLA_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc_, layout_b_, layout_a_,
-                                                       layout_d_, layout_d_, preference_, 1,
-                                                       &result, &found));
+                                                       layout_d_, layout_d_, preference_,
+                                                       kCandidates, results.data(), &found));
     const MatmulShape& s = resolved.shape;
     if (found == 0) {
       MESHLA_THROW(kNotImplemented, "matmul: cuBLASLt has no algorithm for "
@@ -190,7 +217,36 @@ class Descriptors {
                                         << ", k=" << s.k << ", batch=" << s.batch
                                         << ", trans_b=" << s.trans_b);
     }
-    algorithm_ = result.algo;
+    for (int i = 0; i < found; ++i) candidates_.push_back(results[i].algo);
+    algorithm_ = candidates_.front();
+  }
+
+ public:
+  // Times every candidate on `ops` (scratch data) and keeps the fastest: the heuristic's first
+  // choice is often not it, above all under an SM count target.
+  void tune(cublasLtHandle_t handle, const MatmulOperands& ops, bool addend, void* workspace,
+            std::size_t workspace_bytes, cudaStream_t stream, int device) {
+    if (tuned_ || candidates_.size() < 2) return;
+    float best = std::numeric_limits<float>::infinity();
+    cublasLtMatmulAlgo_t best_algorithm = candidates_.front();
+    for (const cublasLtMatmulAlgo_t& candidate : candidates_) {
+      algorithm_ = candidate;
+      run(handle, ops, addend, workspace, workspace_bytes, stream);  // warm-up
+      TimingEvents events(device);
+      MESHLA_CHECK_CUDA(cudaEventRecord(events.start, stream));
+      for (int i = 0; i < kTuneRepeats; ++i)
+        run(handle, ops, addend, workspace, workspace_bytes, stream);
+      MESHLA_CHECK_CUDA(cudaEventRecord(events.stop, stream));
+      MESHLA_CHECK_CUDA(cudaEventSynchronize(events.stop));
+      float elapsed = 0;
+      MESHLA_CHECK_CUDA(cudaEventElapsedTime(&elapsed, events.start, events.stop));
+      if (elapsed < best) {
+        best = elapsed;
+        best_algorithm = candidate;
+      }
+    }
+    algorithm_ = best_algorithm;
+    tuned_ = true;
   }
 
   cublasLtMatmulDesc_t desc_ = nullptr;
@@ -199,6 +255,8 @@ class Descriptors {
   cublasLtMatrixLayout_t layout_d_ = nullptr;
   cublasLtMatmulPreference_t preference_ = nullptr;
   cublasLtMatmulAlgo_t algorithm_{};
+  std::vector<cublasLtMatmulAlgo_t> candidates_;
+  bool tuned_ = false;
 };
 
 }  // namespace
@@ -237,8 +295,37 @@ int Matmul::device() const { return impl_->device; }
 void Matmul::prepare(const MatmulShape& shape) {
   const MatmulShape packed = with_packed_pitches(shape);
   validate(packed);
+  if (packed.m == 0 || packed.n == 0) return;
   // Operands as the framework allocators hand them out: aligned far past 16 bytes.
-  impl_->lookup({packed, alignments_of(packed, MatmulOperands{})});
+  Descriptors& descriptors = impl_->lookup({packed, alignments_of(packed, MatmulOperands{})});
+  // Scratch operands of the shape's extent, filled with random data, for timing candidates.
+  const std::size_t element = dtype_size(packed.dtype);
+  const auto extent = [](std::int64_t rows, std::int64_t cols, std::int64_t pitch, int batch,
+                         std::int64_t batch_stride) {
+    return static_cast<std::size_t>((batch - 1) * batch_stride + (rows - 1) * pitch + cols);
+  };
+  const std::size_t a_count =
+      extent(packed.m, packed.k, packed.lda, packed.batch, packed.batch_stride_a);
+  const std::size_t b_count = packed.trans_b ? extent(packed.n, packed.k, packed.ldb, 1, 0)
+                                             : extent(packed.k, packed.n, packed.ldb, 1, 0);
+  const std::size_t d_count =
+      extent(packed.m, packed.n, packed.ldd, packed.batch, packed.batch_stride_d);
+  const int device = impl_->device;
+  detail::DeviceGuard guard(device);
+  detail::Stream stream(device, /*high_priority=*/false);
+  detail::DeviceBuffer a(device, a_count * element);
+  detail::DeviceBuffer b(device, b_count * element);
+  detail::DeviceBuffer d(device, d_count * element);
+  detail::DeviceBuffer addend(device, packed.addend ? d_count * element : 0);
+  detail::DeviceBuffer bias(device, packed.bias ? packed.n * element : 0);
+  for (auto* buffer : {&a, &b, &addend, &bias}) {
+    detail::random_fill(buffer->data(), packed.dtype, buffer->bytes() / element, 17, stream.get());
+  }
+  descriptors.tune(
+      impl_->handle,
+      {.a = a.data(), .b = b.data(), .bias = bias.data(), .addend = addend.data(), .d = d.data()},
+      packed.addend, impl_->workspace.data(), impl_->workspace.bytes(), stream.get(), device);
+  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
 }
 
 void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream_t stream) {

@@ -95,10 +95,10 @@ struct CollectiveMatmul::Impl {
     const int device = comm.device();
     int device_sms = 0;
     MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
-    MESHLA_CHECK_ARG(config.comm_sms < device_sms,
-                     collective_op_name(config.op) << ": comm_sms=" << config.comm_sms
-                                                   << " leaves no SM of the " << device_sms
-                                                   << " on cuda:" << device << " to the GEMM");
+    MESHLA_CHECK_ARG(config.comm_sms < device_sms, collective_op_name(config.op)
+                                                       << ": comm_sms=" << config.comm_sms
+                                                       << " leaves no SM of the " << device_sms
+                                                       << " on cuda:" << device << " to the GEMM");
     gemm_sms = config.comm_sms > 0 ? device_sms - config.comm_sms : 0;
     const std::size_t element = dtype_size(config.dtype);
     if (config.op == CollectiveOp::kAllGatherMatmul && !config.return_gathered) {
