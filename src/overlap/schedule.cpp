@@ -133,34 +133,47 @@ Schedule all_gather_pipelined(const ScheduleParams& p, Schedule s) {
   return s;
 }
 
+// Ring all-gather: every block travels once around the ring, rank to next rank, while this rank
+// multiplies its own block. The received blocks are then multiplied in at most two GEMMs over the
+// contiguous row ranges below and above the own block: one GEMM per block would leave a partial
+// last wave of thread blocks each time (measured ~25% slower on H200 at M=8192, tp=4), while the
+// whole ring pass takes about as long as the own block's GEMM.
 Schedule all_gather_ring(const ScheduleParams& p, Schedule s) {
   const std::int64_t block = rows_per_rank(p);
   const int next = wrap(p.rank + 1, p.tp);
   const int prev = wrap(p.rank - 1, p.tp);
-  // Step t computes on the block of rank (rank - t), which arrived from the previous rank during
-  // step t - 1 and is forwarded to the next rank during step t.
-  std::vector<int> comm_of_chunk(p.chunks, -1);  // comm task that delivered each sub-chunk
-  for (int t = 0; t < p.tp; ++t) {
+  std::vector<int> delivered(p.tp, -1);  // comm task after which each block is complete
+  for (int t = 0; t + 1 < p.tp; ++t) {
+    // Pass t forwards the block of rank (rank - t) and receives that of rank (rank - t - 1).
     const int owner = wrap(p.rank - t, p.tp);
+    const int incoming = wrap(owner - 1, p.tp);
     for (int j = 0; j < p.chunks; ++j) {
       const std::int64_t begin = chunk_begin(block, p.chunks, j);
       const std::int64_t rows = chunk_size(block, p.chunks, j);
       const Rows held =
           t == 0 ? Rows{Buffer::kInput, begin} : Rows{Buffer::kGathered, owner * block + begin};
-      s.gemms.push_back({.a = held,
-                         .d = {Buffer::kOutput, owner * block + begin},
-                         .rows = rows,
-                         .bias = p.bias,
-                         .wait_comm = t == 0 ? -1 : comm_of_chunk[j]});
-      if (t + 1 < p.tp) {
-        const int incoming = wrap(owner - 1, p.tp);
-        CommTask pass{.kind = CommKind::kSendRecv};
-        pass.sends.push_back({next, held, rows});
-        pass.recvs.push_back({prev, {Buffer::kGathered, incoming * block + begin}, rows});
-        s.comms.push_back(std::move(pass));
-        comm_of_chunk[j] = static_cast<int>(s.comms.size()) - 1;
-      }
+      CommTask pass{.kind = CommKind::kSendRecv};
+      pass.sends.push_back({next, held, rows});
+      pass.recvs.push_back({prev, {Buffer::kGathered, incoming * block + begin}, rows});
+      s.comms.push_back(std::move(pass));
     }
+    delivered[incoming] = static_cast<int>(s.comms.size()) - 1;
+  }
+  s.gemms.push_back({.a = {Buffer::kInput, 0},
+                     .d = {Buffer::kOutput, p.rank * block},
+                     .rows = block,
+                     .bias = p.bias});
+  // Blocks below the own one arrive first (block 0 last among them), then those above.
+  const std::pair<int, int> ranges[] = {{0, p.rank}, {p.rank + 1, p.tp}};
+  for (const auto& [first, last] : ranges) {
+    if (first == last) continue;
+    int wait = -1;
+    for (int b = first; b < last; ++b) wait = std::max(wait, delivered[b]);
+    s.gemms.push_back({.a = {Buffer::kGathered, first * block},
+                       .d = {Buffer::kOutput, first * block},
+                       .rows = (last - first) * block,
+                       .bias = p.bias,
+                       .wait_comm = wait});
   }
   if (p.return_gathered) {
     s.comms.push_back({.kind = CommKind::kCopy,
