@@ -1,5 +1,5 @@
-// The state behind a meshla::Communicator: one NCCL communicator, shared by every Communicator
-// copy and every plan that uses it, destroyed with the last of them.
+// The state behind a meshla::Communicator: the NCCL communicators of one rank of one group, shared
+// by every Communicator copy and every plan that uses them, released with the last of them.
 #pragma once
 
 #include <chrono>
@@ -10,15 +10,22 @@
 namespace meshla::detail {
 
 struct CommState {
-  // `release` ends the NCCL communicator; production code passes release_nccl_comm, CPU tests a
-  // recorder. It runs exactly once, when the last owner lets go.
-  CommState(ncclComm_t comm, int rank, int size, int device, std::chrono::milliseconds timeout,
-            std::function<void(ncclComm_t)> release);
+  // `release` ends an NCCL communicator; production code passes release_nccl_comm, CPU tests a
+  // recorder. It runs exactly once for each communicator, when the last owner lets go.
+  CommState(ncclComm_t comm, ncclComm_t bootstrap, int rank, int size, int device,
+            std::chrono::milliseconds timeout, std::function<void(ncclComm_t)> release);
   ~CommState();
   CommState(const CommState&) = delete;
   CommState& operator=(const CommState&) = delete;
 
+  // The blocking communicator every operation uses. A nonblocking one would hand each group
+  // launch to a new host thread and return ncclInProgress, costing tens of microseconds of host
+  // time per call on the hot path.
   ncclComm_t comm;
+  // The nonblocking communicator it was split from: creation in nonblocking mode is what lets a
+  // missing rank end in a timeout instead of a hang. Kept until the end so that no peer still
+  // finishing its split loses its partner.
+  ncclComm_t bootstrap;
   int rank;
   int size;
   int device;
@@ -33,16 +40,4 @@ struct CommState {
 // different orders). Plans synchronise their own last execution before they let go.
 void release_nccl_comm(ncclComm_t comm);
 
-// Waits until the nonblocking communicator has finished its pending host-side work (creation,
-// connection setup). Throws kNccl on an asynchronous error and kTimeout past the state's timeout.
-void wait_until_ready(const CommState& state, const char* what);
-
-// Checks the status of an NCCL call on `state`: ncclInProgress waits until ready, any other
-// failure throws naming the call.
-void check_nccl_on(const CommState& state, ncclResult_t status, const char* call, const char* file,
-                   int line);
-
 }  // namespace meshla::detail
-
-#define MESHLA_CHECK_NCCL_ON(state, call) \
-  ::meshla::detail::check_nccl_on((state), (call), #call, __FILE__, __LINE__)

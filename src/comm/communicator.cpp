@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "comm/comm_state.hpp"
 #include "core/cuda_checks.hpp"
@@ -10,9 +11,10 @@
 namespace meshla {
 namespace detail {
 
-CommState::CommState(ncclComm_t comm_, int rank_, int size_, int device_,
+CommState::CommState(ncclComm_t comm_, ncclComm_t bootstrap_, int rank_, int size_, int device_,
                      std::chrono::milliseconds timeout_, std::function<void(ncclComm_t)> release)
     : comm(comm_),
+      bootstrap(bootstrap_),
       rank(rank_),
       size(size_),
       device(device_),
@@ -20,50 +22,18 @@ CommState::CommState(ncclComm_t comm_, int rank_, int size_, int device_,
       release_(std::move(release)) {}
 
 CommState::~CommState() {
-  if (release_) release_(comm);
+  if (!release_) return;
+  if (comm != nullptr) release_(comm);
+  if (bootstrap != nullptr) release_(bootstrap);
 }
 
-void release_nccl_comm(ncclComm_t comm) {
-  if (comm != nullptr) ncclCommAbort(comm);
-}
-
-void wait_until_ready(const CommState& state, const char* what) {
-  const auto deadline = std::chrono::steady_clock::now() + state.timeout;
-  auto pause = std::chrono::microseconds(10);
-  while (true) {
-    ncclResult_t async_status = ncclSuccess;
-    MESHLA_CHECK_NCCL(ncclCommGetAsyncError(state.comm, &async_status));
-    if (async_status == ncclSuccess) return;
-    if (async_status != ncclInProgress) {
-      throw_nccl_error(async_status, what, __FILE__, __LINE__);
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      MESHLA_THROW(kTimeout, what << " did not complete within " << state.timeout.count()
-                                  << " ms on rank " << state.rank << " of " << state.size
-                                  << " (device " << state.device
-                                  << "); is every rank of the group taking part?");
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(10000));
-  }
-}
-
-void check_nccl_on(const CommState& state, ncclResult_t status, const char* call, const char* file,
-                   int line) {
-  if (status == ncclSuccess) return;
-  if (status == ncclInProgress) {
-    wait_until_ready(state, call);
-    return;
-  }
-  throw_nccl_error(status, call, file, line);
-}
+void release_nccl_comm(ncclComm_t comm) { ncclCommAbort(comm); }
 
 namespace {
 
-ncclConfig_t nonblocking_config() {
+ncclConfig_t config_with_blocking(int blocking) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  // Nonblocking, so that every wait for peers is ours and bounded by the timeout.
-  config.blocking = 0;
+  config.blocking = blocking;
   return config;
 }
 
@@ -74,26 +44,105 @@ ncclUniqueId to_nccl(const UniqueId& id) {
   return nccl_id;
 }
 
-// Takes ownership of a communicator whose creation was started, waiting for it to finish; on
-// failure the half-made communicator is aborted with the state.
-std::shared_ptr<CommState> adopt(ncclComm_t comm, int rank, int size, int device,
-                                 std::chrono::milliseconds timeout, const char* what) {
-  auto state = std::make_shared<CommState>(comm, rank, size, device, timeout, release_nccl_comm);
-  wait_until_ready(*state, what);
-  return state;
+// Waits until a nonblocking communicator has finished its creation. Throws kNccl on an
+// asynchronous error and kTimeout when `timeout` passes first.
+void wait_until_created(ncclComm_t comm, int rank, int size, int device,
+                        std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(10);
+  while (true) {
+    ncclResult_t async_status = ncclSuccess;
+    MESHLA_CHECK_NCCL(ncclCommGetAsyncError(comm, &async_status));
+    if (async_status == ncclSuccess) return;
+    if (async_status != ncclInProgress) {
+      throw_nccl_error(async_status, "ncclCommInitRankConfig", __FILE__, __LINE__);
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      MESHLA_THROW(kTimeout, "Communicator: creating rank "
+                                 << rank << " of " << size << " on device " << device
+                                 << " did not complete within " << timeout.count()
+                                 << " ms; is every rank of the group creating it with the same "
+                                    "unique id?");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(10000));
+  }
+}
+
+// Owns the communicators of one creation until they are handed to CommStates, aborting them if
+// creation fails part-way.
+struct PendingComms {
+  std::vector<ncclComm_t> comms;
+  explicit PendingComms(std::size_t count) : comms(count, nullptr) {}
+  ~PendingComms() {
+    for (ncclComm_t comm : comms) {
+      if (comm != nullptr) ncclCommAbort(comm);
+    }
+  }
+  std::vector<ncclComm_t> release() { return std::exchange(comms, {}); }
+};
+
+// Creates the ranks `ranks` (devices `devices`) of a group of `size` from one id: nonblocking
+// creation bounded by the timeout, then a blocking twin split from each (see CommState).
+std::vector<Communicator> create_ranks(const ncclUniqueId& id, const std::vector<int>& ranks,
+                                       const std::vector<int>& devices, int size,
+                                       std::chrono::milliseconds timeout) {
+  const std::size_t count = ranks.size();
+  PendingComms bootstraps(count);
+  std::vector<ncclConfig_t> configs(count, config_with_blocking(0));
+  DeviceGuard guard(devices[0]);
+  // One group: the ranks of a single process must be created together or they wait for each
+  // other forever.
+  MESHLA_CHECK_NCCL(ncclGroupStart());
+  for (std::size_t i = 0; i < count; ++i) {
+    MESHLA_CHECK_CUDA(cudaSetDevice(devices[i]));
+    MESHLA_CHECK_NCCL(
+        ncclCommInitRankConfig(&bootstraps.comms[i], size, id, ranks[i], &configs[i]));
+  }
+  const ncclResult_t started = ncclGroupEnd();
+  if (started != ncclSuccess && started != ncclInProgress) {
+    throw_nccl_error(started, "ncclGroupEnd (communicator creation)", __FILE__, __LINE__);
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    wait_until_created(bootstraps.comms[i], ranks[i], size, devices[i], timeout);
+  }
+  // Every rank has now shown up, so the blocking split below has no one left to wait for.
+  PendingComms twins(count);
+  std::vector<ncclConfig_t> blocking(count, config_with_blocking(1));
+  MESHLA_CHECK_NCCL(ncclGroupStart());
+  for (std::size_t i = 0; i < count; ++i) {
+    MESHLA_CHECK_CUDA(cudaSetDevice(devices[i]));
+    MESHLA_CHECK_NCCL(
+        ncclCommSplit(bootstraps.comms[i], 0, ranks[i], &twins.comms[i], &blocking[i]));
+  }
+  const ncclResult_t split = ncclGroupEnd();
+  if (split != ncclSuccess && split != ncclInProgress) {
+    throw_nccl_error(split, "ncclGroupEnd (ncclCommSplit)", __FILE__, __LINE__);
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    wait_until_created(twins.comms[i], ranks[i], size, devices[i], timeout);
+  }
+  std::vector<ncclComm_t> made = twins.release();
+  std::vector<ncclComm_t> parents = bootstraps.release();
+  std::vector<Communicator> result;
+  for (std::size_t i = 0; i < count; ++i) {
+    result.emplace_back(std::make_shared<CommState>(made[i], parents[i], ranks[i], size, devices[i],
+                                                    timeout, release_nccl_comm));
+  }
+  return result;
 }
 
 void check_arguments(int rank, int size, int device, std::chrono::milliseconds timeout) {
   MESHLA_CHECK_ARG(size >= 1, "Communicator: size=" << size << " must be at least 1");
   MESHLA_CHECK_ARG(rank >= 0 && rank < size,
                    "Communicator: rank=" << rank << " is outside [0, size=" << size << ")");
+  MESHLA_CHECK_ARG(timeout.count() > 0,
+                   "Communicator: timeout=" << timeout.count() << " ms must be positive");
   int device_count = 0;
   MESHLA_CHECK_CUDA(cudaGetDeviceCount(&device_count));
   MESHLA_CHECK_ARG(device >= 0 && device < device_count,
                    "Communicator: device=" << device << " is outside the " << device_count
                                            << " visible CUDA devices");
-  MESHLA_CHECK_ARG(timeout.count() > 0,
-                   "Communicator: timeout=" << timeout.count() << " ms must be positive");
 }
 
 }  // namespace
@@ -114,58 +163,24 @@ Communicator::Communicator(std::shared_ptr<detail::CommState> state) : state_(st
 Communicator Communicator::create(const UniqueId& id, int rank, int size, int device,
                                   const CommunicatorOptions& options) {
   detail::check_arguments(rank, size, device, options.timeout);
-  detail::DeviceGuard guard(device);
-  ncclConfig_t config = detail::nonblocking_config();
-  ncclComm_t comm = nullptr;
-  const ncclResult_t status =
-      ncclCommInitRankConfig(&comm, size, detail::to_nccl(id), rank, &config);
-  if (status != ncclSuccess && status != ncclInProgress) {
-    if (comm != nullptr) ncclCommAbort(comm);
-    detail::throw_nccl_error(status, "ncclCommInitRankConfig", __FILE__, __LINE__);
-  }
-  return Communicator(
-      detail::adopt(comm, rank, size, device, options.timeout, "ncclCommInitRankConfig"));
+  return detail::create_ranks(detail::to_nccl(id), {rank}, {device}, size, options.timeout).front();
 }
 
 std::vector<Communicator> Communicator::create_local(const std::vector<int>& devices,
                                                      const CommunicatorOptions& options) {
   const int size = static_cast<int>(devices.size());
   MESHLA_CHECK_ARG(size >= 1, "Communicator.create_local: devices is empty");
+  std::vector<int> ranks;
   for (int rank = 0; rank < size; ++rank) {
     detail::check_arguments(rank, size, devices[rank], options.timeout);
     for (int other = 0; other < rank; ++other) {
       MESHLA_CHECK_ARG(devices[other] != devices[rank],
                        "Communicator.create_local: device " << devices[rank] << " is listed twice");
     }
+    ranks.push_back(rank);
   }
-  const ncclUniqueId id = detail::to_nccl(make_unique_id());
-  std::vector<ncclComm_t> comms(size, nullptr);
-  std::vector<ncclConfig_t> configs(size, detail::nonblocking_config());
-  {
-    detail::DeviceGuard guard(devices[0]);
-    MESHLA_CHECK_NCCL(ncclGroupStart());
-    for (int rank = 0; rank < size; ++rank) {
-      MESHLA_CHECK_CUDA(cudaSetDevice(devices[rank]));
-      MESHLA_CHECK_NCCL(ncclCommInitRankConfig(&comms[rank], size, id, rank, &configs[rank]));
-    }
-    const ncclResult_t status = ncclGroupEnd();
-    if (status != ncclSuccess && status != ncclInProgress) {
-      for (ncclComm_t comm : comms) detail::release_nccl_comm(comm);
-      detail::throw_nccl_error(status, "ncclGroupEnd", __FILE__, __LINE__);
-    }
-  }
-  // Adopt every communicator before waiting on any, so a failure releases them all.
-  std::vector<std::shared_ptr<detail::CommState>> states;
-  for (int rank = 0; rank < size; ++rank) {
-    states.push_back(std::make_shared<detail::CommState>(
-        comms[rank], rank, size, devices[rank], options.timeout, detail::release_nccl_comm));
-  }
-  std::vector<Communicator> result;
-  for (auto& state : states) {
-    detail::wait_until_ready(*state, "ncclCommInitRankConfig");
-    result.emplace_back(state);
-  }
-  return result;
+  return detail::create_ranks(detail::to_nccl(make_unique_id()), ranks, devices, size,
+                              options.timeout);
 }
 
 int Communicator::rank() const { return state_->rank; }

@@ -185,19 +185,19 @@ struct CollectiveMatmul::Impl {
           MESHLA_CHECK_NCCL(ncclRecv(at.at(recv.at), at.count(recv.at.buffer, recv.rows), type,
                                      recv.peer, state.comm, stream));
         }
-        MESHLA_CHECK_NCCL_ON(state, ncclGroupEnd());
+        MESHLA_CHECK_NCCL(ncclGroupEnd());
         break;
       case overlap::CommKind::kAllGather:
-        MESHLA_CHECK_NCCL_ON(state, ncclAllGather(at.at(task.src), at.at(task.dst), count, type,
-                                                  state.comm, stream));
+        MESHLA_CHECK_NCCL(
+            ncclAllGather(at.at(task.src), at.at(task.dst), count, type, state.comm, stream));
         break;
       case overlap::CommKind::kReduceScatter:
-        MESHLA_CHECK_NCCL_ON(state, ncclReduceScatter(at.at(task.src), at.at(task.dst), count, type,
-                                                      ncclSum, state.comm, stream));
+        MESHLA_CHECK_NCCL(ncclReduceScatter(at.at(task.src), at.at(task.dst), count, type, ncclSum,
+                                            state.comm, stream));
         break;
       case overlap::CommKind::kAllReduce:
-        MESHLA_CHECK_NCCL_ON(state, ncclAllReduce(at.at(task.src), at.at(task.dst), count, type,
-                                                  ncclSum, state.comm, stream));
+        MESHLA_CHECK_NCCL(ncclAllReduce(at.at(task.src), at.at(task.dst), count, type, ncclSum,
+                                        state.comm, stream));
         break;
     }
     MESHLA_CHECK_CUDA(cudaEventRecord(comm_done[index].get(), stream));

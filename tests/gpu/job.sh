@@ -10,14 +10,16 @@ shift
 steps=${*:-suite bench}
 OUT=${OUT:-/tmp/meshla-job}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv >"$OUT/gpus.csv"
-nvidia-smi topo -m >"$OUT/topology.txt" 2>&1 || true
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } >"$OUT/machine.txt" 2>&1
 tests/gpu/build.sh >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 for step in $steps; do
   case $step in
     suite)
-      LOG_DIR="$OUT/suite" MESHLA_SKIP_BUILD=1 tests/gpu/run.sh ${SUITE_MODELS:-} 2>&1 | tee "$OUT/suite.txt" | tail -60
+      # Per-launcher logs stay on the machine (the lease returns at most 8 files); the results
+      # and the summary come back.
+      LOG_DIR=/tmp/meshla-suite MESHLA_SKIP_BUILD=1 tests/gpu/run.sh ${SUITE_MODELS:-} 2>&1 | tee "$OUT/suite.txt" | tail -60
+      cp /tmp/meshla-suite/results.jsonl "$OUT/suite_results.jsonl"
       ;;
     bench)
       stamp=$(date -u +%Y%m%dT%H%M%SZ)
@@ -27,7 +29,8 @@ for step in $steps; do
         devices=$(seq -s, 0 $((tp - 1)))
         CUDA_VISIBLE_DEVICES=$devices timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node=$tp \
           bench/collective_matmul.py --commit "$commit" --out "$json" ${BENCH_ARGS:-} \
-          2>&1 | tee "$OUT/bench_tp$tp.txt" | tail -45
+          2>&1 | grep -v '^W1' >"$OUT/bench_tp$tp.txt"
+        tail -45 "$OUT/bench_tp$tp.txt"
       done
       ;;
   esac
