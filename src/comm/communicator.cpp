@@ -120,6 +120,11 @@ std::vector<Communicator> create_ranks(const ncclUniqueId& id, const std::vector
     throw_nccl_error(split, "ncclGroupEnd (ncclCommSplit)", __FILE__, __LINE__);
   }
   for (std::size_t i = 0; i < count; ++i) {
+    // The split runs as a job of the nonblocking parent, which reports its progress; the twin's
+    // handle is written only when that job is done.
+    wait_until_created(bootstraps.comms[i], ranks[i], size, devices[i], timeout);
+    MESHLA_CHECK(kNccl, twins.comms[i] != nullptr,
+                 "ncclCommSplit finished without a communicator for rank " << ranks[i]);
     wait_until_created(twins.comms[i], ranks[i], size, devices[i], timeout);
   }
   std::vector<ncclComm_t> made = twins.release();

@@ -19,6 +19,12 @@
     if (!(condition)) MESHLA_THROW(kInvalidArgument, message_stream); \
   } while (false)
 
+// A condition whose failure is reported with the given error code.
+#define MESHLA_CHECK(code, condition, message_stream)     \
+  do {                                                    \
+    if (!(condition)) MESHLA_THROW(code, message_stream); \
+  } while (false)
+
 // A broken invariant of meshla itself, not of the caller's input.
 #define MESHLA_ASSERT(condition)                                                                \
   do {                                                                                          \
