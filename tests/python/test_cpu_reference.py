@@ -32,8 +32,10 @@ def _worker(rank, size, seed, dtype, results):
         ag_t = mt.all_gather_matmul(cast(a_full[rows]), weight, group, trans_b=True)
         rs = mt.matmul_reduce_scatter(cast(a_full[:, cols]), cast(b_full[cols]), group,
                                       bias=cast(bias))
+        ar_out = torch.full((m, n), float("nan"), dtype=dtype)
         ar = mt.matmul_all_reduce(cast(a_full[:, cols]), cast(b_full[cols]), group,
-                                  bias=cast(bias), algorithm="pipelined")
+                                  bias=cast(bias), algorithm="pipelined", out=ar_out)
+        assert ar is ar_out
         results[rank] = {
             "ag": out.double(), "gathered": gathered.double(), "ag_t": ag_t.double(),
             "rs": rs.double(), "ar": ar.double(),

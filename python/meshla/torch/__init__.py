@@ -193,6 +193,13 @@ def _output(given, shape, like):
     return given
 
 
+def _deliver(result, out):
+    """The CPU path's result, copied into the caller's ``out`` where one was given."""
+    if out is None:
+        return result.contiguous()
+    return _output(out, tuple(result.shape), result).copy_(result)
+
+
 def _capsule(t):
     return None if t is None else to_dlpack(t)
 
@@ -222,7 +229,7 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
 
     ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
     product, and with ``return_gathered`` also the gathered [m, k] ``a`` (the backward needs it).
-    ``out`` and ``gathered_out`` are optional preallocated outputs (CUDA only).
+    ``out`` and ``gathered_out`` are optional preallocated outputs.
 
     ``algorithm`` is "auto", "sequential", "pipelined" or "ring"; ``chunks`` the pipeline depth
     (0: the algorithm's default); ``comm_sms`` the SMs kept free of GEMM work for NCCL while the
@@ -236,8 +243,10 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
         parts = [torch.empty_like(a) for _ in range(group.size)]
         dist.all_gather(parts, a.contiguous(), group=group.process_group)
         gathered = torch.cat(parts)
-        out = _reference_product(gathered, b, bias, trans_b, True).to(a.dtype)
-        return (out, gathered) if return_gathered else out
+        out = _deliver(_reference_product(gathered, b, bias, trans_b, True).to(a.dtype), out)
+        if return_gathered:
+            return out, _deliver(gathered, gathered_out)
+        return out
     out = _output(out, (m, n), a)
     gathered = _output(gathered_out, (m, k), a) if return_gathered else None
     _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks, comm_sms)
@@ -261,7 +270,7 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)
         dist.all_reduce(total, group=group.process_group)
         block = m // group.size
-        return total[group.rank * block:(group.rank + 1) * block].to(a.dtype).contiguous()
+        return _deliver(total[group.rank * block:(group.rank + 1) * block].to(a.dtype), out)
     out = _output(out, (m // group.size, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks, comm_sms)
     return out
@@ -277,7 +286,7 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
         _algorithm(algorithm)
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)
         dist.all_reduce(total, group=group.process_group)
-        return total.to(a.dtype)
+        return _deliver(total.to(a.dtype), out)
     out = _output(out, (m, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks, comm_sms)
     return out

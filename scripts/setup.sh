@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what building and testing meshla needs on a fresh Debian machine with the CUDA toolkit
+# (nvcc, cuBLASLt, NCCL), then builds and installs the package. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+command -v nvcc >/dev/null 2>&1 || {
+  echo "setup: nvcc not found; meshla needs the CUDA toolkit (13.x) with NCCL to build" >&2
+  exit 1
+}
+
+missing=()
+command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+command -v ninja >/dev/null 2>&1 || missing+=(ninja-build)
+command -v clang-format >/dev/null 2>&1 || missing+=(clang-format)
+[ -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ] || [ -f /usr/lib/cmake/GTest/GTestConfig.cmake ] || missing+=(libgtest-dev)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+
+python3 -m pip install -q --disable-pip-version-check \
+  "torch>=2.4" numpy pytest "nanobind>=2.0" "scikit-build-core>=0.10"
+python3 -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
+python3 -c "import meshla; print('setup: meshla installed at', meshla.__file__)"
