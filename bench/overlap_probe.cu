@@ -46,6 +46,12 @@ struct Timer {
     PROBE_CHECK(cudaEventCreate(&start));
     PROBE_CHECK(cudaEventCreate(&stop));
   }
+  ~Timer() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  Timer(const Timer&) = delete;
+  Timer& operator=(const Timer&) = delete;
   float ms() {
     PROBE_CHECK(cudaEventSynchronize(stop));
     float value = 0;
