@@ -142,7 +142,7 @@ struct CollectiveMatmul::Impl {
             .batch_stride_d = gemm.d_stride * config.n,
             .bias = gemm.bias,
             .addend = gemm.has_addend,
-            .sm_count = gemm_sms};
+            .sm_count = gemm.overlaps_comm ? gemm_sms : 0};
   }
 
   void run_gemm(std::size_t index, const Bindings& at, const CollectiveMatmulArgs& args,
@@ -249,7 +249,9 @@ struct CollectiveMatmul::Impl {
   std::vector<detail::Event> comm_done;
   detail::DeviceBuffer own_gathered;
   detail::DeviceBuffer partial;
-  int gemm_sms = 0;  // set in the constructor body, before any GEMM shape is prepared
+  // SMs of the GEMMs that overlap communication; set in the constructor body, before any GEMM
+  // shape is prepared.
+  int gemm_sms = 0;
   bool executed = false;
 };
 

@@ -304,6 +304,31 @@ Schedule reduce_ring(const ScheduleParams& p, Schedule s) {
   return s;
 }
 
+// Marks the GEMMs that an SM-using comm task can run beside. Comm tasks up to `before` finish
+// before the GEMM starts (its waits and those of earlier GEMMs); those from `after` on start after
+// it ends (the first comm task that waits for it or a later GEMM, and all behind it).
+void mark_overlapping_gemms(Schedule& s) {
+  int before = -1;
+  for (std::size_t g = 0; g < s.gemms.size(); ++g) {
+    before = std::max(before, s.gemms[g].wait_comm);
+    std::size_t after = s.comms.size();
+    for (std::size_t c = 0; c < s.comms.size(); ++c) {
+      if (s.comms[c].wait_gemm >= static_cast<int>(g)) {
+        after = c;
+        break;
+      }
+    }
+    for (std::size_t c = static_cast<std::size_t>(before + 1); c < after; ++c) {
+      if (s.comms[c].kind != CommKind::kCopy) s.gemms[g].overlaps_comm = true;
+    }
+  }
+}
+
+Schedule with_overlap_marked(Schedule s) {
+  mark_overlapping_gemms(s);
+  return s;
+}
+
 }  // namespace
 
 Algorithm default_algorithm(CollectiveOp op, int tp, std::int64_t m) {
@@ -348,33 +373,33 @@ Schedule make_schedule(const ScheduleParams& p) {
       s.gathered_rows = p.m;
       switch (p.algorithm) {
         case Algorithm::kSequential:
-          return all_gather_sequential(p, std::move(s));
+          return with_overlap_marked(all_gather_sequential(p, std::move(s)));
         case Algorithm::kPipelined:
-          return all_gather_pipelined(p, std::move(s));
+          return with_overlap_marked(all_gather_pipelined(p, std::move(s)));
         default:
-          return all_gather_ring(p, std::move(s));
+          return with_overlap_marked(all_gather_ring(p, std::move(s)));
       }
     case CollectiveOp::kMatmulReduceScatter:
       s.input_rows = p.m;
       s.output_rows = block;
       switch (p.algorithm) {
         case Algorithm::kSequential:
-          return reduce_sequential(p, std::move(s));
+          return with_overlap_marked(reduce_sequential(p, std::move(s)));
         case Algorithm::kPipelined:
-          return reduce_scatter_pipelined(p, std::move(s));
+          return with_overlap_marked(reduce_scatter_pipelined(p, std::move(s)));
         default:
-          return reduce_ring(p, std::move(s));
+          return with_overlap_marked(reduce_ring(p, std::move(s)));
       }
     case CollectiveOp::kMatmulAllReduce:
       s.input_rows = p.m;
       s.output_rows = p.m;
       switch (p.algorithm) {
         case Algorithm::kSequential:
-          return reduce_sequential(p, std::move(s));
+          return with_overlap_marked(reduce_sequential(p, std::move(s)));
         case Algorithm::kPipelined:
-          return all_reduce_pipelined(p, std::move(s));
+          return with_overlap_marked(all_reduce_pipelined(p, std::move(s)));
         default:
-          return reduce_ring(p, std::move(s));
+          return with_overlap_marked(reduce_ring(p, std::move(s)));
       }
   }
   MESHLA_THROW(kInternal, "make_schedule: unknown op");

@@ -38,6 +38,10 @@ struct GemmTask {
   bool has_addend = false;  // d = product + addend rows (same count, packed, batch 1)
   Rows addend;
   int wait_comm = -1;  // index of the comm task that must finish first, or -1
+  // Whether a communication kernel (one that needs SMs: not a copy) can run while this GEMM
+  // does. Only such GEMMs leave SMs free for it: capping a GEMM that runs alone costs up to 10%
+  // (bench/results/overlap_probe_h100_2026-11-22.txt).
+  bool overlaps_comm = false;
 };
 
 enum class CommKind {

@@ -468,3 +468,47 @@ TEST(Schedule, DefaultsAreValidForEveryShape) {
 
 }  // namespace
 }  // namespace meshla::overlap
+
+namespace meshla::overlap {
+namespace {
+
+std::vector<bool> overlapping(CollectiveOp op, Algorithm algorithm, int tp, int rank, int chunks,
+                              bool return_gathered = false) {
+  const Schedule s = make_schedule({.op = op,
+                                    .algorithm = algorithm,
+                                    .tp = tp,
+                                    .rank = rank,
+                                    .m = 8L * tp,
+                                    .chunks = chunks,
+                                    .return_gathered = return_gathered});
+  std::vector<bool> marks;
+  for (const GemmTask& gemm : s.gemms) marks.push_back(gemm.overlaps_comm);
+  return marks;
+}
+
+TEST(Schedule, SequentialGemmsRunAlone) {
+  for (CollectiveOp op : kOps) {
+    EXPECT_EQ(overlapping(op, Algorithm::kSequential, 4, 1, 1), std::vector<bool>{false});
+  }
+}
+
+TEST(Schedule, RingAllGatherOverlapsOnlyWhileBlocksTravel) {
+  // Own block beside the ring passes; blocks below (arrived mid-ring) beside the last pass;
+  // blocks above wait for the last pass and run alone, also when only a copy engine copy follows.
+  EXPECT_EQ(overlapping(CollectiveOp::kAllGatherMatmul, Algorithm::kRing, 4, 2, 1),
+            (std::vector<bool>{true, true, false}));
+  EXPECT_EQ(overlapping(CollectiveOp::kAllGatherMatmul, Algorithm::kRing, 4, 0, 1, true),
+            (std::vector<bool>{true, false}));
+  EXPECT_EQ(overlapping(CollectiveOp::kAllGatherMatmul, Algorithm::kRing, 1, 0, 1),
+            std::vector<bool>{false});
+}
+
+TEST(Schedule, PipelinedReduceScatterOverlapsFromTheSecondChunk) {
+  EXPECT_EQ(overlapping(CollectiveOp::kMatmulReduceScatter, Algorithm::kPipelined, 4, 3, 3),
+            (std::vector<bool>{false, true, true}));
+  EXPECT_EQ(overlapping(CollectiveOp::kAllGatherMatmul, Algorithm::kPipelined, 2, 0, 3),
+            (std::vector<bool>{true, true, false}));
+}
+
+}  // namespace
+}  // namespace meshla::overlap
