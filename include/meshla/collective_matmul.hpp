@@ -1,11 +1,10 @@
 // Collective matmul for tensor parallelism: the communication of a tensor-parallel linear layer
 // fused with its GEMM so that one hides behind the other.
 //
-//   all_gather_matmul      a [m/tp, k] on each rank, b [k, n]     -> out [m, n] = all_gather(a) @ b
-//   matmul_reduce_scatter  a [m, k] (k = local slice), b [k, n]   -> out [m/tp, n], this rank's
-//   rows
-//                                                                    of the sum over ranks
-//   matmul_all_reduce      the same product                        -> out [m, n], the whole sum
+//   all_gather_matmul      a [m/tp, k] on each rank, b [k, n] -> out [m, n] = all_gather(a) @ b
+//   matmul_reduce_scatter  a [m, k] (k: local slice), b [k, n] -> out [m/tp, n], this rank's rows
+//                                                                 of the sum over ranks
+//   matmul_all_reduce      the same product                    -> out [m, n], the whole sum
 //
 // A CollectiveMatmul is a plan: built once per shape (collectively, by every rank of the group),
 // it owns the GEMM handle, the side stream, the events and the staging buffers. execute() only

@@ -25,7 +25,9 @@ struct UniqueId {
 UniqueId make_unique_id();
 
 struct CommunicatorOptions {
-  // Bound on every host-side wait for the communicator: creation, connection setup, teardown.
+  // Bound on creating the communicator (every rank must take part within it) and on a plan's
+  // wait for its last execution when it is destroyed. Operations themselves are not bounded:
+  // a rank that stops calling them stalls its peers' streams, as with any NCCL communicator.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
 };
 

@@ -40,4 +40,19 @@ struct CommState {
 // different orders). Plans synchronise their own last execution before they let go.
 void release_nccl_comm(ncclComm_t comm);
 
+// An NCCL group, ended on every path: NCCL's group depth is per thread, and a group left open by
+// an exception would defer (and so hang) every later NCCL call of the thread, torch's included.
+class NcclGroup {
+ public:
+  NcclGroup();
+  ~NcclGroup();
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+  // Ends the group and returns ncclGroupEnd's status (ncclInProgress for nonblocking members).
+  ncclResult_t end();
+
+ private:
+  bool open_ = true;
+};
+
 }  // namespace meshla::detail

@@ -29,6 +29,17 @@ CommState::~CommState() {
 
 void release_nccl_comm(ncclComm_t comm) { ncclCommAbort(comm); }
 
+NcclGroup::NcclGroup() { MESHLA_CHECK_NCCL(ncclGroupStart()); }
+
+NcclGroup::~NcclGroup() {
+  if (open_) ncclGroupEnd();
+}
+
+ncclResult_t NcclGroup::end() {
+  open_ = false;
+  return ncclGroupEnd();
+}
+
 namespace {
 
 ncclConfig_t config_with_blocking(int blocking) {
@@ -44,25 +55,23 @@ ncclUniqueId to_nccl(const UniqueId& id) {
   return nccl_id;
 }
 
-// Waits until a nonblocking communicator has finished its creation. Throws kNccl on an
-// asynchronous error and kTimeout when `timeout` passes first.
-void wait_until_created(ncclComm_t comm, int rank, int size, int device,
-                        std::chrono::milliseconds timeout) {
+// Waits until a nonblocking communicator has finished `what` (its creation, or a split it runs).
+// Throws kNccl on an asynchronous error and kTimeout when `timeout` passes first.
+void wait_until_done(ncclComm_t comm, const char* what, int rank, int size, int device,
+                     std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::microseconds(10);
   while (true) {
     ncclResult_t async_status = ncclSuccess;
     MESHLA_CHECK_NCCL(ncclCommGetAsyncError(comm, &async_status));
     if (async_status == ncclSuccess) return;
-    if (async_status != ncclInProgress) {
-      throw_nccl_error(async_status, "ncclCommInitRankConfig", __FILE__, __LINE__);
-    }
+    if (async_status != ncclInProgress) throw_nccl_error(async_status, what, __FILE__, __LINE__);
     if (std::chrono::steady_clock::now() > deadline) {
-      MESHLA_THROW(kTimeout, "Communicator: creating rank "
-                                 << rank << " of " << size << " on device " << device
-                                 << " did not complete within " << timeout.count()
-                                 << " ms; is every rank of the group creating it with the same "
-                                    "unique id?");
+      MESHLA_THROW(kTimeout, "Communicator: " << what << " for rank " << rank << " of " << size
+                                              << " on device " << device
+                                              << " did not complete within " << timeout.count()
+                                              << " ms; is every rank of the group creating it "
+                                                 "with the same unique id?");
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(10000));
@@ -88,44 +97,51 @@ std::vector<Communicator> create_ranks(const ncclUniqueId& id, const std::vector
                                        const std::vector<int>& devices, int size,
                                        std::chrono::milliseconds timeout) {
   const std::size_t count = ranks.size();
+  // Declared first so destroyed last: on failure the parents are aborted first, which stops a
+  // split job of theirs that may still be writing a twin's handle.
+  PendingComms twins(count);
   PendingComms bootstraps(count);
   std::vector<ncclConfig_t> configs(count, config_with_blocking(0));
   DeviceGuard guard(devices[0]);
-  // One group: the ranks of a single process must be created together or they wait for each
-  // other forever.
-  MESHLA_CHECK_NCCL(ncclGroupStart());
-  for (std::size_t i = 0; i < count; ++i) {
-    MESHLA_CHECK_CUDA(cudaSetDevice(devices[i]));
-    MESHLA_CHECK_NCCL(
-        ncclCommInitRankConfig(&bootstraps.comms[i], size, id, ranks[i], &configs[i]));
+  {
+    // One group: the ranks of a single process must be created together or they wait for each
+    // other forever.
+    NcclGroup group;
+    for (std::size_t i = 0; i < count; ++i) {
+      MESHLA_CHECK_CUDA(cudaSetDevice(devices[i]));
+      MESHLA_CHECK_NCCL(
+          ncclCommInitRankConfig(&bootstraps.comms[i], size, id, ranks[i], &configs[i]));
+    }
+    const ncclResult_t started = group.end();
+    if (started != ncclSuccess && started != ncclInProgress) {
+      throw_nccl_error(started, "ncclGroupEnd (communicator creation)", __FILE__, __LINE__);
+    }
   }
-  const ncclResult_t started = ncclGroupEnd();
-  if (started != ncclSuccess && started != ncclInProgress) {
-    throw_nccl_error(started, "ncclGroupEnd (communicator creation)", __FILE__, __LINE__);
-  }
   for (std::size_t i = 0; i < count; ++i) {
-    wait_until_created(bootstraps.comms[i], ranks[i], size, devices[i], timeout);
+    wait_until_done(bootstraps.comms[i], "ncclCommInitRankConfig", ranks[i], size, devices[i],
+                    timeout);
   }
   // Every rank has now shown up, so the blocking split below has no one left to wait for.
-  PendingComms twins(count);
   std::vector<ncclConfig_t> blocking(count, config_with_blocking(1));
-  MESHLA_CHECK_NCCL(ncclGroupStart());
-  for (std::size_t i = 0; i < count; ++i) {
-    MESHLA_CHECK_CUDA(cudaSetDevice(devices[i]));
-    MESHLA_CHECK_NCCL(
-        ncclCommSplit(bootstraps.comms[i], 0, ranks[i], &twins.comms[i], &blocking[i]));
-  }
-  const ncclResult_t split = ncclGroupEnd();
-  if (split != ncclSuccess && split != ncclInProgress) {
-    throw_nccl_error(split, "ncclGroupEnd (ncclCommSplit)", __FILE__, __LINE__);
+  {
+    NcclGroup group;
+    for (std::size_t i = 0; i < count; ++i) {
+      MESHLA_CHECK_CUDA(cudaSetDevice(devices[i]));
+      MESHLA_CHECK_NCCL(
+          ncclCommSplit(bootstraps.comms[i], 0, ranks[i], &twins.comms[i], &blocking[i]));
+    }
+    const ncclResult_t split = group.end();
+    if (split != ncclSuccess && split != ncclInProgress) {
+      throw_nccl_error(split, "ncclGroupEnd (ncclCommSplit)", __FILE__, __LINE__);
+    }
   }
   for (std::size_t i = 0; i < count; ++i) {
     // The split runs as a job of the nonblocking parent, which reports its progress; the twin's
     // handle is written only when that job is done.
-    wait_until_created(bootstraps.comms[i], ranks[i], size, devices[i], timeout);
+    wait_until_done(bootstraps.comms[i], "ncclCommSplit", ranks[i], size, devices[i], timeout);
     MESHLA_CHECK(kNccl, twins.comms[i] != nullptr,
                  "ncclCommSplit finished without a communicator for rank " << ranks[i]);
-    wait_until_created(twins.comms[i], ranks[i], size, devices[i], timeout);
+    wait_until_done(twins.comms[i], "ncclCommSplit", ranks[i], size, devices[i], timeout);
   }
   std::vector<ncclComm_t> made = twins.release();
   std::vector<ncclComm_t> parents = bootstraps.release();

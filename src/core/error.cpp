@@ -62,10 +62,5 @@ void throw_cublas_error(cublasStatus_t status, const char* call, const char* fil
   throw_call_error(ErrorCode::kCublas, call, status_text, file, line);
 }
 
-void throw_cusolver_error(cusolverStatus_t status, const char* call, const char* file, int line) {
-  throw_call_error(ErrorCode::kCusolver, call,
-                   "cusolverStatus_t " + std::to_string(static_cast<int>(status)), file, line);
-}
-
 }  // namespace detail
 }  // namespace meshla

@@ -40,6 +40,23 @@ struct TimingEvents {
   cudaEvent_t stop = nullptr;
 };
 
+// Owns one cuBLASLt object; members of this type free what a throwing constructor made.
+template <typename Handle, cublasStatus_t (*Destroy)(Handle)>
+class LtOwned {
+ public:
+  LtOwned() = default;
+  ~LtOwned() {
+    if (handle_ != nullptr) Destroy(handle_);
+  }
+  LtOwned(const LtOwned&) = delete;
+  LtOwned& operator=(const LtOwned&) = delete;
+  Handle get() const { return handle_; }
+  Handle* out() { return &handle_; }  // for the Create call
+
+ private:
+  Handle handle_ = nullptr;
+};
+
 cudaDataType_t cuda_type(DType dtype) {
   switch (dtype) {
     case DType::kBFloat16:
@@ -114,7 +131,10 @@ void validate(const MatmulShape& s) {
   MESHLA_CHECK_ARG(s.batch >= 1, "matmul: batch=" << s.batch << " must be at least 1");
   MESHLA_CHECK_ARG(s.lda >= s.k, "matmul: lda=" << s.lda << " is smaller than k=" << s.k);
   MESHLA_CHECK_ARG(s.ldb >= (s.trans_b ? s.k : s.n),
-                   "matmul: ldb=" << s.ldb << " is smaller than the row length of b");
+                   "matmul: ldb=" << s.ldb << " is smaller than the row length "
+                                  << (s.trans_b ? s.k : s.n) << " of b ("
+                                  << (s.trans_b ? "[n, k]" : "[k, n]") << ", n=" << s.n
+                                  << ", k=" << s.k << ")");
   MESHLA_CHECK_ARG(s.ldd >= s.n, "matmul: ldd=" << s.ldd << " is smaller than n=" << s.n);
   MESHLA_CHECK_ARG(s.sm_count >= 0, "matmul: sm_count=" << s.sm_count << " is negative");
 }
@@ -125,103 +145,48 @@ class Descriptors {
   Descriptors(cublasLtHandle_t handle, const ResolvedShape& resolved, std::size_t workspace_bytes) {
     const MatmulShape& s = resolved.shape;
     const cudaDataType_t type = cuda_type(s.dtype);
-    MESHLA_CHECK_CUBLAS(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    MESHLA_CHECK_CUBLAS(cublasLtMatmulDescCreate(desc_.out(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
     // Row-major d = a @ op(b) is column-major d^T = op(b)^T a^T: cuBLAS's first operand is b.
     const cublasOperation_t op_b = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t op_n = CUBLAS_OP_N;
-    MESHLA_CHECK_CUBLAS(
-        cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof(op_b)));
-    MESHLA_CHECK_CUBLAS(
-        cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
+    MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_.get(), CUBLASLT_MATMUL_DESC_TRANSA,
+                                                       &op_b, sizeof(op_b)));
+    MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_.get(), CUBLASLT_MATMUL_DESC_TRANSB,
+                                                       &op_n, sizeof(op_n)));
     if (s.bias) {
       const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_EPILOGUE,
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_.get(), CUBLASLT_MATMUL_DESC_EPILOGUE,
                                                          &epilogue, sizeof(epilogue)));
-      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
-                                                         &type, sizeof(type)));
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+          desc_.get(), CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &type, sizeof(type)));
     }
     if (s.sm_count > 0) {
       MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
-          desc_, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &s.sm_count, sizeof(s.sm_count)));
+          desc_.get(), CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &s.sm_count, sizeof(s.sm_count)));
     }
     if (s.trans_b) {
-      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&layout_b_, type, s.k, s.n, s.ldb));
+      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_b_.out(), type, s.k, s.n, s.ldb));
     } else {
-      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&layout_b_, type, s.n, s.k, s.ldb));
+      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_b_.out(), type, s.n, s.k, s.ldb));
     }
-    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&layout_a_, type, s.k, s.m, s.lda));
-    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&layout_d_, type, s.n, s.m, s.ldd));
+    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_a_.out(), type, s.k, s.m, s.lda));
+    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_d_.out(), type, s.n, s.m, s.ldd));
     if (s.batch > 1) {
-      set_batch(layout_b_, s.batch, 0);  // b is shared by the batch
-      set_batch(layout_a_, s.batch, s.batch_stride_a);
-      set_batch(layout_d_, s.batch, s.batch_stride_d);
+      set_batch(layout_b_.get(), s.batch, 0);  // b is shared by the batch
+      set_batch(layout_a_.get(), s.batch, s.batch_stride_a);
+      set_batch(layout_d_.get(), s.batch, s.batch_stride_d);
     }
     choose_algorithm(handle, resolved, workspace_bytes);
   }
 
-  ~Descriptors() {
-    if (preference_) cublasLtMatmulPreferenceDestroy(preference_);
-    if (layout_a_) cublasLtMatrixLayoutDestroy(layout_a_);
-    if (layout_b_) cublasLtMatrixLayoutDestroy(layout_b_);
-    if (layout_d_) cublasLtMatrixLayoutDestroy(layout_d_);
-    if (desc_) cublasLtMatmulDescDestroy(desc_);
-  }
   Descriptors(const Descriptors&) = delete;
   Descriptors& operator=(const Descriptors&) = delete;
 
   void run(cublasLtHandle_t handle, const MatmulOperands& ops, bool addend, void* workspace,
            std::size_t workspace_bytes, cudaStream_t stream) {
-    if (ops.bias != nullptr) {
-      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc_, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                         &ops.bias, sizeof(ops.bias)));
-    }
-    const float alpha = 1.0f;
-    const float beta = addend ? 1.0f : 0.0f;
-    const void* c = addend ? ops.addend : ops.d;
-    MESHLA_CHECK_CUBLAS(cublasLtMatmul(handle, desc_, &alpha, ops.b, layout_b_, ops.a, layout_a_,
-                                       &beta, c, layout_d_, ops.d, layout_d_, &algorithm_,
-                                       workspace, workspace_bytes, stream));
+    launch(algorithm_, handle, ops, addend, workspace, workspace_bytes, stream);
   }
 
- private:
-  static void set_batch(cublasLtMatrixLayout_t layout, int batch, std::int64_t stride) {
-    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                                                         &batch, sizeof(batch)));
-    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(
-        layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
-  }
-
-  void choose_algorithm(cublasLtHandle_t handle, const ResolvedShape& resolved,
-                        std::size_t workspace_bytes) {
-    MESHLA_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&preference_));
-    auto set = [&](cublasLtMatmulPreferenceAttributes_t attribute, auto value) {
-      MESHLA_CHECK_CUBLAS(
-          cublasLtMatmulPreferenceSetAttribute(preference_, attribute, &value, sizeof(value)));
-    };
-    set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes));
-    const Alignments& align = resolved.alignments;
-    // cuBLAS's A is our b, its B our a, its C the addend (or d), its D our d.
-    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align.b);
-    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.a);
-    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::min(align.addend, align.d));
-    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.d);
-    std::array<cublasLtMatmulHeuristicResult_t, kCandidates> results{};
-    int found = 0;
-    MESHLA_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, desc_, layout_b_, layout_a_,
-                                                       layout_d_, layout_d_, preference_,
-                                                       kCandidates, results.data(), &found));
-    const MatmulShape& s = resolved.shape;
-    if (found == 0) {
-      MESHLA_THROW(kNotImplemented, "matmul: cuBLASLt has no algorithm for "
-                                        << dtype_name(s.dtype) << " m=" << s.m << ", n=" << s.n
-                                        << ", k=" << s.k << ", batch=" << s.batch
-                                        << ", trans_b=" << s.trans_b);
-    }
-    for (int i = 0; i < found; ++i) candidates_.push_back(results[i].algo);
-    algorithm_ = candidates_.front();
-  }
-
- public:
   // Times every candidate on `ops` (scratch data) and keeps the fastest: the heuristic's first
   // choice is often not it, above all under an SM count target.
   void tune(cublasLtHandle_t handle, const MatmulOperands& ops, bool addend, void* workspace,
@@ -230,12 +195,12 @@ class Descriptors {
     float best = std::numeric_limits<float>::infinity();
     cublasLtMatmulAlgo_t best_algorithm = candidates_.front();
     for (const cublasLtMatmulAlgo_t& candidate : candidates_) {
-      algorithm_ = candidate;
-      run(handle, ops, addend, workspace, workspace_bytes, stream);  // warm-up
+      launch(candidate, handle, ops, addend, workspace, workspace_bytes, stream);  // warm-up
       TimingEvents events(device);
       MESHLA_CHECK_CUDA(cudaEventRecord(events.start, stream));
-      for (int i = 0; i < kTuneRepeats; ++i)
-        run(handle, ops, addend, workspace, workspace_bytes, stream);
+      for (int i = 0; i < kTuneRepeats; ++i) {
+        launch(candidate, handle, ops, addend, workspace, workspace_bytes, stream);
+      }
       MESHLA_CHECK_CUDA(cudaEventRecord(events.stop, stream));
       MESHLA_CHECK_CUDA(cudaEventSynchronize(events.stop));
       float elapsed = 0;
@@ -249,11 +214,64 @@ class Descriptors {
     tuned_ = true;
   }
 
-  cublasLtMatmulDesc_t desc_ = nullptr;
-  cublasLtMatrixLayout_t layout_a_ = nullptr;
-  cublasLtMatrixLayout_t layout_b_ = nullptr;
-  cublasLtMatrixLayout_t layout_d_ = nullptr;
-  cublasLtMatmulPreference_t preference_ = nullptr;
+ private:
+  static void set_batch(cublasLtMatrixLayout_t layout, int batch, std::int64_t stride) {
+    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                         &batch, sizeof(batch)));
+    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(
+        layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+
+  void choose_algorithm(cublasLtHandle_t handle, const ResolvedShape& resolved,
+                        std::size_t workspace_bytes) {
+    MESHLA_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(preference_.out()));
+    auto set = [&](cublasLtMatmulPreferenceAttributes_t attribute, auto value) {
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference_.get(), attribute, &value,
+                                                               sizeof(value)));
+    };
+    set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, static_cast<std::uint64_t>(workspace_bytes));
+    const Alignments& align = resolved.alignments;
+    // cuBLAS's A is our b, its B our a, its C the addend (or d), its D our d.
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align.b);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.a);
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, std::min(align.addend, align.d));
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.d);
+    std::array<cublasLtMatmulHeuristicResult_t, kCandidates> results{};
+    int found = 0;
+    MESHLA_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(
+        handle, desc_.get(), layout_b_.get(), layout_a_.get(), layout_d_.get(), layout_d_.get(),
+        preference_.get(), kCandidates, results.data(), &found));
+    const MatmulShape& s = resolved.shape;
+    if (found == 0) {
+      MESHLA_THROW(kNotImplemented, "matmul: cuBLASLt has no algorithm for "
+                                        << dtype_name(s.dtype) << " m=" << s.m << ", n=" << s.n
+                                        << ", k=" << s.k << ", batch=" << s.batch
+                                        << ", trans_b=" << s.trans_b);
+    }
+    for (int i = 0; i < found; ++i) candidates_.push_back(results[i].algo);
+    algorithm_ = candidates_.front();
+  }
+
+  void launch(const cublasLtMatmulAlgo_t& algorithm, cublasLtHandle_t handle,
+              const MatmulOperands& ops, bool addend, void* workspace, std::size_t workspace_bytes,
+              cudaStream_t stream) {
+    if (ops.bias != nullptr) {
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+          desc_.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ops.bias, sizeof(ops.bias)));
+    }
+    const float alpha = 1.0f;
+    const float beta = addend ? 1.0f : 0.0f;
+    const void* c = addend ? ops.addend : ops.d;
+    MESHLA_CHECK_CUBLAS(cublasLtMatmul(
+        handle, desc_.get(), &alpha, ops.b, layout_b_.get(), ops.a, layout_a_.get(), &beta, c,
+        layout_d_.get(), ops.d, layout_d_.get(), &algorithm, workspace, workspace_bytes, stream));
+  }
+
+  LtOwned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy> desc_;
+  LtOwned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy> layout_a_;
+  LtOwned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy> layout_b_;
+  LtOwned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy> layout_d_;
+  LtOwned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy> preference_;
   cublasLtMatmulAlgo_t algorithm_{};
   std::vector<cublasLtMatmulAlgo_t> candidates_;
   bool tuned_ = false;
@@ -332,7 +350,9 @@ void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream
   const MatmulShape packed = with_packed_pitches(shape);
   validate(packed);
   if (packed.m == 0 || packed.n == 0) return;
-  MESHLA_CHECK_ARG(ops.a && ops.b && ops.d, "matmul: a, b and d must be non-null");
+  MESHLA_CHECK_ARG(ops.a && ops.b && ops.d,
+                   "matmul: a, b and d must be non-null (m=" << packed.m << ", n=" << packed.n
+                                                             << ", k=" << packed.k << ")");
   MESHLA_CHECK_ARG(!packed.bias || ops.bias, "matmul: the shape asks for a bias but none is given");
   MESHLA_CHECK_ARG(!packed.addend || ops.addend,
                    "matmul: the shape asks for an addend but none is given");

@@ -91,7 +91,8 @@ struct CollectiveMatmul::Impl {
         matmul(comm.device()),
         comm_stream(comm.device(), /*high_priority=*/true),
         fork(comm.device()),
-        join(comm.device()) {
+        join(comm.device()),
+        done(comm.device()) {
     const int device = comm.device();
     int device_sms = 0;
     MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
@@ -112,12 +113,13 @@ struct CollectiveMatmul::Impl {
 
   ~Impl() {
     if (!executed) return;
-    // The buffers and the communicator may go with this plan: let the last execution finish.
+    // The buffers and the communicator may go with this plan: let the last eager execution
+    // finish (graphs captured from the plan must not outlive it, like any captured buffer).
     const auto deadline = std::chrono::steady_clock::now() + comm.timeout();
-    cudaError_t status = cudaEventQuery(join.get());
+    cudaError_t status = cudaEventQuery(done.get());
     while (status == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      status = cudaEventQuery(join.get());
+      status = cudaEventQuery(done.get());
     }
     if (status == cudaErrorNotReady) {
       std::fprintf(stderr,
@@ -175,8 +177,8 @@ struct CollectiveMatmul::Impl {
         MESHLA_CHECK_CUDA(cudaMemcpyAsync(at.at(task.dst), at.at(task.src), count * at.element,
                                           cudaMemcpyDeviceToDevice, stream));
         break;
-      case overlap::CommKind::kSendRecv:
-        MESHLA_CHECK_NCCL(ncclGroupStart());
+      case overlap::CommKind::kSendRecv: {
+        detail::NcclGroup group;
         for (const overlap::Transfer& send : task.sends) {
           MESHLA_CHECK_NCCL(ncclSend(at.at(send.at), at.count(send.at.buffer, send.rows), type,
                                      send.peer, state.comm, stream));
@@ -185,8 +187,9 @@ struct CollectiveMatmul::Impl {
           MESHLA_CHECK_NCCL(ncclRecv(at.at(recv.at), at.count(recv.at.buffer, recv.rows), type,
                                      recv.peer, state.comm, stream));
         }
-        MESHLA_CHECK_NCCL(ncclGroupEnd());
+        MESHLA_CHECK_NCCL(group.end());
         break;
+      }
       case overlap::CommKind::kAllGather:
         MESHLA_CHECK_NCCL(
             ncclAllGather(at.at(task.src), at.at(task.dst), count, type, state.comm, stream));
@@ -214,10 +217,36 @@ struct CollectiveMatmul::Impl {
     at.bind(overlap::Buffer::kPartial, partial.data(), config.n);
     at.bind(overlap::Buffer::kOutput, args.out.data, config.n);
 
+    // One execution of a plan at a time: its buffers, events and GEMM workspace are shared by
+    // all of them, so a run on another stream first waits for the previous run (stream-ordered,
+    // no host wait). Not while capturing: a graph's replays are ordered by the caller.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MESHLA_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
+    const bool eager = capture == cudaStreamCaptureStatusNone;
+    if (eager && executed) MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, done.get(), 0));
     MESHLA_CHECK_CUDA(cudaEventRecord(fork.get(), stream));
     MESHLA_CHECK_CUDA(cudaStreamWaitEvent(comm_stream.get(), fork.get(), 0));
-    // A stream wait binds to the latest record of its event, so each task is enqueued after the
-    // task it waits for; communication goes first whenever it can, to start transfers early.
+    executed = executed || eager;
+    try {
+      enqueue_tasks(at, args, stream);
+    } catch (...) {
+      // Join what was enqueued, so the caller's stream still orders everything written (and a
+      // capture is not left with an unjoined stream); the first error is the one reported.
+      cudaEventRecord(join.get(), comm_stream.get());
+      cudaStreamWaitEvent(stream, join.get(), 0);
+      if (eager) cudaEventRecord(done.get(), stream);
+      throw;
+    }
+    MESHLA_CHECK_CUDA(cudaEventRecord(join.get(), comm_stream.get()));
+    MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, join.get(), 0));
+    // Only eager runs mark `done`: an event recorded inside a capture cannot be waited on
+    // outside it.
+    if (eager) MESHLA_CHECK_CUDA(cudaEventRecord(done.get(), stream));
+  }
+
+  // A stream wait binds to the latest record of its event, so each task is enqueued after the
+  // task it waits for; communication goes first whenever it can, to start transfers early.
+  void enqueue_tasks(const Bindings& at, const CollectiveMatmulArgs& args, cudaStream_t stream) {
     std::size_t next_gemm = 0;
     std::size_t next_comm = 0;
     while (next_gemm < schedule.gemms.size() || next_comm < schedule.comms.size()) {
@@ -233,9 +262,6 @@ struct CollectiveMatmul::Impl {
                                     << ", comm " << next_comm);
       }
     }
-    MESHLA_CHECK_CUDA(cudaEventRecord(join.get(), comm_stream.get()));
-    MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, join.get(), 0));
-    executed = true;
   }
 
   Communicator comm;
@@ -245,6 +271,7 @@ struct CollectiveMatmul::Impl {
   detail::Stream comm_stream;
   detail::Event fork;
   detail::Event join;
+  detail::Event done;  // recorded on the caller's stream when an execution has finished there
   std::vector<detail::Event> gemm_done;
   std::vector<detail::Event> comm_done;
   detail::DeviceBuffer own_gathered;

@@ -51,6 +51,12 @@ std::int64_t chunk_size(std::int64_t rows, int count, int index) {
 
 int wrap(int value, int tp) { return ((value % tp) + tp) % tp; }
 
+// The rows that chunks split: each rank's block, except for an all-reduce that is not a ring,
+// which splits (or, sequential, computes) all rows, fewer than tp included.
+std::int64_t rows_split_into_chunks(CollectiveOp op, Algorithm algorithm, int tp, std::int64_t m) {
+  return op == CollectiveOp::kMatmulAllReduce && algorithm != Algorithm::kRing ? m : m / tp;
+}
+
 void validate(const ScheduleParams& p) {
   const std::string_view op = collective_op_name(p.op);
   MESHLA_CHECK_ARG(p.tp >= 1, op << ": tp_size=" << p.tp << " must be at least 1");
@@ -75,11 +81,7 @@ void validate(const ScheduleParams& p) {
                     << ", tp_size=" << p.tp << "; use pipelined or sequential");
   }
 
-  // The rows that chunks split: each rank's block, or all rows for a pipelined all-reduce.
-  std::int64_t split_rows = p.m / p.tp;
-  if (p.op == CollectiveOp::kMatmulAllReduce && p.algorithm == Algorithm::kPipelined) {
-    split_rows = p.m;
-  }
+  const std::int64_t split_rows = rows_split_into_chunks(p.op, p.algorithm, p.tp, p.m);
   MESHLA_CHECK_ARG(p.chunks <= split_rows, op << ": chunks=" << p.chunks << " exceeds the "
                                               << split_rows << " rows it splits (m=" << p.m
                                               << ", tp_size=" << p.tp << ")");
@@ -339,14 +341,13 @@ Algorithm default_algorithm(CollectiveOp op, int tp, std::int64_t m) {
 
 int default_chunks(CollectiveOp op, Algorithm algorithm, int tp, std::int64_t m) {
   std::int64_t wanted = 1;
-  std::int64_t split_rows = m / tp;
+  const std::int64_t split_rows = rows_split_into_chunks(op, algorithm, tp, m);
   switch (algorithm) {
     case Algorithm::kAuto:
     case Algorithm::kSequential:
       return 1;
     case Algorithm::kPipelined:
       wanted = 4;
-      if (op == CollectiveOp::kMatmulAllReduce) split_rows = m;
       break;
     case Algorithm::kRing:
       // Reduction rings need two sub-chunks to overlap a transfer with the next product.

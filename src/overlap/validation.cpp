@@ -9,12 +9,18 @@ namespace meshla::overlap {
 namespace {
 
 std::string expected_shape(std::int64_t rows, std::int64_t cols) {
+  if (rows < 0) return "[" + std::to_string(cols) + "]";
   return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
 }
 
+// Checks one array; rows < 0 means a vector of `cols`. `why` (a callable returning the reason for
+// the expected shape) runs only on failure, so a passing call builds no string.
+template <typename Why>
 void check_matrix(std::string_view op, const char* name, const TensorView& view, std::int64_t rows,
-                  std::int64_t cols, DType dtype, int device, const std::string& why) {
-  MESHLA_CHECK_ARG(view.data != nullptr || rows * cols == 0, op << ": " << name << " is missing");
+                  std::int64_t cols, DType dtype, int device, Why why) {
+  MESHLA_CHECK_ARG(view.data != nullptr || rows * cols == 0,
+                   op << ": " << name << " is missing; expected " << expected_shape(rows, cols)
+                      << " (" << why() << ")");
   MESHLA_CHECK_ARG(view.device_kind == DeviceKind::kCuda,
                    op << ": " << name << " must be on a CUDA device, not the host");
   MESHLA_CHECK_ARG(view.device == device, op << ": " << name << " is on cuda:" << view.device
@@ -24,10 +30,9 @@ void check_matrix(std::string_view op, const char* name, const TensorView& view,
   const bool shape_ok =
       (rows < 0 && view.ndim == 1 && view.shape[0] == cols) ||
       (rows >= 0 && view.ndim == 2 && view.shape[0] == rows && view.shape[1] == cols);
-  MESHLA_CHECK_ARG(shape_ok,
-                   op << ": " << name << ".shape=" << view.shape_string() << " but expected "
-                      << (rows < 0 ? "[" + std::to_string(cols) + "]" : expected_shape(rows, cols))
-                      << " (" << why << ")");
+  MESHLA_CHECK_ARG(shape_ok, op << ": " << name << ".shape=" << view.shape_string()
+                                << " but expected " << expected_shape(rows, cols) << " (" << why()
+                                << ")");
   MESHLA_CHECK_ARG(view.is_row_major_contiguous(), op << ": " << name << " with shape "
                                                       << view.shape_string()
                                                       << " must be contiguous row-major");
@@ -74,32 +79,38 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
 void validate_args(const CollectiveMatmulConfig& c, int tp, int device,
                    const CollectiveMatmulArgs& args) {
   const std::string_view op = collective_op_name(c.op);
-  const std::string m_k = "m=" + std::to_string(c.m) + ", k=" + std::to_string(c.k);
-  const std::string per_rank = "m=" + std::to_string(c.m) + " / tp_size=" + std::to_string(tp);
+  const auto m_k = [&] { return "m=" + std::to_string(c.m) + ", k=" + std::to_string(c.k); };
+  const auto per_rank = [&] {
+    return "m=" + std::to_string(c.m) + " / tp_size=" + std::to_string(tp);
+  };
+  const auto text = [](const char* reason) { return [reason] { return std::string(reason); }; };
   switch (c.op) {
     case CollectiveOp::kAllGatherMatmul:
-      check_matrix(op, "a", args.a, c.m / tp, c.k, c.dtype, device, per_rank + " rows, k");
+      check_matrix(op, "a", args.a, c.m / tp, c.k, c.dtype, device,
+                   [&] { return per_rank() + " rows, k"; });
       break;
     case CollectiveOp::kMatmulReduceScatter:
     case CollectiveOp::kMatmulAllReduce:
-      check_matrix(op, "a", args.a, c.m, c.k, c.dtype, device, m_k + " local");
+      check_matrix(op, "a", args.a, c.m, c.k, c.dtype, device, [&] { return m_k() + " local"; });
       break;
   }
   if (c.trans_b) {
-    check_matrix(op, "b", args.b, c.n, c.k, c.dtype, device, "trans_b: [n, k]");
+    check_matrix(op, "b", args.b, c.n, c.k, c.dtype, device, text("trans_b: [n, k]"));
   } else {
-    check_matrix(op, "b", args.b, c.k, c.n, c.dtype, device, "[k, n]");
+    check_matrix(op, "b", args.b, c.k, c.n, c.dtype, device, text("[k, n]"));
   }
   if (c.bias) {
-    check_matrix(op, "bias", args.bias, -1, c.n, c.dtype, device, "one value per output column");
+    check_matrix(op, "bias", args.bias, -1, c.n, c.dtype, device,
+                 text("one value per output column"));
   } else {
     MESHLA_CHECK_ARG(args.bias.data == nullptr,
                      op << ": a bias was passed to a plan built without one");
   }
   if (c.op == CollectiveOp::kMatmulReduceScatter) {
-    check_matrix(op, "out", args.out, c.m / tp, c.n, c.dtype, device, per_rank + " rows, n");
+    check_matrix(op, "out", args.out, c.m / tp, c.n, c.dtype, device,
+                 [&] { return per_rank() + " rows, n"; });
   } else {
-    check_matrix(op, "out", args.out, c.m, c.n, c.dtype, device, "m, n");
+    check_matrix(op, "out", args.out, c.m, c.n, c.dtype, device, text("m, n"));
   }
   if (c.return_gathered) {
     check_matrix(op, "gathered", args.gathered, c.m, c.k, c.dtype, device, m_k);
@@ -117,9 +128,16 @@ void validate_args(const CollectiveMatmulConfig& c, int tp, int device,
     const char* y0 = static_cast<const char*>(y.data);
     return x0 < y0 + bytes(y) && y0 < x0 + bytes(x);
   };
-  for (const TensorView* input : {&args.a, &args.b, &args.bias}) {
-    MESHLA_CHECK_ARG(!overlaps(*input, args.out) && !overlaps(*input, args.gathered),
-                     op << ": an output shares memory with an input; outputs must not alias");
+  const std::pair<const char*, const TensorView*> inputs[] = {
+      {"a", &args.a}, {"b", &args.b}, {"bias", &args.bias}};
+  const std::pair<const char*, const TensorView*> outputs[] = {{"out", &args.out},
+                                                               {"gathered", &args.gathered}};
+  for (const auto& [input_name, input] : inputs) {
+    for (const auto& [output_name, output] : outputs) {
+      MESHLA_CHECK_ARG(!overlaps(*input, *output),
+                       op << ": " << output_name << " shares memory with the input " << input_name
+                          << "; outputs must not alias inputs");
+    }
   }
   MESHLA_CHECK_ARG(!overlaps(args.out, args.gathered),
                    op << ": out and gathered share memory; outputs must not alias");

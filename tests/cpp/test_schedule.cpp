@@ -354,7 +354,7 @@ TEST(Schedule, EveryOpAlgorithmTpAndChunkCount) {
 
 TEST(Schedule, AllReducePipelinedTakesRowsNotDivisibleByTp) {
   for (int tp = 2; tp <= 8; ++tp) {
-    for (std::int64_t m : {tp + 1, 3 * tp - 1}) {
+    for (std::int64_t m : {std::int64_t{1}, tp - 1L, tp + 1L, 3L * tp - 1}) {
       for (int chunks = 1; chunks <= m; ++chunks) {
         simulate_and_check({.op = CollectiveOp::kMatmulAllReduce,
                             .algorithm = Algorithm::kPipelined,

@@ -35,6 +35,18 @@ def test_bad_shapes_name_the_arguments(world1):
         mt.all_gather_matmul(a, torch.randn(8, 5), world1, algorithm="fastest")
     with pytest.raises(ValueError, match=r"group must be a meshla.torch.TPGroup"):
         mt.all_gather_matmul(a, torch.randn(8, 5), None)
+    with pytest.raises(ValueError, match=r"gathered_out is given but return_gathered=False"):
+        mt.all_gather_matmul(a, torch.randn(8, 5), world1, gathered_out=torch.empty(4, 8))
+    with pytest.raises(ValueError, match=r"matmul_all_reduce: out has shape \[4, 4\]"):
+        mt.matmul_all_reduce(a, torch.randn(8, 5), world1, out=torch.empty(4, 4))
+
+
+def test_autograd_inputs_are_refused_not_silently_dropped(world1):
+    weight = torch.randn(8, 5, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="autograd is not supported yet"):
+        mt.matmul_all_reduce(torch.randn(4, 8), weight, world1)
+    with torch.no_grad():
+        assert mt.matmul_all_reduce(torch.randn(4, 8), weight, world1).shape == (4, 5)
 
 
 def _reduce_scatter_uneven(rank, size):

@@ -48,9 +48,9 @@ class TPGroup:
     size: int
     comm: _meshla.Communicator | None = None
     process_group: Any = None
-    # Plans by (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks, comm_sms);
-    # each plan
-    # owns its buffers, so a group keeps one per shape it has run.
+    # Plans by (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks, comm_sms).
+    # Each owns its buffers (and runs one execution at a time), so a group keeps one per shape
+    # it has run: with many distinct shapes, make a TPGroup per phase or drop it between them.
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -65,11 +65,12 @@ class TPGroup:
             raise ValueError(
                 f"{op.name}: this TPGroup has no CUDA communicator (it was built for CPU tensors)"
             )
+        algorithm = _algorithm(algorithm)  # "ring" and Algorithm.ring share one plan
         key = (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks, comm_sms)
         plan = self._plans.get(key)
         if plan is None:
             plan = _meshla.CollectiveMatmul(
-                self.comm, op, _DTYPE_NAMES[dtype], m, n, k, _algorithm(algorithm),
+                self.comm, op, _DTYPE_NAMES[dtype], m, n, k, algorithm,
                 trans_b=trans_b, bias=bias, return_gathered=return_gathered, chunks=chunks,
                 comm_sms=comm_sms,
             )
@@ -172,6 +173,11 @@ def _check_operands(op: str, a, b, bias, trans_b: bool, group: TPGroup):
     n = b.shape[0] if trans_b else b.shape[1]
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise ValueError(f"{op}: bias.shape={_shape(bias)} but expected [{n}]")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias)):
+        raise NotImplementedError(
+            f"{op}: autograd is not supported yet and the gradient would be lost; call it under "
+            "torch.no_grad() or pass detached tensors"
+        )
     if a.device.type == "cuda" and a.device != group.device:
         raise ValueError(f"{op}: a is on {a.device} but the group's communicator uses {group.device}")
     if a.device.type == "cpu" and group.process_group is None:
@@ -179,25 +185,25 @@ def _check_operands(op: str, a, b, bias, trans_b: bool, group: TPGroup):
     return n
 
 
-def _output(given, shape, like):
-    """The caller's preallocated output, checked, or a fresh one."""
+def _output(op: str, name: str, given, shape, like):
+    """The caller's preallocated output ``name``, checked, or a fresh one."""
     if given is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     if tuple(given.shape) != tuple(shape) or given.dtype != like.dtype or given.device != like.device:
         raise ValueError(
-            f"out has shape {_shape(given)}, {given.dtype} on {given.device}; expected "
+            f"{op}: {name} has shape {_shape(given)}, {given.dtype} on {given.device}; expected "
             f"{list(shape)}, {like.dtype} on {like.device}"
         )
     if not given.is_contiguous():
-        raise ValueError(f"out with shape {_shape(given)} must be contiguous")
+        raise ValueError(f"{op}: {name} with shape {_shape(given)} must be contiguous")
     return given
 
 
-def _deliver(result, out):
+def _deliver(op: str, name: str, result, out):
     """The CPU path's result, copied into the caller's ``out`` where one was given."""
     if out is None:
         return result.contiguous()
-    return _output(out, tuple(result.shape), result).copy_(result)
+    return _output(op, name, out, tuple(result.shape), result).copy_(result)
 
 
 def _capsule(t):
@@ -237,18 +243,21 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     """
     op = _meshla.CollectiveOp.all_gather_matmul
     n = _check_operands(op.name, a, b, bias, trans_b, group)
+    if gathered_out is not None and not return_gathered:
+        raise ValueError(f"{op.name}: gathered_out is given but return_gathered=False")
     m, k = a.shape[0] * group.size, a.shape[1]
     if a.device.type == "cpu":
         _algorithm(algorithm)
         parts = [torch.empty_like(a) for _ in range(group.size)]
         dist.all_gather(parts, a.contiguous(), group=group.process_group)
         gathered = torch.cat(parts)
-        out = _deliver(_reference_product(gathered, b, bias, trans_b, True).to(a.dtype), out)
+        product = _reference_product(gathered, b, bias, trans_b, True).to(a.dtype)
+        out = _deliver(op.name, "out", product, out)
         if return_gathered:
-            return out, _deliver(gathered, gathered_out)
+            return out, _deliver(op.name, "gathered_out", gathered, gathered_out)
         return out
-    out = _output(out, (m, n), a)
-    gathered = _output(gathered_out, (m, k), a) if return_gathered else None
+    out = _output(op.name, "out", out, (m, n), a)
+    gathered = _output(op.name, "gathered_out", gathered_out, (m, k), a) if return_gathered else None
     _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks, comm_sms)
     return (out, gathered) if return_gathered else out
 
@@ -270,8 +279,9 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)
         dist.all_reduce(total, group=group.process_group)
         block = m // group.size
-        return _deliver(total[group.rank * block:(group.rank + 1) * block].to(a.dtype), out)
-    out = _output(out, (m // group.size, n), a)
+        own_rows = total[group.rank * block:(group.rank + 1) * block].to(a.dtype)
+        return _deliver(op.name, "out", own_rows, out)
+    out = _output(op.name, "out", out, (m // group.size, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks, comm_sms)
     return out
 
@@ -286,7 +296,7 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
         _algorithm(algorithm)
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)
         dist.all_reduce(total, group=group.process_group)
-        return _deliver(total.to(a.dtype), out)
-    out = _output(out, (m, n), a)
+        return _deliver(op.name, "out", total.to(a.dtype), out)
+    out = _output(op.name, "out", out, (m, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks, comm_sms)
     return out
