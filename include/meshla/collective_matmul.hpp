@@ -29,7 +29,8 @@ enum class Algorithm {
   kAuto,        // the fastest supported algorithm for the shape and group
   kSequential,  // the collective, then one GEMM (or the GEMM, then the collective)
   kPipelined,   // rows split into chunks; chunk i's collective overlaps chunk i+1's GEMM
-  kRing,        // point-to-point ring: compute on the block held while the next one travels
+  kRing,        // point-to-point ring (ncclSend/ncclRecv): blocks of a (all-gather) or partial
+                // sums (reduce) travel rank to rank while the GEMM works on what is there
 };
 
 std::string_view collective_op_name(CollectiveOp op);
