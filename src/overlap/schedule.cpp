@@ -333,10 +333,13 @@ Schedule with_overlap_marked(Schedule s) {
 
 }  // namespace
 
-Algorithm default_algorithm(CollectiveOp op, int tp, std::int64_t m) {
-  if (tp == 1) return Algorithm::kSequential;
-  if (op == CollectiveOp::kMatmulAllReduce && m % tp != 0) return Algorithm::kPipelined;
-  return Algorithm::kRing;
+Algorithm default_algorithm(CollectiveOp, int tp, std::int64_t m) {
+  // Measured on 4xH200 (bench/results/collective_matmul_h200x4_2026-11-22.md): with NCCL's
+  // kernels sharing the SMs, overlap pays only for large blocks at tp >= 4 (pipelined 1.01-1.05x
+  // at M=16384, tp=4); elsewhere every overlapped algorithm was at best even with sequential.
+  constexpr std::int64_t kPipelinedRowsPerRank = 4096;
+  if (tp >= 4 && m / tp >= kPipelinedRowsPerRank) return Algorithm::kPipelined;
+  return Algorithm::kSequential;
 }
 
 int default_chunks(CollectiveOp op, Algorithm algorithm, int tp, std::int64_t m) {

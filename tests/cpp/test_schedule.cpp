@@ -463,7 +463,9 @@ TEST(Schedule, DefaultsAreValidForEveryShape) {
       }
     }
   }
-  EXPECT_EQ(default_algorithm(CollectiveOp::kMatmulAllReduce, 4, 10), Algorithm::kPipelined);
+  EXPECT_EQ(default_algorithm(CollectiveOp::kMatmulAllReduce, 4, 10), Algorithm::kSequential);
+  EXPECT_EQ(default_algorithm(CollectiveOp::kAllGatherMatmul, 4, 16384), Algorithm::kPipelined);
+  EXPECT_EQ(default_algorithm(CollectiveOp::kAllGatherMatmul, 2, 16384), Algorithm::kSequential);
 }
 
 }  // namespace

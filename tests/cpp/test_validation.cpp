@@ -52,8 +52,17 @@ TEST(Validation, AcceptsMatchingArguments) {
 TEST(Validation, ResolvesAutoAndChunks) {
   const CollectiveMatmulConfig resolved =
       resolve_config({.op = CollectiveOp::kMatmulReduceScatter, .m = 64, .n = 8, .k = 8}, 4);
-  EXPECT_EQ(resolved.algorithm, Algorithm::kRing);
-  EXPECT_EQ(resolved.chunks, 2);
+  EXPECT_EQ(resolved.algorithm, Algorithm::kSequential);
+  EXPECT_EQ(resolved.chunks, 1);
+  EXPECT_EQ(resolved.comm_sms, 0);
+  const CollectiveMatmulConfig ring = resolve_config({.op = CollectiveOp::kMatmulReduceScatter,
+                                                      .algorithm = Algorithm::kRing,
+                                                      .m = 64,
+                                                      .n = 8,
+                                                      .k = 8},
+                                                     4);
+  EXPECT_EQ(ring.chunks, 2);
+  EXPECT_EQ(ring.comm_sms, 8);
   EXPECT_EQ(
       resolve_config({.op = CollectiveOp::kMatmulAllReduce, .m = 8, .n = 8, .k = 8}, 1).algorithm,
       Algorithm::kSequential);
