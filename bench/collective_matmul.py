@@ -57,16 +57,18 @@ def empty(*shape: int) -> torch.Tensor:
 
 
 def meshla_variants(meshla_op, a, b, group, out, sweep) -> dict[str, Callable[[], object]]:
-    """meshla_<algorithm> at its defaults, plus one variant per (comm_sms, chunks) of the sweep
-    for the overlapping algorithms: meshla_<algorithm>_s<comm_sms>_c<chunks>."""
-    settings = [(algorithm, -1, 0) for algorithm in ALGORITHMS]
-    settings += [(algorithm, sms, chunks) for algorithm in ("pipelined", "ring")
-                 for sms, chunks in sweep]
+    """meshla_<algorithm> at its defaults, plus one variant per (comm_sms, chunks, comm_ctas) of
+    the sweep for the overlapping algorithms: meshla_<algorithm>_s<sms>_c<chunks>[_t<ctas>]."""
+    settings = [(algorithm, (-1, 0, 0)) for algorithm in ALGORITHMS]
+    settings += [(algorithm, knobs) for algorithm in ("pipelined", "ring") for knobs in sweep]
     variants = {}
-    for algorithm, sms, chunks in settings:
-        name = f"meshla_{algorithm}" + ("" if (sms, chunks) == (-1, 0) else f"_s{sms}_c{chunks}")
-        variants[name] = (lambda algorithm=algorithm, sms=sms, chunks=chunks: meshla_op(
-            a, b, group, algorithm=algorithm, comm_sms=sms, chunks=chunks, out=out))
+    for algorithm, (sms, chunks, ctas) in settings:
+        name = f"meshla_{algorithm}"
+        if (sms, chunks, ctas) != (-1, 0, 0):
+            name += f"_s{sms}_c{chunks}" + (f"_t{ctas}" if ctas else "")
+        variants[name] = (lambda algorithm=algorithm, sms=sms, chunks=chunks, ctas=ctas: meshla_op(
+            a, b, group, algorithm=algorithm, comm_sms=sms, chunks=chunks, comm_ctas=ctas,
+            out=out))
     return variants
 
 
@@ -263,14 +265,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timings; the median is reported")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), metavar="OP",
                         help=f"ops to time, of: {', '.join(OPS)} (default: all)")
-    parser.add_argument("--sweep", nargs="*", default=[], metavar="SMS:CHUNKS",
-                        help="extra meshla pipelined/ring settings to time, e.g. 8:0 16:4 "
-                        "(comm_sms:chunks; -1 and 0 mean the defaults)")
+    parser.add_argument("--sweep", nargs="*", default=[], metavar="SMS:CHUNKS[:CTAS]",
+                        help="extra meshla pipelined/ring settings to time, e.g. 8:0 16:4 8:0:8 "
+                        "(comm_sms:chunks:comm_ctas; -1, 0 and 0 mean the defaults)")
     args = parser.parse_args()
     try:
-        args.sweep = [tuple(int(v) for v in item.split(":")) for item in args.sweep]
+        knobs = [[int(v) for v in item.split(":")] for item in args.sweep]
+        if any(len(k) not in (2, 3) for k in knobs):
+            raise ValueError
+        args.sweep = [tuple(k + [0] * (3 - len(k))) for k in knobs]
     except ValueError:
-        parser.error("--sweep takes comm_sms:chunks pairs of integers")
+        parser.error("--sweep takes comm_sms:chunks or comm_sms:chunks:comm_ctas integers")
     if "LOCAL_RANK" not in os.environ:
         parser.error("launch with torchrun --nproc-per-node=TP (one process per GPU)")
     tp = int(os.environ["WORLD_SIZE"])

@@ -51,6 +51,10 @@ struct CollectiveMatmulConfig {
   // once instead of queueing behind the GEMM's thread blocks. -1 picks the algorithm's default;
   // sequential never overlaps and uses every SM.
   int comm_sms = -1;
+  // Thread blocks NCCL may use for this plan's transfers (0: NCCL's own choice). Set, the plan
+  // runs them on its own communicator split off with ncclConfig_t.maxCTAs, so that NCCL's
+  // kernels fit in the comm_sms SMs the GEMM leaves free instead of queueing behind it.
+  int comm_ctas = 0;
 };
 
 // Arguments of one execute(); views left empty (data == nullptr) are absent.

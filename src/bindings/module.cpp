@@ -166,7 +166,7 @@ NB_MODULE(_meshla, m) {
           [](CollectiveMatmul* self, const Communicator& comm, CollectiveOp op,
              const std::string& dtype, std::int64_t m_rows, std::int64_t n, std::int64_t k,
              Algorithm algorithm, bool trans_b, bool bias, bool return_gathered, int chunks,
-             int comm_sms) {
+             int comm_sms, int comm_ctas) {
             CollectiveMatmulConfig config{.op = op,
                                           .algorithm = algorithm,
                                           .dtype = parse_dtype(dtype),
@@ -177,13 +177,14 @@ NB_MODULE(_meshla, m) {
                                           .bias = bias,
                                           .return_gathered = return_gathered,
                                           .chunks = chunks,
-                                          .comm_sms = comm_sms};
+                                          .comm_sms = comm_sms,
+                                          .comm_ctas = comm_ctas};
             nb::gil_scoped_release release;
             new (self) CollectiveMatmul(comm, config);
           },
           "comm"_a, "op"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "algorithm"_a = Algorithm::kAuto,
           "trans_b"_a = false, "bias"_a = false, "return_gathered"_a = false, "chunks"_a = 0,
-          "comm_sms"_a = -1)
+          "comm_sms"_a = -1, "comm_ctas"_a = 0)
       .def(
           "execute",
           [](CollectiveMatmul& plan, const Array& a, const Array& b,
@@ -202,5 +203,6 @@ NB_MODULE(_meshla, m) {
       .def_prop_ro("algorithm", [](const CollectiveMatmul& p) { return p.config().algorithm; })
       .def_prop_ro("chunks", [](const CollectiveMatmul& p) { return p.config().chunks; })
       .def_prop_ro("comm_sms", [](const CollectiveMatmul& p) { return p.config().comm_sms; })
+      .def_prop_ro("comm_ctas", [](const CollectiveMatmul& p) { return p.config().comm_ctas; })
       .def_prop_ro("communicator", &CollectiveMatmul::communicator);
 }

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 
 #include <nccl.h>
 
@@ -39,6 +40,10 @@ struct CommState {
 // for a peer (ncclCommFinalize is collective and would hang when ranks drop their handles in
 // different orders). Plans synchronise their own last execution before they let go.
 void release_nccl_comm(ncclComm_t comm);
+
+// A blocking communicator over the same ranks as `parent` whose kernels use at most `max_ctas`
+// thread blocks. Collective over the parent's ranks; every rank passes the same max_ctas.
+std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_ctas);
 
 // An NCCL group, ended on every path: NCCL's group depth is per thread, and a group left open by
 // an exception would defer (and so hang) every later NCCL call of the thread, torch's included.

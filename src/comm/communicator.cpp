@@ -29,6 +29,21 @@ CommState::~CommState() {
 
 void release_nccl_comm(ncclComm_t comm) { ncclCommAbort(comm); }
 
+std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_ctas) {
+  MESHLA_CHECK_ARG(max_ctas >= 1, "split_with_max_ctas: max_ctas=" << max_ctas << " must be >= 1");
+  DeviceGuard guard(parent.device);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 1;
+  config.minCTAs = 1;
+  config.maxCTAs = max_ctas;
+  ncclComm_t child = nullptr;
+  // The parent is blocking, so the split completes (with every rank) before it returns.
+  MESHLA_CHECK_NCCL(ncclCommSplit(parent.comm, 0, parent.rank, &child, &config));
+  MESHLA_CHECK(kNccl, child != nullptr, "ncclCommSplit returned no communicator");
+  return std::make_shared<CommState>(child, nullptr, parent.rank, parent.size, parent.device,
+                                     parent.timeout, release_nccl_comm);
+}
+
 NcclGroup::NcclGroup() { MESHLA_CHECK_NCCL(ncclGroupStart()); }
 
 NcclGroup::~NcclGroup() {

@@ -80,6 +80,9 @@ struct CollectiveMatmul::Impl {
   Impl(Communicator comm_, const CollectiveMatmulConfig& requested)
       : comm(std::move(comm_)),
         config(overlap::resolve_config(requested, comm.size())),
+        transfers(config.comm_ctas > 0
+                      ? Communicator(detail::split_with_max_ctas(*comm.state(), config.comm_ctas))
+                      : comm),
         schedule(overlap::make_schedule({.op = config.op,
                                          .algorithm = config.algorithm,
                                          .tp = comm.size(),
@@ -165,7 +168,7 @@ struct CollectiveMatmul::Impl {
 
   void run_comm(std::size_t index, const Bindings& at) {
     const overlap::CommTask& task = schedule.comms[index];
-    const detail::CommState& state = *comm.state();
+    const detail::CommState& state = *transfers.state();
     cudaStream_t stream = comm_stream.get();
     if (task.wait_gemm >= 0) {
       MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, gemm_done[task.wait_gemm].get(), 0));
@@ -266,6 +269,7 @@ struct CollectiveMatmul::Impl {
 
   Communicator comm;
   CollectiveMatmulConfig config;
+  Communicator transfers;  // comm itself, or its split with at most comm_ctas thread blocks
   overlap::Schedule schedule;
   Matmul matmul;
   detail::Stream comm_stream;

@@ -56,8 +56,11 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
   }
   MESHLA_CHECK_ARG(config.comm_sms >= -1,
                    op << ": comm_sms=" << config.comm_sms << " must be -1 (default) or at least 0");
+  MESHLA_CHECK_ARG(config.comm_ctas >= 0, op << ": comm_ctas=" << config.comm_ctas
+                                             << " must be 0 (NCCL's choice) or more");
   if (resolved.algorithm == Algorithm::kSequential) {
     resolved.comm_sms = 0;
+    resolved.comm_ctas = 0;
   } else if (resolved.comm_sms < 0) {
     resolved.comm_sms = default_comm_sms(resolved.op, resolved.algorithm);
   }

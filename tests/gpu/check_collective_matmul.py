@@ -82,9 +82,9 @@ class Problem:
         self.gathered = torch.full((m, k), float("nan"), dtype=dtype, device=device)
 
 
-def run_op(op, problem, group, algorithm, trans_b, chunks=0):
+def run_op(op, problem, group, algorithm, trans_b, chunks=0, comm_ctas=0):
     kwargs = dict(bias=problem.bias, trans_b=trans_b, algorithm=algorithm, chunks=chunks,
-                  out=problem.out)
+                  comm_ctas=comm_ctas, out=problem.out)
     if op == "all_gather_matmul":
         return mt.all_gather_matmul(problem.a, problem.b, group, return_gathered=True,
                                     gathered_out=problem.gathered, **kwargs)
@@ -94,9 +94,12 @@ def run_op(op, problem, group, algorithm, trans_b, chunks=0):
 def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16, torch.float32)):
     """Every op x algorithm x dtype, with uneven chunking, bias and trans_b variants."""
     case = 0
+    # (algorithm, comm_ctas): every algorithm, plus the ring on its own NCCL communicator
+    # limited to 8 thread blocks.
+    settings = [(algorithm, 0) for algorithm in ALGORITHMS] + [("ring", 8)]
     for dtype in dtypes:
         for op in OPS:
-            for algorithm in ALGORITHMS:
+            for algorithm, comm_ctas in settings:
                 case += 1
                 trans_b = case % 2 == 0
                 bias = case % 3 != 0
@@ -104,10 +107,10 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
                 m, n, k = 200 * group.size, 384, 256
                 chunks = 3 if algorithm in ("pipelined", "ring") else 0
                 name = (f"{label}/{op}/{algorithm}/{str(dtype)[6:]}"
-                        f"/trans_b={int(trans_b)}/bias={int(bias)}")
+                        f"/trans_b={int(trans_b)}/bias={int(bias)}/comm_ctas={comm_ctas}")
                 try:
                     p = Problem(op, group, dtype, m, n, k, seed_base + case, trans_b, bias)
-                    result = run_op(op, p, group, algorithm, trans_b, chunks)
+                    result = run_op(op, p, group, algorithm, trans_b, chunks, comm_ctas)
                     out = result[0] if op == "all_gather_matmul" else result
                     torch.cuda.synchronize(group.device)
                     err = relative_error(out, p.ref)

@@ -24,6 +24,7 @@ from meshla import _meshla
 
 __all__ = [
     "TPGroup",
+    "Tuning",
     "all_gather_matmul",
     "group_from_mpi",
     "group_from_process_group",
@@ -33,6 +34,24 @@ __all__ = [
 ]
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How a collective matmul overlaps: ``algorithm`` ("auto", "sequential", "pipelined",
+    "ring"), ``chunks`` (pipeline depth, 0: the algorithm's default), ``comm_sms`` (SMs the
+    overlapped GEMMs leave to NCCL, -1: default) and ``comm_ctas`` (thread blocks NCCL may use for
+    the transfers, 0: NCCL's choice)."""
+
+    algorithm: _meshla.Algorithm = _meshla.Algorithm.auto
+    chunks: int = 0
+    comm_sms: int = -1
+    comm_ctas: int = 0
+
+    @staticmethod
+    def of(algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0) -> Tuning:
+        # One spelling per algorithm, so "ring" and Algorithm.ring share a plan.
+        return Tuning(_algorithm(algorithm), chunks, comm_sms, comm_ctas)
 
 
 @dataclass(eq=False)
@@ -48,8 +67,7 @@ class TPGroup:
     size: int
     comm: _meshla.Communicator | None = None
     process_group: Any = None
-    # Plans by (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks, comm_sms).
-    # Each owns its buffers (and runs one execution at a time), so a group keeps one per shape
+    # Plans by (op, dtype, m, n, k, trans_b, bias, return_gathered, Tuning). Each owns its buffers (and runs one execution at a time), so a group keeps one per shape
     # it has run: with many distinct shapes, make a TPGroup per phase or drop it between them.
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -59,20 +77,18 @@ class TPGroup:
             return torch.device("cpu")
         return torch.device("cuda", self.comm.device)
 
-    def plan(self, op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks,
-             comm_sms):
+    def plan(self, op, dtype, m, n, k, trans_b, bias, return_gathered, tuning: Tuning):
         if self.comm is None:
             raise ValueError(
                 f"{op.name}: this TPGroup has no CUDA communicator (it was built for CPU tensors)"
             )
-        algorithm = _algorithm(algorithm)  # "ring" and Algorithm.ring share one plan
-        key = (op, dtype, m, n, k, algorithm, trans_b, bias, return_gathered, chunks, comm_sms)
+        key = (op, dtype, m, n, k, trans_b, bias, return_gathered, tuning)
         plan = self._plans.get(key)
         if plan is None:
             plan = _meshla.CollectiveMatmul(
-                self.comm, op, _DTYPE_NAMES[dtype], m, n, k, algorithm,
-                trans_b=trans_b, bias=bias, return_gathered=return_gathered, chunks=chunks,
-                comm_sms=comm_sms,
+                self.comm, op, _DTYPE_NAMES[dtype], m, n, k, tuning.algorithm,
+                trans_b=trans_b, bias=bias, return_gathered=return_gathered,
+                chunks=tuning.chunks, comm_sms=tuning.comm_sms, comm_ctas=tuning.comm_ctas,
             )
             self._plans[key] = plan
         return plan
@@ -210,9 +226,9 @@ def _capsule(t):
     return None if t is None else to_dlpack(t)
 
 
-def _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks, comm_sms):
-    plan = group.plan(op, a.dtype, m, n, k, algorithm, trans_b, bias is not None,
-                      gathered is not None, chunks, comm_sms)
+def _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning):
+    plan = group.plan(op, a.dtype, m, n, k, trans_b, bias is not None, gathered is not None,
+                      tuning)
     stream = torch.cuda.current_stream(a.device).cuda_stream
     plan.execute(_capsule(a.contiguous()), _capsule(b.contiguous()),
                  _capsule(None if bias is None else bias.contiguous()), _capsule(out),
@@ -228,26 +244,24 @@ def _reference_product(a, b, bias, trans_b: bool, add_bias: bool):
 
 
 def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
-                      algorithm="auto", chunks: int = 0, comm_sms: int = -1,
-                      return_gathered: bool = False,
-                      out=None, gathered_out=None):
+                      return_gathered: bool = False, out=None, gathered_out=None,
+                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0):
     """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
 
     ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
     product, and with ``return_gathered`` also the gathered [m, k] ``a`` (the backward needs it).
     ``out`` and ``gathered_out`` are optional preallocated outputs.
 
-    ``algorithm`` is "auto", "sequential", "pipelined" or "ring"; ``chunks`` the pipeline depth
-    (0: the algorithm's default); ``comm_sms`` the SMs kept free of GEMM work for NCCL while the
-    two overlap (-1: the algorithm's default).
+    ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas`` choose how communication and
+    GEMM overlap (see :class:`Tuning`); the defaults are meshla's measured choices.
     """
     op = _meshla.CollectiveOp.all_gather_matmul
     n = _check_operands(op.name, a, b, bias, trans_b, group)
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas)
     if gathered_out is not None and not return_gathered:
         raise ValueError(f"{op.name}: gathered_out is given but return_gathered=False")
     m, k = a.shape[0] * group.size, a.shape[1]
     if a.device.type == "cpu":
-        _algorithm(algorithm)
         parts = [torch.empty_like(a) for _ in range(group.size)]
         dist.all_gather(parts, a.contiguous(), group=group.process_group)
         gathered = torch.cat(parts)
@@ -258,12 +272,13 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
         return out
     out = _output(op.name, "out", out, (m, n), a)
     gathered = _output(op.name, "gathered_out", gathered_out, (m, k), a) if return_gathered else None
-    _run(op, group, a, b, bias, out, gathered, m, n, k, algorithm, trans_b, chunks, comm_sms)
+    _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning)
     return (out, gathered) if return_gathered else out
 
 
-def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
-                          algorithm="auto", chunks: int = 0, comm_sms: int = -1, out=None):
+def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
+                          algorithm="auto", chunks: int = 0, comm_sms: int = -1,
+                          comm_ctas: int = 0):
     """This rank's [m/tp, n] row block of ``sum over ranks(a @ b) (+ bias)``.
 
     ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``): the slices of
@@ -271,32 +286,32 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
     n = _check_operands(op.name, a, b, bias, trans_b, group)
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas)
     m, k = a.shape
     if m % group.size != 0:
         raise ValueError(f"{op.name}: a.shape[0]={m} is not divisible by tp_size={group.size}")
     if a.device.type == "cpu":
-        _algorithm(algorithm)
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)
         dist.all_reduce(total, group=group.process_group)
         block = m // group.size
         own_rows = total[group.rank * block:(group.rank + 1) * block].to(a.dtype)
         return _deliver(op.name, "out", own_rows, out)
     out = _output(op.name, "out", out, (m // group.size, n), a)
-    _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks, comm_sms)
+    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
     return out
 
 
-def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
-                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, out=None):
+def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
+                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0):
     """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank."""
     op = _meshla.CollectiveOp.matmul_all_reduce
     n = _check_operands(op.name, a, b, bias, trans_b, group)
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas)
     m, k = a.shape
     if a.device.type == "cpu":
-        _algorithm(algorithm)
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)
         dist.all_reduce(total, group=group.process_group)
         return _deliver(op.name, "out", total.to(a.dtype), out)
     out = _output(op.name, "out", out, (m, n), a)
-    _run(op, group, a, b, bias, out, None, m, n, k, algorithm, trans_b, chunks, comm_sms)
+    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
     return out
