@@ -1,0 +1,38 @@
+// Rendezvous of the host threads that drive the GPUs of one process for one collective call.
+//
+// Under jax.jit + shard_map with one process driving several GPUs, XLA calls an FFI handler once
+// per GPU, each on its own thread, each seeing only its own shard; cuSolverMg must be called from
+// ONE thread holding every GPU's pointer. meet() bridges the two: the threads of one call meet,
+// publish one value each (a shard pointer) in a table owned by that call, participant 0 runs the
+// work with the whole table while the others wait, and what the work throws reaches every
+// participant. Meetings live in this process only (no shared memory, no files) and are removed
+// when their call ends, so nothing leaks between calls or between jobs on one machine.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace meshla::solver {
+
+struct MeetingId {
+  std::string key;           // names the mesh and the operation, e.g. "potrf/mesh-7f3a"
+  std::uint64_t generation;  // the call's number; every participant counts its calls of `key`
+};
+
+// Participant `index` of `count` arrives at meeting `id` with `value`. Participant 0 runs
+// `leader_work` once every participant has arrived, with the values in participant order; the
+// others wait for it. Every participant returns when the work is done, and throws a meshla::Error
+// with the code and message of what the work threw (kInternal for other exception types).
+// Arrival and the work are each bounded by `timeout`: past it every waiting participant throws
+// kTimeout naming the participants that did not arrive (or the leader that did not finish).
+void meet(const MeetingId& id, int index, int count, void* value,
+          const std::function<void(const std::vector<void*>& values)>& leader_work,
+          std::chrono::milliseconds timeout);
+
+// Meetings currently open in this process (for tests: zero once every call has returned).
+std::size_t open_meetings();
+
+}  // namespace meshla::solver
