@@ -60,6 +60,17 @@ struct Timer {
   }
 };
 
+// Milliseconds per call of `work` (which enqueues on `stream`), after one warm-up call.
+template <typename Work>
+float ms_per_call(Work work, cudaStream_t stream, int iterations) {
+  Timer timer;
+  work();
+  PROBE_CHECK(cudaEventRecord(timer.start, stream));
+  for (int i = 0; i < iterations; ++i) work();
+  PROBE_CHECK(cudaEventRecord(timer.stop, stream));
+  return timer.ms() / iterations;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -102,12 +113,7 @@ int main(int argc, char** argv) {
       matmul.prepare(shape);
       const meshla::MatmulOperands ops{.a = a, .b = b, .d = d};
       auto gemm = [&] { matmul.run(shape, ops, compute); };
-      Timer alone;
-      gemm();
-      PROBE_CHECK(cudaEventRecord(alone.start, compute));
-      for (int i = 0; i < iterations; ++i) gemm();
-      PROBE_CHECK(cudaEventRecord(alone.stop, compute));
-      const float gemm_ms = alone.ms() / iterations;
+      const float gemm_ms = ms_per_call(gemm, compute, iterations);
       for (int blocks : {0, 8, 16, 32}) {  // 0: copy engine (cudaMemcpyAsync)
         auto move = [&] {
           if (blocks == 0) {
@@ -118,12 +124,7 @@ int main(int argc, char** argv) {
                                                   static_cast<int4*>(dst), transfer_bytes / 16);
           }
         };
-        Timer moved;
-        move();
-        PROBE_CHECK(cudaEventRecord(moved.start, transfer));
-        for (int i = 0; i < iterations; ++i) move();
-        PROBE_CHECK(cudaEventRecord(moved.stop, transfer));
-        const float transfer_ms = moved.ms() / iterations;
+        const float transfer_ms = ms_per_call(move, transfer, iterations);
         // Together: each iteration forks the transfer off the compute stream, then joins it.
         Timer both;
         std::vector<Timer> gemm_parts(iterations);
