@@ -31,7 +31,6 @@ import torch.distributed as dist  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 8192, 28672
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
-ALGORITHMS = ("sequential", "pipelined", "ring", "auto")
 CHECK_TOLERANCE = 2e-2
 
 
@@ -56,23 +55,31 @@ def empty(*shape: int) -> torch.Tensor:
     return torch.empty(*shape, dtype=torch.bfloat16, device="cuda")
 
 
-def meshla_variants(meshla_op, a, b, group, out, sweep) -> dict[str, Callable[[], object]]:
-    """meshla_<algorithm> at its defaults, plus one variant per (comm_sms, chunks, comm_ctas) of
-    the sweep for the overlapping algorithms: meshla_<algorithm>_s<sms>_c<chunks>[_t<ctas>]."""
-    settings = [(algorithm, (-1, 0, 0)) for algorithm in ALGORITHMS]
-    settings += [(algorithm, knobs) for algorithm in ("pipelined", "ring") for knobs in sweep]
+def meshla_variants(meshla_op, a, b, group, out, args) -> dict[str, Callable[[], object]]:
+    """meshla_<algorithm> on NCCL at its defaults, meshla_symmetric (the copy-engine backend),
+    meshla_auto (meshla's own choice), plus the sweeps: meshla_<algorithm>_s<sms>_c<chunks>[_t<ctas>]
+    on NCCL and meshla_symmetric_c<chunks>."""
+    settings = [(backend, algorithm, (-1, 0, 0)) for backend, algorithm in (
+        ("nccl", "sequential"), ("nccl", "pipelined"), ("nccl", "ring"), ("symmetric", "ring"),
+        ("auto", "auto"))]
+    settings += [("nccl", algorithm, knobs) for algorithm in ("pipelined", "ring")
+                 for knobs in args.sweep]
+    settings += [("symmetric", "ring", (-1, chunks, 0)) for chunks in args.symmetric_chunks]
     variants = {}
-    for algorithm, (sms, chunks, ctas) in settings:
-        name = f"meshla_{algorithm}"
-        if (sms, chunks, ctas) != (-1, 0, 0):
+    for backend, algorithm, (sms, chunks, ctas) in settings:
+        name = "meshla_" + ("symmetric" if backend == "symmetric" else algorithm)
+        if backend == "symmetric" and chunks:
+            name += f"_c{chunks}"
+        elif (sms, chunks, ctas) != (-1, 0, 0):
             name += f"_s{sms}_c{chunks}" + (f"_t{ctas}" if ctas else "")
-        variants[name] = (lambda algorithm=algorithm, sms=sms, chunks=chunks, ctas=ctas: meshla_op(
-            a, b, group, algorithm=algorithm, comm_sms=sms, chunks=chunks, comm_ctas=ctas,
-            out=out))
+        variants[name] = (lambda backend=backend, algorithm=algorithm, sms=sms, chunks=chunks,
+                          ctas=ctas: meshla_op(a, b, group, backend=backend, algorithm=algorithm,
+                                               comm_sms=sms, chunks=chunks, comm_ctas=ctas,
+                                               out=out))
     return variants
 
 
-def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, sweep) -> Case:
+def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, args) -> Case:
     k, n = HIDDEN, INTERMEDIATE // tp
     a, b = randn(m // tp, k), randn(k, n)
     gathered, torch_out, meshla_out = empty(m, k), empty(m, n), empty(m, n)
@@ -93,12 +100,12 @@ def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, s
 
     variants = {"gemm": gemm, "collective": collective, "torch_sequential": torch_sequential,
                 "torch_symm_mem": torch_symm_mem,
-                **meshla_variants(meshla_op, a, b, group, meshla_out, sweep)}
+                **meshla_variants(meshla_op, a, b, group, meshla_out, args)}
     return Case(n, k, variants, torch_out, meshla_out)
 
 
 def row_parallel_case(op: str, m: int, tp: int, meshla_op, group, group_name: str,
-                      sweep) -> Case:
+                      args) -> Case:
     """matmul_reduce_scatter or matmul_all_reduce: a [M, K/tp] @ b [K/tp, N], summed over ranks."""
     k, n = INTERMEDIATE // tp, HIDDEN
     a, b = randn(m, k), randn(k, n)
@@ -128,7 +135,7 @@ def row_parallel_case(op: str, m: int, tp: int, meshla_op, group, group_name: st
     variants = {"gemm": gemm, "collective": collective, "torch_sequential": torch_sequential}
     if reduce_scatter:  # PyTorch has no fused matmul + all-reduce
         variants["torch_symm_mem"] = torch_symm_mem
-    variants.update(meshla_variants(meshla_op, a, b, group, meshla_out, sweep))
+    variants.update(meshla_variants(meshla_op, a, b, group, meshla_out, args))
     return Case(n, k, variants, torch_out, meshla_out)
 
 
@@ -200,12 +207,16 @@ def bench_case(op: str, m: int, tp: int, case: Case, symm_mem_error, args) -> li
         if error:
             unavailable[name] = error
     check_error = None
-    if "meshla_ring" not in unavailable:
-        case.variants["meshla_ring"]()
-        check_error = slowest_rank(relative_error(case.meshla_out, reference))
-        if not check_error < CHECK_TOLERANCE and dist.get_rank() == 0:  # NaN fails too
-            print(f"WARNING: {op} M={m}: meshla ring differs from torch_sequential, relative "
-                  f"error {check_error:.2e} >= {CHECK_TOLERANCE}", flush=True)
+    for checked in ("meshla_ring", "meshla_symmetric"):
+        if checked in unavailable:
+            continue
+        case.meshla_out.fill_(float("nan"))
+        case.variants[checked]()
+        error = slowest_rank(relative_error(case.meshla_out, reference))
+        check_error = error if check_error is None or not error < check_error else check_error
+        if not error < CHECK_TOLERANCE and dist.get_rank() == 0:  # NaN fails too
+            print(f"WARNING: {op} M={m}: {checked} differs from torch_sequential, relative "
+                  f"error {error:.2e} >= {CHECK_TOLERANCE}", flush=True)
     times = {name: time_ms(fn, args.iters, args.warmup, args.reps)
              for name, fn in case.variants.items() if name not in unavailable}
     limits = [times[name] for name in ("gemm", "collective") if name in times]
@@ -219,7 +230,8 @@ def bench_case(op: str, m: int, tp: int, case: Case, symm_mem_error, args) -> li
             "time_ms": t,
             "ratio": t / limit if t and limit else None,  # 1.0: perfect overlap
             "speedup_vs_meshla_sequential": baseline / t if t and baseline else None,
-            "check_error": check_error,  # meshla ring vs torch_sequential, this (op, M)
+            # the worse of meshla ring and symmetric vs torch_sequential, this (op, M)
+            "check_error": check_error,
             "unavailable": unavailable.get(name),
         })
     return rows
@@ -268,6 +280,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sweep", nargs="*", default=[], metavar="SMS:CHUNKS[:CTAS]",
                         help="extra meshla pipelined/ring settings to time, e.g. 8:0 16:4 8:0:8 "
                         "(comm_sms:chunks:comm_ctas; -1, 0 and 0 mean the defaults)")
+    parser.add_argument("--symmetric-chunks", type=int, nargs="*", default=[], metavar="C",
+                        help="extra chunk counts (reduce rounds) to time on the symmetric backend")
     args = parser.parse_args()
     try:
         knobs = [[int(v) for v in item.split(":")] for item in args.sweep]
@@ -306,9 +320,9 @@ def main():
         for m in args.m:
             meshla_op = getattr(mt, op)
             if op == "all_gather_matmul":
-                case = all_gather_matmul_case(m, tp, meshla_op, group, group_name, args.sweep)
+                case = all_gather_matmul_case(m, tp, meshla_op, group, group_name, args)
             else:
-                case = row_parallel_case(op, m, tp, meshla_op, group, group_name, args.sweep)
+                case = row_parallel_case(op, m, tp, meshla_op, group, group_name, args)
             rows += bench_case(op, m, tp, case, symm_mem_error, args)
             del case  # free this shape's tensors before the next one's
             if rank == 0:

@@ -11,7 +11,7 @@ import json
 import sys
 
 COLUMNS = ("gemm", "collective", "torch_sequential", "torch_symm_mem", "meshla_sequential",
-           "meshla_pipelined", "meshla_ring", "meshla_auto")
+           "meshla_pipelined", "meshla_ring", "meshla_symmetric", "meshla_auto")
 
 
 def cell(row) -> str:

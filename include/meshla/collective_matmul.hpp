@@ -25,20 +25,32 @@ namespace meshla {
 
 enum class CollectiveOp { kAllGatherMatmul, kMatmulReduceScatter, kMatmulAllReduce };
 
+// Who moves the data.
+enum class Backend {
+  kAuto,       // kSymmetric when every pair of ranks has CUDA peer access (one host) and the
+               // algorithm and shape allow it, kNccl otherwise
+  kNccl,       // NCCL collectives and point-to-point: any topology, crosses nodes
+  kSymmetric,  // buffers mapped into every rank of the group; copy engines move the blocks and
+               // stream memory operations signal their arrival, so no SM works on communication
+};
+
 enum class Algorithm {
   kAuto,        // the fastest supported algorithm for the shape and group
   kSequential,  // the collective, then one GEMM (or the GEMM, then the collective)
   kPipelined,   // rows split into chunks; chunk i's collective overlaps chunk i+1's GEMM
-  kRing,        // point-to-point ring (ncclSend/ncclRecv): blocks of a (all-gather) or partial
-                // sums (reduce) travel rank to rank while the GEMM works on what is there
+  kRing,        // blocks of a (all-gather) or partial sums (reduce) travel between ranks while
+                // the GEMM works on what is there: a ncclSend/ncclRecv ring on kNccl; on
+                // kSymmetric each block goes straight to every peer, in ring order
 };
 
 std::string_view collective_op_name(CollectiveOp op);
 std::string_view algorithm_name(Algorithm algorithm);
+std::string_view backend_name(Backend backend);
 
 struct CollectiveMatmulConfig {
   CollectiveOp op = CollectiveOp::kAllGatherMatmul;
   Algorithm algorithm = Algorithm::kAuto;
+  Backend backend = Backend::kAuto;
   DType dtype = DType::kBFloat16;
   std::int64_t m = 0;    // rows of the full product, summed over ranks for all_gather_matmul
   std::int64_t n = 0;    // columns of the output
@@ -46,14 +58,17 @@ struct CollectiveMatmulConfig {
   bool trans_b = false;  // b is stored [n, k], as a torch.nn.Linear weight
   bool bias = false;     // a length-n bias is added once to the result
   bool return_gathered = false;  // all_gather_matmul also writes all_gather(a) to the caller
-  int chunks = 0;                // pipeline depth; 0 picks the default of the algorithm
+  // Pipeline depth; 0 picks the default of the algorithm. On kSymmetric: the rounds a
+  // reduce-scatter or all-reduce is split into (each rank's rows in `chunks` equal parts);
+  // all_gather_matmul moves each rank's block whole.
+  int chunks = 0;
   // SMs kept free of GEMM work while it overlaps communication, so that NCCL's kernels start at
   // once instead of queueing behind the GEMM's thread blocks. -1 picks the algorithm's default;
-  // sequential never overlaps and uses every SM.
+  // sequential never overlaps and uses every SM, and so does kSymmetric, whose transfers take none.
   int comm_sms = -1;
   // Thread blocks NCCL may use for this plan's transfers (0: NCCL's own choice). Set, the plan
   // runs them on its own communicator split off with ncclConfig_t.maxCTAs, so that NCCL's
-  // kernels fit in the comm_sms SMs the GEMM leaves free instead of queueing behind it.
+  // kernels fit in the comm_sms SMs the GEMM leaves free instead of queueing behind it. kNccl only.
   int comm_ctas = 0;
 };
 
@@ -81,7 +96,7 @@ class CollectiveMatmul {
   // collective work on this communicator.
   void execute(const CollectiveMatmulArgs& args, cudaStream_t stream);
 
-  const CollectiveMatmulConfig& config() const;  // with algorithm and chunks resolved
+  const CollectiveMatmulConfig& config() const;  // with backend, algorithm and chunks resolved
   const Communicator& communicator() const;
 
  private:

@@ -159,16 +159,22 @@ NB_MODULE(_meshla, m) {
       .value("pipelined", Algorithm::kPipelined)
       .value("ring", Algorithm::kRing);
 
+  nb::enum_<Backend>(m, "Backend")
+      .value("auto", Backend::kAuto)
+      .value("nccl", Backend::kNccl)
+      .value("symmetric", Backend::kSymmetric);
+
   nb::class_<CollectiveMatmul>(m, "CollectiveMatmul",
                                "A collective-matmul plan for one shape on one communicator.")
       .def(
           "__init__",
           [](CollectiveMatmul* self, const Communicator& comm, CollectiveOp op,
              const std::string& dtype, std::int64_t m_rows, std::int64_t n, std::int64_t k,
-             Algorithm algorithm, bool trans_b, bool bias, bool return_gathered, int chunks,
-             int comm_sms, int comm_ctas) {
+             Algorithm algorithm, Backend backend, bool trans_b, bool bias, bool return_gathered,
+             int chunks, int comm_sms, int comm_ctas) {
             CollectiveMatmulConfig config{.op = op,
                                           .algorithm = algorithm,
+                                          .backend = backend,
                                           .dtype = parse_dtype(dtype),
                                           .m = m_rows,
                                           .n = n,
@@ -183,8 +189,8 @@ NB_MODULE(_meshla, m) {
             new (self) CollectiveMatmul(comm, config);
           },
           "comm"_a, "op"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "algorithm"_a = Algorithm::kAuto,
-          "trans_b"_a = false, "bias"_a = false, "return_gathered"_a = false, "chunks"_a = 0,
-          "comm_sms"_a = -1, "comm_ctas"_a = 0)
+          "backend"_a = Backend::kAuto, "trans_b"_a = false, "bias"_a = false,
+          "return_gathered"_a = false, "chunks"_a = 0, "comm_sms"_a = -1, "comm_ctas"_a = 0)
       .def(
           "execute",
           [](CollectiveMatmul& plan, const Array& a, const Array& b,
@@ -201,6 +207,7 @@ NB_MODULE(_meshla, m) {
           "a"_a, "b"_a, "bias"_a.none(), "out"_a, "gathered"_a.none(), "stream"_a,
           "Enqueues the op on `stream` (a cudaStream_t as an integer).")
       .def_prop_ro("algorithm", [](const CollectiveMatmul& p) { return p.config().algorithm; })
+      .def_prop_ro("backend", [](const CollectiveMatmul& p) { return p.config().backend; })
       .def_prop_ro("chunks", [](const CollectiveMatmul& p) { return p.config().chunks; })
       .def_prop_ro("comm_sms", [](const CollectiveMatmul& p) { return p.config().comm_sms; })
       .def_prop_ro("comm_ctas", [](const CollectiveMatmul& p) { return p.config().comm_ctas; })

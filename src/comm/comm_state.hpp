@@ -3,8 +3,10 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include <nccl.h>
 
@@ -44,6 +46,11 @@ void release_nccl_comm(ncclComm_t comm);
 // A blocking communicator over the same ranks as `parent` whose kernels use at most `max_ctas`
 // thread blocks. Collective over the parent's ranks; every rank passes the same max_ctas.
 std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_ctas);
+
+// Every rank's `bytes` bytes at `data`, in rank order, gathered through the communicator: for
+// plan-time exchanges (peer-memory handles). Collective; a rank that does not take part within
+// the communicator's timeout makes it throw kTimeout.
+std::vector<std::byte> all_gather_host(const CommState& state, const void* data, std::size_t bytes);
 
 // An NCCL group, ended on every path: NCCL's group depth is per thread, and a group left open by
 // an exception would defer (and so hang) every later NCCL call of the thread, torch's included.

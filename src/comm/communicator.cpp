@@ -44,6 +44,30 @@ std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_
                                      parent.timeout, release_nccl_comm);
 }
 
+std::vector<std::byte> all_gather_host(const CommState& state, const void* data,
+                                       std::size_t bytes) {
+  DeviceGuard guard(state.device);
+  DeviceBuffer staging(state.device, bytes * static_cast<std::size_t>(state.size));
+  char* mine = static_cast<char*>(staging.data()) + bytes * static_cast<std::size_t>(state.rank);
+  MESHLA_CHECK_CUDA(cudaMemcpy(mine, data, bytes, cudaMemcpyHostToDevice));
+  Stream stream(state.device, /*high_priority=*/false);
+  Event gathered(state.device);
+  MESHLA_CHECK_NCCL(
+      ncclAllGather(mine, staging.data(), bytes, ncclUint8, state.comm, stream.get()));
+  MESHLA_CHECK_CUDA(cudaEventRecord(gathered.get(), stream.get()));
+  const cudaError_t status = wait_for_event(gathered.get(), state.timeout);
+  if (status == cudaErrorNotReady) staging.leak();
+  MESHLA_CHECK(kTimeout, status != cudaErrorNotReady,
+               "all_gather_host: rank " << state.rank << " of " << state.size << " waited "
+                                        << state.timeout.count()
+                                        << " ms for its peers; is every rank building the same "
+                                           "plan?");
+  MESHLA_CHECK_CUDA(status);
+  std::vector<std::byte> all(bytes * static_cast<std::size_t>(state.size));
+  MESHLA_CHECK_CUDA(cudaMemcpy(all.data(), staging.data(), all.size(), cudaMemcpyDeviceToHost));
+  return all;
+}
+
 NcclGroup::NcclGroup() { MESHLA_CHECK_NCCL(ncclGroupStart()); }
 
 NcclGroup::~NcclGroup() {

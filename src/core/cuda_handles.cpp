@@ -1,5 +1,7 @@
 #include "core/cuda_handles.hpp"
 
+#include <thread>
+
 #include "core/cuda_checks.hpp"
 
 namespace meshla::detail {
@@ -70,6 +72,18 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
     bytes_ = std::exchange(other.bytes_, 0);
   }
   return *this;
+}
+
+cudaError_t wait_for_event(cudaEvent_t event, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(10);
+  cudaError_t status = cudaEventQuery(event);
+  while (status == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    status = cudaEventQuery(event);
+  }
+  return status;
 }
 
 }  // namespace meshla::detail

@@ -2,6 +2,7 @@
 // scope and restores the caller's device afterwards.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <utility>
 
@@ -59,10 +60,17 @@ class DeviceBuffer {
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
   void* data() const { return data_; }
   std::size_t bytes() const { return bytes_; }
+  // Gives the memory up without freeing it: for memory a stalled kernel may still use, since
+  // cudaFree would wait for that kernel forever.
+  void leak() { data_ = nullptr; }
 
  private:
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
 };
+
+// Polls `event` until it has completed or `timeout` has passed: cudaSuccess, cudaErrorNotReady
+// on timeout, or the error the event reports. Never throws, so destructors may use it.
+cudaError_t wait_for_event(cudaEvent_t event, std::chrono::milliseconds timeout);
 
 }  // namespace meshla::detail

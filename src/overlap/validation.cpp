@@ -1,8 +1,10 @@
 #include "overlap/validation.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "core/checks.hpp"
+#include "overlap/peer_plan.hpp"
 #include "overlap/schedule.hpp"
 
 namespace meshla::overlap {
@@ -40,7 +42,8 @@ void check_matrix(std::string_view op, const char* name, const TensorView& view,
 
 }  // namespace
 
-CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int tp) {
+CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int tp,
+                                      bool peer_access) {
   const std::string_view op = collective_op_name(config.op);
   MESHLA_CHECK_ARG(config.m >= 1 && config.n >= 1 && config.k >= 1,
                    op << ": m=" << config.m << ", n=" << config.n << ", k=" << config.k
@@ -50,14 +53,37 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
                    op << ": dtype " << dtype_name(config.dtype)
                       << " is not supported; use bfloat16, float16 or float32");
   MESHLA_CHECK_ARG(config.chunks >= 0, op << ": chunks=" << config.chunks << " is negative");
-  CollectiveMatmulConfig resolved = config;
-  if (resolved.algorithm == Algorithm::kAuto) {
-    resolved.algorithm = default_algorithm(config.op, tp, config.m);
-  }
   MESHLA_CHECK_ARG(config.comm_sms >= -1,
                    op << ": comm_sms=" << config.comm_sms << " must be -1 (default) or at least 0");
   MESHLA_CHECK_ARG(config.comm_ctas >= 0, op << ": comm_ctas=" << config.comm_ctas
                                              << " must be 0 (NCCL's choice) or more");
+  CollectiveMatmulConfig resolved = config;
+  if (config.backend == Backend::kAuto) {
+    const bool symmetric = peer_access && tp >= 2 && symmetric_unsupported(config, tp).empty();
+    resolved.backend = symmetric ? Backend::kSymmetric : Backend::kNccl;
+  }
+  if (resolved.backend == Backend::kSymmetric) {
+    MESHLA_CHECK(kNotImplemented, peer_access,
+                 op << ": backend=symmetric needs every rank of the group to map every other "
+                       "rank's memory (one host, CUDA peer access, NCCL_P2P_DISABLE unset)");
+    const std::string why = symmetric_unsupported(config, tp);
+    if (!why.empty()) {
+      const bool unsupported_algorithm =
+          config.algorithm != Algorithm::kAuto && config.algorithm != Algorithm::kRing;
+      throw Error(unsupported_algorithm ? ErrorCode::kNotImplemented : ErrorCode::kInvalidArgument,
+                  why);
+    }
+    resolved.algorithm = Algorithm::kRing;
+    resolved.comm_sms = std::max(config.comm_sms, 0);
+    if (resolved.chunks == 0) {
+      resolved.chunks =
+          config.op == CollectiveOp::kAllGatherMatmul ? 1 : default_rounds(config.op, tp, config.m);
+    }
+    return resolved;
+  }
+  if (resolved.algorithm == Algorithm::kAuto) {
+    resolved.algorithm = default_algorithm(config.op, tp, config.m);
+  }
   if (resolved.algorithm == Algorithm::kSequential) {
     resolved.comm_sms = 0;
     resolved.comm_ctas = 0;

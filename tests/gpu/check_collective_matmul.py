@@ -28,8 +28,11 @@ import torch.distributed as dist
 import meshla.torch as mt
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
-ALGORITHMS = ("sequential", "pipelined", "ring", "auto")
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+# (backend, algorithm, comm_ctas): every NCCL algorithm, the NCCL ring on its own communicator
+# limited to 8 thread blocks, the symmetric backend, and meshla's own choice.
+SETTINGS = [("nccl", "sequential", 0), ("nccl", "pipelined", 0), ("nccl", "ring", 0),
+            ("nccl", "ring", 8), ("symmetric", "ring", 0), ("auto", "auto", 0)]
 
 
 class Reporter:
@@ -82,35 +85,38 @@ class Problem:
         self.gathered = torch.full((m, k), float("nan"), dtype=dtype, device=device)
 
 
-def run_op(op, problem, group, algorithm, trans_b, chunks=0, comm_ctas=0):
+def run_op(op, problem, group, algorithm, trans_b, chunks=0, comm_ctas=0, backend="auto"):
     kwargs = dict(bias=problem.bias, trans_b=trans_b, algorithm=algorithm, chunks=chunks,
-                  comm_ctas=comm_ctas, out=problem.out)
+                  comm_ctas=comm_ctas, backend=backend, out=problem.out)
     if op == "all_gather_matmul":
         return mt.all_gather_matmul(problem.a, problem.b, group, return_gathered=True,
                                     gathered_out=problem.gathered, **kwargs)
     return getattr(mt, op)(problem.a, problem.b, group, **kwargs)
 
 
+def chunks_for(op, backend, algorithm):
+    """Uneven NCCL chunks (200 rows per rank, 3 chunks); four symmetric rounds of 50 rows."""
+    if backend == "symmetric":
+        return 0 if op == "all_gather_matmul" else 4
+    return 3 if algorithm in ("pipelined", "ring") else 0
+
+
 def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16, torch.float32)):
-    """Every op x algorithm x dtype, with uneven chunking, bias and trans_b variants."""
+    """Every op x backend x algorithm x dtype, with uneven chunking, bias and trans_b variants."""
     case = 0
-    # (algorithm, comm_ctas): every algorithm, plus the ring on its own NCCL communicator
-    # limited to 8 thread blocks.
-    settings = [(algorithm, 0) for algorithm in ALGORITHMS] + [("ring", 8)]
     for dtype in dtypes:
         for op in OPS:
-            for algorithm, comm_ctas in settings:
+            for backend, algorithm, comm_ctas in SETTINGS:
                 case += 1
                 trans_b = case % 2 == 0
                 bias = case % 3 != 0
-                # 200 rows per rank: not divisible by the default chunk counts 3 or 8.
                 m, n, k = 200 * group.size, 384, 256
-                chunks = 3 if algorithm in ("pipelined", "ring") else 0
-                name = (f"{label}/{op}/{algorithm}/{str(dtype)[6:]}"
+                chunks = chunks_for(op, backend, algorithm)
+                name = (f"{label}/{op}/{backend}/{algorithm}/{str(dtype)[6:]}"
                         f"/trans_b={int(trans_b)}/bias={int(bias)}/comm_ctas={comm_ctas}")
                 try:
                     p = Problem(op, group, dtype, m, n, k, seed_base + case, trans_b, bias)
-                    result = run_op(op, p, group, algorithm, trans_b, chunks, comm_ctas)
+                    result = run_op(op, p, group, algorithm, trans_b, chunks, comm_ctas, backend)
                     out = result[0] if op == "all_gather_matmul" else result
                     torch.cuda.synchronize(group.device)
                     err = relative_error(out, p.ref)
@@ -124,32 +130,46 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
                 reporter.record(name, group.rank, ok, detail)
 
 
+def capture(group, ops):
+    """Captures `ops` (callables) in one CUDA graph on a side stream of the group's device."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(group.device)
+    stream.wait_stream(torch.cuda.current_stream(group.device))
+    # thread_local: in the threads model the other GPUs' threads keep working meanwhile.
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream,
+                                                     capture_error_mode="thread_local"):
+        for op in ops:
+            op()
+    torch.cuda.current_stream(group.device).wait_stream(stream)
+    return graph
+
+
+def refill(problem, fresh):
+    """Copies a fresh problem's inputs into a captured one and poisons its outputs."""
+    problem.a.copy_(fresh.a)
+    problem.b.copy_(fresh.b)
+    problem.bias.copy_(fresh.bias)
+    problem.out.fill_(float("nan"))
+    problem.gathered.fill_(float("nan"))
+
+
 def check_graph_replay(group, reporter, label, seed_base, replays=20):
-    """Capture each op once, replay with new inputs copied into the captured buffers."""
-    for index, op in enumerate(OPS):
-        name = f"{label}/graph/{op}/ring/bfloat16"
+    """Capture each op once per backend, replay with new inputs copied into the captured
+    buffers."""
+    for index, (op, backend) in enumerate((op, b) for op in OPS for b in ("nccl", "symmetric")):
+        name = f"{label}/graph/{op}/{backend}/ring/bfloat16"
         try:
             dtype, m, n, k = torch.bfloat16, 256 * group.size, 512, 256
             p = Problem(op, group, dtype, m, n, k, seed_base + 1000 * index, False, True)
-            run_op(op, p, group, "ring", False)  # eager first: builds the plan outside capture
+            run = lambda: run_op(op, p, group, "ring", False, backend=backend)  # noqa: E731
+            run()  # eager first: builds the plan outside capture
             torch.cuda.synchronize(group.device)
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream(group.device)
-            stream.wait_stream(torch.cuda.current_stream(group.device))
-            # thread_local: in the threads model the other GPUs' threads keep working meanwhile.
-            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream,
-                                                             capture_error_mode="thread_local"):
-                run_op(op, p, group, "ring", False)
-            torch.cuda.current_stream(group.device).wait_stream(stream)
+            graph = capture(group, [run])
             worst = 0.0
             for replay in range(replays):
                 fresh = Problem(op, group, dtype, m, n, k, seed_base + 1000 * index + replay + 1,
                                 False, True)
-                p.a.copy_(fresh.a)
-                p.b.copy_(fresh.b)
-                p.bias.copy_(fresh.bias)
-                p.out.fill_(float("nan"))
-                p.gathered.fill_(float("nan"))
+                refill(p, fresh)
                 graph.replay()
                 torch.cuda.synchronize(group.device)
                 worst = max(worst, relative_error(p.out, fresh.ref))
@@ -158,6 +178,69 @@ def check_graph_replay(group, reporter, label, seed_base, replays=20):
         except Exception as e:
             ok, detail = False, f"{type(e).__name__}: {e}"
         reporter.record(name, group.rank, ok, detail)
+
+
+def check_graph_sequence(group, reporter, label, seed_base, replays=100):
+    """The three ops on the symmetric backend captured in one graph, replayed with new inputs:
+    every result right after every replay (no stale flag or buffer between ops or replays)."""
+    name = f"{label}/graph-sequence/symmetric/bfloat16"
+    try:
+        dtype, m, n, k = torch.bfloat16, 128 * group.size, 256, 192
+        problems = {op: Problem(op, group, dtype, m, n, k, seed_base + i, False, True)
+                    for i, op in enumerate(OPS)}
+        runs = [lambda op=op: run_op(op, problems[op], group, "ring", False, backend="symmetric")
+                for op in OPS]
+        for run in runs:
+            run()
+        torch.cuda.synchronize(group.device)
+        graph = capture(group, runs)
+        worst = 0.0
+        for replay in range(replays):
+            fresh = {op: Problem(op, group, dtype, m, n, k, seed_base + 100 * (replay + 1) + i,
+                                 False, True) for i, op in enumerate(OPS)}
+            for op in OPS:
+                refill(problems[op], fresh[op])
+            graph.replay()
+            torch.cuda.synchronize(group.device)
+            worst = max([worst] + [relative_error(problems[op].out, fresh[op].ref) for op in OPS])
+        ok = worst < TOLERANCE[dtype]
+        detail = f"worst rel_err over {replays} replays of 3 ops={worst:.2e}"
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, group.rank, ok, detail)
+
+
+STRESS_SHAPES = ((64, 128, 64), (128, 256, 128), (200, 384, 256))  # (rows per rank, n, k)
+
+
+def check_stress(group, reporter, label, seed, calls):
+    """`calls` calls with op, backend, algorithm and shape drawn at random (the same draws on
+    every rank), each checked against its reference: no hang, no stale data between plans."""
+    name = f"{label}/stress/{calls}"
+    draw = random.Random(seed)
+    worst, failures, detail = 0.0, 0, ""
+    try:
+        for call in range(calls):
+            op = draw.choice(OPS)
+            backend = draw.choice(("nccl", "symmetric"))
+            algorithm = "ring" if backend == "symmetric" else draw.choice(
+                ("sequential", "pipelined", "ring"))
+            rows, n, k = draw.choice(STRESS_SHAPES)
+            chunks = draw.choice((1, 2)) if backend == "symmetric" and op != OPS[0] else 0
+            p = Problem(op, group, torch.bfloat16, rows * group.size, n, k, seed + call,
+                        call % 2 == 0, call % 3 == 0)
+            result = run_op(op, p, group, algorithm, call % 2 == 0, chunks, 0, backend)
+            out = result[0] if op == "all_gather_matmul" else result
+            err = relative_error(out, p.ref)
+            worst = max(worst, err)
+            if not err < TOLERANCE[torch.bfloat16]:
+                failures += 1
+                detail = detail or f"call {call}: {op}/{backend}/{algorithm} rel_err={err:.2e}"
+        ok = failures == 0
+        detail = f"{failures} wrong of {calls}; worst rel_err={worst:.2e} {detail}".strip()
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, group.rank, ok, detail)
 
 
 def check_argument_errors(group, reporter, label):
@@ -180,6 +263,8 @@ def run_all(group, reporter, label, seed_base, quick):
         return
     check_correctness(group, reporter, label, seed_base)
     check_graph_replay(group, reporter, label, seed_base + 50_000)
+    check_graph_sequence(group, reporter, label, seed_base + 60_000)
+    check_stress(group, reporter, label, seed_base + 70_000, calls=2000)
     check_argument_errors(group, reporter, label)
 
 

@@ -38,20 +38,24 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 @dataclass(frozen=True)
 class Tuning:
-    """How a collective matmul overlaps: ``algorithm`` ("auto", "sequential", "pipelined",
-    "ring"), ``chunks`` (pipeline depth, 0: the algorithm's default), ``comm_sms`` (SMs the
-    overlapped GEMMs leave to NCCL, -1: default) and ``comm_ctas`` (thread blocks NCCL may use for
-    the transfers, 0: NCCL's choice)."""
+    """How a collective matmul communicates and overlaps: ``backend`` ("auto", "nccl",
+    "symmetric": copy engines into peer-mapped buffers, one host with CUDA peer access),
+    ``algorithm`` ("auto", "sequential", "pipelined", "ring"), ``chunks`` (pipeline depth, 0: the
+    default), ``comm_sms`` (SMs the overlapped GEMMs leave to NCCL, -1: default) and ``comm_ctas``
+    (thread blocks NCCL may use for the transfers, 0: NCCL's choice)."""
 
     algorithm: _meshla.Algorithm = _meshla.Algorithm.auto
     chunks: int = 0
     comm_sms: int = -1
     comm_ctas: int = 0
+    backend: _meshla.Backend = _meshla.Backend.auto
 
     @staticmethod
-    def of(algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0) -> Tuning:
-        # One spelling per algorithm, so "ring" and Algorithm.ring share a plan.
-        return Tuning(_algorithm(algorithm), chunks, comm_sms, comm_ctas)
+    def of(algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
+           backend="auto") -> Tuning:
+        # One spelling per choice, so "ring" and Algorithm.ring share a plan.
+        return Tuning(_choice(_meshla.Algorithm, "algorithm", algorithm), chunks, comm_sms,
+                      comm_ctas, _choice(_meshla.Backend, "backend", backend))
 
 
 @dataclass(eq=False)
@@ -87,7 +91,7 @@ class TPGroup:
         if plan is None:
             plan = _meshla.CollectiveMatmul(
                 self.comm, op, _DTYPE_NAMES[dtype], m, n, k, tuning.algorithm,
-                trans_b=trans_b, bias=bias, return_gathered=return_gathered,
+                backend=tuning.backend, trans_b=trans_b, bias=bias, return_gathered=return_gathered,
                 chunks=tuning.chunks, comm_sms=tuning.comm_sms, comm_ctas=tuning.comm_ctas,
             )
             self._plans[key] = plan
@@ -151,14 +155,14 @@ def local_groups(devices, timeout_s: float = 300.0) -> list[TPGroup]:
     return [TPGroup(rank=c.rank, size=c.size, comm=c) for c in comms]
 
 
-def _algorithm(name) -> _meshla.Algorithm:
-    if isinstance(name, _meshla.Algorithm):
+def _choice(enum, argument: str, name):
+    if isinstance(name, enum):
         return name
     try:
-        return getattr(_meshla.Algorithm, name)
+        return getattr(enum, name)
     except (AttributeError, TypeError):
-        names = ", ".join(a.name for a in _meshla.Algorithm)
-        raise ValueError(f"algorithm={name!r} is not one of {names}") from None
+        names = ", ".join(value.name for value in enum)
+        raise ValueError(f"{argument}={name!r} is not one of {names}") from None
 
 
 def _shape(t) -> str:
@@ -245,19 +249,21 @@ def _reference_product(a, b, bias, trans_b: bool, add_bias: bool):
 
 def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
                       return_gathered: bool = False, out=None, gathered_out=None,
-                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0):
+                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
+                      backend="auto"):
     """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
 
     ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
     product, and with ``return_gathered`` also the gathered [m, k] ``a`` (the backward needs it).
     ``out`` and ``gathered_out`` are optional preallocated outputs.
 
-    ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas`` choose how communication and
-    GEMM overlap (see :class:`Tuning`); the defaults are meshla's measured choices.
+    ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas`` choose how the data
+    moves and how it overlaps the GEMM (see :class:`Tuning`); the defaults are meshla's measured
+    choices.
     """
     op = _meshla.CollectiveOp.all_gather_matmul
     n = _check_operands(op.name, a, b, bias, trans_b, group)
-    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas)
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     if gathered_out is not None and not return_gathered:
         raise ValueError(f"{op.name}: gathered_out is given but return_gathered=False")
     m, k = a.shape[0] * group.size, a.shape[1]
@@ -278,7 +284,7 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
 
 def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
                           algorithm="auto", chunks: int = 0, comm_sms: int = -1,
-                          comm_ctas: int = 0):
+                          comm_ctas: int = 0, backend="auto"):
     """This rank's [m/tp, n] row block of ``sum over ranks(a @ b) (+ bias)``.
 
     ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``): the slices of
@@ -286,7 +292,7 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
     n = _check_operands(op.name, a, b, bias, trans_b, group)
-    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas)
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     m, k = a.shape
     if m % group.size != 0:
         raise ValueError(f"{op.name}: a.shape[0]={m} is not divisible by tp_size={group.size}")
@@ -302,11 +308,12 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
 
 
 def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
-                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0):
+                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
+                      backend="auto"):
     """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank."""
     op = _meshla.CollectiveOp.matmul_all_reduce
     n = _check_operands(op.name, a, b, bias, trans_b, group)
-    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas)
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     m, k = a.shape
     if a.device.type == "cpu":
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)

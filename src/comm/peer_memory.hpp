@@ -1,0 +1,49 @@
+// Device memory that every rank of a group maps: each rank allocates its part, and every rank can
+// address every other rank's part directly (copy engines write into it over NVLink).
+//
+// Ranks in one process share their device pointers and enable CUDA peer access; ranks in other
+// processes export CUDA IPC handles. Either way the handles travel over the group's own NCCL
+// communicator, at plan time.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "comm/comm_state.hpp"
+#include "core/cuda_handles.hpp"
+
+namespace meshla::detail {
+
+// Whether every rank of the group can map every other rank's memory: one host, CUDA peer access
+// between each pair of devices, and NCCL_P2P_DISABLE not set (the user's word that peer transfers
+// are off). Collective; every rank gets the same answer. When the answer is no, `why` (if given)
+// names a pair that cannot.
+bool group_has_peer_access(const CommState& state, std::string* why = nullptr);
+
+class PeerBuffer {
+ public:
+  PeerBuffer() = default;
+  // Collective over the group (every rank passes the same `bytes`), after group_has_peer_access
+  // said yes. The memory starts zeroed on every rank before any rank returns.
+  PeerBuffer(const CommState& state, std::size_t bytes);
+  ~PeerBuffer();
+  PeerBuffer(PeerBuffer&& other) noexcept;
+  PeerBuffer& operator=(PeerBuffer&& other) noexcept;
+  PeerBuffer(const PeerBuffer&) = delete;
+  PeerBuffer& operator=(const PeerBuffer&) = delete;
+
+  char* local() const { return static_cast<char*>(memory_.data()); }
+  // This rank's address of `rank`'s part (local() for this rank).
+  char* of(int rank) const { return parts_[static_cast<std::size_t>(rank)]; }
+
+ private:
+  void close_imports() noexcept;
+
+  DeviceBuffer memory_;
+  std::vector<char*> parts_;
+  std::vector<char*> imported_;  // opened with cudaIpcOpenMemHandle; closed on destruction
+  int device_ = -1;
+};
+
+}  // namespace meshla::detail

@@ -1,0 +1,51 @@
+// The backends behind CollectiveMatmul. Each is built collectively with its plan from a resolved
+// config and runs one execution at a time; CollectiveMatmul serialises executions and checks
+// the arguments before they reach a backend.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "core/cuda_handles.hpp"
+#include "meshla/collective_matmul.hpp"
+
+namespace meshla::overlap {
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // Enqueues one execution on `stream`. Side streams fork from it and join back before this
+  // returns, also when it throws, so the stream orders everything the execution wrote.
+  virtual void enqueue(const CollectiveMatmulArgs& args, cudaStream_t stream) = 0;
+};
+
+std::unique_ptr<Executor> make_nccl_executor(const Communicator& comm,
+                                             const CollectiveMatmulConfig& config);
+// The caller has established that every rank maps every peer (detail::group_has_peer_access).
+std::unique_ptr<Executor> make_symmetric_executor(const Communicator& comm,
+                                                  const CollectiveMatmulConfig& config);
+
+// An executor's side streams, forked from and joined back into the caller's stream.
+class SideStreams {
+ public:
+  SideStreams(int device, std::size_t count, bool high_priority);
+  cudaStream_t operator[](std::size_t index) const { return streams_[index].get(); }
+  // Each side stream waits for the work enqueued so far on `stream`.
+  void fork(cudaStream_t stream);
+  // `stream` waits for the work enqueued so far on each side stream.
+  void join(cudaStream_t stream);
+  // join() for a failure path: best effort, never throws, so the first error stays the one
+  // reported and a capture is not left with an unjoined stream.
+  void join_after_failure(cudaStream_t stream) noexcept;
+
+ private:
+  std::vector<detail::Stream> streams_;
+  detail::Event forked_;
+  std::vector<detail::Event> joined_;
+};
+
+// SMs of `device`.
+int device_sm_count(int device);
+
+}  // namespace meshla::overlap

@@ -1,0 +1,96 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "core/cuda_checks.hpp"
+#include "overlap/sum_slots.hpp"
+
+namespace meshla::overlap {
+namespace {
+
+// Elements per 16-byte vector.
+template <typename T>
+constexpr int kLanes = 16 / sizeof(T);
+
+template <typename T>
+struct alignas(16) Vector {
+  T lane[kLanes<T>];
+};
+
+// Each thread sums whole 16-byte vectors; the caller guarantees alignment and a count that is a
+// multiple of the vector width.
+template <typename T>
+__global__ void sum_slots_kernel(const Vector<T>* slots, std::int64_t slot_stride, int slot_count,
+                                 std::int64_t vectors, Vector<T>* out) {
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < vectors; i += step) {
+    float sum[kLanes<T>] = {};
+    for (int slot = 0; slot < slot_count; ++slot) {
+      const Vector<T> v = slots[slot * slot_stride + i];
+#pragma unroll
+      for (int lane = 0; lane < kLanes<T>; ++lane) sum[lane] += static_cast<float>(v.lane[lane]);
+    }
+    Vector<T> result;
+#pragma unroll
+    for (int lane = 0; lane < kLanes<T>; ++lane) result.lane[lane] = static_cast<T>(sum[lane]);
+    out[i] = result;
+  }
+}
+
+template <typename T>
+__global__ void sum_slots_scalar_kernel(const T* slots, std::int64_t slot_stride, int slot_count,
+                                        std::int64_t count, T* out) {
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += step) {
+    float sum = 0.0f;
+    for (int slot = 0; slot < slot_count; ++slot) {
+      sum += static_cast<float>(slots[slot * slot_stride + i]);
+    }
+    out[i] = static_cast<T>(sum);
+  }
+}
+
+int grid_for(std::int64_t items, int threads) {
+  // A few waves of blocks over the device; the loops stride over the rest.
+  return static_cast<int>(std::clamp<std::int64_t>((items + threads - 1) / threads, 1, 1024));
+}
+
+template <typename T>
+void launch(const void* slots_base, std::int64_t slot_stride, int slots, std::int64_t count,
+            void* out, cudaStream_t stream) {
+  constexpr int kThreads = 512;
+  const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  if (count % kLanes<T> == 0 && slot_stride % kLanes<T> == 0 && aligned(slots_base) &&
+      aligned(out)) {
+    const std::int64_t vectors = count / kLanes<T>;
+    sum_slots_kernel<T><<<grid_for(vectors, kThreads), kThreads, 0, stream>>>(
+        static_cast<const Vector<T>*>(slots_base), slot_stride / kLanes<T>, slots, vectors,
+        static_cast<Vector<T>*>(out));
+  } else {
+    sum_slots_scalar_kernel<T><<<grid_for(count, kThreads), kThreads, 0, stream>>>(
+        static_cast<const T*>(slots_base), slot_stride, slots, count, static_cast<T*>(out));
+  }
+  MESHLA_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+void sum_slots(DType dtype, const void* slots_base, std::int64_t slot_stride, int slots,
+               std::int64_t count, void* out, cudaStream_t stream) {
+  if (count == 0) return;
+  switch (dtype) {
+    case DType::kBFloat16:
+      return launch<__nv_bfloat16>(slots_base, slot_stride, slots, count, out, stream);
+    case DType::kFloat16:
+      return launch<__half>(slots_base, slot_stride, slots, count, out, stream);
+    case DType::kFloat32:
+      return launch<float>(slots_base, slot_stride, slots, count, out, stream);
+    default:
+      MESHLA_THROW(kNotImplemented, "sum_slots: dtype " << dtype_name(dtype));
+  }
+}
+
+}  // namespace meshla::overlap

@@ -1,0 +1,263 @@
+// The symmetric backend of collective matmul: every rank's buffers are mapped into its peers,
+// copy engines move the blocks (cudaMemcpyAsync into peer memory) and stream memory operations
+// tell the receiver that a block has landed, so no SM works on communication while the GEMMs
+// run. The order of the work is overlap/peer_plan.hpp's.
+//
+// Flags. Each rank's buffer ends with 32-bit flags that its peers set and it clears:
+//   free[q]            rank q may push into this rank's buffers: set by q at the start of each
+//                      execution (its previous one has read them), cleared by the pusher before
+//                      its first push
+//   arrived[round][q]  q's block (or partial product) for `round` has landed here
+//   reduced[round][q]  q's summed sub-block of `round` has landed here (all-reduce)
+// A flag goes 0 -> 1 -> 0 once per execution, and its next set always follows its clearing in
+// stream order, so repeated executions and CUDA-graph replays never see a stale value.
+#include <algorithm>
+
+#include "comm/peer_memory.hpp"
+#include "comm/stream_flags.hpp"
+#include "core/cuda_checks.hpp"
+#include "meshla/matmul.hpp"
+#include "overlap/executor.hpp"
+#include "overlap/peer_plan.hpp"
+#include "overlap/sum_slots.hpp"
+
+namespace meshla::overlap {
+namespace {
+
+enum class Flag { kFree, kArrived, kReduced };
+
+class SymmetricExecutor final : public Executor {
+ public:
+  SymmetricExecutor(const Communicator& comm, const CollectiveMatmulConfig& config)
+      : config_(config),
+        tp_(comm.size()),
+        rank_(comm.rank()),
+        rounds_(config.op == CollectiveOp::kAllGatherMatmul ? 1 : config.chunks),
+        element_(static_cast<std::int64_t>(dtype_size(config.dtype))),
+        peers_(ring_peers(tp_, rank_)),
+        matmul_(comm.device()),
+        push_(comm.device(), peers_.size(), /*high_priority=*/true),
+        collect_(comm.device(), 1, /*high_priority=*/true) {
+    const int device = comm.device();
+    const int device_sms = device_sm_count(device);
+    MESHLA_CHECK_ARG(config.comm_sms < device_sms, collective_op_name(config.op)
+                                                       << ": comm_sms=" << config.comm_sms
+                                                       << " leaves no SM of the " << device_sms
+                                                       << " to the GEMM");
+    gemm_sms_ = config.comm_sms > 0 ? device_sms - config.comm_sms : 0;
+    const std::int64_t m = config.m;
+    std::int64_t data_bytes = 0;
+    if (config.op == CollectiveOp::kAllGatherMatmul) {
+      data_bytes = m * config.k * element_;  // the gathered a, slot q at rows of rank q
+    } else {
+      sub_rows_ = m / tp_ / rounds_;
+      // inbox[round][source]: sub-blocks of the partial products this rank owns
+      data_bytes = m * config.n * element_;
+      staging_ = detail::DeviceBuffer(device, static_cast<std::size_t>(data_bytes));
+      if (config.op == CollectiveOp::kMatmulAllReduce) {
+        results_offset_ = data_bytes;  // results: [m, n], the summed sub-blocks of the peers
+        data_bytes += m * config.n * element_;
+      }
+    }
+    flags_offset_ = (data_bytes + 255) / 256 * 256;
+    const std::int64_t flag_count = tp_ * (1 + 2 * rounds_);
+    buffer_ =
+        detail::PeerBuffer(*comm.state(), static_cast<std::size_t>(flags_offset_ + flag_count * 4));
+    for (std::size_t i = 0; i < peers_.size() * static_cast<std::size_t>(rounds_); ++i) {
+      product_ready_.emplace_back(device);
+    }
+    for (int round = 0; round < rounds_; ++round) reduced_ready_.emplace_back(device);
+    for (std::size_t i = 0; i < 2; ++i) arrived_ready_.emplace_back(device);
+    prepare_gemms();
+  }
+
+  void enqueue(const CollectiveMatmulArgs& args, cudaStream_t stream) override {
+    // This rank's buffers are free again: its previous execution, which read them, is behind us
+    // on this stream.
+    for (int peer : peers_) detail::write_flag(stream, flag(peer, Flag::kFree, 0, rank_), 1);
+    push_.fork(stream);
+    collect_.fork(stream);
+    try {
+      if (config_.op == CollectiveOp::kAllGatherMatmul) {
+        all_gather_matmul(args, stream);
+      } else {
+        reduce_matmul(args, stream);
+      }
+    } catch (...) {
+      push_.join_after_failure(stream);
+      collect_.join_after_failure(stream);
+      throw;
+    }
+    push_.join(stream);
+    collect_.join(stream);
+  }
+
+ private:
+  std::uint32_t* flag(int owner, Flag kind, int round, int source) const {
+    std::int64_t index = source;
+    if (kind == Flag::kArrived) index += tp_ * (1 + round);
+    if (kind == Flag::kReduced) index += tp_ * (1 + rounds_ + round);
+    return reinterpret_cast<std::uint32_t*>(buffer_.of(owner) + flags_offset_ + index * 4);
+  }
+
+  // Waits on `stream` until the flag is set, then clears it for the next execution.
+  static void consume(cudaStream_t stream, std::uint32_t* flag) {
+    detail::wait_flag(stream, flag, 1);
+    detail::write_flag(stream, flag, 0);
+  }
+
+  // Copies `bytes` into peer memory on `stream` and then sets the peer's flag.
+  static void push(cudaStream_t stream, void* to, const void* from, std::int64_t bytes,
+                   std::uint32_t* landed) {
+    MESHLA_CHECK_CUDA(cudaMemcpyAsync(to, from, static_cast<std::size_t>(bytes),
+                                      cudaMemcpyDeviceToDevice, stream));
+    detail::write_flag(stream, landed, 1);
+  }
+
+  MatmulShape shape(std::int64_t rows, bool bias) const {
+    return {.dtype = config_.dtype,
+            .m = rows,
+            .n = config_.n,
+            .k = config_.k,
+            .trans_b = config_.trans_b,
+            .lda = config_.k,
+            .ldd = config_.n,
+            .bias = bias,
+            .sm_count = gemm_sms_};
+  }
+
+  void prepare_gemms() {
+    const std::int64_t block = config_.m / tp_;
+    if (config_.op == CollectiveOp::kAllGatherMatmul) {
+      matmul_.prepare(shape(block, config_.bias));
+      for (const RankRange& range : other_ranks(tp_, rank_)) {
+        matmul_.prepare(shape(range.count * block, config_.bias));
+      }
+    } else {
+      matmul_.prepare(shape(sub_rows_, /*bias=*/false));
+      if (config_.bias) matmul_.prepare(shape(sub_rows_, /*bias=*/true));
+    }
+  }
+
+  void gemm(const CollectiveMatmulArgs& args, const char* a, std::int64_t rows, void* d, bool bias,
+            cudaStream_t stream) {
+    matmul_.run(shape(rows, bias),
+                {.a = a, .b = args.b.data, .bias = bias ? args.bias.data : nullptr, .d = d},
+                stream);
+  }
+
+  void all_gather_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
+    const std::int64_t block = config_.m / tp_;
+    const std::int64_t block_bytes = block * config_.k * element_;
+    const std::int64_t out_block_bytes = block * config_.n * element_;
+    const char* own = static_cast<const char*>(args.a.data);
+    char* out = static_cast<char*>(args.out.data);
+    char* gathered = static_cast<char*>(args.gathered.data);
+    for (std::size_t j = 0; j < peers_.size(); ++j) {
+      const int peer = peers_[j];
+      consume(push_[j], flag(rank_, Flag::kFree, 0, peer));
+      push(push_[j], buffer_.of(peer) + rank_ * block_bytes, own, block_bytes,
+           flag(peer, Flag::kArrived, 0, rank_));
+    }
+    if (gathered != nullptr) {
+      MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + rank_ * block_bytes, own, block_bytes,
+                                        cudaMemcpyDeviceToDevice, collect_[0]));
+    }
+    gemm(args, own, block, out + rank_ * out_block_bytes, config_.bias, stream);
+    const std::vector<RankRange> ranges = other_ranks(tp_, rank_);
+    for (std::size_t r = 0; r < ranges.size(); ++r) {
+      const RankRange& range = ranges[r];
+      for (int source = range.first; source < range.first + range.count; ++source) {
+        consume(stream, flag(rank_, Flag::kArrived, 0, source));
+      }
+      const char* received = buffer_.local() + range.first * block_bytes;
+      gemm(args, received, range.count * block, out + range.first * out_block_bytes, config_.bias,
+           stream);
+      if (gathered != nullptr) {
+        MESHLA_CHECK_CUDA(cudaEventRecord(arrived_ready_[r].get(), stream));
+        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_ready_[r].get(), 0));
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + range.first * block_bytes, received,
+                                          range.count * block_bytes, cudaMemcpyDeviceToDevice,
+                                          collect_[0]));
+      }
+    }
+  }
+
+  void reduce_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
+    const std::int64_t sub_count = sub_rows_ * config_.n;
+    const std::int64_t sub_bytes = sub_count * element_;
+    const std::int64_t row_bytes = config_.n * element_;
+    const bool all_reduce = config_.op == CollectiveOp::kMatmulAllReduce;
+    const char* a = static_cast<const char*>(args.a.data);
+    char* out = static_cast<char*>(args.out.data);
+    const auto inbox = [&](int owner, int round, int source) {
+      return buffer_.of(owner) + (round * tp_ + source) * sub_bytes;
+    };
+    const auto row_of = [&](int owner, int round) {
+      return sub_block_begin(config_.m, tp_, rounds_, owner, round);
+    };
+    for (int round = 0; round < rounds_; ++round) {
+      for (std::size_t j = 0; j < peers_.size(); ++j) {
+        const int peer = peers_[j];
+        char* product = static_cast<char*>(staging_.data()) + (round * tp_ + peer) * sub_bytes;
+        gemm(args, a + row_of(peer, round) * config_.k * element_, sub_rows_, product, false,
+             stream);
+        cudaEvent_t ready = product_ready_[round * peers_.size() + j].get();
+        MESHLA_CHECK_CUDA(cudaEventRecord(ready, stream));
+        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[j], ready, 0));
+        if (round == 0) consume(push_[j], flag(rank_, Flag::kFree, 0, peer));
+        push(push_[j], inbox(peer, round, rank_), product, sub_bytes,
+             flag(peer, Flag::kArrived, round, rank_));
+      }
+      gemm(args, a + row_of(rank_, round) * config_.k * element_, sub_rows_,
+           inbox(rank_, round, rank_), config_.bias, stream);
+      for (int peer : peers_) consume(stream, flag(rank_, Flag::kArrived, round, peer));
+      // A reduce-scatter's output holds only this rank's rows; an all-reduce's holds all.
+      char* summed = out + (all_reduce ? row_of(rank_, round) : round * sub_rows_) * row_bytes;
+      sum_slots(config_.dtype, inbox(rank_, round, 0), sub_count, tp_, sub_count, summed, stream);
+      if (!all_reduce) continue;
+      MESHLA_CHECK_CUDA(cudaEventRecord(reduced_ready_[round].get(), stream));
+      for (std::size_t j = 0; j < peers_.size(); ++j) {
+        const int peer = peers_[j];
+        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[j], reduced_ready_[round].get(), 0));
+        push(push_[j], buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes,
+             summed, sub_bytes, flag(peer, Flag::kReduced, round, rank_));
+      }
+      for (int peer : peers_) {
+        consume(collect_[0], flag(rank_, Flag::kReduced, round, peer));
+        const std::int64_t row = row_of(peer, round);
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(out + row * row_bytes,
+                                          buffer_.local() + results_offset_ + row * row_bytes,
+                                          sub_bytes, cudaMemcpyDeviceToDevice, collect_[0]));
+      }
+    }
+  }
+
+  CollectiveMatmulConfig config_;
+  int tp_;
+  int rank_;
+  int rounds_;
+  std::int64_t element_;
+  std::vector<int> peers_;  // ring order; push_[j] carries everything sent to peers_[j]
+  Matmul matmul_;
+  SideStreams push_;
+  SideStreams collect_;  // copies out of this rank's own buffer into the caller's outputs
+  detail::PeerBuffer buffer_;
+  detail::DeviceBuffer staging_;  // [round][destination] partial products before their push
+  std::vector<detail::Event> product_ready_;
+  std::vector<detail::Event> reduced_ready_;
+  std::vector<detail::Event> arrived_ready_;  // all_gather_matmul: a range of blocks is here
+  std::int64_t sub_rows_ = 0;
+  std::int64_t results_offset_ = 0;
+  std::int64_t flags_offset_ = 0;
+  int gemm_sms_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Executor> make_symmetric_executor(const Communicator& comm,
+                                                  const CollectiveMatmulConfig& config) {
+  return std::make_unique<SymmetricExecutor>(comm, config);
+}
+
+}  // namespace meshla::overlap

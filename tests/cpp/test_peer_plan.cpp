@@ -1,0 +1,141 @@
+// The symmetric backend's host-side layout and its config rules: every rank's blocks are covered
+// exactly once, and kAuto falls back to NCCL whenever the symmetric backend cannot run a config.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <vector>
+
+#include "meshla/error.hpp"
+#include "overlap/peer_plan.hpp"
+#include "overlap/validation.hpp"
+
+namespace meshla::overlap {
+namespace {
+
+TEST(PeerPlan, RingPeersVisitEveryOtherRankOnce) {
+  for (int tp = 1; tp <= 8; ++tp) {
+    for (int rank = 0; rank < tp; ++rank) {
+      const std::vector<int> peers = ring_peers(tp, rank);
+      ASSERT_EQ(static_cast<int>(peers.size()), tp - 1);
+      std::set<int> seen(peers.begin(), peers.end());
+      EXPECT_EQ(static_cast<int>(seen.size()), tp - 1);
+      EXPECT_EQ(seen.count(rank), 0u);
+      if (tp > 1) EXPECT_EQ(peers.front(), (rank + 1) % tp);
+    }
+  }
+}
+
+TEST(PeerPlan, OtherRanksFormAtMostTwoContiguousRanges) {
+  for (int tp = 1; tp <= 8; ++tp) {
+    for (int rank = 0; rank < tp; ++rank) {
+      const std::vector<RankRange> ranges = other_ranks(tp, rank);
+      EXPECT_LE(ranges.size(), 2u);
+      std::vector<int> covered(static_cast<std::size_t>(tp), 0);
+      for (const RankRange& range : ranges) {
+        EXPECT_GT(range.count, 0);
+        for (int q = range.first; q < range.first + range.count; ++q) ++covered[q];
+      }
+      for (int q = 0; q < tp; ++q) EXPECT_EQ(covered[q], q == rank ? 0 : 1) << tp << " " << rank;
+    }
+  }
+}
+
+// Every output row of a reduce-scatter or all-reduce belongs to exactly one (owner, round)
+// sub-block, and each owner's sub-blocks tile its own contiguous rows in round order.
+TEST(PeerPlan, SubBlocksTileTheRows) {
+  for (int tp = 1; tp <= 8; ++tp) {
+    for (int rounds = 1; rounds <= 4; ++rounds) {
+      const std::int64_t m = static_cast<std::int64_t>(tp) * rounds * 3;
+      const std::int64_t sub = m / tp / rounds;
+      std::vector<int> covered(static_cast<std::size_t>(m), 0);
+      for (int owner = 0; owner < tp; ++owner) {
+        for (int round = 0; round < rounds; ++round) {
+          const std::int64_t begin = sub_block_begin(m, tp, rounds, owner, round);
+          EXPECT_EQ(begin, owner * (m / tp) + round * sub);
+          for (std::int64_t row = begin; row < begin + sub; ++row) ++covered[row];
+        }
+      }
+      for (std::int64_t row = 0; row < m; ++row) EXPECT_EQ(covered[row], 1);
+    }
+  }
+}
+
+std::string reason(CollectiveMatmulConfig config, int tp) {
+  return symmetric_unsupported(config, tp);
+}
+
+TEST(PeerPlan, NamesWhatTheSymmetricBackendCannotRun) {
+  const CollectiveMatmulConfig ag{.op = CollectiveOp::kAllGatherMatmul, .m = 64, .n = 8, .k = 8};
+  EXPECT_EQ(reason(ag, 4), "");
+  CollectiveMatmulConfig c = ag;
+  c.algorithm = Algorithm::kPipelined;
+  EXPECT_NE(reason(c, 4).find("runs algorithm=ring only, not pipelined"), std::string::npos);
+  c = ag;
+  c.comm_ctas = 4;
+  EXPECT_NE(reason(c, 4).find("comm_ctas=4"), std::string::npos);
+  c = ag;
+  c.m = 66;
+  EXPECT_NE(reason(c, 4).find("m=66 is not divisible by tp_size=4"), std::string::npos);
+  c = ag;
+  c.chunks = 2;
+  EXPECT_NE(reason(c, 4).find("chunks=2"), std::string::npos);
+  CollectiveMatmulConfig rs = ag;
+  rs.op = CollectiveOp::kMatmulReduceScatter;
+  rs.chunks = 3;
+  EXPECT_NE(reason(rs, 4).find("chunks=3 rounds do not divide the m/tp_size=16 rows"),
+            std::string::npos);
+  rs.chunks = 4;
+  EXPECT_EQ(reason(rs, 4), "");
+}
+
+TEST(PeerPlan, AutoPicksSymmetricOnlyWithPeerAccessAndASupportedConfig) {
+  const CollectiveMatmulConfig ar{.op = CollectiveOp::kMatmulAllReduce, .m = 64, .n = 8, .k = 8};
+  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).backend, Backend::kSymmetric);
+  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).algorithm, Algorithm::kRing);
+  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).chunks, 2);
+  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).comm_sms, 0);
+  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/false).backend, Backend::kNccl);
+  EXPECT_EQ(resolve_config(ar, 1, /*peer_access=*/true).backend, Backend::kNccl);
+  CollectiveMatmulConfig uneven = ar;
+  uneven.m = 63;  // all-reduce accepts any m on NCCL, not on the symmetric backend
+  EXPECT_EQ(resolve_config(uneven, 4, /*peer_access=*/true).backend, Backend::kNccl);
+  CollectiveMatmulConfig sequential = ar;
+  sequential.algorithm = Algorithm::kSequential;
+  EXPECT_EQ(resolve_config(sequential, 4, /*peer_access=*/true).backend, Backend::kNccl);
+}
+
+TEST(PeerPlan, ForcedSymmetricExplainsWhyItCannotRun) {
+  CollectiveMatmulConfig c{.op = CollectiveOp::kMatmulReduceScatter,
+                           .algorithm = Algorithm::kSequential,
+                           .backend = Backend::kSymmetric,
+                           .m = 64,
+                           .n = 8,
+                           .k = 8};
+  try {
+    resolve_config(c, 4, /*peer_access=*/true);
+    FAIL() << "no error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotImplemented);
+    EXPECT_NE(std::string(error.what()).find("use backend=nccl"), std::string::npos);
+  }
+  c.algorithm = Algorithm::kRing;
+  c.chunks = 5;
+  try {
+    resolve_config(c, 4, /*peer_access=*/true);
+    FAIL() << "no error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(error.what()).find("chunks=5"), std::string::npos);
+  }
+  c.chunks = 0;
+  try {
+    resolve_config(c, 4, /*peer_access=*/false);
+    FAIL() << "no error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotImplemented);
+    EXPECT_NE(std::string(error.what()).find("CUDA peer access"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace meshla::overlap
