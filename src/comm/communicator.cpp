@@ -47,24 +47,32 @@ std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_
 std::vector<std::byte> all_gather_host(const CommState& state, const void* data,
                                        std::size_t bytes) {
   DeviceGuard guard(state.device);
-  DeviceBuffer staging(state.device, bytes * static_cast<std::size_t>(state.size));
-  char* mine = static_cast<char*>(staging.data()) + bytes * static_cast<std::size_t>(state.rank);
-  MESHLA_CHECK_CUDA(cudaMemcpy(mine, data, bytes, cudaMemcpyHostToDevice));
+  // Everything here is ordered on a private stream and the staging memory comes from the
+  // stream-ordered allocator: no call below may wait for the whole device, nor (cudaFree with
+  // peer access enabled) for a peer device, whose queued work may wait for this thread's next
+  // call. NCCL's own rule for several GPUs driven from one process.
   Stream stream(state.device, /*high_priority=*/false);
   Event gathered(state.device);
-  MESHLA_CHECK_NCCL(
-      ncclAllGather(mine, staging.data(), bytes, ncclUint8, state.comm, stream.get()));
+  const std::size_t total = bytes * static_cast<std::size_t>(state.size);
+  void* staging = nullptr;
+  MESHLA_CHECK_CUDA(cudaMallocAsync(&staging, total, stream.get()));
+  char* mine = static_cast<char*>(staging) + bytes * static_cast<std::size_t>(state.rank);
+  MESHLA_CHECK_CUDA(cudaMemcpyAsync(mine, data, bytes, cudaMemcpyHostToDevice, stream.get()));
+  MESHLA_CHECK_NCCL(ncclAllGather(mine, staging, bytes, ncclUint8, state.comm, stream.get()));
   MESHLA_CHECK_CUDA(cudaEventRecord(gathered.get(), stream.get()));
+  // A stalled exchange keeps its staging memory: freeing it would wait for the stalled kernel.
   const cudaError_t status = wait_for_event(gathered.get(), state.timeout);
-  if (status == cudaErrorNotReady) staging.leak();
   MESHLA_CHECK(kTimeout, status != cudaErrorNotReady,
                "all_gather_host: rank " << state.rank << " of " << state.size << " waited "
                                         << state.timeout.count()
                                         << " ms for its peers; is every rank building the same "
                                            "plan?");
   MESHLA_CHECK_CUDA(status);
-  std::vector<std::byte> all(bytes * static_cast<std::size_t>(state.size));
-  MESHLA_CHECK_CUDA(cudaMemcpy(all.data(), staging.data(), all.size(), cudaMemcpyDeviceToHost));
+  std::vector<std::byte> all(total);
+  MESHLA_CHECK_CUDA(
+      cudaMemcpyAsync(all.data(), staging, total, cudaMemcpyDeviceToHost, stream.get()));
+  MESHLA_CHECK_CUDA(cudaFreeAsync(staging, stream.get()));
+  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
   return all;
 }
 

@@ -90,7 +90,7 @@ std::string why_unreachable(const CommState& state, const std::vector<PeerIdenti
 
 }  // namespace
 
-bool group_has_peer_access(const CommState& state, std::string* why) {
+bool enable_peer_access(const CommState& state, std::string* why) {
   const std::vector<PeerIdentity> everyone = gather(state, identity_of(state.device));
   const std::string mine = why_unreachable(state, everyone);
   const std::vector<std::int32_t> reaches =
@@ -101,6 +101,17 @@ bool group_has_peer_access(const CommState& state, std::string* why) {
       *why = !mine.empty() ? mine : "rank " + std::to_string(rank) + " cannot map all of its peers";
     }
     return false;
+  }
+  const PeerIdentity& me = everyone[static_cast<std::size_t>(state.rank)];
+  DeviceGuard guard(state.device);
+  for (const PeerIdentity& peer : everyone) {
+    if (peer.process != me.process || peer.device == me.device) continue;
+    const cudaError_t enabled = cudaDeviceEnablePeerAccess(peer.device, 0);
+    if (enabled == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();  // not an error here; clear it so no later check reports it
+    } else {
+      MESHLA_CHECK_CUDA(enabled);
+    }
   }
   return true;
 }
@@ -141,13 +152,7 @@ PeerBuffer::PeerBuffer(const CommState& state, std::size_t bytes)
       if (rank == state.rank) {
         address = local();
       } else if (part.process == mine.process) {
-        const cudaError_t enabled = cudaDeviceEnablePeerAccess(part.device, 0);
-        if (enabled == cudaErrorPeerAccessAlreadyEnabled) {
-          cudaGetLastError();  // not an error here; clear it so no later check reports it
-        } else {
-          MESHLA_CHECK_CUDA(enabled);
-        }
-        address = reinterpret_cast<char*>(part.address);
+        address = reinterpret_cast<char*>(part.address);  // peer access: enable_peer_access
       } else {
         void* opened = nullptr;
         MESHLA_CHECK_CUDA(

@@ -17,15 +17,21 @@ namespace meshla::detail {
 
 // Whether every rank of the group can map every other rank's memory: one host, CUDA peer access
 // between each pair of devices, and NCCL_P2P_DISABLE not set (the user's word that peer transfers
-// are off). Collective; every rank gets the same answer. When the answer is no, `why` (if given)
-// names a pair that cannot.
-bool group_has_peer_access(const CommState& state, std::string* why = nullptr);
+// are off). Collective; every rank gets the same answer. When the answer is yes, CUDA peer access
+// to the peers driven by this process is enabled. When it is no, `why` (if given) names a pair
+// that cannot.
+bool enable_peer_access(const CommState& state, std::string* why = nullptr);
 
 class PeerBuffer {
  public:
   PeerBuffer() = default;
-  // Collective over the group (every rank passes the same `bytes`), after group_has_peer_access
+  // Collective over the group (every rank passes the same `bytes`), after enable_peer_access
   // said yes. The memory starts zeroed on every rank before any rank returns.
+  //
+  // With several GPUs driven by one process, the exchange is the last point where the ranks
+  // wait for each other before their first execution: the caller must not free device memory
+  // (cudaFree waits for the peer devices, whose queued work may wait for this thread) between
+  // constructing a PeerBuffer and enqueuing the work that uses it.
   PeerBuffer(const CommState& state, std::size_t bytes);
   ~PeerBuffer();
   PeerBuffer(PeerBuffer&& other) noexcept;

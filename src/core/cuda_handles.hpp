@@ -60,9 +60,6 @@ class DeviceBuffer {
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
   void* data() const { return data_; }
   std::size_t bytes() const { return bytes_; }
-  // Gives the memory up without freeing it: for memory a stalled kernel may still use, since
-  // cudaFree would wait for that kernel forever.
-  void leak() { data_ = nullptr; }
 
  private:
   void* data_ = nullptr;

@@ -99,7 +99,7 @@ CollectiveMatmulConfig resolve_for_group(const Communicator& comm,
   bool peer_access = false;
   if (requested.backend != Backend::kNccl && comm.size() >= 2) {
     std::string why;
-    peer_access = detail::group_has_peer_access(*comm.state(), &why);
+    peer_access = detail::enable_peer_access(*comm.state(), &why);
     MESHLA_CHECK(kNotImplemented, peer_access || requested.backend != Backend::kSymmetric,
                  collective_op_name(requested.op)
                      << ": backend=symmetric needs every rank to map every other rank's memory, "

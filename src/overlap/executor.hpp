@@ -22,7 +22,7 @@ class Executor {
 
 std::unique_ptr<Executor> make_nccl_executor(const Communicator& comm,
                                              const CollectiveMatmulConfig& config);
-// The caller has established that every rank maps every peer (detail::group_has_peer_access).
+// The caller has established that every rank maps every peer (detail::enable_peer_access).
 std::unique_ptr<Executor> make_symmetric_executor(const Communicator& comm,
                                                   const CollectiveMatmulConfig& config);
 

@@ -47,9 +47,7 @@ class NcclExecutor final : public Executor {
  public:
   NcclExecutor(const Communicator& comm, const CollectiveMatmulConfig& config)
       : config_(config),
-        transfers_(config.comm_ctas > 0
-                       ? Communicator(detail::split_with_max_ctas(*comm.state(), config.comm_ctas))
-                       : comm),
+        transfers_(comm),
         schedule_(make_schedule({.op = config.op,
                                  .algorithm = config.algorithm,
                                  .tp = comm.size(),
@@ -75,6 +73,12 @@ class NcclExecutor final : public Executor {
     for (std::size_t i = 0; i < schedule_.gemms.size(); ++i) gemm_done_.emplace_back(device);
     for (std::size_t i = 0; i < schedule_.comms.size(); ++i) comm_done_.emplace_back(device);
     for (const GemmTask& gemm : schedule_.gemms) matmul_.prepare(shape_of(gemm));
+    // Last: the split is a meeting of the ranks, and with several GPUs in one process nothing
+    // between it and the first execution may free device memory (cudaFree waits for the peer
+    // devices, whose queued NCCL kernels may wait for this thread).
+    if (config.comm_ctas > 0) {
+      transfers_ = Communicator(detail::split_with_max_ctas(*comm.state(), config.comm_ctas));
+    }
   }
 
   void enqueue(const CollectiveMatmulArgs& args, cudaStream_t stream) override {

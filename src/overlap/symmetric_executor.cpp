@@ -61,14 +61,16 @@ class SymmetricExecutor final : public Executor {
     }
     flags_offset_ = (data_bytes + 255) / 256 * 256;
     const std::int64_t flag_count = tp_ * (1 + 2 * rounds_);
-    buffer_ =
-        detail::PeerBuffer(*comm.state(), static_cast<std::size_t>(flags_offset_ + flag_count * 4));
     for (std::size_t i = 0; i < peers_.size() * static_cast<std::size_t>(rounds_); ++i) {
       product_ready_.emplace_back(device);
     }
     for (int round = 0; round < rounds_; ++round) reduced_ready_.emplace_back(device);
     for (std::size_t i = 0; i < 2; ++i) arrived_ready_.emplace_back(device);
     prepare_gemms();
+    // Last: the exchange is the ranks' final meeting before their first execution, and nothing
+    // after it may free device memory (see PeerBuffer).
+    buffer_ =
+        detail::PeerBuffer(*comm.state(), static_cast<std::size_t>(flags_offset_ + flag_count * 4));
   }
 
   void enqueue(const CollectiveMatmulArgs& args, cudaStream_t stream) override {

@@ -7,7 +7,7 @@
 namespace meshla::overlap {
 
 // Checks the config against the group size and resolves every kAuto and chunks == 0, given
-// whether the group's ranks map each other's memory (detail::group_has_peer_access; false when
+// whether the group's ranks map each other's memory (detail::enable_peer_access; false when
 // the caller did not ask). Throws kInvalidArgument or kNotImplemented with a message that names
 // the op and the shapes.
 CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int tp,
