@@ -65,7 +65,7 @@ class SymmetricExecutor final : public Executor {
       product_ready_.emplace_back(device);
     }
     for (int round = 0; round < rounds_; ++round) reduced_ready_.emplace_back(device);
-    for (std::size_t i = 0; i < 2; ++i) arrived_ready_.emplace_back(device);
+    for (std::size_t i = 0; i < peers_.size(); ++i) arrived_.emplace_back(device);
     prepare_gemms();
     // Last: the exchange is the ranks' final meeting before their first execution, and nothing
     // after it may free device memory (see PeerBuffer).
@@ -132,9 +132,6 @@ class SymmetricExecutor final : public Executor {
     const std::int64_t block = config_.m / tp_;
     if (config_.op == CollectiveOp::kAllGatherMatmul) {
       matmul_.prepare(shape(block, config_.bias));
-      for (const RankRange& range : other_ranks(tp_, rank_)) {
-        matmul_.prepare(shape(range.count * block, config_.bias));
-      }
     } else {
       matmul_.prepare(shape(sub_rows_, /*bias=*/false));
       if (config_.bias) matmul_.prepare(shape(sub_rows_, /*bias=*/true));
@@ -166,21 +163,17 @@ class SymmetricExecutor final : public Executor {
                                         cudaMemcpyDeviceToDevice, collect_[0]));
     }
     gemm(args, own, block, out + rank_ * out_block_bytes, config_.bias, stream);
-    const std::vector<RankRange> ranges = other_ranks(tp_, rank_);
-    for (std::size_t r = 0; r < ranges.size(); ++r) {
-      const RankRange& range = ranges[r];
-      for (int source = range.first; source < range.first + range.count; ++source) {
-        consume(stream, flag(rank_, Flag::kArrived, 0, source));
-      }
-      const char* received = buffer_.local() + range.first * block_bytes;
-      gemm(args, received, range.count * block, out + range.first * out_block_bytes, config_.bias,
-           stream);
+    const std::vector<int> sources = arrival_order(tp_, rank_);
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      const int source = sources[i];
+      consume(stream, flag(rank_, Flag::kArrived, 0, source));
+      const char* received = buffer_.local() + source * block_bytes;
+      gemm(args, received, block, out + source * out_block_bytes, config_.bias, stream);
       if (gathered != nullptr) {
-        MESHLA_CHECK_CUDA(cudaEventRecord(arrived_ready_[r].get(), stream));
-        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_ready_[r].get(), 0));
-        MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + range.first * block_bytes, received,
-                                          range.count * block_bytes, cudaMemcpyDeviceToDevice,
-                                          collect_[0]));
+        MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), stream));
+        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_[i].get(), 0));
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes, received, block_bytes,
+                                          cudaMemcpyDeviceToDevice, collect_[0]));
       }
     }
   }
@@ -248,7 +241,7 @@ class SymmetricExecutor final : public Executor {
   detail::DeviceBuffer staging_;  // [round][destination] partial products before their push
   std::vector<detail::Event> product_ready_;
   std::vector<detail::Event> reduced_ready_;
-  std::vector<detail::Event> arrived_ready_;  // all_gather_matmul: a range of blocks is here
+  std::vector<detail::Event> arrived_;  // all_gather_matmul: the i-th block to arrive is here
   std::int64_t sub_rows_ = 0;
   std::int64_t results_offset_ = 0;
   std::int64_t flags_offset_ = 0;

@@ -25,17 +25,18 @@ TEST(PeerPlan, RingPeersVisitEveryOtherRankOnce) {
   }
 }
 
-TEST(PeerPlan, OtherRanksFormAtMostTwoContiguousRanges) {
+// Rank q's d-th push (ring_peers) goes to q+d, so rank r hears from r-1 first, then r-2, ...:
+// arrival_order must list every other rank once, in that order.
+TEST(PeerPlan, ArrivalOrderFollowsThePushOrder) {
   for (int tp = 1; tp <= 8; ++tp) {
     for (int rank = 0; rank < tp; ++rank) {
-      const std::vector<RankRange> ranges = other_ranks(tp, rank);
-      EXPECT_LE(ranges.size(), 2u);
-      std::vector<int> covered(static_cast<std::size_t>(tp), 0);
-      for (const RankRange& range : ranges) {
-        EXPECT_GT(range.count, 0);
-        for (int q = range.first; q < range.first + range.count; ++q) ++covered[q];
+      const std::vector<int> sources = arrival_order(tp, rank);
+      ASSERT_EQ(static_cast<int>(sources.size()), tp - 1);
+      for (std::size_t i = 0; i < sources.size(); ++i) {
+        const std::vector<int> pushes = ring_peers(tp, sources[i]);
+        EXPECT_EQ(pushes[i], rank) << "tp=" << tp << " rank=" << rank << " source " << sources[i];
       }
-      for (int q = 0; q < tp; ++q) EXPECT_EQ(covered[q], q == rank ? 0 : 1) << tp << " " << rank;
+      EXPECT_EQ(std::set<int>(sources.begin(), sources.end()).size(), sources.size());
     }
   }
 }
@@ -92,7 +93,7 @@ TEST(PeerPlan, AutoPicksSymmetricOnlyWithPeerAccessAndASupportedConfig) {
   const CollectiveMatmulConfig ar{.op = CollectiveOp::kMatmulAllReduce, .m = 64, .n = 8, .k = 8};
   EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).backend, Backend::kSymmetric);
   EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).algorithm, Algorithm::kRing);
-  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).chunks, 2);
+  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).chunks, 1);  // 16 rows per rank: too few
   EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).comm_sms, 0);
   EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/false).backend, Backend::kNccl);
   EXPECT_EQ(resolve_config(ar, 1, /*peer_access=*/true).backend, Backend::kNccl);
@@ -102,6 +103,15 @@ TEST(PeerPlan, AutoPicksSymmetricOnlyWithPeerAccessAndASupportedConfig) {
   CollectiveMatmulConfig sequential = ar;
   sequential.algorithm = Algorithm::kSequential;
   EXPECT_EQ(resolve_config(sequential, 4, /*peer_access=*/true).backend, Backend::kNccl);
+}
+
+TEST(PeerPlan, AllReduceRoundsKeepEachGemmAtLeast512Rows) {
+  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 4, 8192), 4);
+  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 4, 4096), 2);
+  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 2, 4096), 4);
+  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 4, 2048), 1);
+  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 4, 4100), 1);  // 1025 rows per rank
+  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulReduceScatter, 4, 8192), 1);
 }
 
 TEST(PeerPlan, ForcedSymmetricExplainsWhyItCannotRun) {
