@@ -36,7 +36,7 @@ class SymmetricExecutor final : public Executor {
         element_(static_cast<std::int64_t>(dtype_size(config.dtype))),
         peers_(ring_peers(tp_, rank_)),
         matmul_(comm.device()),
-        push_(comm.device(), peers_.size(), /*high_priority=*/true),
+        push_(comm.device(), 1, /*high_priority=*/true),
         collect_(comm.device(), 1, /*high_priority=*/true) {
     const int device = comm.device();
     const int device_sms = device_sm_count(device);
@@ -152,10 +152,9 @@ class SymmetricExecutor final : public Executor {
     const char* own = static_cast<const char*>(args.a.data);
     char* out = static_cast<char*>(args.out.data);
     char* gathered = static_cast<char*>(args.gathered.data);
-    for (std::size_t j = 0; j < peers_.size(); ++j) {
-      const int peer = peers_[j];
-      consume(push_[j], flag(rank_, Flag::kFree, 0, peer));
-      push(push_[j], buffer_.of(peer) + rank_ * block_bytes, own, block_bytes,
+    for (int peer : peers_) {
+      consume(push_[0], flag(rank_, Flag::kFree, 0, peer));
+      push(push_[0], buffer_.of(peer) + rank_ * block_bytes, own, block_bytes,
            flag(peer, Flag::kArrived, 0, rank_));
     }
     if (gathered != nullptr) {
@@ -199,9 +198,9 @@ class SymmetricExecutor final : public Executor {
              stream);
         cudaEvent_t ready = product_ready_[round * peers_.size() + j].get();
         MESHLA_CHECK_CUDA(cudaEventRecord(ready, stream));
-        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[j], ready, 0));
-        if (round == 0) consume(push_[j], flag(rank_, Flag::kFree, 0, peer));
-        push(push_[j], inbox(peer, round, rank_), product, sub_bytes,
+        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], ready, 0));
+        if (round == 0) consume(push_[0], flag(rank_, Flag::kFree, 0, peer));
+        push(push_[0], inbox(peer, round, rank_), product, sub_bytes,
              flag(peer, Flag::kArrived, round, rank_));
       }
       gemm(args, a + row_of(rank_, round) * config_.k * element_, sub_rows_,
@@ -212,18 +211,18 @@ class SymmetricExecutor final : public Executor {
       sum_slots(config_.dtype, inbox(rank_, round, 0), sub_count, tp_, sub_count, summed, stream);
       if (!all_reduce) continue;
       MESHLA_CHECK_CUDA(cudaEventRecord(reduced_ready_[round].get(), stream));
-      for (std::size_t j = 0; j < peers_.size(); ++j) {
-        const int peer = peers_[j];
-        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[j], reduced_ready_[round].get(), 0));
-        push(push_[j], buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes,
+      MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], reduced_ready_[round].get(), 0));
+      for (int peer : peers_) {
+        push(push_[0], buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes,
              summed, sub_bytes, flag(peer, Flag::kReduced, round, rank_));
       }
       for (int peer : peers_) {
         consume(collect_[0], flag(rank_, Flag::kReduced, round, peer));
         const std::int64_t row = row_of(peer, round);
-        MESHLA_CHECK_CUDA(cudaMemcpyAsync(out + row * row_bytes,
-                                          buffer_.local() + results_offset_ + row * row_bytes,
-                                          sub_bytes, cudaMemcpyDeviceToDevice, collect_[0]));
+        // A one-slot sum is a copy. On SMs, between the GEMMs' waves: a local copy on the copy
+        // engine ran at about 130 GB/s and held up the pushes queued behind it (measured).
+        sum_slots(config_.dtype, buffer_.local() + results_offset_ + row * row_bytes, 0, 1,
+                  sub_count, out + row * row_bytes, collect_[0]);
       }
     }
   }
@@ -233,8 +232,11 @@ class SymmetricExecutor final : public Executor {
   int rank_;
   int rounds_;
   std::int64_t element_;
-  std::vector<int> peers_;  // ring order; push_[j] carries everything sent to peers_[j]
+  std::vector<int> peers_;  // ring order; push_[0] carries everything sent to peers_[j]
   Matmul matmul_;
+  // One stream carries every push, in ring order: a GPU's copy engine runs its pushes one after
+  // another anyway (measured), and from several streams it took them in any order, so a rank
+  // could wait for the block its peer happened to push last.
   SideStreams push_;
   SideStreams collect_;  // copies out of this rank's own buffer into the caller's outputs
   detail::PeerBuffer buffer_;
