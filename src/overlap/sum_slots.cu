@@ -76,7 +76,27 @@ void launch(const void* slots_base, std::int64_t slot_stride, int slots, std::in
   MESHLA_CHECK_CUDA(cudaGetLastError());
 }
 
+template <typename T>
+void load() {
+  cudaFuncAttributes attributes{};
+  MESHLA_CHECK_CUDA(cudaFuncGetAttributes(&attributes, sum_slots_kernel<T>));
+  MESHLA_CHECK_CUDA(cudaFuncGetAttributes(&attributes, sum_slots_scalar_kernel<T>));
+}
+
 }  // namespace
+
+void load_sum_slots(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return load<__nv_bfloat16>();
+    case DType::kFloat16:
+      return load<__half>();
+    case DType::kFloat32:
+      return load<float>();
+    default:
+      MESHLA_THROW(kNotImplemented, "sum_slots: dtype " << dtype_name(dtype));
+  }
+}
 
 void sum_slots(DType dtype, const void* slots_base, std::int64_t slot_stride, int slots,
                std::int64_t count, void* out, cudaStream_t stream) {

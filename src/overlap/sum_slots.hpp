@@ -14,4 +14,10 @@ namespace meshla::overlap {
 void sum_slots(DType dtype, const void* slots_base, std::int64_t slot_stride, int slots,
                std::int64_t count, void* out, cudaStream_t stream);
 
+// Loads sum_slots' kernels for `dtype` now. Under CUDA's lazy module loading the first launch
+// loads them, and loading can wait for work already queued on the device; with several GPUs
+// driven from one process that work may wait for another thread's next call, so plans load
+// their kernels before their last exchange instead (seen as a hang of the threads model).
+void load_sum_slots(DType dtype);
+
 }  // namespace meshla::overlap

@@ -67,6 +67,7 @@ class SymmetricExecutor final : public Executor {
     for (int round = 0; round < rounds_; ++round) reduced_ready_.emplace_back(device);
     for (std::size_t i = 0; i < peers_.size(); ++i) arrived_.emplace_back(device);
     prepare_gemms();
+    if (config.op != CollectiveOp::kAllGatherMatmul) load_sum_slots(config.dtype);
     // Last: the exchange is the ranks' final meeting before their first execution, and nothing
     // after it may free device memory (see PeerBuffer).
     buffer_ =

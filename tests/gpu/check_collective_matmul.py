@@ -101,6 +101,17 @@ def chunks_for(op, backend, algorithm):
     return 3 if algorithm in ("pipelined", "ring") else 0
 
 
+def check_symmetric_refused(group, reporter, name, op, dtype, seed):
+    """With peer transfers disabled, asking for the symmetric backend is a clear error."""
+    try:
+        p = Problem(op, group, dtype, 64 * group.size, 64, 64, seed, False, False)
+        run_op(op, p, group, "ring", False, backend="symmetric")
+        ok, detail = False, "no error although NCCL_P2P_DISABLE=1"
+    except NotImplementedError as e:
+        ok, detail = "NCCL_P2P_DISABLE" in str(e), f"refused: {e}"
+    reporter.record(name + "/refused", group.rank, ok, detail)
+
+
 def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16, torch.float32)):
     """Every op x backend x algorithm x dtype, with uneven chunking, bias and trans_b variants."""
     case = 0
@@ -114,6 +125,9 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
                 chunks = chunks_for(op, backend, algorithm)
                 name = (f"{label}/{op}/{backend}/{algorithm}/{str(dtype)[6:]}"
                         f"/trans_b={int(trans_b)}/bias={int(bias)}/comm_ctas={comm_ctas}")
+                if backend == "symmetric" and os.environ.get("NCCL_P2P_DISABLE") == "1":
+                    check_symmetric_refused(group, reporter, name, op, dtype, seed_base + case)
+                    continue
                 try:
                     p = Problem(op, group, dtype, m, n, k, seed_base + case, trans_b, bias)
                     result = run_op(op, p, group, algorithm, trans_b, chunks, comm_ctas, backend)
