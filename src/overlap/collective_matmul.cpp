@@ -82,10 +82,15 @@ void SideStreams::join_after_failure(cudaStream_t stream) noexcept {
   }
 }
 
-int device_sm_count(int device) {
-  int sms = 0;
-  MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
+int overlapped_gemm_sms(const CollectiveMatmulConfig& config, int device) {
+  if (config.comm_sms <= 0) return 0;
+  int device_sms = 0;
+  MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, device));
+  MESHLA_CHECK_ARG(config.comm_sms < device_sms, collective_op_name(config.op)
+                                                     << ": comm_sms=" << config.comm_sms
+                                                     << " leaves no SM of the " << device_sms
+                                                     << " on cuda:" << device << " to the GEMM");
+  return device_sms - config.comm_sms;
 }
 
 }  // namespace overlap

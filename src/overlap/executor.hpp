@@ -45,7 +45,8 @@ class SideStreams {
   std::vector<detail::Event> joined_;
 };
 
-// SMs of `device`.
-int device_sm_count(int device);
+// SMs the GEMMs that overlap communication may use on `device` (0: all), leaving config.comm_sms
+// free; throws kInvalidArgument when that leaves none.
+int overlapped_gemm_sms(const CollectiveMatmulConfig& config, int device);
 
 }  // namespace meshla::overlap

@@ -59,12 +59,7 @@ class NcclExecutor final : public Executor {
         matmul_(comm.device()),
         comm_stream_(comm.device(), 1, /*high_priority=*/true) {
     const int device = comm.device();
-    const int device_sms = device_sm_count(device);
-    MESHLA_CHECK_ARG(config.comm_sms < device_sms, collective_op_name(config.op)
-                                                       << ": comm_sms=" << config.comm_sms
-                                                       << " leaves no SM of the " << device_sms
-                                                       << " on cuda:" << device << " to the GEMM");
-    gemm_sms_ = config.comm_sms > 0 ? device_sms - config.comm_sms : 0;
+    gemm_sms_ = overlapped_gemm_sms(config, device);
     const std::size_t element = dtype_size(config.dtype);
     if (config.op == CollectiveOp::kAllGatherMatmul && !config.return_gathered) {
       own_gathered_ = detail::DeviceBuffer(device, schedule_.gathered_rows * config.k * element);

@@ -39,12 +39,7 @@ class SymmetricExecutor final : public Executor {
         push_(comm.device(), 1, /*high_priority=*/true),
         collect_(comm.device(), 1, /*high_priority=*/true) {
     const int device = comm.device();
-    const int device_sms = device_sm_count(device);
-    MESHLA_CHECK_ARG(config.comm_sms < device_sms, collective_op_name(config.op)
-                                                       << ": comm_sms=" << config.comm_sms
-                                                       << " leaves no SM of the " << device_sms
-                                                       << " to the GEMM");
-    gemm_sms_ = config.comm_sms > 0 ? device_sms - config.comm_sms : 0;
+    gemm_sms_ = overlapped_gemm_sms(config, device);
     const std::int64_t m = config.m;
     std::int64_t data_bytes = 0;
     if (config.op == CollectiveOp::kAllGatherMatmul) {

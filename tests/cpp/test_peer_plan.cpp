@@ -2,6 +2,7 @@
 // exactly once, and kAuto falls back to NCCL whenever the symmetric backend cannot run a config.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <set>
 #include <vector>
 
@@ -58,6 +59,16 @@ TEST(PeerPlan, SubBlocksTileTheRows) {
       }
       for (std::int64_t row = 0; row < m; ++row) EXPECT_EQ(covered[row], 1);
     }
+  }
+}
+
+void expect_error(const std::function<void()>& call, ErrorCode code, const std::string& text) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one mentioning " << text;
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), code) << error.what();
+    EXPECT_NE(std::string(error.what()).find(text), std::string::npos) << error.what();
   }
 }
 
@@ -121,30 +132,15 @@ TEST(PeerPlan, ForcedSymmetricExplainsWhyItCannotRun) {
                            .m = 64,
                            .n = 8,
                            .k = 8};
-  try {
-    resolve_config(c, 4, /*peer_access=*/true);
-    FAIL() << "no error";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kNotImplemented);
-    EXPECT_NE(std::string(error.what()).find("use backend=nccl"), std::string::npos);
-  }
+  expect_error([&] { resolve_config(c, 4, /*peer_access=*/true); }, ErrorCode::kNotImplemented,
+               "use backend=nccl");
   c.algorithm = Algorithm::kRing;
   c.chunks = 5;
-  try {
-    resolve_config(c, 4, /*peer_access=*/true);
-    FAIL() << "no error";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
-    EXPECT_NE(std::string(error.what()).find("chunks=5"), std::string::npos);
-  }
+  expect_error([&] { resolve_config(c, 4, /*peer_access=*/true); }, ErrorCode::kInvalidArgument,
+               "chunks=5");
   c.chunks = 0;
-  try {
-    resolve_config(c, 4, /*peer_access=*/false);
-    FAIL() << "no error";
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), ErrorCode::kNotImplemented);
-    EXPECT_NE(std::string(error.what()).find("CUDA peer access"), std::string::npos);
-  }
+  expect_error([&] { resolve_config(c, 4, /*peer_access=*/false); }, ErrorCode::kNotImplemented,
+               "CUDA peer access");
 }
 
 }  // namespace
