@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <nccl.h>
@@ -33,6 +35,10 @@ struct CommState {
   int size;
   int device;
   std::chrono::milliseconds timeout;
+  // enable_peer_access's answer for this group, once asked: "" when every rank maps every other
+  // rank's memory, else why not. A property of the group, so each plan need not ask again. Like
+  // the NCCL communicator itself, used by one thread at a time.
+  std::optional<std::string> peer_access_problem;
 
  private:
   std::function<void(ncclComm_t)> release_;

@@ -90,17 +90,17 @@ std::string why_unreachable(const CommState& state, const std::vector<PeerIdenti
 
 }  // namespace
 
-bool enable_peer_access(const CommState& state, std::string* why) {
+namespace {
+
+// Asks the group (collective) and enables peer access on success; "" or why not.
+std::string ask_for_peer_access(const CommState& state) {
   const std::vector<PeerIdentity> everyone = gather(state, identity_of(state.device));
   const std::string mine = why_unreachable(state, everyone);
   const std::vector<std::int32_t> reaches =
       gather(state, static_cast<std::int32_t>(mine.empty() ? 1 : 0));
   for (int rank = 0; rank < state.size; ++rank) {
     if (reaches[static_cast<std::size_t>(rank)] != 0) continue;
-    if (why != nullptr) {
-      *why = !mine.empty() ? mine : "rank " + std::to_string(rank) + " cannot map all of its peers";
-    }
-    return false;
+    return !mine.empty() ? mine : "rank " + std::to_string(rank) + " cannot map all of its peers";
   }
   const PeerIdentity& me = everyone[static_cast<std::size_t>(state.rank)];
   DeviceGuard guard(state.device);
@@ -113,7 +113,15 @@ bool enable_peer_access(const CommState& state, std::string* why) {
       MESHLA_CHECK_CUDA(enabled);
     }
   }
-  return true;
+  return {};
+}
+
+}  // namespace
+
+bool enable_peer_access(CommState& state, std::string* why) {
+  if (!state.peer_access_problem) state.peer_access_problem = ask_for_peer_access(state);
+  if (why != nullptr) *why = *state.peer_access_problem;
+  return state.peer_access_problem->empty();
 }
 
 namespace {

@@ -20,7 +20,9 @@ namespace meshla::detail {
 // are off). Collective; every rank gets the same answer. When the answer is yes, CUDA peer access
 // to the peers driven by this process is enabled. When it is no, `why` (if given) names a pair
 // that cannot.
-bool enable_peer_access(const CommState& state, std::string* why = nullptr);
+// The first call for a group asks it (collective); later calls return the remembered answer
+// without communicating, on every rank alike.
+bool enable_peer_access(CommState& state, std::string* why = nullptr);
 
 class PeerBuffer {
  public:

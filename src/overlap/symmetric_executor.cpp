@@ -11,8 +11,6 @@
 //   reduced[round][q]  q's summed sub-block of `round` has landed here (all-reduce)
 // A flag goes 0 -> 1 -> 0 once per execution, and its next set always follows its clearing in
 // stream order, so repeated executions and CUDA-graph replays never see a stale value.
-#include <algorithm>
-
 #include "comm/peer_memory.hpp"
 #include "comm/stream_flags.hpp"
 #include "core/cuda_checks.hpp"
