@@ -4,5 +4,6 @@
 #include "meshla/collective_matmul.hpp"
 #include "meshla/communicator.hpp"
 #include "meshla/error.hpp"
+#include "meshla/grouped_matmul.hpp"
 #include "meshla/matmul.hpp"
 #include "meshla/tensor.hpp"

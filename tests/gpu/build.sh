@@ -9,5 +9,9 @@ if [ -z "${NCCL_ROOT:-}" ] && [ ! -f "${CUDA_HOME:-/usr/local/cuda}/include/nccl
   export NCCL_ROOT
 fi
 echo "NCCL_ROOT=${NCCL_ROOT:-<toolkit>}"
+# CUTLASS headers carried from the nvidia-cutlass wheel (GPU machines have no PyPI).
+if [ -z "${CUTLASS_INCLUDE_DIR:-}" ] && [ -f .deps/cutlass/include/cutlass/cutlass.h ]; then
+  export CUTLASS_INCLUDE_DIR=$PWD/.deps/cutlass/include
+fi
 python3 -m pip install --no-build-isolation --no-deps --no-index -q . 2>&1
 python3 -c "import meshla; print('meshla installed:', meshla.__file__)"

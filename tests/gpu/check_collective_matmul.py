@@ -16,7 +16,6 @@ per-dtype threshold. tests/gpu/run.sh runs every model and prints "N passed, N f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import threading
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import meshla.torch as mt
+from reporting import Reporter, relative_error
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
@@ -33,27 +33,6 @@ OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 # limited to 8 thread blocks, the symmetric backend, and meshla's own choice.
 SETTINGS = [("nccl", "sequential", 0), ("nccl", "pipelined", 0), ("nccl", "ring", 0),
             ("nccl", "ring", 8), ("symmetric", "ring", 0), ("auto", "auto", 0)]
-
-
-class Reporter:
-    """Appends one JSON line per check; safe across threads."""
-
-    def __init__(self, path: str, model: str):
-        self.path, self.model, self.lock = path, model, threading.Lock()
-
-    def record(self, name: str, rank: int, ok: bool, detail: str):
-        line = json.dumps({"model": self.model, "name": name, "rank": rank, "ok": ok,
-                           "detail": detail})
-        with self.lock, open(self.path, "a") as f:
-            f.write(line + "\n")
-        if not ok:
-            print(f"FAIL [{self.model}] {name} rank {rank}: {detail}", flush=True)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return float("inf")  # NaN poison left somewhere, or an overflow
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 class Problem:

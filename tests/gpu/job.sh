@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
-#   tests/gpu/job.sh COMMIT [suite] [bench]      (default: both; SUITE_MODELS picks suite models)
+#   tests/gpu/job.sh COMMIT [suite] [bench] [grouped-bench]
+#   (default: suite and bench; SUITE_MODELS picks suite models)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -20,6 +21,11 @@ for step in $steps; do
       # and the summary come back.
       LOG_DIR=/tmp/meshla-suite MESHLA_SKIP_BUILD=1 tests/gpu/run.sh ${SUITE_MODELS:-} 2>&1 | tee "$OUT/suite.txt" | tail -60
       cp /tmp/meshla-suite/results.jsonl "$OUT/suite_results.jsonl"
+      ;;
+    grouped-bench)
+      timeout "${BENCH_TIMEOUT:-400}" python3 bench/grouped_linear.py --commit "$commit" \
+        --out "$OUT/grouped_linear_$(date -u +%Y%m%dT%H%M%SZ).json" >"$OUT/grouped_bench.txt" 2>&1
+      tail -45 "$OUT/grouped_bench.txt"
       ;;
     bench)
       stamp=$(date -u +%Y%m%dT%H%M%SZ)

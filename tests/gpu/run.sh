@@ -33,10 +33,14 @@ launch() {
 }
 
 check=tests/gpu/check_collective_matmul.py
-models=${*:-processes threads network}
+models=${*:-grouped processes threads network}
 wants() { [[ " $models " == *" $1 "* ]]; }
+# The grouped GEMM needs one GPU; the collective models need two or more.
+if [ "$gpus" -ge 1 ] && wants grouped; then
+  launch grouped python3 tests/gpu/check_grouped.py --results "$results" --model grouped
+fi
 if [ "$gpus" -lt 2 ]; then
-  echo "skipped: the GPU suite needs at least 2 GPUs, this machine has $gpus"
+  echo "skipped: the collective models need at least 2 GPUs, this machine has $gpus"
 else
   wants processes && launch processes-tp2 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node=2 "$check" --results "$results" --model processes-tp2
   if wants processes && [ "$gpus" -ge 4 ]; then

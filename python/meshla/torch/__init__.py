@@ -1,4 +1,5 @@
-"""PyTorch front end of meshla's collective matmul.
+"""PyTorch front end of meshla: collective matmul (below) and grouped GEMM for
+Mixture-of-Experts (:mod:`meshla.torch.grouped`: :class:`GroupedLinear`, :func:`grouped_linear`).
 
 A :class:`TPGroup` names the tensor-parallel group an op runs over. Build one from a
 torch.distributed process group of any backend (:func:`group_from_process_group`), from an mpi4py
@@ -23,14 +24,18 @@ from torch.utils.dlpack import to_dlpack
 from meshla import _meshla
 
 __all__ = [
+    "GroupedLinear",
     "TPGroup",
     "Tuning",
     "all_gather_matmul",
+    "check_device_errors",
     "group_from_mpi",
     "group_from_process_group",
+    "grouped_linear",
     "local_groups",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
+    "packed_group_stride",
 ]
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -322,3 +327,11 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     out = _output(op.name, "out", out, (m, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
     return out
+
+
+from meshla.torch.grouped import (  # noqa: E402
+    GroupedLinear,
+    check_device_errors,
+    grouped_linear,
+    packed_group_stride,
+)

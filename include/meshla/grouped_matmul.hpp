@@ -1,0 +1,87 @@
+// Grouped GEMM for Mixture-of-Experts: G linear layers, layer g applied to its own contiguous
+// slice of m_splits[g] rows. The group sizes live on the device (int64 [G]) and the host never
+// reads them, so every call only enqueues work and can be captured in a CUDA graph.
+//
+//   forward   y_g  = x_g · W_gᵀ (+ b_g)        x [rows, in]   W [G, out, in]   y [rows, out]
+//   dgrad     dx_g = dy_g · W_g                dy [rows, out]                  dx [rows, in]
+//   wgrad     dW_g = dy_gᵀ · x_g  (or +=)      dW [G, out, in]: like x, or fp32 when accumulating
+//   bias_grad db_g = Σ over rows of dy_g       db [G, out]
+//
+// W and dW have contiguous rows and any group stride, so a packed buffer whose groups start on
+// 256-byte boundaries (packed_group_stride) is used as is. Groups with no rows are allowed: their
+// dW_g and db_g are zero (left untouched when accumulating).
+//
+// bf16 and fp16 accumulate in fp32 on CUTLASS's Hopper grouped GEMM (TMA + WGMMA, problem sizes
+// read on the device); fp32 is computed in full fp32 by a meshla kernel. 16-bit operands need
+// in_features and out_features divisible by 8 and 16-byte aligned data.
+//
+// Checks that need m_splits (no negative size, sizes summing to the rows of x) run on the device.
+// A call that fails them does no GEMM, fills its outputs with NaN and records the error in
+// host-mapped memory of its GroupedMatmul; the next call of that GroupedMatmul, or
+// check_device_errors(), throws it as kInvalidArgument. No call waits for the device to find out.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include <cuda_runtime_api.h>
+
+#include "meshla/tensor.hpp"
+
+namespace meshla {
+
+enum class GroupedPass { kForward, kDgrad, kWgrad, kBiasGrad };
+
+// Every pass takes m_splits and a workspace of workspace_bytes() bytes, allocated by the caller
+// for this call (stream-ordered: two calls in flight at once must not share one). Unused fields
+// stay empty (data == nullptr).
+struct GroupedMatmulArgs {
+  TensorView m_splits;      // int64 [G], on the device
+  TensorView x;             // [rows, in]: forward, wgrad
+  TensorView dy;            // [rows, out]: dgrad, wgrad, bias_grad
+  TensorView weight;        // [G, out, in]: forward, dgrad
+  TensorView bias;          // [G, out]: forward, optional
+  TensorView y;             // [rows, out]: forward output
+  TensorView dx;            // [rows, in]: dgrad output
+  TensorView dweight;       // [G, out, in]: wgrad output (fp32 when accumulate)
+  TensorView dbias;         // [G, out]: bias_grad output
+  bool accumulate = false;  // wgrad: dweight += dy_gᵀ · x_g
+  TensorView workspace;     // uint8-sized bytes on the device
+};
+
+// Elements between consecutive groups of a packed [G, out, in] buffer in which every group starts
+// on a 256-byte boundary.
+std::int64_t packed_group_stride(std::int64_t out_features, std::int64_t in_features, DType dtype);
+
+class GroupedMatmul {
+ public:
+  // Reads the device's SM count and allocates the host-mapped error record.
+  explicit GroupedMatmul(int device);
+  ~GroupedMatmul();
+  GroupedMatmul(GroupedMatmul&&) noexcept;
+  GroupedMatmul& operator=(GroupedMatmul&&) noexcept;
+  GroupedMatmul(const GroupedMatmul&) = delete;
+  GroupedMatmul& operator=(const GroupedMatmul&) = delete;
+
+  // Bytes of workspace one call of `pass` needs for `num_groups` groups of `dtype` operands
+  // (the wgrad dtype is x's, whether or not it accumulates into fp32).
+  std::size_t workspace_bytes(GroupedPass pass, DType dtype, std::int64_t num_groups,
+                              std::int64_t out_features) const;
+
+  // Checks every argument it can on the host, then enqueues the pass on `stream`.
+  void run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStream_t stream);
+
+  // Waits for `stream`, then throws the error a call's device-side check recorded, if any.
+  void check_device_errors(cudaStream_t stream);
+
+  int device() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+std::string_view grouped_pass_name(GroupedPass pass);
+
+}  // namespace meshla

@@ -1,0 +1,445 @@
+"""Grouped GEMM for Mixture-of-Experts on PyTorch.
+
+Group ``g`` of a grouped linear applies ``weight[g]`` (``[out, in]``, a ``torch.nn.Linear`` weight)
+to its own contiguous slice of ``m_splits[g]`` rows of ``x``. ``m_splits`` is an int64 tensor on
+the same device as ``x``: it is read only by the GPU, so no call waits for the device and every
+call can be captured in a CUDA graph.
+
+Ops (``torch.ops.meshla.*``, with fake implementations for ``torch.compile``):
+
+- ``grouped_mm(x, m_splits, weight, bias)``: ``y_g = x_g @ weight[g].T (+ bias[g])``
+- ``grouped_mm_dgrad(dy, m_splits, weight)``: ``dx_g = dy_g @ weight[g]``
+- ``grouped_mm_wgrad(x, dy, m_splits, group_stride)``: every ``dW_g = dy_g.T @ x_g`` in one
+  packed flat buffer, group ``g`` at element ``g * group_stride``
+- ``grouped_mm_wgrad_accumulate_(x, dy, m_splits, main_grad)``: ``main_grad[g] += dy_g.T @ x_g``
+  (fp32)
+- ``grouped_bias_grad(dy, m_splits, num_groups)``: ``db_g`` = the sum of dy_g's rows
+
+Errors that need ``m_splits`` (a negative size, sizes not summing to the rows of ``x``) are found
+on the device: the failing call fills its outputs with NaN and the next grouped call on that device
+raises ``ValueError``; :func:`check_device_errors` waits and raises at once.
+
+CPU tensors run a per-group torch reference, so code and tests run without a GPU.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from meshla import _meshla
+
+__all__ = ["GroupedLinear", "check_device_errors", "grouped_linear", "packed_group_stride"]
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_PASS = _meshla.GroupedPass
+
+# One GroupedMatmul per CUDA device index: it holds the host-mapped record that the device-side
+# checks of m_splits write into.
+_engines: dict[int, _meshla.GroupedMatmul] = {}
+
+
+def _engine(device: torch.device) -> _meshla.GroupedMatmul:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    engine = _engines.get(index)
+    if engine is None:
+        engine = _engines[index] = _meshla.GroupedMatmul(index)
+    return engine
+
+
+def packed_group_stride(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """Elements between the groups of a packed ``[G, out, in]`` buffer whose groups each start
+    on a 256-byte boundary."""
+    name = _DTYPE_NAMES.get(dtype) or {torch.float64: "float64"}.get(dtype)
+    if name is None:
+        raise ValueError(f"packed_group_stride: dtype {dtype} is not supported")
+    return _meshla.packed_group_stride(out_features, in_features, name)
+
+
+def check_device_errors(device=None) -> None:
+    """Waits for the current stream of ``device`` and raises the error that a grouped call's
+    device-side check of ``m_splits`` recorded there, if any."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    _engine(device).check_device_errors(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise ValueError(f"grouped_linear: dtype {dtype} is not supported; "
+                         "use bfloat16, float16 or float32")
+    return name
+
+
+def _capsule(t):
+    return None if t is None else to_dlpack(t)
+
+
+def _run(grouped_pass, m_splits, lead, out_features, **tensors):
+    """Runs one pass on the current stream of ``lead``'s device with a workspace from the caching
+    allocator, so concurrent calls on different streams never share one."""
+    engine = _engine(lead.device)
+    size = engine.workspace_bytes(grouped_pass, _dtype_name(lead.dtype), m_splits.shape[0],
+                                  out_features)
+    workspace = torch.empty(size, dtype=torch.uint8, device=lead.device)
+    stream = torch.cuda.current_stream(lead.device).cuda_stream
+    engine.run(grouped_pass, _capsule(m_splits), _capsule(workspace), stream,
+               **{name: _capsule(t) for name, t in tensors.items()})
+
+
+def _check_splits(m_splits, x, name="x"):
+    if m_splits.dim() != 1 or m_splits.dtype != torch.int64:
+        raise ValueError(f"grouped_linear: m_splits must be a 1-D int64 tensor, got "
+                         f"shape {list(m_splits.shape)} and {m_splits.dtype}")
+    if m_splits.device != x.device:
+        raise ValueError(f"grouped_linear: m_splits is on {m_splits.device} but {name} is on "
+                         f"{x.device}")
+
+
+def _cpu_groups(m_splits, rows):
+    sizes = m_splits.tolist()
+    if any(s < 0 for s in sizes):
+        first = next(g for g, s in enumerate(sizes) if s < 0)
+        raise ValueError(f"grouped_linear: m_splits[{first}]={sizes[first]} is negative")
+    if sum(sizes) != rows:
+        raise ValueError(f"grouped_linear: m_splits sums to {sum(sizes)} but the input has "
+                         f"{rows} rows")
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    return list(zip(starts, sizes))
+
+
+@torch.library.custom_op("meshla::grouped_mm", mutates_args=())
+def _grouped_mm(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    _check_splits(m_splits, x)
+    if x.device.type == "cpu":
+        y = x.new_empty(x.shape[0], weight.shape[1])
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
+            rows = x[start:start + size] @ weight[g].T
+            y[start:start + size] = rows if bias is None else rows + bias[g]
+        return y
+    y = x.new_empty(x.shape[0], weight.shape[1])
+    _run(_PASS.forward, m_splits, x, weight.shape[1], x=x, weight=weight, bias=bias, y=y)
+    return y
+
+
+@_grouped_mm.register_fake
+def _(x, m_splits, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@torch.library.custom_op("meshla::grouped_mm_dgrad", mutates_args=())
+def _grouped_mm_dgrad(dy: torch.Tensor, m_splits: torch.Tensor,
+                      weight: torch.Tensor) -> torch.Tensor:
+    _check_splits(m_splits, dy, "dy")
+    dx = dy.new_empty(dy.shape[0], weight.shape[2])
+    if dy.device.type == "cpu":
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0])):
+            dx[start:start + size] = dy[start:start + size] @ weight[g]
+        return dx
+    _run(_PASS.dgrad, m_splits, dy, weight.shape[1], dy=dy, weight=weight, dx=dx)
+    return dx
+
+
+@_grouped_mm_dgrad.register_fake
+def _(dy, m_splits, weight):
+    return dy.new_empty(dy.shape[0], weight.shape[2])
+
+
+def _packed(flat, num_groups, out_features, in_features, group_stride):
+    return flat.as_strided((num_groups, out_features, in_features),
+                           (group_stride, in_features, 1))
+
+
+@torch.library.custom_op("meshla::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad(x: torch.Tensor, dy: torch.Tensor, m_splits: torch.Tensor,
+                      group_stride: int) -> torch.Tensor:
+    _check_splits(m_splits, x)
+    num_groups, out_features, in_features = m_splits.shape[0], dy.shape[1], x.shape[1]
+    flat = x.new_empty(num_groups * group_stride)
+    dweight = _packed(flat, num_groups, out_features, in_features, group_stride)
+    if x.device.type == "cpu":
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
+            dweight[g] = dy[start:start + size].T @ x[start:start + size]
+        return flat
+    _run(_PASS.wgrad, m_splits, x, out_features, x=x, dy=dy, dweight=dweight)
+    return flat
+
+
+@_grouped_mm_wgrad.register_fake
+def _(x, dy, m_splits, group_stride):
+    return x.new_empty(m_splits.shape[0] * group_stride)
+
+
+@torch.library.custom_op("meshla::grouped_mm_wgrad_accumulate_", mutates_args=("main_grad",))
+def _grouped_mm_wgrad_accumulate(x: torch.Tensor, dy: torch.Tensor, m_splits: torch.Tensor,
+                                 main_grad: torch.Tensor) -> None:
+    _check_splits(m_splits, x)
+    if x.device.type == "cpu":
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
+            main_grad[g] += (dy[start:start + size].T @ x[start:start + size]).float()
+        return
+    _run(_PASS.wgrad, m_splits, x, dy.shape[1], x=x, dy=dy, dweight=main_grad, accumulate=True)
+
+
+@_grouped_mm_wgrad_accumulate.register_fake
+def _(x, dy, m_splits, main_grad):
+    return None
+
+
+@torch.library.custom_op("meshla::grouped_bias_grad", mutates_args=())
+def _grouped_bias_grad(dy: torch.Tensor, m_splits: torch.Tensor,
+                       num_groups: int) -> torch.Tensor:
+    _check_splits(m_splits, dy, "dy")
+    dbias = dy.new_empty(num_groups, dy.shape[1])
+    if dy.device.type == "cpu":
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0])):
+            dbias[g] = dy[start:start + size].sum(0, dtype=torch.promote_types(dy.dtype, torch.float32))
+        return dbias
+    _run(_PASS.bias_grad, m_splits, dy, dy.shape[1], dy=dy, dbias=dbias)
+    return dbias
+
+
+@_grouped_bias_grad.register_fake
+def _(dy, m_splits, num_groups):
+    return dy.new_empty(num_groups, dy.shape[1])
+
+
+def _weight_grad(x, dy, m_splits, num_groups, dtype):
+    """All dW_g in one packed buffer from the caching allocator, as a [G, out, in] view whose
+    groups start on 256-byte boundaries."""
+    out_features, in_features = dy.shape[1], x.shape[1]
+    stride = packed_group_stride(out_features, in_features, dtype)
+    flat = torch.ops.meshla.grouped_mm_wgrad(x, dy, m_splits, stride)
+    return _packed(flat, num_groups, out_features, in_features, stride)
+
+
+def _setup_grouped_mm(ctx, inputs, output):
+    x, m_splits, weight, bias = inputs
+    ctx.save_for_backward(x, m_splits, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward_grouped_mm(ctx, dy):
+    x, m_splits, weight = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = dweight = dbias = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.meshla.grouped_mm_dgrad(dy, m_splits, weight)
+    if ctx.needs_input_grad[2]:
+        dweight = _weight_grad(x, dy, m_splits, weight.shape[0], weight.dtype)
+    if ctx.has_bias and ctx.needs_input_grad[3]:
+        dbias = torch.ops.meshla.grouped_bias_grad(dy, m_splits, weight.shape[0])
+    return dx, None, dweight, dbias
+
+
+_grouped_mm.register_autograd(_backward_grouped_mm, setup_context=_setup_grouped_mm)
+
+
+def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y[rows of group g] = x[rows of group g] @ weight[g].T (+ bias[g])``.
+
+    ``x`` is ``[rows, in]``, ``weight`` ``[G, out, in]`` (contiguous rows, any group stride),
+    ``bias`` ``[G, out]``, ``m_splits`` int64 ``[G]`` on x's device summing to ``rows``.
+    Differentiable in x, weight and bias; the weight gradient is a ``[G, out, in]`` view of one
+    packed buffer whose groups start on 256-byte boundaries."""
+    return torch.ops.meshla.grouped_mm(x.contiguous(), m_splits, weight, bias)
+
+
+@dataclass(eq=False)
+class _DelayedWgrad:
+    """Inputs of weight gradients whose computation the module was asked to delay."""
+
+    pending: list = field(default_factory=list)
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, m_splits, weight, bias, module, *parameters):
+        ctx.save_for_backward(x, m_splits, weight)
+        ctx.module = module
+        ctx.has_bias = bias is not None
+        return torch.ops.meshla.grouped_mm(x, m_splits, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, m_splits, weight = ctx.saved_tensors
+        module = ctx.module
+        num_groups = weight.shape[0]
+        dy = dy.contiguous()
+        dx = torch.ops.meshla.grouped_mm_dgrad(dy, m_splits, weight) if ctx.needs_input_grad[0] else None
+        weight_grads = [None] * num_groups
+        if module.delay_wgrad_compute:
+            event = torch.cuda.Event() if dy.is_cuda else None
+            if event is not None:
+                event.record(torch.cuda.current_stream(dy.device))
+            module._delayed.pending.append((x, dy, m_splits, event))
+        else:
+            weight_grads = module._weight_grads(x, dy, m_splits)
+        bias_grads = [None] * num_groups
+        if ctx.has_bias:
+            dbias = torch.ops.meshla.grouped_bias_grad(dy, m_splits, num_groups)
+            bias_grads = list(dbias.unbind(0))
+        return (dx, None, None, None, None, *weight_grads, *bias_grads)
+
+
+class GroupedLinear(torch.nn.Module):
+    """``num_groups`` linear layers (``weight{g}``: ``[out_features, in_features]``,
+    ``bias{g}``: ``[out_features]``), group ``g`` applied to ``m_splits[g]`` consecutive rows.
+
+    The weights live in one buffer, group ``g`` at a 256-byte boundary; their gradients are views
+    of one packed buffer from the caching allocator with the same layout.
+
+    - ``fuse_wgrad_accumulation``: each ``weight{g}.main_grad`` (fp32, allocated by the caller,
+      all in one buffer at equal spacing) gets ``+= dW_g`` and no ``.grad`` is produced.
+    - ``delay_wgrad_compute``: backward computes only input and bias gradients; call
+      :meth:`backward_dw` later (on any stream) for the weight gradients.
+    """
+
+    def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
+                 *, device=None, dtype=None, fuse_wgrad_accumulation: bool = False,
+                 delay_wgrad_compute: bool = False):
+        super().__init__()
+        if num_groups < 1 or in_features < 1 or out_features < 1:
+            raise ValueError(f"GroupedLinear: num_groups={num_groups}, in_features={in_features} "
+                             f"and out_features={out_features} must be positive")
+        self.num_groups = num_groups
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = bias
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self._delayed = _DelayedWgrad()
+        dtype = dtype or torch.get_default_dtype()
+        bound = 1.0 / in_features**0.5
+        for g in range(num_groups):
+            weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+            torch.nn.init.uniform_(weight, -bound, bound)
+            self.register_parameter(f"weight{g}", torch.nn.Parameter(weight))
+            if bias:
+                self.register_parameter(
+                    f"bias{g}", torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)))
+        self._pack()
+
+    def weights(self) -> list[torch.nn.Parameter]:
+        return [getattr(self, f"weight{g}") for g in range(self.num_groups)]
+
+    def biases(self) -> list[torch.nn.Parameter]:
+        return [getattr(self, f"bias{g}") for g in range(self.num_groups)] if self.use_bias else []
+
+    def _pack(self):
+        """Moves the weights (and biases) into one buffer each, group g at a 256-byte boundary,
+        the parameters becoming views of it. Runs at construction and after .to()/.cuda()/
+        .half(), which give every parameter storage of its own."""
+        weights = self.weights()
+        stride = packed_group_stride(self.out_features, self.in_features, weights[0].dtype)
+        with torch.no_grad():
+            flat = weights[0].new_empty(self.num_groups * stride)
+            packed = _packed(flat, self.num_groups, self.out_features, self.in_features, stride)
+            for g, weight in enumerate(weights):
+                packed[g].copy_(weight)
+                weight.data = packed[g]
+            self._weight_flat = flat
+            if self.use_bias:
+                biases = self.biases()
+                stacked = torch.stack([b.detach() for b in biases])
+                for g, b in enumerate(biases):
+                    b.data = stacked[g]
+                self._bias_stacked = stacked
+
+    def _apply(self, fn, *args, **kwargs):
+        result = super()._apply(fn, *args, **kwargs)
+        self._pack()
+        return result
+
+    def _packed_views(self):
+        """The [G, out, in] weight and [G, out] bias over the packed buffers, repacking first
+        when a parameter no longer lives there (e.g. its .data was replaced)."""
+        weights = self.weights()
+        stride = packed_group_stride(self.out_features, self.in_features, weights[0].dtype)
+        flat = self._weight_flat
+        if not torch.compiler.is_compiling():
+            size = flat.element_size()
+            base = flat.data_ptr()
+            moved = any(w.data_ptr() != base + g * stride * size or w.dtype != flat.dtype
+                        for g, w in enumerate(weights))
+            if self.use_bias:
+                biases = self.biases()
+                row = self._bias_stacked.stride(0) * self._bias_stacked.element_size()
+                bias_base = self._bias_stacked.data_ptr()
+                moved = moved or any(b.data_ptr() != bias_base + g * row
+                                     for g, b in enumerate(biases))
+            if moved:
+                self._pack()
+                flat = self._weight_flat
+        weight = _packed(flat, self.num_groups, self.out_features, self.in_features, stride)
+        return weight, (self._bias_stacked if self.use_bias else None)
+
+    def forward(self, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"GroupedLinear: x.shape={list(x.shape)} must be [rows, "
+                             f"in_features={self.in_features}]")
+        if m_splits.shape != (self.num_groups,):
+            raise ValueError(f"GroupedLinear: m_splits.shape={list(m_splits.shape)} must be "
+                             f"[num_groups={self.num_groups}]")
+        weight, bias = self._packed_views()
+        return _GroupedLinearFunction.apply(x.contiguous(), m_splits, weight, bias, self,
+                                            *self.weights(), *self.biases())
+
+    def _main_grad(self):
+        """The weights' main_grad tensors as one [G, out, in] fp32 view: they must sit in one
+        buffer at equal, increasing spacing (as a contiguous gradient buffer lays them out)."""
+        grads = [getattr(w, "main_grad", None) for w in self.weights()]
+        if any(g is None for g in grads):
+            raise ValueError("GroupedLinear(fuse_wgrad_accumulation=True): every weight needs a "
+                             "float32 .main_grad of shape [out_features, in_features]")
+        first = grads[0]
+        shape = (self.out_features, self.in_features)
+        if any(g.dtype != torch.float32 or tuple(g.shape) != shape or not g.is_contiguous()
+               for g in grads):
+            raise ValueError(f"GroupedLinear: every main_grad must be a contiguous float32 "
+                             f"tensor of shape {list(shape)}")
+        if len(grads) == 1:
+            return first.unsqueeze(0)
+        step = grads[1].data_ptr() - first.data_ptr()
+        if step < first.numel() * 4 or step % 4 or any(
+                g.data_ptr() != first.data_ptr() + i * step for i, g in enumerate(grads)):
+            raise ValueError("GroupedLinear: the main_grad tensors must lie in one buffer at "
+                             "equal, increasing spacing of at least out*in elements")
+        return torch.as_strided(first, (self.num_groups, *shape), (step // 4, shape[1], 1))
+
+    def _weight_grads(self, x, dy, m_splits):
+        """Weight gradients as views of one packed buffer, or None per weight after
+        accumulating into main_grad."""
+        if self.fuse_wgrad_accumulation:
+            torch.ops.meshla.grouped_mm_wgrad_accumulate_(x, dy, m_splits, self._main_grad())
+            for weight in self.weights():
+                weight.grad_added_to_main_grad = True
+            return [None] * self.num_groups
+        return list(_weight_grad(x, dy, m_splits, self.num_groups, x.dtype).unbind(0))
+
+    def backward_dw(self) -> None:
+        """Computes the weight gradients that backward delayed, on the current stream: it waits
+        for the backward that produced them and keeps their inputs alive for the allocator until
+        this stream is done with them. Gradients are set (or added to .grad / main_grad)."""
+        pending, self._delayed.pending = self._delayed.pending, []
+        for x, dy, m_splits, event in pending:
+            if event is not None:
+                stream = torch.cuda.current_stream(x.device)
+                stream.wait_event(event)
+                for t in (x, dy, m_splits):
+                    t.record_stream(stream)
+            grads = self._weight_grads(x, dy, m_splits)
+            for weight, grad in zip(self.weights(), grads):
+                if grad is None:
+                    continue
+                if weight.grad is None:
+                    weight.grad = grad
+                else:
+                    weight.grad += grad
+
+    def extra_repr(self) -> str:
+        return (f"num_groups={self.num_groups}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.use_bias}")

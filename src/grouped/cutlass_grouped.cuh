@@ -1,0 +1,295 @@
+// One CUTLASS Hopper grouped GEMM per (pass, dtype): the kernel type, the per-group tables it reads
+// (problem sizes, operand pointers, strides), the kernel that fills them from the group index on
+// the device, and the launch. Included only by the cutlass_grouped_*.cu translation units.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cute/tensor.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp>
+#include <cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp>
+#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include <type_traits>
+
+#include "core/cuda_checks.hpp"
+#include "grouped/cutlass_grouped.hpp"
+
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "meshla's grouped GEMM needs CUTLASS's SM90 ptr-array support (CUDA 12.3+ and sm_90a)"
+#endif
+
+namespace meshla::grouped {
+
+// What the epilogue does with the fp32 accumulator.
+enum class Epilogue {
+  kStore,       // D = acc
+  kBias,        // D = acc + bias_g broadcast over rows (no bias: the pointer table is null)
+  kAccumulate,  // D (fp32) = acc + D
+};
+
+template <DType dtype>
+struct CutlassElement;
+template <>
+struct CutlassElement<DType::kBFloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct CutlassElement<DType::kFloat16> {
+  using type = cutlass::half_t;
+};
+
+// Row-major [rows, cols] operands in CUTLASS's terms: A is [M, K], B is [N, K], C and D [M, N].
+// forward  A = x  (K-major)       B = W_g as [N=out, K=in]  (K-major)
+// dgrad    A = dy (K-major)       B = W_g as [N=in, K=out]  (N-major)
+// wgrad    A = dyᵀ (M-major)      B = x as [N=in, K=rows]   (N-major)
+template <GroupedPass pass>
+struct PassLayouts;
+template <>
+struct PassLayouts<GroupedPass::kForward> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::ColumnMajor;
+};
+template <>
+struct PassLayouts<GroupedPass::kDgrad> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::RowMajor;
+};
+template <>
+struct PassLayouts<GroupedPass::kWgrad> {
+  using A = cutlass::layout::ColumnMajor;
+  using B = cutlass::layout::RowMajor;
+};
+
+template <GroupedPass pass, DType dtype, Epilogue epilogue>
+struct GroupedGemm {
+  using Element = typename CutlassElement<dtype>::type;
+  using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
+  using ElementC = std::conditional_t<epilogue == Epilogue::kAccumulate, float, void>;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignment = 8;  // 16 bytes of 16-bit elements: TMA's minimum
+  static constexpr int kAlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+  // 128x256 tiles with a 2x1 cluster keep both consumer warpgroups of the cooperative kernel busy
+  // on the large experts; the persistent scheduler walks all groups' tiles in one launch.
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+
+  using BiasEvt = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      cutlass::epilogue::fusion::Sm90AccFetch,
+      cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, Element*, float,
+                                                  cute::Stride<cute::_0, cute::_1, cute::_0>>>;
+  using Fusion =
+      std::conditional_t<epilogue == Epilogue::kBias, BiasEvt,
+                         cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*,
+      kAlignmentD, ElementD, LayoutD*, kAlignmentD,
+      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename PassLayouts<pass>::A*,
+      kAlignment, Element, typename PassLayouts<pass>::B*, kAlignment, float, TileShape,
+      ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape = typename ProblemShape::UnderlyingProblemShape;
+  using StoredC = std::conditional_t<std::is_void_v<ElementC>, float, ElementC>;
+
+  // Device tables, carved out of the workspace in this order, each 256-byte aligned.
+  struct Tables {
+    Shape* shapes;
+    const Element** a;
+    const Element** b;
+    const StoredC** c;
+    ElementD** d;
+    const Element** bias;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideC* stride_c;
+    StrideD* stride_d;
+  };
+
+  static std::size_t round_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+  static std::size_t tables_bytes(std::int64_t groups) {
+    const auto n = static_cast<std::size_t>(groups);
+    return round_up(n * sizeof(Shape)) + 5 * round_up(n * sizeof(void*)) +
+           round_up(n * sizeof(StrideA)) + round_up(n * sizeof(StrideB)) +
+           round_up(n * sizeof(StrideC)) + round_up(n * sizeof(StrideD));
+  }
+
+  static Tables carve(void* base, std::int64_t groups) {
+    auto* cursor = static_cast<char*>(base);
+    const auto n = static_cast<std::size_t>(groups);
+    auto take = [&](std::size_t bytes) {
+      char* at = cursor;
+      cursor += round_up(bytes);
+      return at;
+    };
+    Tables tables;
+    tables.shapes = reinterpret_cast<Shape*>(take(n * sizeof(Shape)));
+    tables.a = reinterpret_cast<const Element**>(take(n * sizeof(void*)));
+    tables.b = reinterpret_cast<const Element**>(take(n * sizeof(void*)));
+    tables.c = reinterpret_cast<const StoredC**>(take(n * sizeof(void*)));
+    tables.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
+    tables.bias = reinterpret_cast<const Element**>(take(n * sizeof(void*)));
+    tables.stride_a = reinterpret_cast<StrideA*>(take(n * sizeof(StrideA)));
+    tables.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
+    tables.stride_c = reinterpret_cast<StrideC*>(take(n * sizeof(StrideC)));
+    tables.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
+    return tables;
+  }
+
+  static typename Gemm::Arguments arguments(const Tables& tables, std::int64_t groups, int device,
+                                            int sm_count, bool has_bias) {
+    typename Gemm::Arguments args;
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    // No host copy of the sizes: they exist only on the device.
+    args.problem_shape = {static_cast<int>(groups), tables.shapes, nullptr};
+    args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
+    args.epilogue.ptr_C = std::is_void_v<ElementC>
+                              ? nullptr
+                              : reinterpret_cast<decltype(args.epilogue.ptr_C)>(tables.c);
+    args.epilogue.dC = tables.stride_c;
+    args.epilogue.ptr_D = tables.d;
+    args.epilogue.dD = tables.stride_d;
+    if constexpr (epilogue == Epilogue::kBias) {
+      auto& row = args.epilogue.thread;
+      // Sm90EVT arguments: children first (accumulator, bias row), then the node (plus).
+      row.op_1.ptr_row = has_bias ? tables.bias : nullptr;
+    } else {
+      args.epilogue.thread.alpha = 1.0f;
+      args.epilogue.thread.beta = epilogue == Epilogue::kAccumulate ? 1.0f : 0.0f;
+    }
+    args.hw_info.device_id = device;
+    args.hw_info.sm_count = sm_count;
+    return args;
+  }
+};
+
+// Sets the one dynamic stride of a packed row- or column-major operand: its leading dimension.
+template <class Stride>
+__device__ Stride leading_stride(std::int64_t leading) {
+  Stride stride{};
+  if constexpr (!cute::is_static<cute::remove_cvref_t<decltype(cute::get<0>(stride))>>::value) {
+    cute::get<0>(stride) = leading;
+  } else {
+    cute::get<1>(stride) = leading;
+  }
+  return stride;
+}
+
+template <class G, GroupedPass pass>
+__global__ void fill_tables(GroupIndex index, GroupedOperands op, typename G::Tables tables) {
+  using Element = typename G::Element;
+  const std::int64_t g = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (g >= index.groups) return;
+  const std::int64_t first = index.offsets[g];
+  const int rows = static_cast<int>(index.offsets[g + 1] - first);
+  const int in = static_cast<int>(op.in_features);
+  const int out = static_cast<int>(op.out_features);
+  const auto* x = static_cast<const Element*>(op.x);
+  const auto* dy = static_cast<const Element*>(op.dy);
+  const auto* weight = static_cast<const Element*>(op.weight) + g * op.weight_group_stride;
+  if constexpr (pass == GroupedPass::kForward) {
+    tables.shapes[g] = {rows, out, in};
+    tables.a[g] = x + first * in;
+    tables.b[g] = weight;
+    tables.d[g] = static_cast<Element*>(op.out) + first * out;
+    tables.bias[g] =
+        op.bias ? static_cast<const Element*>(op.bias) + g * op.bias_group_stride : nullptr;
+    tables.stride_a[g] = leading_stride<typename G::StrideA>(in);
+    tables.stride_b[g] = leading_stride<typename G::StrideB>(in);
+    tables.stride_d[g] = leading_stride<typename G::StrideD>(out);
+  } else if constexpr (pass == GroupedPass::kDgrad) {
+    tables.shapes[g] = {rows, in, out};
+    tables.a[g] = dy + first * out;
+    tables.b[g] = weight;
+    tables.d[g] = static_cast<Element*>(op.out) + first * in;
+    tables.stride_a[g] = leading_stride<typename G::StrideA>(out);
+    tables.stride_b[g] = leading_stride<typename G::StrideB>(in);
+    tables.stride_d[g] = leading_stride<typename G::StrideD>(in);
+  } else {
+    // A group without rows has nothing to contract; it gets no tiles (M = 0) and its dW_g is
+    // zeroed, or left alone when accumulating, outside the GEMM.
+    tables.shapes[g] = {rows == 0 ? 0 : out, in, rows};
+    tables.a[g] = dy + first * out;
+    tables.b[g] = x + first * in;
+    auto* d = static_cast<typename G::ElementD*>(op.out) + g * op.out_group_stride;
+    tables.d[g] = d;
+    tables.c[g] = reinterpret_cast<const typename G::StoredC*>(d);
+    tables.stride_a[g] = leading_stride<typename G::StrideA>(out);
+    tables.stride_b[g] = leading_stride<typename G::StrideB>(in);
+    tables.stride_c[g] = leading_stride<typename G::StrideC>(in);
+    tables.stride_d[g] = leading_stride<typename G::StrideD>(in);
+  }
+}
+
+inline void check_cutlass(cutlass::Status status, const char* what) {
+  MESHLA_CHECK(kInternal, status == cutlass::Status::kSuccess,
+               "CUTLASS grouped GEMM " << what << " failed: " << cutlassGetStatusString(status));
+}
+
+template <GroupedPass pass, DType dtype, Epilogue epilogue>
+CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
+  using G = GroupedGemm<pass, dtype, epilogue>;
+  const typename G::Tables none{};
+  return {G::tables_bytes(groups),
+          G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
+}
+
+template <GroupedPass pass, DType dtype, Epilogue epilogue>
+void run_grouped(const CutlassCall& call, cudaStream_t stream) {
+  using G = GroupedGemm<pass, dtype, epilogue>;
+  const std::int64_t groups = call.index.groups;
+  const typename G::Tables tables = G::carve(call.tables, groups);
+  constexpr int kThreads = 128;
+  const auto blocks = static_cast<unsigned>((groups + kThreads - 1) / kThreads);
+  fill_tables<G, pass><<<blocks, kThreads, 0, stream>>>(call.index, call.operands, tables);
+  MESHLA_CHECK_CUDA(cudaGetLastError());
+  typename G::Gemm gemm;
+  const auto args =
+      G::arguments(tables, groups, call.device, call.sm_count, call.operands.bias != nullptr);
+  check_cutlass(gemm.initialize(args, call.kernel_workspace, stream), "initialize");
+  check_cutlass(gemm.run(stream), "launch");
+}
+
+template <GroupedPass pass, Epilogue epilogue>
+CutlassWorkspace workspace_for(DType dtype, std::int64_t groups, int device, int sm_count) {
+  if (dtype == DType::kBFloat16)
+    return workspace_of<pass, DType::kBFloat16, epilogue>(groups, device, sm_count);
+  MESHLA_ASSERT(dtype == DType::kFloat16);
+  return workspace_of<pass, DType::kFloat16, epilogue>(groups, device, sm_count);
+}
+
+template <GroupedPass pass, Epilogue epilogue>
+void run_for(const CutlassCall& call, cudaStream_t stream) {
+  if (call.dtype == DType::kBFloat16)
+    return run_grouped<pass, DType::kBFloat16, epilogue>(call, stream);
+  MESHLA_ASSERT(call.dtype == DType::kFloat16);
+  run_grouped<pass, DType::kFloat16, epilogue>(call, stream);
+}
+
+}  // namespace meshla::grouped

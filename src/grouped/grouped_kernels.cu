@@ -1,0 +1,358 @@
+#include "grouped/grouped_kernels.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <limits>
+
+#include "core/cuda_checks.hpp"
+
+namespace meshla::grouped {
+namespace {
+
+constexpr int kIndexThreads = 1024;
+constexpr std::int64_t kNoGroup = std::numeric_limits<std::int64_t>::max();
+
+struct Lesser {
+  __device__ std::int64_t operator()(std::int64_t a, std::int64_t b) const { return a < b ? a : b; }
+};
+
+// One block walks m_splits twice: first to validate (a negative size, or a sum other than the
+// rows), then to write the offsets, all zero when invalid so that no later kernel reads or writes
+// outside the caller's tensors.
+__global__ void group_index_kernel(GroupIndex index, DeviceStatus* status) {
+  using Scan = cub::BlockScan<std::int64_t, kIndexThreads>;
+  using Min = cub::BlockReduce<std::int64_t, kIndexThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ typename Min::TempStorage min_storage;
+  __shared__ bool valid;
+
+  std::int64_t total = 0;
+  std::int64_t negative = kNoGroup;
+  for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
+    const std::int64_t g = base + threadIdx.x;
+    const std::int64_t size = g < index.groups ? index.m_splits[g] : 0;
+    if (size < 0 && g < negative) negative = g;
+    std::int64_t prefix, chunk_total;
+    Scan(scan_storage).ExclusiveSum(size, prefix, chunk_total);
+    __syncthreads();
+    total += chunk_total;
+  }
+  const std::int64_t lowest = Min(min_storage).Reduce(negative, Lesser());
+  if (threadIdx.x == 0) {
+    const bool has_negative = lowest != kNoGroup;
+    valid = !has_negative && total == index.rows;
+    *index.invalid = valid ? 0 : 1;
+    if (!valid) {
+      volatile DeviceStatus* report = status;
+      report->group = has_negative ? static_cast<std::int32_t>(lowest) : -1;
+      report->value = has_negative ? index.m_splits[lowest] : total;
+      report->rows = index.rows;
+      __threadfence_system();
+      report->code = has_negative ? kNegativeSize : kSumMismatch;
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+
+  std::int64_t carry = 0;
+  for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
+    const std::int64_t g = base + threadIdx.x;
+    const std::int64_t size = valid && g < index.groups ? index.m_splits[g] : 0;
+    std::int64_t prefix, chunk_total;
+    Scan(scan_storage).ExclusiveSum(size, prefix, chunk_total);
+    __syncthreads();
+    if (g < index.groups) index.offsets[g] = carry + prefix;
+    carry += chunk_total;
+  }
+  if (threadIdx.x == 0) index.offsets[index.groups] = carry;
+}
+
+template <typename T>
+__device__ T quiet_nan();
+template <>
+__device__ float quiet_nan<float>() {
+  return __int_as_float(0x7fc00000);
+}
+template <>
+__device__ __nv_bfloat16 quiet_nan<__nv_bfloat16>() {
+  return __ushort_as_bfloat16(0x7fc0);
+}
+template <>
+__device__ __half quiet_nan<__half>() {
+  return __ushort_as_half(0x7e00);
+}
+
+template <typename T>
+__global__ void poison_kernel(const std::int32_t* invalid, GroupedSpan span) {
+  if (*invalid == 0) return;
+  auto* data = static_cast<T*>(span.data) + blockIdx.y * span.group_stride;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < span.group_elements; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    data[i] = quiet_nan<T>();
+  }
+}
+
+template <typename T>
+__global__ void zero_empty_kernel(GroupIndex index, GroupedSpan span) {
+  const std::int64_t g = blockIdx.y;
+  if (index.offsets[g + 1] != index.offsets[g]) return;
+  auto* data = static_cast<T*>(span.data) + g * span.group_stride;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < span.group_elements; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    data[i] = T(0.0f);
+  }
+}
+
+// Grid-wide launches over groups: y walks the groups, x a bounded number of blocks per group.
+dim3 span_grid(const GroupedSpan& span, int threads) {
+  const std::int64_t per_group = (span.group_elements + threads - 1) / threads;
+  MESHLA_CHECK_ARG(span.groups <= 65535,
+                   "grouped GEMM: " << span.groups << " groups exceed the limit of 65535");
+  return dim3(
+      static_cast<unsigned>(std::min<std::int64_t>(std::max<std::int64_t>(per_group, 1), 1024)),
+      static_cast<unsigned>(span.groups));
+}
+
+template <template <typename> class Kernel, typename... Args>
+void launch_by_dtype(DType dtype, dim3 grid, int threads, cudaStream_t stream, Args... args) {
+  switch (dtype) {
+    case DType::kFloat32:
+      Kernel<float>::launch(grid, threads, stream, args...);
+      break;
+    case DType::kBFloat16:
+      Kernel<__nv_bfloat16>::launch(grid, threads, stream, args...);
+      break;
+    case DType::kFloat16:
+      Kernel<__half>::launch(grid, threads, stream, args...);
+      break;
+    default:
+      MESHLA_THROW(kInternal, "grouped kernel launched with dtype " << dtype_name(dtype));
+  }
+  MESHLA_CHECK_CUDA(cudaGetLastError());
+}
+
+template <typename T>
+struct Poison {
+  static void launch(dim3 grid, int threads, cudaStream_t stream, const std::int32_t* invalid,
+                     GroupedSpan span) {
+    poison_kernel<T><<<grid, threads, 0, stream>>>(invalid, span);
+  }
+};
+
+template <typename T>
+struct ZeroEmpty {
+  static void launch(dim3 grid, int threads, cudaStream_t stream, GroupIndex index,
+                     GroupedSpan span) {
+    zero_empty_kernel<T><<<grid, threads, 0, stream>>>(index, span);
+  }
+};
+
+// Bias gradient: each thread owns one column and a run of kBiasRows rows, which may cross group
+// boundaries; it adds its partial sum for a group into the fp32 accumulator when the group ends.
+constexpr int kBiasThreads = 256;
+constexpr int kBiasRows = 128;
+
+__device__ std::int64_t group_of_row(const GroupIndex& index, std::int64_t row) {
+  // The last group whose first row is <= row: with empty groups several share a first row, and the
+  // last of them is the one that owns it.
+  std::int64_t low = 0, high = index.groups - 1;
+  while (low < high) {
+    const std::int64_t mid = (low + high + 1) / 2;
+    if (index.offsets[mid] <= row) {
+      low = mid;
+    } else {
+      high = mid - 1;
+    }
+  }
+  return low;
+}
+
+template <typename T>
+__global__ void bias_grad_kernel(GroupIndex index, const T* dy, std::int64_t out,
+                                 float* accumulator) {
+  const std::int64_t column = blockIdx.x * static_cast<std::int64_t>(kBiasThreads) + threadIdx.x;
+  const std::int64_t begin = blockIdx.y * static_cast<std::int64_t>(kBiasRows);
+  const std::int64_t rows = index.offsets[index.groups];
+  if (column >= out || begin >= rows) return;
+  const std::int64_t end = begin + kBiasRows < rows ? begin + kBiasRows : rows;
+  std::int64_t group = group_of_row(index, begin);
+  std::int64_t group_end = index.offsets[group + 1];
+  float sum = 0.0f;
+  for (std::int64_t row = begin; row < end; ++row) {
+    while (row >= group_end) {
+      atomicAdd(&accumulator[group * out + column], sum);
+      sum = 0.0f;
+      ++group;
+      group_end = index.offsets[group + 1];
+    }
+    sum += static_cast<float>(dy[row * out + column]);
+  }
+  atomicAdd(&accumulator[group * out + column], sum);
+}
+
+template <typename T>
+__global__ void round_bias_kernel(const float* accumulator, std::int64_t groups, std::int64_t out,
+                                  T* dbias, std::int64_t stride) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= groups * out) return;
+  dbias[(i / out) * stride + i % out] = static_cast<T>(accumulator[i]);
+}
+
+template <typename T>
+struct BiasGrad {
+  static void launch(dim3 grid, int threads, cudaStream_t stream, GroupIndex index, const void* dy,
+                     std::int64_t out, float* accumulator, void* dbias, std::int64_t stride) {
+    bias_grad_kernel<T>
+        <<<grid, threads, 0, stream>>>(index, static_cast<const T*>(dy), out, accumulator);
+    const std::int64_t total = index.groups * out;
+    round_bias_kernel<T><<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+        accumulator, index.groups, out, static_cast<T*>(dbias), stride);
+  }
+};
+
+// fp32 grouped GEMM: 64x64 tiles, 16-deep slices of K, 4x4 outputs per thread. Group g's
+// operands are A (M x K) and B (K x N) at element strides that depend on the pass.
+constexpr int kTile = 64;
+constexpr int kDepth = 16;
+constexpr int kSimtThreads = 256;
+
+struct GroupGemm {
+  std::int64_t m, n, k;
+  const float* a;
+  std::int64_t a_m, a_k;
+  const float* b;
+  std::int64_t b_k, b_n;
+  float* d;
+  std::int64_t d_m;
+  const float* bias;  // length n, or nullptr
+};
+
+__device__ GroupGemm group_gemm(const GroupIndex& index, const GroupedOperands& op,
+                                std::int64_t g) {
+  const std::int64_t first = index.offsets[g];
+  const std::int64_t rows = index.offsets[g + 1] - first;
+  const std::int64_t in = op.in_features, out = op.out_features;
+  const auto* x = static_cast<const float*>(op.x);
+  const auto* dy = static_cast<const float*>(op.dy);
+  const auto* w = static_cast<const float*>(op.weight) + g * op.weight_group_stride;
+  auto* d = static_cast<float*>(op.out);
+  switch (op.pass) {
+    case GroupedPass::kForward:
+      return {
+          rows, out,
+          in,   x + first * in,
+          in,   1,
+          w,    1,
+          in,   d + first * out,
+          out,  op.bias ? static_cast<const float*>(op.bias) + g * op.bias_group_stride : nullptr};
+    case GroupedPass::kDgrad:
+      return {rows, in, out, dy + first * out, out, 1, w, in, 1, d + first * in, in, nullptr};
+    default:  // kWgrad
+      return {
+          rows == 0 ? 0 : out,         in, rows,   dy + first * out, 1, out, x + first * in, in, 1,
+          d + g * op.out_group_stride, in, nullptr};
+  }
+}
+
+__global__ void __launch_bounds__(kSimtThreads)
+    grouped_fp32_kernel(GroupIndex index, GroupedOperands op) {
+  const GroupGemm p = group_gemm(index, op, blockIdx.z);
+  const std::int64_t col0 = blockIdx.x * static_cast<std::int64_t>(kTile);
+  if (col0 >= p.n) return;
+  __shared__ float a_tile[kDepth][kTile];
+  __shared__ float b_tile[kDepth][kTile];
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  for (std::int64_t row0 = blockIdx.y * static_cast<std::int64_t>(kTile); row0 < p.m;
+       row0 += static_cast<std::int64_t>(gridDim.y) * kTile) {
+    float acc[4][4] = {};
+    for (std::int64_t k0 = 0; k0 < p.k; k0 += kDepth) {
+      for (int i = threadIdx.x; i < kDepth * kTile; i += kSimtThreads) {
+        const int kk = i / kTile, mm = i % kTile;
+        const std::int64_t row = row0 + mm, col = col0 + mm, k = k0 + kk;
+        a_tile[kk][mm] = row < p.m && k < p.k ? p.a[row * p.a_m + k * p.a_k] : 0.0f;
+        b_tile[kk][mm] = col < p.n && k < p.k ? p.b[k * p.b_k + col * p.b_n] : 0.0f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kDepth; ++kk) {
+        float a_frag[4], b_frag[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          a_frag[i] = a_tile[kk][ty * 4 + i];
+          b_frag[i] = b_tile[kk][tx * 4 + i];
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a_frag[i], b_frag[j], acc[i][j]);
+      }
+      __syncthreads();
+    }
+    for (int i = 0; i < 4; ++i) {
+      const std::int64_t row = row0 + ty * 4 + i;
+      if (row >= p.m) continue;
+      for (int j = 0; j < 4; ++j) {
+        const std::int64_t col = col0 + tx * 4 + j;
+        if (col >= p.n) continue;
+        float value = acc[i][j];
+        if (p.bias) value += p.bias[col];
+        float& target = p.d[row * p.d_m + col];
+        target = op.accumulate ? target + value : value;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void launch_group_index(const GroupIndex& index, DeviceStatus* status, cudaStream_t stream) {
+  group_index_kernel<<<1, kIndexThreads, 0, stream>>>(index, status);
+  MESHLA_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_poison_if_invalid(const std::int32_t* invalid, const GroupedSpan& span,
+                              cudaStream_t stream) {
+  launch_by_dtype<Poison>(span.dtype, span_grid(span, 256), 256, stream, invalid, span);
+}
+
+void launch_zero_empty_groups(const GroupIndex& index, const GroupedSpan& span,
+                              cudaStream_t stream) {
+  launch_by_dtype<ZeroEmpty>(span.dtype, span_grid(span, 256), 256, stream, index, span);
+}
+
+void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std::int64_t out,
+                      float* accumulator, void* dbias, std::int64_t dbias_group_stride,
+                      cudaStream_t stream) {
+  MESHLA_CHECK_CUDA(cudaMemsetAsync(
+      accumulator, 0, sizeof(float) * static_cast<std::size_t>(index.groups * out), stream));
+  const std::int64_t row_blocks =
+      std::max<std::int64_t>((index.rows + kBiasRows - 1) / kBiasRows, 1);
+  MESHLA_CHECK_ARG(row_blocks <= 65535, "bias_grad: " << index.rows << " rows exceed the limit of "
+                                                      << 65535 * kBiasRows);
+  const dim3 grid(static_cast<unsigned>((out + kBiasThreads - 1) / kBiasThreads),
+                  static_cast<unsigned>(row_blocks));
+  launch_by_dtype<BiasGrad>(dtype, grid, kBiasThreads, stream, index, dy, out, accumulator, dbias,
+                            dbias_group_stride);
+}
+
+void launch_grouped_fp32(const GroupIndex& index, const GroupedOperands& operands,
+                         cudaStream_t stream) {
+  MESHLA_CHECK_ARG(index.groups <= 65535,
+                   "grouped GEMM: " << index.groups << " groups exceed the limit of 65535");
+  const std::int64_t n =
+      operands.pass == GroupedPass::kForward ? operands.out_features : operands.in_features;
+  const std::int64_t m_tiles = operands.pass == GroupedPass::kWgrad
+                                   ? (operands.out_features + kTile - 1) / kTile
+                                   : (index.rows + kTile - 1) / kTile;
+  const dim3 grid(static_cast<unsigned>((n + kTile - 1) / kTile),
+                  static_cast<unsigned>(std::clamp<std::int64_t>(m_tiles, 1, 65535)),
+                  static_cast<unsigned>(index.groups));
+  grouped_fp32_kernel<<<grid, kSimtThreads, 0, stream>>>(index, operands);
+  MESHLA_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace meshla::grouped

@@ -1,0 +1,81 @@
+// Kernels of the grouped GEMM other than CUTLASS's: the device-side group index (prefix sums and
+// validation of m_splits), NaN poisoning of a failed call's outputs, zeroing of empty groups'
+// weight gradients, the bias gradient and the fp32 grouped GEMM. Launchers only enqueue on
+// `stream`.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "meshla/grouped_matmul.hpp"
+
+namespace meshla::grouped {
+
+// What a failed device-side check leaves in host-mapped memory. Written by the device with
+// volatile stores, read by the host without synchronizing: a stale read only delays the report to
+// a later call.
+struct DeviceStatus {
+  std::int32_t code;   // DeviceStatusCode
+  std::int32_t group;  // the first group with a negative size
+  std::int64_t value;  // m_splits[group], or the sum of m_splits
+  std::int64_t rows;   // the rows of x (or dy) the sum had to match
+};
+
+enum DeviceStatusCode : std::int32_t { kStatusOk = 0, kNegativeSize = 1, kSumMismatch = 2 };
+
+// The prefix sums of a call's m_splits, written to the workspace by launch_group_index.
+struct GroupIndex {
+  const std::int64_t* m_splits;
+  std::int64_t* offsets;  // [groups + 1]: group g owns rows [offsets[g], offsets[g + 1])
+  std::int32_t* invalid;  // 1 when m_splits failed the checks; then every offset is 0
+  std::int64_t groups;
+  std::int64_t rows;
+};
+
+void launch_group_index(const GroupIndex& index, DeviceStatus* status, cudaStream_t stream);
+
+// `groups` blocks of `group_elements` elements, `group_stride` elements apart.
+struct GroupedSpan {
+  void* data;
+  DType dtype;
+  std::int64_t groups;
+  std::int64_t group_elements;
+  std::int64_t group_stride;
+};
+
+// Fills `span` with NaN when *invalid is set; does nothing otherwise.
+void launch_poison_if_invalid(const std::int32_t* invalid, const GroupedSpan& span,
+                              cudaStream_t stream);
+
+// Zeroes the groups of `span` whose group has no rows.
+void launch_zero_empty_groups(const GroupIndex& index, const GroupedSpan& span,
+                              cudaStream_t stream);
+
+// db[g, :] = sum of dy's rows of group g, accumulated in fp32 in `accumulator` ([groups, out]
+// floats of workspace), rounded once into db.
+void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std::int64_t out,
+                      float* accumulator, void* dbias, std::int64_t dbias_group_stride,
+                      cudaStream_t stream);
+
+// Operands of one pass of the grouped GEMM, as raw pointers and element strides.
+struct GroupedOperands {
+  GroupedPass pass;
+  std::int64_t in_features;
+  std::int64_t out_features;
+  const void* x;
+  const void* dy;
+  const void* weight;
+  std::int64_t weight_group_stride;
+  const void* bias;  // nullptr: no bias
+  std::int64_t bias_group_stride;
+  void* out;                      // y, dx or dweight
+  std::int64_t out_group_stride;  // dweight only
+  bool accumulate;
+};
+
+// fp32 grouped GEMM of any pass but kBiasGrad, in full fp32.
+void launch_grouped_fp32(const GroupIndex& index, const GroupedOperands& operands,
+                         cudaStream_t stream);
+
+}  // namespace meshla::grouped

@@ -1,0 +1,205 @@
+#include "meshla/grouped_matmul.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+
+#include "core/cuda_checks.hpp"
+#include "core/cuda_handles.hpp"
+#include "grouped/cutlass_grouped.hpp"
+#include "grouped/grouped_kernels.hpp"
+#include "grouped/grouped_validation.hpp"
+
+namespace meshla {
+
+using grouped::CutlassWorkspace;
+
+struct GroupedMatmul::Impl {
+  int device = 0;
+  int sm_count = 0;
+  grouped::DeviceStatus* status = nullptr;  // host-mapped, written by the device
+
+  ~Impl() {
+    if (status) cudaFreeHost(status);
+  }
+
+  // The error an earlier call's device-side check left, thrown once and then cleared.
+  void throw_recorded_error() {
+    volatile grouped::DeviceStatus* record = status;
+    const std::int32_t code = record->code;
+    if (code == grouped::kStatusOk) return;
+    const std::int32_t group = record->group;
+    const std::int64_t value = record->value;
+    const std::int64_t rows = record->rows;
+    record->code = grouped::kStatusOk;
+    const char* reported =
+        " (found on the device by an earlier call, whose outputs were filled with NaN)";
+    if (code == grouped::kNegativeSize) {
+      MESHLA_THROW(kInvalidArgument, "grouped_linear: m_splits[" << group << "]=" << value
+                                                                 << " is negative" << reported);
+    }
+    MESHLA_THROW(kInvalidArgument, "grouped_linear: m_splits sums to "
+                                       << value << " but the input has " << rows << " rows"
+                                       << reported);
+  }
+
+  CutlassWorkspace cutlass_workspace(GroupedPass pass, DType dtype, std::int64_t groups) const {
+    switch (pass) {
+      case GroupedPass::kForward:
+        return grouped::cutlass_forward_workspace(dtype, groups, device, sm_count);
+      case GroupedPass::kDgrad:
+        return grouped::cutlass_dgrad_workspace(dtype, groups, device, sm_count);
+      case GroupedPass::kWgrad: {
+        const CutlassWorkspace store =
+            grouped::cutlass_wgrad_workspace(dtype, groups, device, sm_count);
+        const CutlassWorkspace add =
+            grouped::cutlass_wgrad_accumulate_workspace(dtype, groups, device, sm_count);
+        return {std::max(store.tables, add.tables), std::max(store.kernel, add.kernel)};
+      }
+      case GroupedPass::kBiasGrad:
+        break;
+    }
+    return {};
+  }
+
+  std::size_t pass_bytes(GroupedPass pass, DType dtype, std::int64_t groups,
+                         std::int64_t out_features) const {
+    if (pass == GroupedPass::kBiasGrad) {
+      return sizeof(float) * static_cast<std::size_t>(groups * out_features);
+    }
+    // fp32 needs no tables; other dtypes are refused by run()'s checks.
+    if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return 0;
+    const CutlassWorkspace parts = cutlass_workspace(pass, dtype, groups);
+    return (parts.tables + 255) / 256 * 256 + parts.kernel;
+  }
+};
+
+GroupedMatmul::GroupedMatmul(int device) : impl_(std::make_unique<Impl>()) {
+  impl_->device = device;
+  detail::DeviceGuard guard(device);
+  MESHLA_CHECK_CUDA(
+      cudaDeviceGetAttribute(&impl_->sm_count, cudaDevAttrMultiProcessorCount, device));
+  MESHLA_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&impl_->status),
+                                  sizeof(grouped::DeviceStatus), cudaHostAllocMapped));
+  *impl_->status = {};
+}
+
+GroupedMatmul::~GroupedMatmul() = default;
+GroupedMatmul::GroupedMatmul(GroupedMatmul&&) noexcept = default;
+GroupedMatmul& GroupedMatmul::operator=(GroupedMatmul&&) noexcept = default;
+
+int GroupedMatmul::device() const { return impl_->device; }
+
+std::size_t GroupedMatmul::workspace_bytes(GroupedPass pass, DType dtype, std::int64_t num_groups,
+                                           std::int64_t out_features) const {
+  MESHLA_CHECK_ARG(num_groups >= 1,
+                   "grouped_linear: num_groups=" << num_groups << " must be at least 1");
+  return grouped::workspace_layout(num_groups,
+                                   impl_->pass_bytes(pass, dtype, num_groups, out_features))
+      .total;
+}
+
+void GroupedMatmul::check_device_errors(cudaStream_t stream) {
+  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+  impl_->throw_recorded_error();
+}
+
+void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStream_t stream) {
+  impl_->throw_recorded_error();
+  const grouped::GroupedShape shape = grouped::validate_grouped_args(pass, args);
+  MESHLA_CHECK_ARG(args.m_splits.device == impl_->device,
+                   "grouped_linear " << grouped_pass_name(pass)
+                                     << ": tensors are on cuda:" << args.m_splits.device
+                                     << " but this GroupedMatmul is for cuda:" << impl_->device);
+  const std::size_t pass_bytes =
+      impl_->pass_bytes(pass, shape.dtype, shape.groups, shape.out_features);
+  const grouped::WorkspaceLayout layout = grouped::workspace_layout(shape.groups, pass_bytes);
+  const TensorView& ws = args.workspace;
+  MESHLA_CHECK_ARG(ws.ndim >= 1 && ws.device_kind == DeviceKind::kCuda &&
+                       ws.device == impl_->device && ws.is_row_major_contiguous() &&
+                       static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype) >= layout.total,
+                   "grouped_linear "
+                       << grouped_pass_name(pass) << ": workspace.shape=" << ws.shape_string()
+                       << " must be a contiguous CUDA buffer on cuda:" << impl_->device
+                       << " of at least " << layout.total << " bytes (workspace_bytes)");
+  MESHLA_CHECK_ARG(reinterpret_cast<std::uintptr_t>(ws.data) % 256 == 0,
+                   "grouped_linear: workspace must start on a 256-byte boundary");
+
+  detail::DeviceGuard guard(impl_->device);
+  auto* base = static_cast<char*>(ws.data);
+  const grouped::GroupIndex index{static_cast<const std::int64_t*>(args.m_splits.data),
+                                  reinterpret_cast<std::int64_t*>(base + layout.offsets),
+                                  reinterpret_cast<std::int32_t*>(base + layout.invalid),
+                                  shape.groups, shape.rows};
+  grouped::launch_group_index(index, impl_->status, stream);
+
+  if (pass == GroupedPass::kBiasGrad) {
+    grouped::launch_bias_grad(index, args.dy.data, shape.dtype, shape.out_features,
+                              reinterpret_cast<float*>(base + layout.pass), args.dbias.data,
+                              args.dbias.strides[0], stream);
+    grouped::launch_poison_if_invalid(
+        index.invalid,
+        {args.dbias.data, shape.dtype, shape.groups, shape.out_features, args.dbias.strides[0]},
+        stream);
+    return;
+  }
+
+  const TensorView& out = pass == GroupedPass::kForward ? args.y
+                          : pass == GroupedPass::kDgrad ? args.dx
+                                                        : args.dweight;
+  const bool has_weight = pass != GroupedPass::kWgrad;
+  const bool has_bias = pass == GroupedPass::kForward && args.bias.ndim > 0;
+  const grouped::GroupedOperands operands{pass,
+                                          shape.in_features,
+                                          shape.out_features,
+                                          args.x.data,
+                                          args.dy.data,
+                                          has_weight ? args.weight.data : nullptr,
+                                          has_weight ? args.weight.strides[0] : 0,
+                                          has_bias ? args.bias.data : nullptr,
+                                          has_bias ? args.bias.strides[0] : 0,
+                                          out.data,
+                                          pass == GroupedPass::kWgrad ? out.strides[0] : 0,
+                                          pass == GroupedPass::kWgrad && args.accumulate};
+
+  // The output as groups of elements: the whole [rows, features] matrix, or dW's G matrices.
+  const grouped::GroupedSpan out_span =
+      pass == GroupedPass::kWgrad
+          ? grouped::GroupedSpan{out.data, out.dtype, shape.groups,
+                                 shape.out_features * shape.in_features, out.strides[0]}
+          : grouped::GroupedSpan{out.data, out.dtype, 1, out.numel(), out.numel()};
+
+  if (shape.dtype == DType::kFloat32) {
+    grouped::launch_grouped_fp32(index, operands, stream);
+  } else {
+    const CutlassWorkspace parts = impl_->cutlass_workspace(pass, shape.dtype, shape.groups);
+    char* tables = base + layout.pass;
+    const grouped::CutlassCall call{index,
+                                    operands,
+                                    shape.dtype,
+                                    tables,
+                                    tables + (parts.tables + 255) / 256 * 256,
+                                    impl_->device,
+                                    impl_->sm_count};
+    switch (pass) {
+      case GroupedPass::kForward:
+        grouped::cutlass_forward(call, stream);
+        break;
+      case GroupedPass::kDgrad:
+        grouped::cutlass_dgrad(call, stream);
+        break;
+      default:
+        if (args.accumulate) {
+          grouped::cutlass_wgrad_accumulate(call, stream);
+        } else {
+          grouped::cutlass_wgrad(call, stream);
+        }
+    }
+  }
+  if (pass == GroupedPass::kWgrad && !args.accumulate) {
+    grouped::launch_zero_empty_groups(index, out_span, stream);
+  }
+  grouped::launch_poison_if_invalid(index.invalid, out_span, stream);
+}
+
+}  // namespace meshla

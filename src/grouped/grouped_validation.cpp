@@ -1,0 +1,248 @@
+#include "grouped/grouped_validation.hpp"
+
+#include <string>
+
+#include "core/checks.hpp"
+
+namespace meshla {
+
+std::string_view grouped_pass_name(GroupedPass pass) {
+  switch (pass) {
+    case GroupedPass::kForward:
+      return "forward";
+    case GroupedPass::kDgrad:
+      return "dgrad";
+    case GroupedPass::kWgrad:
+      return "wgrad";
+    case GroupedPass::kBiasGrad:
+      return "bias_grad";
+  }
+  return "unknown";
+}
+
+std::int64_t packed_group_stride(std::int64_t out_features, std::int64_t in_features, DType dtype) {
+  MESHLA_CHECK_ARG(out_features > 0 && in_features > 0,
+                   "packed_group_stride: out_features=" << out_features << " and in_features="
+                                                        << in_features << " must be positive");
+  const auto size = static_cast<std::int64_t>(dtype_size(dtype));
+  MESHLA_CHECK_ARG(256 % size == 0, "packed_group_stride: dtype " << dtype_name(dtype)
+                                                                  << " does not divide 256 bytes");
+  const std::int64_t per_boundary = 256 / size;
+  return (out_features * in_features + per_boundary - 1) / per_boundary * per_boundary;
+}
+
+namespace grouped {
+namespace {
+
+constexpr std::size_t kAlignment = 256;
+
+std::size_t round_up(std::size_t bytes) {
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+bool present(const TensorView& view) { return view.ndim > 0; }
+
+// The checks of one call, with its pass's name in every message.
+class Checker {
+ public:
+  Checker(GroupedPass pass, const GroupedMatmulArgs& args) : pass_(pass), args_(args) {}
+
+  std::string prefix() const { return "grouped_linear " + std::string(grouped_pass_name(pass_)); }
+
+  void require(const TensorView& view, const char* name) const {
+    MESHLA_CHECK_ARG(present(view), prefix() << ": " << name << " is required");
+  }
+
+  void on_device(const TensorView& view, const char* name) const {
+    MESHLA_CHECK_ARG(view.device_kind == DeviceKind::kCuda,
+                     prefix() << ": " << name << " must be a CUDA tensor");
+    MESHLA_CHECK_ARG(view.device == args_.m_splits.device,
+                     prefix() << ": " << name << " is on cuda:" << view.device
+                              << " but m_splits is on cuda:" << args_.m_splits.device);
+  }
+
+  // A row-major matrix with contiguous rows; returns nothing, checks shape [rows, cols].
+  void matrix(const TensorView& view, const char* name, std::int64_t rows, std::int64_t cols,
+              const char* expected) const {
+    on_device(view, name);
+    MESHLA_CHECK_ARG(view.ndim == 2 && view.shape[0] == rows && view.shape[1] == cols,
+                     prefix() << ": " << name << ".shape=" << view.shape_string() << " must be "
+                              << expected << " = [" << rows << ", " << cols << "]");
+    MESHLA_CHECK_ARG(view.is_row_major_contiguous(),
+                     prefix() << ": " << name << " must be contiguous (row-major), shape "
+                              << view.shape_string());
+  }
+
+  // [G, out, in] with contiguous rows and any group stride of at least out * in.
+  void grouped_weights(const TensorView& view, const char* name, const GroupedShape& shape) const {
+    on_device(view, name);
+    MESHLA_CHECK_ARG(view.ndim == 3 && view.shape[0] == shape.groups &&
+                         view.shape[1] == shape.out_features && view.shape[2] == shape.in_features,
+                     prefix() << ": " << name << ".shape=" << view.shape_string()
+                              << " must be [G, out, in] = [" << shape.groups << ", "
+                              << shape.out_features << ", " << shape.in_features << "]");
+    const bool rows_contiguous = (view.shape[2] == 1 || view.strides[2] == 1) &&
+                                 (view.shape[1] == 1 || view.strides[1] == view.shape[2]);
+    const bool groups_apart =
+        view.shape[0] == 1 || view.strides[0] >= view.shape[1] * view.shape[2];
+    MESHLA_CHECK_ARG(rows_contiguous && groups_apart,
+                     prefix() << ": " << name << " has strides [" << view.strides[0] << ", "
+                              << view.strides[1] << ", " << view.strides[2]
+                              << "]; each group must be a contiguous [out, in] matrix and groups "
+                                 "may not overlap");
+  }
+
+  void bias_like(const TensorView& view, const char* name, const GroupedShape& shape) const {
+    on_device(view, name);
+    MESHLA_CHECK_ARG(
+        view.ndim == 2 && view.shape[0] == shape.groups && view.shape[1] == shape.out_features,
+        prefix() << ": " << name << ".shape=" << view.shape_string() << " must be [G, out] = ["
+                 << shape.groups << ", " << shape.out_features << "]");
+    MESHLA_CHECK_ARG((view.shape[1] == 1 || view.strides[1] == 1) &&
+                         (view.shape[0] == 1 || view.strides[0] >= view.shape[1]),
+                     prefix() << ": " << name << " must have contiguous rows (strides ["
+                              << view.strides[0] << ", " << view.strides[1] << "])");
+  }
+
+  void dtype(const TensorView& view, const char* name, DType expected) const {
+    MESHLA_CHECK_ARG(view.dtype == expected, prefix()
+                                                 << ": " << name << " is " << dtype_name(view.dtype)
+                                                 << ", expected " << dtype_name(expected));
+  }
+
+  // TMA reads and writes 16-byte aligned rows.
+  void aligned(const TensorView& view, const char* name, std::int64_t group_stride) const {
+    const auto size = static_cast<std::int64_t>(dtype_size(view.dtype));
+    MESHLA_CHECK_ARG(reinterpret_cast<std::uintptr_t>(view.data) % 16 == 0,
+                     prefix() << ": " << name << " must start on a 16-byte boundary for "
+                              << dtype_name(view.dtype));
+    MESHLA_CHECK_ARG(group_stride * size % 16 == 0,
+                     prefix() << ": " << name << "'s group stride of " << group_stride
+                              << " elements is not a multiple of 16 bytes");
+  }
+
+ private:
+  GroupedPass pass_;
+  const GroupedMatmulArgs& args_;
+};
+
+}  // namespace
+
+GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& args) {
+  const Checker check(pass, args);
+  const std::string where = check.prefix();
+  const TensorView& splits = args.m_splits;
+  check.require(splits, "m_splits");
+  MESHLA_CHECK_ARG(splits.device_kind == DeviceKind::kCuda,
+                   where << ": m_splits must be a CUDA tensor: its sizes are read on the device");
+  MESHLA_CHECK_ARG(splits.dtype == DType::kInt64,
+                   where << ": m_splits is " << dtype_name(splits.dtype) << ", expected int64");
+  MESHLA_CHECK_ARG(splits.ndim == 1 && splits.shape[0] >= 1 && splits.is_row_major_contiguous(),
+                   where << ": m_splits.shape=" << splits.shape_string()
+                         << " must be a contiguous [G] with G >= 1");
+  MESHLA_CHECK_ARG(splits.shape[0] <= 65535,
+                   where << ": m_splits has " << splits.shape[0] << " groups, more than 65535");
+
+  // The operand that fixes the rows and the dtype: x, or dy where the pass has no x.
+  const bool has_x = pass == GroupedPass::kForward || pass == GroupedPass::kWgrad;
+  const TensorView& lead = has_x ? args.x : args.dy;
+  const char* lead_name = has_x ? "x" : "dy";
+  check.require(lead, lead_name);
+  MESHLA_CHECK_ARG(lead.ndim == 2, where << ": " << lead_name << ".shape=" << lead.shape_string()
+                                         << " must be 2-D [rows, features]");
+  const DType dtype = lead.dtype;
+  MESHLA_CHECK_ARG(
+      dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32,
+      where << ": " << lead_name << " is " << dtype_name(dtype)
+            << "; grouped GEMM takes bfloat16, float16 or float32");
+
+  GroupedShape shape{dtype, splits.shape[0], lead.shape[0], 0, 0};
+  switch (pass) {
+    case GroupedPass::kForward:
+    case GroupedPass::kDgrad:
+      check.require(args.weight, "weight");
+      MESHLA_CHECK_ARG(args.weight.ndim == 3, where
+                                                  << ": weight.shape=" << args.weight.shape_string()
+                                                  << " must be [G, out, in]");
+      shape.out_features = args.weight.shape[1];
+      shape.in_features = args.weight.shape[2];
+      break;
+    case GroupedPass::kWgrad:
+      check.require(args.dy, "dy");
+      check.require(args.dweight, "dweight");
+      MESHLA_CHECK_ARG(args.dy.ndim == 2,
+                       where << ": dy.shape=" << args.dy.shape_string() << " must be 2-D");
+      shape.out_features = args.dy.shape[1];
+      shape.in_features = lead.shape[1];
+      break;
+    case GroupedPass::kBiasGrad:
+      check.require(args.dbias, "dbias");
+      shape.out_features = lead.shape[1];
+      break;
+  }
+
+  switch (pass) {
+    case GroupedPass::kForward:
+      check.matrix(args.x, "x", shape.rows, shape.in_features, "[rows, in]");
+      check.grouped_weights(args.weight, "weight", shape);
+      check.dtype(args.weight, "weight", dtype);
+      check.require(args.y, "y");
+      check.matrix(args.y, "y", shape.rows, shape.out_features, "[rows, out]");
+      check.dtype(args.y, "y", dtype);
+      if (present(args.bias)) {
+        check.bias_like(args.bias, "bias", shape);
+        check.dtype(args.bias, "bias", dtype);
+      }
+      break;
+    case GroupedPass::kDgrad:
+      check.matrix(args.dy, "dy", shape.rows, shape.out_features, "[rows, out]");
+      check.grouped_weights(args.weight, "weight", shape);
+      check.dtype(args.weight, "weight", dtype);
+      check.require(args.dx, "dx");
+      check.matrix(args.dx, "dx", shape.rows, shape.in_features, "[rows, in]");
+      check.dtype(args.dx, "dx", dtype);
+      break;
+    case GroupedPass::kWgrad:
+      check.matrix(args.x, "x", shape.rows, shape.in_features, "[rows, in]");
+      check.matrix(args.dy, "dy", shape.rows, shape.out_features, "[rows, out] (rows of x)");
+      check.dtype(args.dy, "dy", dtype);
+      check.grouped_weights(args.dweight, "dweight", shape);
+      check.dtype(args.dweight, "dweight", args.accumulate ? DType::kFloat32 : dtype);
+      break;
+    case GroupedPass::kBiasGrad:
+      check.matrix(args.dy, "dy", shape.rows, shape.out_features, "[rows, out]");
+      check.bias_like(args.dbias, "dbias", shape);
+      check.dtype(args.dbias, "dbias", dtype);
+      break;
+  }
+
+  if (dtype != DType::kFloat32 && pass != GroupedPass::kBiasGrad) {
+    MESHLA_CHECK_ARG(
+        shape.in_features % 8 == 0 && shape.out_features % 8 == 0,
+        where << ": in_features=" << shape.in_features << " and out_features=" << shape.out_features
+              << " must be multiples of 8 for " << dtype_name(dtype) << " (16-byte rows for TMA)");
+    const auto check_aligned = [&](const TensorView& view, const char* name) {
+      if (present(view)) check.aligned(view, name, view.ndim == 3 ? view.strides[0] : 0);
+    };
+    check_aligned(args.x, "x");
+    check_aligned(args.dy, "dy");
+    check_aligned(args.weight, "weight");
+    check_aligned(args.y, "y");
+    check_aligned(args.dx, "dx");
+    check_aligned(args.dweight, "dweight");
+    if (present(args.bias)) check.aligned(args.bias, "bias", args.bias.strides[0]);
+  }
+  return shape;
+}
+
+WorkspaceLayout workspace_layout(std::int64_t groups, std::size_t pass_bytes) {
+  WorkspaceLayout layout;
+  layout.offsets = 0;
+  layout.invalid = round_up(sizeof(std::int64_t) * static_cast<std::size_t>(groups + 1));
+  layout.pass = layout.invalid + kAlignment;
+  layout.total = layout.pass + round_up(pass_bytes);
+  return layout;
+}
+
+}  // namespace grouped
+}  // namespace meshla

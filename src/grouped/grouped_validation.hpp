@@ -1,0 +1,35 @@
+// Host-side checks and workspace layout of the grouped GEMM: pure host logic, tested on the CPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "meshla/grouped_matmul.hpp"
+
+namespace meshla::grouped {
+
+struct GroupedShape {
+  DType dtype;  // of x / dy / weight
+  std::int64_t groups;
+  std::int64_t rows;
+  std::int64_t in_features;
+  std::int64_t out_features;
+};
+
+// Checks every argument `pass` uses against the others (shapes, strides, dtypes, devices,
+// alignment) and returns the problem's shape. Throws kInvalidArgument naming the argument and
+// the shapes involved. Does not check the workspace's size, which depends on the device.
+GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& args);
+
+// The workspace of one call: the group index (offsets and the invalid flag), then the pass's own
+// part (CUTLASS tables and workspace, or the bias accumulator), each 256-byte aligned.
+struct WorkspaceLayout {
+  std::size_t offsets = 0;
+  std::size_t invalid = 0;
+  std::size_t pass = 0;
+  std::size_t total = 0;
+};
+
+WorkspaceLayout workspace_layout(std::int64_t groups, std::size_t pass_bytes);
+
+}  // namespace meshla::grouped

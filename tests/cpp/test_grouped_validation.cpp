@@ -1,0 +1,151 @@
+// Host-side checks, packed strides and workspace layout of the grouped GEMM (no GPU needed).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "grouped/grouped_validation.hpp"
+#include "meshla/error.hpp"
+
+namespace meshla::grouped {
+namespace {
+
+// Fake device addresses: validation reads only shapes, strides and alignment.
+void* address(std::uintptr_t at) { return reinterpret_cast<void*>(at); }
+
+TensorView view(std::uintptr_t at, DType dtype, std::initializer_list<std::int64_t> shape) {
+  return make_tensor_view(address(at), dtype, shape, 0);
+}
+
+struct Forward {
+  std::int64_t groups = 4, rows = 100, in = 64, out = 32;
+  DType dtype = DType::kBFloat16;
+  GroupedMatmulArgs args() const {
+    GroupedMatmulArgs a;
+    a.m_splits = view(0x1000, DType::kInt64, {groups});
+    a.x = view(0x10000, dtype, {rows, in});
+    a.weight = view(0x20000, dtype, {groups, out, in});
+    a.bias = view(0x30000, dtype, {groups, out});
+    a.y = view(0x40000, dtype, {rows, out});
+    return a;
+  }
+};
+
+std::string error_of(GroupedPass pass, const GroupedMatmulArgs& args) {
+  try {
+    validate_grouped_args(pass, args);
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    return error.what();
+  }
+  return "";
+}
+
+TEST(GroupedValidation, ForwardShapeFromXAndWeight) {
+  const GroupedShape shape = validate_grouped_args(GroupedPass::kForward, Forward{}.args());
+  EXPECT_EQ(shape.groups, 4);
+  EXPECT_EQ(shape.rows, 100);
+  EXPECT_EQ(shape.in_features, 64);
+  EXPECT_EQ(shape.out_features, 32);
+  EXPECT_EQ(shape.dtype, DType::kBFloat16);
+}
+
+TEST(GroupedValidation, NamesArgumentAndShapes) {
+  GroupedMatmulArgs args = Forward{}.args();
+  args.y = view(0x40000, DType::kBFloat16, {100, 16});
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_linear forward: y.shape=[100, 16] must be [rows, out] = [100, 32]");
+
+  args = Forward{}.args();
+  args.weight = view(0x20000, DType::kBFloat16, {3, 32, 64});
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_linear forward: weight.shape=[3, 32, 64] must be [G, out, in] = [4, 32, 64]");
+
+  args = Forward{}.args();
+  args.m_splits.dtype = DType::kInt32;
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_linear forward: m_splits is int32, expected int64");
+
+  args = Forward{}.args();
+  args.bias.dtype = DType::kFloat16;
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_linear forward: bias is float16, expected bfloat16");
+
+  args = Forward{}.args();
+  args.y.device = 1;
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_linear forward: y is on cuda:1 but m_splits is on cuda:0");
+}
+
+TEST(GroupedValidation, SixteenBitNeedsAlignedFeatures) {
+  Forward f;
+  f.in = 60;
+  EXPECT_NE(error_of(GroupedPass::kForward, f.args()).find("must be multiples of 8 for bfloat16"),
+            std::string::npos);
+  f.dtype = DType::kFloat32;  // fp32 runs meshla's own kernel: any size
+  EXPECT_EQ(error_of(GroupedPass::kForward, f.args()), "");
+
+  GroupedMatmulArgs args = Forward{}.args();
+  args.x.data = address(0x10008);
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_linear forward: x must start on a 16-byte boundary for bfloat16");
+}
+
+TEST(GroupedValidation, GroupStrideMayBePaddedButNotOverlapping) {
+  GroupedMatmulArgs args = Forward{}.args();
+  args.weight.strides[0] = 32 * 64 + 128;  // padded groups: fine
+  EXPECT_EQ(error_of(GroupedPass::kForward, args), "");
+  args.weight.strides[0] = 32 * 64 - 8;
+  EXPECT_NE(error_of(GroupedPass::kForward, args).find("groups may not overlap"),
+            std::string::npos);
+  args = Forward{}.args();
+  args.weight.strides[0] = 32 * 64 + 4;  // 8 bytes: breaks 16-byte alignment of later groups
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_linear forward: weight's group stride of 2052 elements is not a multiple of "
+            "16 bytes");
+}
+
+TEST(GroupedValidation, WgradOutputDtypeFollowsAccumulate) {
+  GroupedMatmulArgs args;
+  args.m_splits = view(0x1000, DType::kInt64, {4});
+  args.x = view(0x10000, DType::kBFloat16, {100, 64});
+  args.dy = view(0x20000, DType::kBFloat16, {100, 32});
+  args.dweight = view(0x30000, DType::kBFloat16, {4, 32, 64});
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, args), "");
+  args.accumulate = true;
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, args),
+            "grouped_linear wgrad: dweight is bfloat16, expected float32");
+  args.dweight.dtype = DType::kFloat32;
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, args), "");
+  args.dy = view(0x20000, DType::kBFloat16, {99, 32});
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, args),
+            "grouped_linear wgrad: dy.shape=[99, 32] must be [rows, out] (rows of x) = [100, 32]");
+}
+
+TEST(GroupedValidation, MissingOperandsAreNamed) {
+  GroupedMatmulArgs args = Forward{}.args();
+  args.y = {};
+  EXPECT_EQ(error_of(GroupedPass::kForward, args), "grouped_linear forward: y is required");
+  args = {};
+  EXPECT_EQ(error_of(GroupedPass::kDgrad, args), "grouped_linear dgrad: m_splits is required");
+}
+
+TEST(GroupedLayout, PackedStrideRoundsGroupsTo256Bytes) {
+  EXPECT_EQ(packed_group_stride(3, 5, DType::kFloat32), 64);
+  EXPECT_EQ(packed_group_stride(3, 5, DType::kBFloat16), 128);
+  EXPECT_EQ(packed_group_stride(2048, 7168, DType::kBFloat16), 2048 * 7168);
+  EXPECT_EQ(packed_group_stride(1, 1, DType::kFloat64), 32);
+  EXPECT_THROW(packed_group_stride(0, 5, DType::kFloat32), Error);
+}
+
+TEST(GroupedLayout, WorkspacePartsAreAlignedAndDisjoint) {
+  const WorkspaceLayout layout = workspace_layout(100, 1000);
+  EXPECT_EQ(layout.offsets, 0u);
+  EXPECT_GE(layout.invalid, 101 * sizeof(std::int64_t));
+  EXPECT_EQ(layout.invalid % 256, 0u);
+  EXPECT_GE(layout.pass, layout.invalid + sizeof(std::int32_t));
+  EXPECT_EQ(layout.pass % 256, 0u);
+  EXPECT_GE(layout.total, layout.pass + 1000);
+}
+
+}  // namespace
+}  // namespace meshla::grouped

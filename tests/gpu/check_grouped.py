@@ -1,0 +1,298 @@
+"""GPU correctness checks of the grouped GEMM (one GPU), one JSON line per check.
+
+  python tests/gpu/check_grouped.py --results FILE
+
+Every check draws fresh random inputs and splits (skewed, with empty groups), poisons the outputs
+with NaN, runs the pass and compares with a float64 per-group loop over the same (rounded)
+inputs: ||out - ref|| / ||ref|| under a per-dtype threshold. Also: the module's autograd and its
+packed, aligned gradients; device-side rejection of bad m_splits; CUDA-graph capture with
+m_splits changing between replays; delayed weight gradients on a side stream under allocator
+pressure; torch.compile.
+"""
+
+import argparse
+import traceback
+
+import torch
+
+import meshla.torch as mt
+from meshla.torch import grouped
+from reporting import Reporter, relative_error
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
+# (groups, in_features, out_features, rows); 24 x 40 makes out*in*2 bytes a non-multiple of 256.
+SHAPES = [(4, 64, 32, 300), (8, 1024, 512, 8192), (3, 40, 24, 100), (1, 256, 128, 77),
+          (16, 512, 256, 5000)]
+PASS = mt.grouped._PASS
+
+
+def random_splits(groups: int, rows: int, generator: torch.Generator) -> torch.Tensor:
+    """Skewed sizes summing to rows, with about a quarter of the groups empty."""
+    weights = torch.rand(groups, generator=generator) ** 3
+    weights[torch.rand(groups, generator=generator) < 0.25] = 0
+    if weights.sum() == 0:
+        weights[0] = 1
+    sizes = (weights / weights.sum() * rows).floor().long()
+    sizes[int(torch.argmax(weights))] += rows - int(sizes.sum())
+    return sizes
+
+
+def reference(pass_name, x, dy, weight, bias, sizes):
+    """Float64 per-group loop on the host-known sizes."""
+    outs, start = [], 0
+    for g, size in enumerate(sizes.tolist()):
+        rows = slice(start, start + size)
+        if pass_name == "forward":
+            y = x[rows].double() @ weight[g].double().T
+            outs.append(y if bias is None else y + bias[g].double())
+        elif pass_name == "dgrad":
+            outs.append(dy[rows].double() @ weight[g].double())
+        elif pass_name == "wgrad":
+            outs.append((dy[rows].double().T @ x[rows].double()).unsqueeze(0))
+        else:
+            outs.append(dy[rows].double().sum(0, keepdim=True))
+        start += size
+    return torch.cat(outs)
+
+
+def check_passes(report, dtype, shape, seed):
+    groups, in_features, out_features, rows = shape
+    gen = torch.Generator().manual_seed(seed)
+    dev = torch.device("cuda")
+    sizes = random_splits(groups, rows, gen)
+    m_splits = sizes.to(dev)
+    x = torch.randn(rows, in_features, generator=gen).to(dev, dtype)
+    dy = torch.randn(rows, out_features, generator=gen).to(dev, dtype)
+    # Weights in a padded packed buffer, as GroupedLinear keeps them.
+    stride = mt.packed_group_stride(out_features, in_features, dtype)
+    flat = torch.randn(groups * stride, generator=gen).to(dev, dtype)
+    weight = grouped._packed(flat, groups, out_features, in_features, stride)
+    bias = torch.randn(groups, out_features, generator=gen).to(dev, dtype)
+    tag = f"{str(dtype)[6:]}/G{groups}x{in_features}x{out_features}/rows{rows}"
+    nan = float("nan")
+
+    def compare(name, out, ref):
+        err = relative_error(out, ref)
+        ok = err <= TOLERANCE[dtype]
+        report.record(f"{name}/{tag}", 0, ok, f"relative error {err:.2e}")
+
+    for with_bias in (False, True):
+        y = torch.full((rows, out_features), nan, device=dev, dtype=dtype)
+        grouped._run(PASS.forward, m_splits, x, out_features, x=x, weight=weight,
+                      bias=bias if with_bias else None, y=y)
+        compare("forward" + ("+bias" if with_bias else ""), y,
+                reference("forward", x, None, weight, bias if with_bias else None, sizes))
+    dx = torch.full((rows, in_features), nan, device=dev, dtype=dtype)
+    grouped._run(PASS.dgrad, m_splits, dy, out_features, dy=dy, weight=weight, dx=dx)
+    compare("dgrad", dx, reference("dgrad", None, dy, weight, None, sizes))
+
+    dweight_flat = torch.full((groups * stride,), nan, device=dev, dtype=dtype)
+    dweight = grouped._packed(dweight_flat, groups, out_features, in_features, stride)
+    grouped._run(PASS.wgrad, m_splits, x, out_features, x=x, dy=dy, dweight=dweight)
+    want = reference("wgrad", x, dy, None, None, sizes)
+    compare("wgrad", dweight, want)
+    empty = sizes == 0
+    report.record(f"wgrad-empty-groups-zero/{tag}", 0,
+                  bool(torch.all(dweight[empty.to(dev)] == 0)), f"{int(empty.sum())} empty groups")
+    if stride > out_features * in_features:
+        gaps = dweight_flat.view(groups, stride)[:, out_features * in_features:]
+        report.record(f"wgrad-padding-untouched/{tag}", 0, bool(torch.isnan(gaps).all()),
+                      "the padding between groups keeps its NaN poison")
+
+    start = torch.randn(groups, out_features, in_features, generator=gen).to(dev)
+    main_grad = start.clone()
+    grouped._run(PASS.wgrad, m_splits, x, out_features, x=x, dy=dy, dweight=main_grad,
+                 accumulate=True)
+    err = relative_error(main_grad, start.double() + want)
+    report.record(f"wgrad-accumulate/{tag}", 0, err <= TOLERANCE[dtype],
+                  f"relative error {err:.2e}")
+    report.record(f"wgrad-accumulate-empty-untouched/{tag}", 0,
+                  bool(torch.equal(main_grad[empty.to(dev)], start[empty.to(dev)])), "")
+
+    dbias = torch.full((groups, out_features), nan, device=dev, dtype=dtype)
+    grouped._run(PASS.bias_grad, m_splits, dy, out_features, dy=dy, dbias=dbias)
+    compare("bias_grad", dbias, reference("bias_grad", None, dy, None, None, sizes))
+
+
+def check_module_autograd(report, dtype, seed):
+    torch.manual_seed(seed)
+    groups, in_features, out_features, rows = 6, 128, 72, 1000
+    layer = mt.GroupedLinear(groups, in_features, out_features, device="cuda", dtype=dtype)
+    sizes = random_splits(groups, rows, torch.Generator().manual_seed(seed))
+    x = torch.randn(rows, in_features, device="cuda", dtype=dtype, requires_grad=True)
+    y = layer(x, sizes.cuda())
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    weights = [w.detach() for w in layer.weights()]
+    biases = [b.detach() for b in layer.biases()]
+    x64 = x.detach().double().requires_grad_()
+    w64 = [w.double().requires_grad_() for w in weights]
+    b64 = [b.double().requires_grad_() for b in biases]
+    outs, start = [], 0
+    for g, size in enumerate(sizes.tolist()):
+        outs.append(x64[start:start + size] @ w64[g].T + b64[g])
+        start += size
+    ref = torch.cat(outs)
+    ref.backward(dy.double())
+    tag = str(dtype)[6:]
+    tol = TOLERANCE[dtype]
+    errors = {"y": relative_error(y, ref.detach()), "dx": relative_error(x.grad, x64.grad)}
+    for g in range(groups):
+        errors[f"dW{g}"] = relative_error(layer.weights()[g].grad, w64[g].grad) if sizes[g] else \
+            float(layer.weights()[g].grad.abs().max())
+        errors[f"db{g}"] = relative_error(layer.biases()[g].grad, b64[g].grad) if sizes[g] else \
+            float(layer.biases()[g].grad.abs().max())
+    worst = max(errors, key=errors.get)
+    report.record(f"module-autograd/{tag}", 0, errors[worst] <= tol,
+                  f"worst {worst}: {errors[worst]:.2e}")
+    grads = [w.grad for w in layer.weights()]
+    base = grads[0].untyped_storage().data_ptr()
+    packed = all(g.untyped_storage().data_ptr() == base and (g.data_ptr() - base) % 256 == 0
+                 for g in grads)
+    report.record(f"module-grads-packed-aligned/{tag}", 0, packed,
+                  "every weight gradient is a 256-byte aligned view of one buffer")
+
+
+def check_bad_splits(report):
+    dev = torch.device("cuda")
+    x = torch.randn(64, 32, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(3, 16, 32, device=dev, dtype=torch.bfloat16)
+    for sizes, expected in (([30, -2, 36], "m_splits[1]=-2 is negative"),
+                            ([10, 10, 10], "sums to 30 but the input has 64 rows")):
+        y = mt.grouped_linear(x, torch.tensor(sizes, device=dev), w)
+        torch.cuda.synchronize()
+        poisoned = bool(torch.isnan(y).all())
+        try:
+            mt.grouped_linear(x, torch.tensor([64, 0, 0], device=dev), w)
+            raised = "nothing raised"
+        except ValueError as error:
+            raised = str(error)
+        report.record(f"bad-splits/{sizes}", 0, poisoned and expected in raised,
+                      f"output all NaN: {poisoned}; next call: {raised}")
+    mt.grouped_linear(x, torch.tensor([1, 2, 3], device=dev), w)
+    try:
+        mt.check_device_errors()
+        raised = "nothing raised"
+    except ValueError as error:
+        raised = str(error)
+    report.record("bad-splits/check_device_errors", 0, "sums to 6" in raised, raised)
+
+
+def check_graph_capture(report, dtype):
+    """Forward and backward of the functional op captured once; replays with new inputs and new
+    device-side splits (the host never learns them) must all be right."""
+    groups, in_features, out_features, rows = 8, 256, 128, 2048
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, in_features, device=dev, dtype=dtype, requires_grad=True)
+    weight = torch.randn(groups, out_features, in_features, device=dev, dtype=dtype,
+                         requires_grad=True)
+    m_splits = random_splits(groups, rows, gen).to(dev)
+    dy = torch.randn(rows, out_features, device=dev, dtype=dtype)
+
+    def step():
+        y = mt.grouped_linear(x, m_splits, weight)
+        dx, dw = torch.autograd.grad(y, [x, weight], dy)
+        return y, dx, dw
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    worst = 0.0
+    for replay in range(10):
+        sizes = random_splits(groups, rows, gen)
+        m_splits.copy_(sizes)
+        with torch.no_grad():
+            x.copy_(torch.randn(rows, in_features, generator=gen))
+            weight.copy_(torch.randn(groups, out_features, in_features, generator=gen))
+            dy.copy_(torch.randn(rows, out_features, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        y, dx, dw = outputs
+        worst = max(worst, relative_error(y, reference("forward", x, None, weight, None, sizes)),
+                    relative_error(dx, reference("dgrad", None, dy, weight, None, sizes)),
+                    relative_error(dw, reference("wgrad", x, dy, None, None, sizes)))
+    report.record(f"graph-replay-new-splits/{str(dtype)[6:]}", 0, worst <= TOLERANCE[dtype],
+                  f"worst relative error over 10 replays {worst:.2e}")
+
+
+def check_delayed_wgrad_side_stream(report):
+    """backward() computes dgrad only; backward_dw() on a side stream, held back by a sleep
+    kernel, while the main stream frees the saved inputs and churns the allocator. Without the
+    module's stream bookkeeping the inputs' memory would be reused and overwritten."""
+    torch.manual_seed(11)
+    dtype = torch.bfloat16
+    groups, in_features, out_features, rows = 8, 512, 256, 4096
+    layer = mt.GroupedLinear(groups, in_features, out_features, bias=False, device="cuda",
+                             dtype=dtype, delay_wgrad_compute=True)
+    sizes = random_splits(groups, rows, torch.Generator().manual_seed(11))
+    x = torch.randn(rows, in_features, device="cuda", dtype=dtype)
+    dy = torch.randn(rows, out_features, device="cuda", dtype=dtype)
+    want = reference("wgrad", x, dy, None, None, sizes)
+    layer(x.clone().requires_grad_(), sizes.cuda()).backward(dy.clone())
+    del x, dy
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        layer.backward_dw()
+    for _ in range(50):  # allocator pressure on the main stream while the side stream waits
+        junk = torch.full((rows, in_features), float("nan"), device="cuda", dtype=dtype)
+        junk2 = torch.full((rows, out_features), float("nan"), device="cuda", dtype=dtype)
+        del junk, junk2
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    got = torch.stack([w.grad for w in layer.weights()])
+    err = relative_error(got, want)
+    report.record("delayed-wgrad-side-stream", 0, err <= TOLERANCE[dtype],
+                  f"relative error {err:.2e}")
+
+
+def check_compile(report):
+    dtype = torch.bfloat16
+    groups, in_features, out_features, rows = 4, 128, 64, 512
+    layer = mt.GroupedLinear(groups, in_features, out_features, device="cuda", dtype=dtype)
+    sizes = random_splits(groups, rows, torch.Generator().manual_seed(5)).cuda()
+    x = torch.randn(rows, in_features, device="cuda", dtype=dtype, requires_grad=True)
+
+    def f(x, m_splits):
+        return torch.relu(mt.grouped_linear(x, m_splits, *layer._packed_views()))
+
+    compiled = torch.compile(f, fullgraph=True)
+    y = compiled(x, sizes)
+    y.sum().backward()
+    want = torch.relu(reference("forward", x.detach(), None, *layer._packed_views(),
+                                sizes.cpu()))
+    err = relative_error(y, want)
+    report.record("torch-compile", 0, err <= TOLERANCE[dtype] and x.grad is not None,
+                  f"relative error {err:.2e}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--results", required=True)
+    parser.add_argument("--model", default="grouped")
+    args = parser.parse_args()
+    report = Reporter(args.results, args.model)
+    checks = [(f"passes/{dtype}/{shape}", lambda d=dtype, s=shape, i=i: check_passes(report, d, s, i))
+              for i, (dtype, shape) in enumerate((d, s) for d in TOLERANCE for s in SHAPES)]
+    checks += [(f"module/{d}", lambda d=d: check_module_autograd(report, d, 3)) for d in TOLERANCE]
+    checks += [("bad-splits", lambda: check_bad_splits(report))]
+    checks += [(f"graph/{d}", lambda d=d: check_graph_capture(report, d))
+               for d in (torch.bfloat16, torch.float32)]
+    checks += [("delayed-wgrad", lambda: check_delayed_wgrad_side_stream(report)),
+               ("compile", lambda: check_compile(report))]
+    for name, check in checks:
+        try:
+            check()
+        except Exception:
+            report.record(name, 0, False, traceback.format_exc(limit=4))
+        print(f"done {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""CPU tests of meshla.torch's grouped GEMM: the reference path, autograd wiring, packed and
+aligned parameter and gradient storage, delayed weight gradients, main_grad accumulation and
+argument errors. The GPU kernels are checked by tests/gpu/check_grouped.py."""
+
+import pytest
+import torch
+
+import meshla.torch as mt
+
+
+def loop_reference(x, m_splits, weights, biases):
+    out, start = [], 0
+    for g, size in enumerate(m_splits.tolist()):
+        y = x[start:start + size].double() @ weights[g].double().T
+        if biases is not None:
+            y = y + biases[g].double()
+        out.append(y)
+        start += size
+    return torch.cat(out)
+
+
+def splits(sizes):
+    return torch.tensor(sizes, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_functional_matches_loop_with_gradients(bias):
+    torch.manual_seed(0)
+    sizes = [5, 0, 7, 1]
+    x = torch.randn(sum(sizes), 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 3, dtype=torch.float64, requires_grad=True) if bias else None
+    y = mt.grouped_linear(x, splits(sizes), w, b)
+    ref = loop_reference(x, splits(sizes), w, b)
+    torch.testing.assert_close(y, ref)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, w] + ([b] if bias else []), dy)
+    ref_grads = torch.autograd.grad(ref, [x, w] + ([b] if bias else []), dy)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+    assert torch.count_nonzero(grads[1][1]) == 0  # the empty group's weight gradient is zero
+
+
+def test_packed_group_stride_aligns_groups_to_256_bytes():
+    assert mt.packed_group_stride(3, 5, torch.float32) == 64
+    assert mt.packed_group_stride(8, 16, torch.bfloat16) == 128
+    assert mt.packed_group_stride(2048, 7168, torch.bfloat16) == 2048 * 7168
+    with pytest.raises(ValueError, match="out_features=0"):
+        mt.packed_group_stride(0, 5, torch.float32)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(3, 5), (8, 16)])
+def test_module_parameters_and_gradients_are_aligned_views_of_one_buffer(out_features, in_features):
+    torch.manual_seed(1)
+    layer = mt.GroupedLinear(3, in_features, out_features, dtype=torch.float32)
+    weights = layer.weights()
+    storage = weights[0].untyped_storage().data_ptr()
+    for w in weights:
+        assert w.untyped_storage().data_ptr() == storage
+        assert (w.data_ptr() - storage) % 256 == 0
+    sizes = [4, 0, 6]
+    x = torch.randn(10, in_features)
+    y = layer(x, splits(sizes))
+    ref = loop_reference(x, splits(sizes), [w.detach() for w in weights],
+                         [b.detach() for b in layer.biases()])
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    grad_storage = weights[0].grad.untyped_storage().data_ptr()
+    for w in weights:
+        assert w.grad.untyped_storage().data_ptr() == grad_storage
+        assert (w.grad.data_ptr() - grad_storage) % 256 == 0
+    assert torch.count_nonzero(weights[1].grad) == 0
+
+    # The same gradients from the functional form over a stacked weight.
+    stacked = torch.stack([w.detach() for w in weights]).requires_grad_()
+    biases = torch.stack([b.detach() for b in layer.biases()]).requires_grad_()
+    mt.grouped_linear(x, splits(sizes), stacked, biases).square().sum().backward()
+    for g, w in enumerate(weights):
+        torch.testing.assert_close(w.grad, stacked.grad[g])
+        torch.testing.assert_close(layer.biases()[g].grad, biases.grad[g])
+
+
+def test_module_repacks_after_dtype_change_and_replaced_data():
+    layer = mt.GroupedLinear(2, 8, 8, bias=False, dtype=torch.float32)
+    layer.to(torch.float64)
+    weights = layer.weights()
+    assert weights[0].dtype == torch.float64
+    assert weights[0].untyped_storage().data_ptr() == weights[1].untyped_storage().data_ptr()
+    new = torch.randn(8, 8, dtype=torch.float64)
+    weights[1].data = new.clone()
+    x = torch.randn(5, 8, dtype=torch.float64)
+    y = layer(x, splits([2, 3]))
+    torch.testing.assert_close(y[2:], x[2:] @ new.T)
+    assert weights[0].untyped_storage().data_ptr() == weights[1].untyped_storage().data_ptr()
+
+
+def test_delayed_weight_gradients():
+    torch.manual_seed(2)
+    layer = mt.GroupedLinear(2, 4, 8, delay_wgrad_compute=True, dtype=torch.float64)
+    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    layer(x, splits([3, 4])).sum().backward()
+    assert all(w.grad is None for w in layer.weights())
+    assert x.grad is not None and all(b.grad is not None for b in layer.biases())
+    layer.backward_dw()
+    for g, (start, size) in enumerate([(0, 3), (3, 4)]):
+        want = torch.ones(size, 8, dtype=torch.float64).T @ x.detach()[start:start + size]
+        torch.testing.assert_close(layer.weights()[g].grad, want)
+
+
+def test_main_grad_accumulation():
+    torch.manual_seed(3)
+    layer = mt.GroupedLinear(3, 4, 8, bias=False, fuse_wgrad_accumulation=True)
+    buffer = torch.ones(3 * 40)  # 40 elements apart: more than out * in = 32
+    for g, w in enumerate(layer.weights()):
+        w.main_grad = buffer[g * 40:g * 40 + 32].view(8, 4)
+    x = torch.randn(6, 4)
+    layer(x, splits([2, 0, 4])).sum().backward()
+    assert all(w.grad is None for w in layer.weights())
+    torch.testing.assert_close(layer.weights()[0].main_grad,
+                               1 + torch.ones(2, 8).T @ x[:2])
+    torch.testing.assert_close(layer.weights()[1].main_grad, torch.ones(8, 4))
+    assert torch.all(buffer[32:40] == 1)  # padding between groups untouched
+
+    layer.weights()[2].main_grad = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="equal, increasing spacing"):
+        layer(x, splits([2, 0, 4])).sum().backward()
+
+
+def test_argument_errors():
+    x = torch.randn(6, 4)
+    w = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match=r"m_splits\[1\]=-1 is negative"):
+        mt.grouped_linear(x, splits([7, -1]), w)
+    with pytest.raises(ValueError, match="sums to 5 but the input has 6 rows"):
+        mt.grouped_linear(x, splits([2, 3]), w)
+    with pytest.raises(ValueError, match="1-D int64"):
+        mt.grouped_linear(x, torch.tensor([3, 3], dtype=torch.int32), w)
+    layer = mt.GroupedLinear(2, 4, 3)
+    with pytest.raises(ValueError, match=r"x.shape=\[6, 5\] must be \[rows, in_features=4\]"):
+        layer(torch.randn(6, 5), splits([3, 3]))
+    with pytest.raises(ValueError, match=r"m_splits.shape=\[3\] must be \[num_groups=2\]"):
+        layer(x, splits([1, 2, 3]))
