@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command: C++ unit tests (ctest), then the GPU suite where this machine has a GPU
-# GPUs, then the Python tests (pytest). Needs scripts/setup.sh first.
+# The test command: C++ unit tests (ctest), the GPU suite where this machine has a GPU, then the
+# Python tests (pytest). Needs scripts/setup.sh first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH

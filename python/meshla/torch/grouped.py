@@ -22,6 +22,7 @@ raises ``ValueError``; :func:`check_device_errors` waits and raises at once.
 CPU tensors run a per-group torch reference, so code and tests run without a GPU.
 """
 
+import atexit
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -38,6 +39,8 @@ _PASS = _meshla.GroupedPass
 # One GroupedMatmul per CUDA device index: it holds the host-mapped record that the device-side
 # checks of m_splits write into.
 _engines: dict[int, _meshla.GroupedMatmul] = {}
+# Freed before the interpreter tears the extension down.
+atexit.register(_engines.clear)
 
 
 def _engine(device: torch.device) -> _meshla.GroupedMatmul:
@@ -82,7 +85,8 @@ def _run(grouped_pass, m_splits, lead, out_features, **tensors):
     engine = _engine(lead.device)
     size = engine.workspace_bytes(grouped_pass, _dtype_name(lead.dtype), m_splits.shape[0],
                                   out_features)
-    workspace = torch.empty(size, dtype=torch.uint8, device=lead.device)
+    # int64 words: DLPack hands the extension no uint8, and the size is counted in bytes.
+    workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
     stream = torch.cuda.current_stream(lead.device).cuda_stream
     engine.run(grouped_pass, _capsule(m_splits), _capsule(workspace), stream,
                **{name: _capsule(t) for name, t in tensors.items()})
