@@ -23,7 +23,8 @@ struct Lesser {
 // One block walks m_splits twice: first to validate (a negative size, or a sum other than the
 // rows), then to write the offsets, all zero when invalid so that no later kernel reads or writes
 // outside the caller's tensors.
-__global__ void group_index_kernel(GroupIndex index, DeviceStatus* status) {
+__global__ void __launch_bounds__(kIndexThreads)
+    group_index_kernel(GroupIndex index, DeviceStatus* status) {
   using Scan = cub::BlockScan<std::int64_t, kIndexThreads>;
   using Min = cub::BlockReduce<std::int64_t, kIndexThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
