@@ -13,7 +13,7 @@
 namespace meshla::grouped {
 namespace {
 
-constexpr int kIndexThreads = 1024;
+constexpr int kIndexThreads = 256;
 constexpr std::int64_t kNoGroup = std::numeric_limits<std::int64_t>::max();
 
 struct Lesser {
