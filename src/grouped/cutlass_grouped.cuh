@@ -75,10 +75,13 @@ struct GroupedGemm {
   static constexpr int kAlignment = 8;  // 16 bytes of 16-bit elements: TMA's minimum
   static constexpr int kAlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
-  // 128x256 tiles with a 2x1 cluster keep both consumer warpgroups of the cooperative kernel busy
-  // on the large experts; the persistent scheduler walks all groups' tiles in one launch.
+  // Cooperative 128x256 tiles with a 2x1 cluster: both consumer warpgroups share each tile and the
+  // persistent scheduler walks all groups' tiles in one launch. Measured against pingpong 64x256
+  // and 128x128 (bench/NOTES.md, experiment 12), it wins or ties on every benchmarked shape.
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
@@ -95,8 +98,7 @@ struct GroupedGemm {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*,
-      kAlignmentD, ElementD, LayoutD*, kAlignmentD,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+      kAlignmentD, ElementD, LayoutD*, kAlignmentD, EpiSchedule, Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename PassLayouts<pass>::A*,
@@ -104,7 +106,7 @@ struct GroupedGemm {
       ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      MainSchedule>::CollectiveOp;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;

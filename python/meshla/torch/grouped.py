@@ -51,6 +51,7 @@ def _engine(device: torch.device) -> _meshla.GroupedMatmul:
     return engine
 
 
+@torch.compiler.assume_constant_result
 def packed_group_stride(out_features: int, in_features: int, dtype: torch.dtype) -> int:
     """Elements between the groups of a packed ``[G, out, in]`` buffer whose groups each start
     on a 256-byte boundary."""
@@ -79,7 +80,7 @@ def _capsule(t):
     return None if t is None else to_dlpack(t)
 
 
-def _run(grouped_pass, m_splits, lead, out_features, **tensors):
+def _run(grouped_pass, m_splits, lead, out_features, accumulate=False, **tensors):
     """Runs one pass on the current stream of ``lead``'s device with a workspace from the caching
     allocator, so concurrent calls on different streams never share one."""
     engine = _engine(lead.device)
@@ -89,7 +90,7 @@ def _run(grouped_pass, m_splits, lead, out_features, **tensors):
     workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
     stream = torch.cuda.current_stream(lead.device).cuda_stream
     engine.run(grouped_pass, _capsule(m_splits), _capsule(workspace), stream,
-               **{name: _capsule(t) for name, t in tensors.items()})
+               accumulate=accumulate, **{name: _capsule(t) for name, t in tensors.items()})
 
 
 def _check_splits(m_splits, x, name="x"):
