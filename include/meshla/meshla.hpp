@@ -3,6 +3,7 @@
 
 #include "meshla/collective_matmul.hpp"
 #include "meshla/communicator.hpp"
+#include "meshla/dense_solver.hpp"
 #include "meshla/error.hpp"
 #include "meshla/grouped_matmul.hpp"
 #include "meshla/matmul.hpp"

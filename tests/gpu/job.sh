@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
-#   tests/gpu/job.sh COMMIT [suite] [bench] [grouped-bench]
+#   tests/gpu/job.sh COMMIT [suite] [bench] [grouped-bench] [solver-bench]
 #   (default: suite and bench; SUITE_MODELS picks suite models)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,6 +26,12 @@ for step in $steps; do
       timeout "${BENCH_TIMEOUT:-400}" python3 bench/grouped_linear.py --commit "$commit" \
         --out "$OUT/grouped_linear_$(date -u +%Y%m%dT%H%M%SZ).json" >"$OUT/grouped_bench.txt" 2>&1
       tail -45 "$OUT/grouped_bench.txt"
+      ;;
+    solver-bench)
+      timeout "${BENCH_TIMEOUT:-400}" python3 bench/dense_solver.py --commit "$commit" \
+        --out "$OUT/dense_solver_$(date -u +%Y%m%dT%H%M%SZ).json" ${SOLVER_BENCH_ARGS:-} \
+        >"$OUT/solver_bench.txt" 2>&1
+      tail -45 "$OUT/solver_bench.txt"
       ;;
     bench)
       stamp=$(date -u +%Y%m%dT%H%M%SZ)

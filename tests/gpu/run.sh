@@ -33,11 +33,15 @@ launch() {
 }
 
 check=tests/gpu/check_collective_matmul.py
-models=${*:-grouped processes threads network}
+models=${*:-grouped solver processes threads network}
 wants() { [[ " $models " == *" $1 "* ]]; }
 # The grouped GEMM needs one GPU; the collective models need two or more.
 if [ "$gpus" -ge 1 ] && wants grouped; then
   launch grouped python3 tests/gpu/check_grouped.py --results "$results" --model grouped
+fi
+# The dense solvers: one process driving 1, 2 and 4 GPUs (as many as there are).
+if [ "$gpus" -ge 1 ] && wants solver; then
+  MESHLA_LAUNCH_TIMEOUT=${MESHLA_SOLVER_TIMEOUT:-600} launch solver python3 tests/gpu/check_solver.py --results "$results" --model solver
 fi
 if [ "$gpus" -lt 2 ]; then
   echo "skipped: the collective models need at least 2 GPUs, this machine has $gpus"

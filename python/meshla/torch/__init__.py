@@ -1,5 +1,6 @@
-"""PyTorch front end of meshla: collective matmul (below) and grouped GEMM for
-Mixture-of-Experts (:mod:`meshla.torch.grouped`: :class:`GroupedLinear`, :func:`grouped_linear`).
+"""PyTorch front end of meshla: collective matmul (below), grouped GEMM for Mixture-of-Experts
+(:mod:`meshla.torch.grouped`: :class:`GroupedLinear`, :func:`grouped_linear`) and distributed
+dense solvers over the GPUs of one process (:mod:`meshla.torch.linalg`).
 
 A :class:`TPGroup` names the tensor-parallel group an op runs over. Build one from a
 torch.distributed process group of any backend (:func:`group_from_process_group`), from an mpi4py
@@ -32,6 +33,7 @@ __all__ = [
     "group_from_mpi",
     "group_from_process_group",
     "grouped_linear",
+    "linalg",
     "local_groups",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
@@ -335,3 +337,4 @@ from meshla.torch.grouped import (  # noqa: E402
     grouped_linear,
     packed_group_stride,
 )
+from meshla.torch import linalg  # noqa: E402

@@ -1,0 +1,227 @@
+"""Benchmark of the distributed dense solvers (one process, all of its GPUs), one run:
+
+  python bench/dense_solver.py --commit SHA --out results.json [--sizes 8192,16384] [--largest]
+
+For each dtype (float64, float32), GPU count (1, 2, 4) and n: the jitted
+``meshla.jax.linalg.cho_solve`` on a row-sharded array (A and one right-hand side), beside the
+time cuSolverMg itself spends in potrf + potrs on the same GPUs and tile (measured inside
+meshla's DenseSolver, so the ratio is the cost of meshla's layout work and synchronisation), and
+``jax.scipy.linalg.cho_factor`` + ``cho_solve`` on one GPU. Then eigh and the SPD inverse beside
+``jnp.linalg.eigh`` / ``jnp.linalg.inv`` on one GPU, and with ``--largest`` the largest float64 n
+solved on all GPUs (input donated). Matrices are symmetric Hankel matrices h(i + j) plus n·I
+(diagonally dominant, so positive definite), generated on the GPUs row block by row block.
+Prints a table last and writes JSON with device, date and commit.
+"""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPUs
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+import torch
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from meshla import _meshla  # noqa: E402
+from meshla.jax import linalg  # noqa: E402
+from meshla.torch import linalg as torch_linalg  # noqa: E402
+
+
+def hankel_block(row0, rows, n, dtype):
+    """Rows [row0, row0 + rows) of h(i + j) + n I, h(k) = sin(0.618 k) in [-1, 1]."""
+    i = row0 + jnp.arange(rows)[:, None]
+    j = jnp.arange(n)[None, :]
+    block = jnp.sin(0.6180339887 * (i + j).astype(jnp.float64))
+    return (block + n * (i == j)).astype(dtype)
+
+
+def make_matrix(mesh, n, dtype):
+    g = mesh.shape["x"]
+    rows = n // g
+
+    def block(_):
+        return hankel_block(jax.lax.axis_index("x") * rows, rows, n, dtype)
+
+    return jax.jit(jax.shard_map(block, mesh=mesh, in_specs=P("x"), out_specs=P("x", None)))(
+        jnp.zeros(g))
+
+
+def timed(function, repeats):
+    function()  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(function())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def raw_cusolvermg_seconds(devices, n, dtype, repeats):
+    """potrf + potrs inside cuSolverMg (DenseSolver's own timer), on torch row blocks."""
+    tdtype = {jnp.float64: torch.float64, jnp.float32: torch.float32}[dtype]
+    g = len(devices)
+    rows = n // g
+    solver = torch_linalg._solver(tuple(devices))
+    op = _meshla.SolverOp.cholesky_solve
+    name = torch_linalg._DTYPES[tdtype]
+    seconds = []
+    for _ in range(repeats):
+        a = [torch.from_dlpack(hankel_block(p * rows, rows, n, dtype)).to(f"cuda:{d}")
+             for p, d in enumerate(devices)]
+        b = [torch.ones(rows, 1, dtype=tdtype, device=f"cuda:{d}") for d in devices]
+        x = [torch.empty_like(v) for v in b]
+        none = [None] * g
+        workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 1, 0, True, devices)
+        _, _, _, inside = solver.run(op, n, name, 1, 0, True, a, b, x, none, none, workspaces,
+                                     torch_linalg._streams(devices))
+        seconds.append(inside)
+        del a, b, x, workspaces
+        torch.cuda.empty_cache()
+    return statistics.median(seconds)
+
+
+def potrf_flops(n):
+    return n ** 3 / 3.0
+
+
+def bench_cho_solve(devices, sizes, dtypes, repeats):
+    rows = []
+    for dtype in dtypes:
+        for n in sizes:
+            single_seconds = None
+            for g in (1, 2, 4):
+                if g > len(devices):
+                    continue
+                mesh = Mesh(np.array(devices[:g]), ("x",))
+                bytes_per_gpu = n * n * np.dtype(dtype).itemsize / g
+                if 3 * bytes_per_gpu > 0.8 * devices[0].memory_stats()["bytes_limit"]:
+                    continue
+                a = make_matrix(mesh, n, dtype)
+                b = jax.device_put(jnp.ones((n, 1), dtype), NamedSharding(mesh, P("x", None)))
+                solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh))
+                meshla_s = timed(lambda: solve(a, b), repeats)
+                raw_s = raw_cusolvermg_seconds([d.local_hardware_id for d in devices[:g]], n,
+                                               dtype, repeats)
+                if g == 1:
+                    a1 = jax.device_put(a, devices[0])
+                    b1 = jax.device_put(b, devices[0])
+                    single = jax.jit(lambda a, b: jax.scipy.linalg.cho_solve(
+                        jax.scipy.linalg.cho_factor(a, lower=True), b))
+                    single_seconds = timed(lambda: single(a1, b1), repeats)
+                    del a1, b1
+                row = {
+                    "op": "cho_solve", "dtype": np.dtype(dtype).name, "n": n, "gpus": g,
+                    "tile": _meshla.solver_layout(n, g)[0], "meshla_s": meshla_s,
+                    "cusolvermg_s": raw_s, "jax_1gpu_s": single_seconds,
+                    "meshla_tflops": potrf_flops(n) / meshla_s / 1e12,
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del a, b
+    return rows
+
+
+def bench_others(devices, n_eigh, n_inverse, repeats):
+    rows = []
+    g = min(4, len(devices))
+    mesh = Mesh(np.array(devices[:g]), ("x",))
+    for op, n in (("eigh", n_eigh), ("cholesky_inverse", n_inverse)):
+        a = make_matrix(mesh, n, jnp.float64)
+        a1 = jax.device_put(a, devices[0])
+        if op == "eigh":
+            ours = jax.jit(lambda a: linalg.eigh(a, mesh))
+            theirs = jax.jit(jnp.linalg.eigh)
+        else:
+            ours = jax.jit(lambda a: linalg.cholesky_inverse(a, mesh))
+            theirs = jax.jit(jnp.linalg.inv)
+        row = {"op": op, "dtype": "float64", "n": n, "gpus": g,
+               "meshla_s": timed(lambda: ours(a), repeats),
+               "jax_1gpu_s": timed(lambda: theirs(a1), repeats)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del a, a1
+    return rows
+
+
+def largest(devices, sizes):
+    """The largest float64 n of `sizes` solved on every GPU, with A donated."""
+    mesh = Mesh(np.array(devices), ("x",))
+    solved = []
+    for n in sizes:
+        try:
+            a = make_matrix(mesh, n, jnp.float64)
+            b = jax.device_put(jnp.ones((n, 1)), NamedSharding(mesh, P("x", None)))
+            solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh, return_info=True),
+                            donate_argnums=0)
+            start = time.perf_counter()
+            x, info = solve(a, b)
+            x.block_until_ready()
+            seconds = time.perf_counter() - start
+            # Row 0 of A x: n x_0 + sum_j h(j) x_j must be 1.
+            x0 = np.asarray(x[:4096, 0])
+            row = {"op": "largest", "n": n, "gpus": len(devices), "seconds": seconds,
+                   "info": int(info), "x0": float(x0[0]), "finite": bool(np.isfinite(x0).all())}
+            print(json.dumps(row), flush=True)
+            solved.append(row)
+            del x, b
+        except Exception as error:  # out of memory: the previous n is the answer
+            print(json.dumps({"op": "largest", "n": n, "error": str(error)[:300]}), flush=True)
+            break
+    return solved
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sizes", default="8192,16384,32768,65536")
+    parser.add_argument("--dtypes", default="float64,float32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eigh-n", type=int, default=8192)
+    parser.add_argument("--inverse-n", type=int, default=16384)
+    parser.add_argument("--largest", default="")
+    args = parser.parse_args()
+    devices = jax.devices("gpu")
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    dtypes = [{"float64": jnp.float64, "float32": jnp.float32}[d] for d in args.dtypes.split(",")]
+    result = {
+        "device": devices[0].device_kind, "gpus": len(devices),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": args.commit, "jax": jax.__version__,
+        "rows": bench_cho_solve(devices, sizes, dtypes, args.repeats),
+    }
+    if args.eigh_n or args.inverse_n:
+        result["rows"] += bench_others(devices, args.eigh_n, args.inverse_n, args.repeats)
+    if args.largest:
+        result["rows"] += largest(devices, [int(s) for s in args.largest.split(",")])
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{result['device']} x{len(devices)}, {result['date']}, commit {args.commit}")
+    print(f"{'op':<16}{'dtype':<9}{'n':>7}{'gpus':>5}{'meshla s':>10}{'cuSolverMg s':>13}"
+          f"{'ratio':>7}{'1-GPU jax s':>12}{'speedup':>8}")
+    for row in result["rows"]:
+        if row["op"] == "largest":
+            continue
+        raw, single = row.get("cusolvermg_s"), row.get("jax_1gpu_s")
+        raw_text = "" if raw is None else f"{raw:.4f}"
+        ratio = "" if raw is None else f"{row['meshla_s'] / raw:.2f}"
+        single_text = "" if single is None else f"{single:.4f}"
+        speedup = "" if single is None else f"{single / row['meshla_s']:.2f}"
+        print(f"{row['op']:<16}{row['dtype']:<9}{row['n']:>7}{row['gpus']:>5}"
+              f"{row['meshla_s']:>10.4f}{raw_text:>13}{ratio:>7}{single_text:>12}{speedup:>8}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+// Distributed dense solvers for symmetric (Hermitian) matrices over the GPUs of one process:
+// Cholesky solve (with log-determinant), inverse of a positive-definite matrix, and the
+// eigen-decomposition, on cuSolverMg.
+//
+// The matrix arrives the way frameworks shard it: GPU p of P holds rows [p*n/P, (p+1)*n/P) of A,
+// row-major. meshla renumbers rows and columns so that these row blocks *are* cuSolverMg's 1-D
+// column block-cyclic layout (solver/block_cyclic.hpp explains why that is exact), so the only
+// data movement is a row shuffle inside each GPU; padding for n/P not a multiple of the tile is
+// added inside. Only the lower triangle of A in the solver's order is read; pass the full matrix.
+//
+// Calls are synchronous: run() waits for every part's stream (its inputs), runs the solver on
+// all GPUs from the calling thread, and returns when the outputs are written. One DenseSolver
+// runs one call at a time (a mutex serialises them).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "meshla/tensor.hpp"
+
+namespace meshla {
+
+enum class SolverOp {
+  kCholeskySolve,    // X = A⁻¹ B, and log det A
+  kCholeskyInverse,  // A⁻¹ of a positive-definite A
+  kEigen,            // eigenvalues (ascending) and eigenvectors (columns of V, A V = V Λ)
+  kEigenvalues,      // eigenvalues only
+};
+
+std::string_view solver_op_name(SolverOp op);
+
+// The problem: order n over the solver's parts, element type, right-hand sides (kCholeskySolve),
+// the tile (columns per block-cyclic tile; 0 picks one), and whether A's shards may be used as
+// the solver's working memory (then they hold garbage afterwards).
+struct SolverProblem {
+  std::int64_t n = 0;
+  DType dtype = DType::kFloat64;  // float32, float64, complex64, complex128
+  std::int64_t nrhs = 0;
+  std::int64_t tile = 0;
+  bool overwrite_a = false;
+};
+
+// One GPU's part of a call, on the GPU of the solver's part of the same index.
+//   a           [n/P, n]      rows of A (input)
+//   b           [n/P, nrhs]   rows of B (kCholeskySolve)
+//   out         [n/P, nrhs]   rows of X (kCholeskySolve); [n/P, n] rows of A⁻¹ (may be `a`
+//                             itself when overwrite_a) or of V (kEigen, never `a`)
+//   eigenvalues [n]           real type of dtype (kEigen, kEigenvalues); optional
+//   logdet      []            real type of dtype (kCholeskySolve); optional
+//   info        []            int32, SolverResult::info; optional
+//   workspace   any dtype, workspace_bytes(problem, part) bytes, 256-byte aligned
+struct SolverShard {
+  TensorView a, b, out, eigenvalues, logdet, info, workspace;
+  cudaStream_t stream = nullptr;
+};
+
+// What the host learns from a call. info > 0: A is not positive definite (kCholesky*) or the
+// eigensolver did not converge (kEigen*); every output then holds NaN. The index info refers to
+// the solver's internal row order, not A's.
+struct SolverResult {
+  int info = 0;
+  double logdet = 0.0;              // kCholeskySolve
+  std::vector<double> eigenvalues;  // kEigen, kEigenvalues: ascending
+  double solver_seconds = 0.0;      // wall time inside cuSolverMg (what the layout work adds to)
+};
+
+class DenseSolver {
+ public:
+  // `devices`: CUDA ordinals of the parts, in row-block order (at most 16, distinct). Creates
+  // the cuSolverMg handle and enables peer access between every pair.
+  explicit DenseSolver(std::vector<int> devices);
+  ~DenseSolver();
+  DenseSolver(DenseSolver&&) noexcept;
+  DenseSolver& operator=(DenseSolver&&) noexcept;
+  DenseSolver(const DenseSolver&) = delete;
+  DenseSolver& operator=(const DenseSolver&) = delete;
+
+  const std::vector<int>& devices() const;
+
+  // The tile run() uses for `problem` (its own, or the automatic choice).
+  std::int64_t tile(const SolverProblem& problem) const;
+
+  // Bytes of workspace `part` needs for one call of `op` on `problem`.
+  std::size_t workspace_bytes(SolverOp op, const SolverProblem& problem, int part) const;
+
+  // Checks every shard, then runs the call; see SolverShard for what each op reads and writes.
+  SolverResult run(SolverOp op, const SolverProblem& problem,
+                   const std::vector<SolverShard>& shards);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace meshla

@@ -1,0 +1,312 @@
+"""Distributed dense solvers for JAX: Cholesky solve (with log-determinant), inverse of a
+symmetric (Hermitian) positive-definite matrix, and the eigen-decomposition, over every GPU of a
+mesh axis.
+
+The matrix is sharded by rows over ``axis`` of ``mesh`` (``PartitionSpec(axis, None)``), the way
+JAX lays out a large array; right-hand sides likewise. On GPUs each call is one XLA FFI custom
+call per device: the calls of one solve meet inside meshla, and the first GPU's thread runs
+cuSolverMg over all of them (one process driving several GPUs). The row blocks are used as
+cuSolverMg's block-cyclic layout after a renumbering inside each GPU, so no matrix moves between
+GPUs and the extra memory is a few tile panels (see ``src/solver/block_cyclic.hpp``).
+
+Memory: the solver factors in place in a copy of ``a`` that XLA makes, unless the caller donates
+``a`` (``jax.jit(..., donate_argnums=...)``), in which case it works in ``a``'s own buffer. When
+n / GPUs is not a multiple of the tile, the solver pads and works in scratch instead.
+
+Errors inside jit cannot raise: a matrix that is not positive definite (or an eigensolver that
+does not converge) gives NaN outputs and ``info > 0`` (returned with ``return_info=True``).
+Bad shapes, dtypes or meshes raise at trace time or as ``XlaRuntimeError``; a GPU whose handler
+never arrives ends the call after ``timeout_s`` with an error.
+
+Every function also has a ``*_shard`` form for use inside ``jax.shard_map`` over the same mesh.
+On CPU devices the same functions run a reference (gather the rows, solve with ``jax.numpy``), so
+code written for GPUs runs unchanged on a development machine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from meshla import _meshla
+
+__all__ = [
+    "cho_solve",
+    "cho_solve_shard",
+    "cholesky_inverse",
+    "cholesky_inverse_shard",
+    "eigh",
+    "eigh_shard",
+    "CholeskySolve",
+    "Eigh",
+]
+
+DEFAULT_TIMEOUT_S = 3600.0
+"""How long the GPUs of one call wait for each other and for the solver (a 200k fp64 eigensolve
+takes minutes)."""
+
+_SOLVER_DTYPES = (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128)
+
+
+class CholeskySolve(NamedTuple):
+    x: jax.Array
+    logdet: jax.Array
+    info: jax.Array
+
+
+class Eigh(NamedTuple):
+    eigenvalues: jax.Array
+    eigenvectors: jax.Array | None
+    info: jax.Array
+
+
+_registration_lock = threading.Lock()
+_registered = False
+
+
+def _register_targets() -> None:
+    global _registered
+    with _registration_lock:
+        if _registered:
+            return
+        if not _meshla.with_jax:
+            raise NotImplementedError(
+                "meshla was built without XLA's FFI headers (jaxlib was not importable when it "
+                "was built); install jaxlib and reinstall meshla to run the solvers on GPUs"
+            )
+        for name, handler in _meshla.jax_ffi_targets().items():
+            jax.ffi.register_ffi_target(name, handler, platform="CUDA")
+        atexit.register(_meshla.release_jax_solvers)
+        _registered = True
+
+
+def _axis_of(mesh: Mesh, axis: str | None) -> str:
+    if axis is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(
+                f"mesh has axes {mesh.axis_names}; name the one the rows are sharded over (axis=)"
+            )
+        return mesh.axis_names[0]
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh {mesh.axis_names}")
+    return axis
+
+
+def _on_gpu(mesh: Mesh) -> bool:
+    return mesh.devices.flat[0].platform == "gpu"
+
+
+def _mesh_groups(mesh: Mesh, axis: str) -> tuple[np.ndarray, int]:
+    """CUDA ordinals of every group of GPUs that solves together (the devices along ``axis``
+    for each position on the other axes), group after group."""
+    names = list(mesh.axis_names)
+    order = [names.index(name) for name in names if name != axis] + [names.index(axis)]
+    devices = np.transpose(mesh.devices, order).reshape(-1)
+    for device in devices:
+        if device.process_index != jax.process_index():
+            raise NotImplementedError(
+                "meshla.jax.linalg drives the GPUs of one process; this mesh spans processes"
+            )
+    return np.array([d.local_hardware_id for d in devices], np.int64), mesh.shape[axis]
+
+
+def _check_matrix(a_block: jax.Array, name: str) -> None:
+    if a_block.ndim != 2:
+        raise ValueError(f"{name}: a has shape {a_block.shape}; expected a row block [n/P, n]")
+    if a_block.dtype not in _SOLVER_DTYPES:
+        raise ValueError(
+            f"{name}: a is {a_block.dtype}; the solvers take float32, float64, complex64 or "
+            "complex128"
+        )
+
+
+def _real_dtype(dtype) -> np.dtype:
+    return jnp.finfo(dtype).dtype
+
+
+def _ffi_attributes(mesh: Mesh, axis: str, tile: int, timeout_s: float) -> dict:
+    devices, group_size = _mesh_groups(mesh, axis)
+    return dict(
+        devices=devices,
+        group_size=np.int64(group_size),
+        tile=np.int64(tile),
+        timeout_s=np.float64(timeout_s),
+    )
+
+
+def _layout(n: int, mesh: Mesh, axis: str, tile: int) -> tuple[int, bool]:
+    return _meshla.solver_layout(n, mesh.shape[axis], tile)
+
+
+def _working(a_block: jax.Array, padded: bool):
+    """The result XLA aliases to ``a`` so that the solver works in its buffer, or a zero-size
+    placeholder when padding makes the solver work in scratch."""
+    if padded:
+        return jax.ShapeDtypeStruct((0,), a_block.dtype), {}
+    return jax.ShapeDtypeStruct(a_block.shape, a_block.dtype), None
+
+
+def _gather_rows(block: jax.Array, axis: str) -> jax.Array:
+    return jax.lax.all_gather(block, axis, tiled=True)
+
+
+def _own_rows(full: jax.Array, axis: str, rows: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(axis) * rows, rows, axis=0)
+
+
+def _reference_cholesky(a_full: jax.Array) -> tuple[jax.Array, jax.Array]:
+    factor = jnp.linalg.cholesky(a_full)
+    info = jnp.isnan(factor).any().astype(jnp.int32)
+    return factor, info
+
+
+def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> CholeskySolve:
+    """Inside ``shard_map``: this device's rows of A ([n/P, n]) and of B ([n/P, nrhs]) give its
+    rows of X = A⁻¹ B, log det A (the same on every device) and info."""
+    axis = _axis_of(mesh, axis)
+    _check_matrix(a_block, "cho_solve")
+    rows, n = a_block.shape
+    if b_block.ndim != 2 or b_block.shape[0] != rows or b_block.dtype != a_block.dtype:
+        raise ValueError(
+            f"cho_solve: b has shape {b_block.shape} and dtype {b_block.dtype}; expected "
+            f"[{rows}, nrhs] {a_block.dtype} (the rows of a are {a_block.shape})"
+        )
+    if not _on_gpu(mesh):
+        factor, info = _reference_cholesky(_gather_rows(a_block, axis))
+        x = jax.scipy.linalg.cho_solve((factor, True), _gather_rows(b_block, axis))
+        logdet = 2.0 * jnp.sum(jnp.log(jnp.real(jnp.diagonal(factor))))
+        return CholeskySolve(_own_rows(x, axis, rows), logdet, info)
+    _register_targets()
+    tile, padded = _layout(n, mesh, axis, tile)
+    working, aliases = _working(a_block, padded)
+    call = jax.ffi.ffi_call(
+        "meshla_cholesky_solve",
+        (
+            jax.ShapeDtypeStruct(b_block.shape, b_block.dtype),
+            jax.ShapeDtypeStruct((), _real_dtype(a_block.dtype)),
+            jax.ShapeDtypeStruct((), jnp.int32),
+            working,
+        ),
+        input_output_aliases={0: 3} if aliases is None else aliases,
+    )
+    x, logdet, info, _ = call(a_block, b_block, **_ffi_attributes(mesh, axis, tile, timeout_s))
+    return CholeskySolve(x, logdet, info)
+
+
+def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
+                           timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[jax.Array, jax.Array]:
+    """Inside ``shard_map``: this device's rows of A⁻¹ for a positive-definite A, and info."""
+    axis = _axis_of(mesh, axis)
+    _check_matrix(a_block, "cholesky_inverse")
+    rows, n = a_block.shape
+    if not _on_gpu(mesh):
+        factor, info = _reference_cholesky(_gather_rows(a_block, axis))
+        inverse = jax.scipy.linalg.cho_solve((factor, True), jnp.eye(n, dtype=a_block.dtype))
+        return _own_rows(inverse, axis, rows), info
+    _register_targets()
+    tile, padded = _layout(n, mesh, axis, tile)
+    call = jax.ffi.ffi_call(
+        "meshla_cholesky_inverse",
+        (jax.ShapeDtypeStruct(a_block.shape, a_block.dtype), jax.ShapeDtypeStruct((), jnp.int32)),
+        input_output_aliases={} if padded else {0: 0},
+    )
+    inverse, info = call(a_block, **_ffi_attributes(mesh, axis, tile, timeout_s))
+    return inverse, info
+
+
+def eigh_shard(a_block, *, mesh: Mesh, axis: str | None = None, eigvals_only: bool = False,
+               tile: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> Eigh:
+    """Inside ``shard_map``: the eigenvalues of A (ascending, the same on every device), this
+    device's rows of the eigenvectors V (A V = V diag(w); None with ``eigvals_only``), and info."""
+    axis = _axis_of(mesh, axis)
+    _check_matrix(a_block, "eigh")
+    rows, n = a_block.shape
+    if not _on_gpu(mesh):
+        a_full = _gather_rows(a_block, axis)
+        if eigvals_only:
+            values = jnp.linalg.eigvalsh(a_full)
+            return Eigh(values, None, jnp.isnan(values).any().astype(jnp.int32))
+        values, vectors = jnp.linalg.eigh(a_full)
+        return Eigh(values, _own_rows(vectors, axis, rows),
+                    jnp.isnan(values).any().astype(jnp.int32))
+    _register_targets()
+    tile, padded = _layout(n, mesh, axis, tile)
+    working, aliases = _working(a_block, padded)
+    values = jax.ShapeDtypeStruct((n,), _real_dtype(a_block.dtype))
+    info = jax.ShapeDtypeStruct((), jnp.int32)
+    attributes = _ffi_attributes(mesh, axis, tile, timeout_s)
+    if eigvals_only:
+        call = jax.ffi.ffi_call("meshla_eigvalsh", (values, info, working),
+                                input_output_aliases={0: 2} if aliases is None else aliases)
+        w, status, _ = call(a_block, **attributes)
+        return Eigh(w, None, status)
+    vectors = jax.ShapeDtypeStruct(a_block.shape, a_block.dtype)
+    call = jax.ffi.ffi_call("meshla_eigh", (values, vectors, info, working),
+                            input_output_aliases={0: 3} if aliases is None else aliases)
+    w, v, status, _ = call(a_block, **attributes)
+    return Eigh(w, v, status)
+
+
+def _sharded(function, mesh: Mesh, in_specs, out_specs):
+    return jax.shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
+              return_logdet: bool = False, return_info: bool = False,
+              timeout_s: float = DEFAULT_TIMEOUT_S):
+    """X = A⁻¹ B for a symmetric (Hermitian) positive-definite A sharded by rows over ``axis``
+    of ``mesh``; B is [n] or [n, nrhs] (nrhs <= 256) sharded the same way. Returns X (sharded
+    like B), plus log det A and/or info when asked. Jittable; ``tile`` is the block-cyclic tile
+    (0: meshla's choice)."""
+    axis = _axis_of(mesh, axis)
+    vector = b.ndim == 1
+    solve = functools.partial(cho_solve_shard, mesh=mesh, axis=axis, tile=tile,
+                              timeout_s=timeout_s)
+    result = _sharded(lambda a_block, b_block: tuple(solve(a_block, b_block)), mesh,
+                      (P(axis, None), P(axis, None)), (P(axis, None), P(), P()))(
+        a, b[:, None] if vector else b)
+    x, logdet, info = result
+    x = x[:, 0] if vector else x
+    extra = ((logdet,) if return_logdet else ()) + ((info,) if return_info else ())
+    return (x, *extra) if extra else x
+
+
+def cholesky_inverse(a, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
+                     return_info: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A⁻¹ of a symmetric (Hermitian) positive-definite A sharded by rows over ``axis`` of
+    ``mesh``, sharded the same way."""
+    axis = _axis_of(mesh, axis)
+    invert = functools.partial(cholesky_inverse_shard, mesh=mesh, axis=axis, tile=tile,
+                               timeout_s=timeout_s)
+    inverse, info = _sharded(invert, mesh, (P(axis, None),), (P(axis, None), P()))(a)
+    return (inverse, info) if return_info else inverse
+
+
+def eigh(a, mesh: Mesh, axis: str | None = None, *, eigvals_only: bool = False, tile: int = 0,
+         return_info: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Eigenvalues (ascending, replicated) and eigenvectors (columns of V, sharded by rows like
+    ``a``) of a symmetric (Hermitian) A sharded by rows over ``axis`` of ``mesh``, as
+    ``jnp.linalg.eigh``; only the eigenvalues with ``eigvals_only``."""
+    axis = _axis_of(mesh, axis)
+    decompose = functools.partial(eigh_shard, mesh=mesh, axis=axis, eigvals_only=eigvals_only,
+                                  tile=tile, timeout_s=timeout_s)
+    if eigvals_only:
+        def values_only(block):
+            result = decompose(block)
+            return result.eigenvalues, result.info
+
+        values, info = _sharded(values_only, mesh, (P(axis, None),), (P(), P()))(a)
+        return (values, info) if return_info else values
+    values, vectors, info = _sharded(lambda block: tuple(decompose(block)), mesh,
+                                     (P(axis, None),), (P(), P(axis, None), P()))(a)
+    return (values, vectors, info) if return_info else (values, vectors)

@@ -1,0 +1,85 @@
+// Index math between the layout frameworks give a distributed matrix and the one cuSolverMg
+// factors. Pure arithmetic, callable from host and device code, unit-tested on the CPU.
+//
+// A framework shards an n x n matrix by rows: part p (of P) holds rows [p*r, (p+1)*r), r = n/P,
+// row-major. Read as column-major, that memory is columns [p*r, (p+1)*r) of Aᵀ, which is A itself
+// for a symmetric matrix (conj(A) for a Hermitian one). cuSolverMg wants a 1-D column
+// block-cyclic layout: tiles of T columns dealt round-robin to the parts. Moving whole columns
+// between GPUs would cost one network pass over the matrix; instead meshla *renumbers* them:
+// part p's local tile s is declared to be global tile s*P + p. That is the symmetric permutation
+// A' = Π A Πᵀ, so besides the columns (which stay where they are) the rows must be renumbered the
+// same way, which is a row shuffle inside every local column: local memory traffic only.
+//
+// Solving A' x' = Π b gives x = Πᵀ x', log det A' = log det A, A'⁻¹ = Π A⁻¹ Πᵀ and the
+// eigenvectors of A' are Π V, so every routine is answered exactly from the permuted problem.
+//
+// When r is not a multiple of T, each part's last tile is completed with padding columns (and the
+// matching padding rows): zero off the diagonal and a chosen value on it, which decouples them
+// from A. The padded order is n' = P * ceil(r/T) * T.
+#pragma once
+
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define MESHLA_HOST_DEVICE __host__ __device__
+#else
+#define MESHLA_HOST_DEVICE
+#endif
+
+namespace meshla::solver {
+
+struct BlockCyclicLayout {
+  std::int64_t n = 0;               // order of A
+  std::int64_t parts = 1;           // GPUs, each holding rows_per_part consecutive rows
+  std::int64_t tile = 1;            // columns per tile of the block-cyclic layout
+  std::int64_t rows_per_part = 0;   // n / parts
+  std::int64_t tiles_per_part = 0;  // ceil(rows_per_part / tile)
+
+  // Order of the padded matrix cuSolverMg factors.
+  MESHLA_HOST_DEVICE std::int64_t padded_n() const { return parts * tiles_per_part * tile; }
+  // Columns each part holds in the solver's layout (its local array is padded_n() x this).
+  MESHLA_HOST_DEVICE std::int64_t local_columns() const { return tiles_per_part * tile; }
+  MESHLA_HOST_DEVICE bool padded() const { return padded_n() != n; }
+
+  // Solver index of original row/column `original` (0 <= original < n).
+  MESHLA_HOST_DEVICE std::int64_t solver_index(std::int64_t original) const {
+    const std::int64_t part = original / rows_per_part;
+    const std::int64_t local = original - part * rows_per_part;
+    return solver_index_of_local(part, local);
+  }
+
+  // Solver index of the local column `local` (0 <= local < local_columns()) of `part`; the
+  // original column is part*rows_per_part + local when local < rows_per_part, padding otherwise.
+  MESHLA_HOST_DEVICE std::int64_t solver_index_of_local(std::int64_t part,
+                                                        std::int64_t local) const {
+    const std::int64_t slot = local / tile;
+    return (slot * parts + part) * tile + (local - slot * tile);
+  }
+
+  // Original index of solver index `solver`, or -1 for padding.
+  MESHLA_HOST_DEVICE std::int64_t original_index(std::int64_t solver) const {
+    const std::int64_t local = local_of_solver(solver);
+    if (local >= rows_per_part) return -1;
+    return owner_of_solver(solver) * rows_per_part + local;
+  }
+
+  // The part that holds solver column `solver`, and its local column there.
+  MESHLA_HOST_DEVICE std::int64_t owner_of_solver(std::int64_t solver) const {
+    return (solver / tile) % parts;
+  }
+  MESHLA_HOST_DEVICE std::int64_t local_of_solver(std::int64_t solver) const {
+    return (solver / (tile * parts)) * tile + solver % tile;
+  }
+};
+
+// Checks the arguments (n divisible by parts, tile >= 1) and builds the layout; tile == 0 picks
+// one with choose_tile().
+BlockCyclicLayout make_block_cyclic_layout(std::int64_t n, std::int64_t parts, std::int64_t tile);
+
+// The tile meshla uses when the caller gives none: large enough for efficient GEMMs inside the
+// solver (up to 1024 columns), small enough for every part to hold at least 4 tiles (load
+// balance), and a divisor of n/parts where there is one, so that no padding is needed; otherwise
+// the largest that pads at most 1/16 of the rows.
+std::int64_t choose_tile(std::int64_t n, std::int64_t parts);
+
+}  // namespace meshla::solver

@@ -1,0 +1,638 @@
+// cuSolverMg is deprecated in CUDA 13 but still shipped, and it is the only multi-GPU dense
+// solver in the toolkit that one thread can drive over the GPUs of one process (issue 5 chose it).
+#define DISABLE_CUSOLVERMG_DEPRECATED
+
+#include "meshla/dense_solver.hpp"
+
+#include <cusolverMg.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <complex>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "core/cuda_checks.hpp"
+#include "core/cuda_handles.hpp"
+#include "solver/block_cyclic.hpp"
+#include "solver/solver_kernels.hpp"
+
+namespace meshla {
+namespace {
+
+using solver::BlockCyclicLayout;
+using solver::PartPointers;
+
+std::string_view cusolver_status_name(cusolverStatus_t status) {
+  switch (status) {
+    case CUSOLVER_STATUS_NOT_INITIALIZED:
+      return "CUSOLVER_STATUS_NOT_INITIALIZED";
+    case CUSOLVER_STATUS_ALLOC_FAILED:
+      return "CUSOLVER_STATUS_ALLOC_FAILED";
+    case CUSOLVER_STATUS_INVALID_VALUE:
+      return "CUSOLVER_STATUS_INVALID_VALUE";
+    case CUSOLVER_STATUS_ARCH_MISMATCH:
+      return "CUSOLVER_STATUS_ARCH_MISMATCH";
+    case CUSOLVER_STATUS_EXECUTION_FAILED:
+      return "CUSOLVER_STATUS_EXECUTION_FAILED";
+    case CUSOLVER_STATUS_INTERNAL_ERROR:
+      return "CUSOLVER_STATUS_INTERNAL_ERROR";
+    case CUSOLVER_STATUS_NOT_SUPPORTED:
+      return "CUSOLVER_STATUS_NOT_SUPPORTED";
+    default:
+      return "cusolverStatus_t";
+  }
+}
+
+#define MESHLA_CHECK_CUSOLVER(call)                                                             \
+  do {                                                                                          \
+    const cusolverStatus_t meshla_status_ = (call);                                             \
+    if (meshla_status_ != CUSOLVER_STATUS_SUCCESS)                                              \
+      MESHLA_THROW(kCusolver, #call " failed: " << cusolver_status_name(meshla_status_) << " (" \
+                                                << static_cast<int>(meshla_status_) << ") at "  \
+                                                << __FILE__ << ":" << __LINE__);                \
+  } while (false)
+
+constexpr std::size_t kAlignment = 256;
+
+std::size_t align_up(std::size_t bytes) {
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+bool is_complex(DType dtype) { return dtype == DType::kComplex64 || dtype == DType::kComplex128; }
+
+DType real_dtype(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kComplex64 ? DType::kFloat32 : DType::kFloat64;
+}
+
+cudaDataType cuda_type(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return CUDA_R_32F;
+    case DType::kFloat64:
+      return CUDA_R_64F;
+    case DType::kComplex64:
+      return CUDA_C_32F;
+    case DType::kComplex128:
+      return CUDA_C_64F;
+    default:
+      MESHLA_THROW(kInvalidArgument, "dense solver: dtype " << dtype_name(dtype)
+                                                            << " is not float32, float64, "
+                                                               "complex64 or complex128");
+  }
+}
+
+// Owns a cuSolverMg matrix descriptor.
+class MatrixDescriptor {
+ public:
+  MatrixDescriptor(std::int64_t rows, std::int64_t columns, std::int64_t column_tile, DType dtype,
+                   cudaLibMgGrid_t grid) {
+    MESHLA_CHECK_CUSOLVER(cusolverMgCreateMatrixDesc(&descriptor_, rows, columns, rows, column_tile,
+                                                     cuda_type(dtype), grid));
+  }
+  ~MatrixDescriptor() { cusolverMgDestroyMatrixDesc(descriptor_); }
+  MatrixDescriptor(const MatrixDescriptor&) = delete;
+  MatrixDescriptor& operator=(const MatrixDescriptor&) = delete;
+  cudaLibMgMatrixDesc_t get() const { return descriptor_; }
+
+ private:
+  cudaLibMgMatrixDesc_t descriptor_ = nullptr;
+};
+
+// Where one call's pieces live in a part's workspace, and where the solver works.
+struct WorkspaceLayout {
+  std::size_t solver = 0;  // cuSolverMg's own workspace, lwork elements
+  std::int64_t lwork = 0;
+  std::size_t working = 0;  // the working array, when it is neither `a` nor `out`
+  std::size_t panel = 0;    // one tile of columns, for shuffling rows in place
+  std::size_t rhs = 0;      // B' on part 0
+  std::size_t scalars = 0;  // two float64 reductions
+  std::size_t total = 0;
+  bool separate_working = false;
+  bool in_place_panels = false;
+};
+
+// Where the solver's working array is: A's shards (overwrite_a), the inverse's output, or the
+// workspace. In place (working == a or out) needs n/P to be a multiple of the tile (no padding).
+enum class Working { kA, kOut, kWorkspace };
+
+Working working_location(SolverOp op, const SolverProblem& problem,
+                         const BlockCyclicLayout& layout) {
+  if (layout.padded()) return Working::kWorkspace;
+  if (problem.overwrite_a) return Working::kA;
+  return op == SolverOp::kCholeskyInverse ? Working::kOut : Working::kWorkspace;
+}
+
+const char* op_label(SolverOp op) {
+  switch (op) {
+    case SolverOp::kCholeskySolve:
+      return "cholesky_solve";
+    case SolverOp::kCholeskyInverse:
+      return "cholesky_inverse";
+    case SolverOp::kEigen:
+      return "eigh";
+    case SolverOp::kEigenvalues:
+      return "eigvalsh";
+  }
+  return "dense solver";
+}
+
+}  // namespace
+
+std::string_view solver_op_name(SolverOp op) { return op_label(op); }
+
+struct DenseSolver::Impl {
+  std::vector<int> devices;
+  cusolverMgHandle_t handle = nullptr;
+  cudaLibMgGrid_t grid = nullptr;
+  std::mutex mutex;
+
+  ~Impl() {
+    if (grid != nullptr) cusolverMgDestroyGrid(grid);
+    if (handle != nullptr) cusolverMgDestroy(handle);
+  }
+
+  int parts() const { return static_cast<int>(devices.size()); }
+
+  BlockCyclicLayout layout(const SolverProblem& problem) const {
+    return solver::make_block_cyclic_layout(problem.n, parts(), problem.tile);
+  }
+
+  std::int64_t query_lwork(SolverOp op, const SolverProblem& problem,
+                           const BlockCyclicLayout& layout) {
+    const int n = static_cast<int>(layout.padded_n());
+    const cudaDataType type = cuda_type(problem.dtype);
+    MatrixDescriptor a(n, n, layout.tile, problem.dtype, grid);
+    // The size queries read no array: cuSolverMg sizes the workspace from the descriptors.
+    std::vector<void*> arrays(devices.size(), nullptr);
+    std::int64_t lwork = 0;
+    std::int64_t second = 0;
+    switch (op) {
+      case SolverOp::kCholeskySolve: {
+        MatrixDescriptor b(n, problem.nrhs, problem.nrhs, problem.dtype, grid);
+        MESHLA_CHECK_CUSOLVER(cusolverMgPotrf_bufferSize(
+            handle, CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), type, &lwork));
+        MESHLA_CHECK_CUSOLVER(cusolverMgPotrs_bufferSize(
+            handle, CUBLAS_FILL_MODE_LOWER, n, static_cast<int>(problem.nrhs), arrays.data(), 1, 1,
+            a.get(), arrays.data(), 1, 1, b.get(), type, &second));
+        break;
+      }
+      case SolverOp::kCholeskyInverse:
+        MESHLA_CHECK_CUSOLVER(cusolverMgPotrf_bufferSize(
+            handle, CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), type, &lwork));
+        MESHLA_CHECK_CUSOLVER(cusolverMgPotri_bufferSize(
+            handle, CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), type, &second));
+        break;
+      case SolverOp::kEigen:
+      case SolverOp::kEigenvalues: {
+        std::vector<double> eigenvalues(static_cast<std::size_t>(n));
+        MESHLA_CHECK_CUSOLVER(cusolverMgSyevd_bufferSize(
+            handle, op == SolverOp::kEigen ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR,
+            CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), eigenvalues.data(),
+            cuda_type(real_dtype(problem.dtype)), type, &lwork));
+        break;
+      }
+    }
+    return std::max<std::int64_t>({lwork, second, 1});
+  }
+
+  WorkspaceLayout workspace_layout(SolverOp op, const SolverProblem& problem, int part) {
+    const BlockCyclicLayout layout = this->layout(problem);
+    const std::size_t element = dtype_size(problem.dtype);
+    WorkspaceLayout w;
+    w.lwork = query_lwork(op, problem, layout);
+    std::size_t offset = align_up(static_cast<std::size_t>(w.lwork) * element);
+    const Working where = working_location(op, problem, layout);
+    w.separate_working = where == Working::kWorkspace;
+    if (w.separate_working) {
+      w.working = offset;
+      offset +=
+          align_up(static_cast<std::size_t>(layout.padded_n() * layout.local_columns()) * element);
+    }
+    // Rows are shuffled in place, one tile of columns at a time through the panel, when the
+    // working array is A itself, or when the inverse is written over its own working array.
+    w.in_place_panels =
+        where == Working::kA || (op == SolverOp::kCholeskyInverse && where != Working::kWorkspace);
+    if (w.in_place_panels) {
+      w.panel = offset;
+      offset += align_up(static_cast<std::size_t>(layout.n * layout.tile) * element);
+    }
+    if (op == SolverOp::kCholeskySolve && part == 0) {
+      w.rhs = offset;
+      offset += align_up(static_cast<std::size_t>(layout.padded_n() * problem.nrhs) * element);
+    }
+    w.scalars = offset;
+    offset += kAlignment;
+    w.total = offset;
+    return w;
+  }
+
+  void check_problem(SolverOp op, const SolverProblem& problem) const {
+    cuda_type(problem.dtype);
+    if (op == SolverOp::kCholeskySolve) {
+      MESHLA_CHECK_ARG(problem.nrhs >= 1 && problem.nrhs <= 256,
+                       "cholesky_solve: nrhs=" << problem.nrhs
+                                               << " right-hand sides; cuSolverMg takes 1 to 256");
+    }
+  }
+
+  void check_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,
+                    const std::vector<SolverShard>& shards,
+                    const std::vector<WorkspaceLayout>& workspaces) const {
+    const char* name = op_label(op);
+    MESHLA_CHECK_ARG(
+        static_cast<int>(shards.size()) == parts(),
+        name << ": " << shards.size() << " shards for a solver over " << parts() << " GPUs");
+    const std::int64_t rows = layout.rows_per_part;
+    auto check = [&](const TensorView& view, const char* what, int part, DType dtype,
+                     std::initializer_list<std::int64_t> shape) {
+      MESHLA_CHECK_ARG(view.data != nullptr, name << ": shard " << part << " has no " << what);
+      MESHLA_CHECK_ARG(
+          view.device_kind == DeviceKind::kCuda && view.device == devices[part],
+          name << ": " << what << " of shard " << part << " is not on cuda:" << devices[part]);
+      MESHLA_CHECK_ARG(view.dtype == dtype, name << ": " << what << " of shard " << part << " is "
+                                                 << dtype_name(view.dtype) << ", expected "
+                                                 << dtype_name(dtype));
+      bool same = view.ndim == static_cast<int>(shape.size());
+      int dim = 0;
+      for (std::int64_t extent : shape) same = same && view.shape[dim++] == extent;
+      std::ostringstream expected;
+      expected << "[";
+      const char* separator = "";
+      for (std::int64_t extent : shape) {
+        expected << separator << extent;
+        separator = ", ";
+      }
+      expected << "]";
+      MESHLA_CHECK_ARG(same, name << ": " << what << " of shard " << part << " has shape "
+                                  << view.shape_string() << ", expected " << expected.str()
+                                  << " (n=" << layout.n << " over " << parts() << " GPUs)");
+      MESHLA_CHECK_ARG(view.is_row_major_contiguous(),
+                       name << ": " << what << " of shard " << part << " is not contiguous");
+    };
+    for (int part = 0; part < parts(); ++part) {
+      const SolverShard& shard = shards[part];
+      check(shard.a, "a", part, problem.dtype, {rows, layout.n});
+      switch (op) {
+        case SolverOp::kCholeskySolve:
+          check(shard.b, "b", part, problem.dtype, {rows, problem.nrhs});
+          check(shard.out, "out", part, problem.dtype, {rows, problem.nrhs});
+          if (shard.logdet.data != nullptr) {
+            check(shard.logdet, "logdet", part, real_dtype(problem.dtype), {});
+          }
+          break;
+        case SolverOp::kCholeskyInverse:
+          check(shard.out, "out", part, problem.dtype, {rows, layout.n});
+          MESHLA_CHECK_ARG(
+              shard.out.data != shard.a.data || problem.overwrite_a,
+              name << ": out of shard " << part << " is a; that needs overwrite_a=true");
+          break;
+        case SolverOp::kEigen:
+          check(shard.out, "out", part, problem.dtype, {rows, layout.n});
+          MESHLA_CHECK_ARG(
+              shard.out.data != shard.a.data,
+              name << ": the eigenvectors (out) of shard " << part << " cannot be written over a");
+          [[fallthrough]];
+        case SolverOp::kEigenvalues:
+          if (shard.eigenvalues.data != nullptr) {
+            check(shard.eigenvalues, "eigenvalues", part, real_dtype(problem.dtype), {layout.n});
+          }
+          break;
+      }
+      if (shard.info.data != nullptr) check(shard.info, "info", part, DType::kInt32, {});
+      MESHLA_CHECK_ARG(shard.workspace.data != nullptr &&
+                           shard.workspace.device_kind == DeviceKind::kCuda &&
+                           shard.workspace.device == devices[part],
+                       name << ": shard " << part << " has no workspace on cuda:" << devices[part]);
+      const std::size_t bytes =
+          static_cast<std::size_t>(shard.workspace.numel()) * dtype_size(shard.workspace.dtype);
+      MESHLA_CHECK_ARG(bytes >= workspaces[part].total,
+                       name << ": workspace of shard " << part << " has " << bytes
+                            << " bytes, workspace_bytes() asks " << workspaces[part].total);
+      MESHLA_CHECK_ARG(reinterpret_cast<std::uintptr_t>(shard.workspace.data) % kAlignment == 0,
+                       name << ": workspace of shard " << part << " is not 256-byte aligned");
+    }
+  }
+};
+
+DenseSolver::DenseSolver(std::vector<int> devices) : impl_(std::make_unique<Impl>()) {
+  MESHLA_CHECK_ARG(
+      !devices.empty() && devices.size() <= solver::kMaxParts,
+      "DenseSolver: " << devices.size() << " devices; cuSolverMg takes 1 to " << solver::kMaxParts);
+  MESHLA_CHECK_ARG(std::set<int>(devices.begin(), devices.end()).size() == devices.size(),
+                   "DenseSolver: a device appears twice in the list");
+  int count = 0;
+  MESHLA_CHECK_CUDA(cudaGetDeviceCount(&count));
+  for (int device : devices) {
+    MESHLA_CHECK_ARG(device >= 0 && device < count, "DenseSolver: device "
+                                                        << device << " is not one of the " << count
+                                                        << " visible CUDA devices");
+  }
+  // The layout kernels read their peers' working arrays directly.
+  for (int device : devices) {
+    detail::DeviceGuard guard(device);
+    for (int peer : devices) {
+      if (peer == device) continue;
+      int can_access = 0;
+      MESHLA_CHECK_CUDA(cudaDeviceCanAccessPeer(&can_access, device, peer));
+      MESHLA_CHECK(kNotImplemented, can_access == 1,
+                   "DenseSolver: cuda:" << device << " cannot access cuda:" << peer
+                                        << "; the solver needs peer access between its GPUs");
+      const cudaError_t status = cudaDeviceEnablePeerAccess(peer, 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // clears the sticky-free "already enabled" status
+      } else {
+        MESHLA_CHECK_CUDA(status);
+      }
+    }
+  }
+  impl_->devices = std::move(devices);
+  detail::DeviceGuard guard(impl_->devices[0]);
+  MESHLA_CHECK_CUSOLVER(cusolverMgCreate(&impl_->handle));
+  MESHLA_CHECK_CUSOLVER(
+      cusolverMgDeviceSelect(impl_->handle, impl_->parts(), impl_->devices.data()));
+  MESHLA_CHECK_CUSOLVER(cusolverMgCreateDeviceGrid(
+      &impl_->grid, 1, impl_->parts(), impl_->devices.data(), CUDALIBMG_GRID_MAPPING_COL_MAJOR));
+}
+
+DenseSolver::~DenseSolver() = default;
+DenseSolver::DenseSolver(DenseSolver&&) noexcept = default;
+DenseSolver& DenseSolver::operator=(DenseSolver&&) noexcept = default;
+
+const std::vector<int>& DenseSolver::devices() const { return impl_->devices; }
+
+std::int64_t DenseSolver::tile(const SolverProblem& problem) const {
+  return impl_->layout(problem).tile;
+}
+
+std::size_t DenseSolver::workspace_bytes(SolverOp op, const SolverProblem& problem,
+                                         int part) const {
+  MESHLA_CHECK_ARG(part >= 0 && part < impl_->parts(), op_label(op) << ": part " << part
+                                                                    << " of a solver over "
+                                                                    << impl_->parts() << " GPUs");
+  impl_->check_problem(op, problem);
+  std::lock_guard lock(impl_->mutex);
+  return impl_->workspace_layout(op, problem, part).total;
+}
+
+SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
+                              const std::vector<SolverShard>& shards) {
+  Impl& self = *impl_;
+  self.check_problem(op, problem);
+  std::lock_guard lock(self.mutex);
+  const BlockCyclicLayout layout = self.layout(problem);
+  const int parts = self.parts();
+  std::vector<WorkspaceLayout> workspaces;
+  for (int part = 0; part < parts; ++part) {
+    workspaces.push_back(self.workspace_layout(op, problem, part));
+  }
+  self.check_shards(op, problem, layout, shards, workspaces);
+
+  const DType dtype = problem.dtype;
+  const std::size_t element = dtype_size(dtype);
+  const bool complex = is_complex(dtype);
+  const std::int64_t n = layout.n;
+  const std::int64_t ld = layout.padded_n();
+  const Working where = working_location(op, problem, layout);
+  auto workspace = [&](int part, std::size_t offset) {
+    return static_cast<char*>(shards[part].workspace.data) + offset;
+  };
+  auto scalars = [&](int part) {
+    return reinterpret_cast<double*>(workspace(part, workspaces[part].scalars));
+  };
+  PartPointers working;
+  for (int part = 0; part < parts; ++part) {
+    working.data[part] = where == Working::kA     ? shards[part].a.data
+                         : where == Working::kOut ? shards[part].out.data
+                                                  : workspace(part, workspaces[part].working);
+  }
+  auto for_each_part = [&](auto&& body) {
+    for (int part = 0; part < parts; ++part) {
+      detail::DeviceGuard guard(self.devices[part]);
+      body(part, shards[part].stream);
+    }
+  };
+  auto synchronize_streams = [&] {
+    for_each_part(
+        [](int, cudaStream_t stream) { MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream)); });
+  };
+  // cuSolverMg works on streams of its own: wait for whole devices around it.
+  auto synchronize_devices = [&] {
+    for_each_part([](int, cudaStream_t) { MESHLA_CHECK_CUDA(cudaDeviceSynchronize()); });
+  };
+  synchronize_streams();  // the inputs are ready, on every part
+
+  // Padding must not mix with A: 1 on the diagonal for a Cholesky factor; for the eigensolver a
+  // value above every eigenvalue of A (twice the Gershgorin bound, plus one), so that the padded
+  // eigenpairs are the last ones and are dropped.
+  double pad_diagonal = 1.0;
+  if (layout.padded() && (op == SolverOp::kEigen || op == SolverOp::kEigenvalues)) {
+    for_each_part([&](int part, cudaStream_t stream) {
+      MESHLA_CHECK_CUDA(cudaMemsetAsync(scalars(part), 0, sizeof(double), stream));
+      solver::max_abs_row_sum(dtype, shards[part].a.data, layout.rows_per_part, n, scalars(part),
+                              stream);
+    });
+    double bound = 0.0;
+    for_each_part([&](int part, cudaStream_t stream) {
+      double part_bound = 0.0;
+      MESHLA_CHECK_CUDA(cudaMemcpyAsync(&part_bound, scalars(part), sizeof(double),
+                                        cudaMemcpyDeviceToHost, stream));
+      MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+      bound = std::max(bound, part_bound);
+    });
+    pad_diagonal = 2.0 * bound + 1.0;
+  }
+
+  // A's rows into the solver's order.
+  for_each_part([&](int part, cudaStream_t stream) {
+    const SolverShard& shard = shards[part];
+    if (where == Working::kA) {
+      void* panel = workspace(part, workspaces[part].panel);
+      for (std::int64_t first = 0; first < layout.local_columns(); first += layout.tile) {
+        char* columns = static_cast<char*>(shard.a.data) + first * n * element;
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(panel, columns, n * layout.tile * element,
+                                          cudaMemcpyDeviceToDevice, stream));
+        solver::rows_to_solver_order(dtype, panel, n, columns, ld, layout, part, first, layout.tile,
+                                     pad_diagonal, stream);
+      }
+    } else {
+      solver::rows_to_solver_order(dtype, shard.a.data, n, working.data[part], ld, layout, part, 0,
+                                   layout.local_columns(), pad_diagonal, stream);
+    }
+  });
+  PartPointers rhs_parts;
+  void* rhs = nullptr;
+  if (op == SolverOp::kCholeskySolve) {
+    for (int part = 0; part < parts; ++part) rhs_parts.data[part] = shards[part].b.data;
+    rhs = workspace(0, workspaces[0].rhs);
+    detail::DeviceGuard guard(self.devices[0]);
+    solver::gather_rhs(dtype, rhs_parts, rhs, ld, layout, problem.nrhs, complex, shards[0].stream);
+  }
+  synchronize_streams();
+
+  std::vector<void*> arrays(working.data, working.data + parts);
+  std::vector<void*> work(parts);
+  for (int part = 0; part < parts; ++part) work[part] = workspace(part, workspaces[part].solver);
+  const std::int64_t lwork = workspaces[0].lwork;
+  const int order = static_cast<int>(ld);
+  const cudaDataType type = cuda_type(dtype);
+  MatrixDescriptor descriptor_a(ld, ld, layout.tile, dtype, self.grid);
+  SolverResult result;
+  const auto solver_start = std::chrono::steady_clock::now();
+  {
+    detail::DeviceGuard guard(self.devices[0]);
+    switch (op) {
+      case SolverOp::kCholeskySolve:
+      case SolverOp::kCholeskyInverse:
+        MESHLA_CHECK_CUSOLVER(cusolverMgPotrf(self.handle, CUBLAS_FILL_MODE_LOWER, order,
+                                              arrays.data(), 1, 1, descriptor_a.get(), type,
+                                              work.data(), lwork, &result.info));
+        break;
+      case SolverOp::kEigen:
+      case SolverOp::kEigenvalues:
+        break;
+    }
+    if (op == SolverOp::kCholeskySolve && result.info == 0) {
+      MatrixDescriptor descriptor_b(ld, problem.nrhs, problem.nrhs, dtype, self.grid);
+      std::vector<void*> rhs_arrays(parts, nullptr);
+      rhs_arrays[0] = rhs;
+      MESHLA_CHECK_CUSOLVER(cusolverMgPotrs(
+          self.handle, CUBLAS_FILL_MODE_LOWER, order, static_cast<int>(problem.nrhs), arrays.data(),
+          1, 1, descriptor_a.get(), rhs_arrays.data(), 1, 1, descriptor_b.get(), type, work.data(),
+          lwork, &result.info));
+    }
+    if (op == SolverOp::kCholeskyInverse && result.info == 0) {
+      MESHLA_CHECK_CUSOLVER(cusolverMgPotri(self.handle, CUBLAS_FILL_MODE_LOWER, order,
+                                            arrays.data(), 1, 1, descriptor_a.get(), type,
+                                            work.data(), lwork, &result.info));
+    }
+    if (op == SolverOp::kEigen || op == SolverOp::kEigenvalues) {
+      const cudaDataType real_type = cuda_type(real_dtype(dtype));
+      std::vector<double> values64(static_cast<std::size_t>(ld));
+      std::vector<float> values32(real_type == CUDA_R_32F ? static_cast<std::size_t>(ld) : 0);
+      void* values = real_type == CUDA_R_32F ? static_cast<void*>(values32.data())
+                                             : static_cast<void*>(values64.data());
+      MESHLA_CHECK_CUSOLVER(cusolverMgSyevd(
+          self.handle,
+          op == SolverOp::kEigen ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR,
+          CUBLAS_FILL_MODE_LOWER, order, arrays.data(), 1, 1, descriptor_a.get(), values, real_type,
+          type, work.data(), lwork, &result.info));
+      if (real_type == CUDA_R_32F) std::copy(values32.begin(), values32.end(), values64.begin());
+      values64.resize(static_cast<std::size_t>(n));  // the padded eigenvalues are the largest
+      result.eigenvalues = std::move(values64);
+    }
+  }
+  synchronize_devices();
+  result.solver_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - solver_start).count();
+  MESHLA_CHECK(kCusolver, result.info >= 0,
+               op_label(op) << ": cuSolverMg reports parameter " << -result.info
+                            << " as wrong (n=" << n << ", tile=" << layout.tile << ")");
+  const bool failed = result.info > 0;
+
+  // Outputs.
+  for_each_part([&](int part, cudaStream_t stream) {
+    const SolverShard& shard = shards[part];
+    switch (op) {
+      case SolverOp::kCholeskySolve:
+        if (failed) {
+          solver::fill_nan(dtype, shard.out.data, shard.out.numel(), stream);
+        } else {
+          solver::scatter_solution(dtype, rhs, ld, shard.out.data, layout, part, problem.nrhs,
+                                   complex, stream);
+          solver::sum_log_diagonal(dtype, working.data[part], ld, layout, part, scalars(part),
+                                   stream);
+        }
+        break;
+      case SolverOp::kCholeskyInverse:
+        if (!failed) {
+          solver::mirror_lower_to_upper(dtype, working, ld, layout, part, stream);
+        }
+        break;
+      case SolverOp::kEigen:
+        if (failed) {
+          solver::fill_nan(dtype, shard.out.data, shard.out.numel(), stream);
+        } else {
+          solver::gather_eigenvectors(dtype, working, ld, shard.out.data, layout, part, complex,
+                                      stream);
+        }
+        break;
+      case SolverOp::kEigenvalues:
+        break;
+    }
+  });
+  synchronize_streams();  // mirror_lower_to_upper reads every part's lower triangle
+
+  if (op == SolverOp::kCholeskySolve) {
+    result.logdet = failed ? std::nan("") : 0.0;
+    for_each_part([&](int part, cudaStream_t stream) {
+      if (failed) return;
+      double part_sum = 0.0;
+      MESHLA_CHECK_CUDA(cudaMemcpyAsync(&part_sum, scalars(part), sizeof(double),
+                                        cudaMemcpyDeviceToHost, stream));
+      MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+      result.logdet += part_sum;
+    });
+    // log det A = Σ log L_jj² over the factor's diagonal.
+    result.logdet *= 2.0;
+  }
+  if (op == SolverOp::kCholeskyInverse) {
+    for_each_part([&](int part, cudaStream_t stream) {
+      const SolverShard& shard = shards[part];
+      if (failed) {
+        solver::fill_nan(dtype, shard.out.data, shard.out.numel(), stream);
+      } else if (where == Working::kWorkspace) {
+        solver::rows_to_original_order(dtype, working.data[part], ld, shard.out.data, n, layout,
+                                       layout.rows_per_part, stream);
+      } else {
+        void* panel = workspace(part, workspaces[part].panel);
+        for (std::int64_t first = 0; first < layout.local_columns(); first += layout.tile) {
+          char* columns = static_cast<char*>(working.data[part]) + first * ld * element;
+          MESHLA_CHECK_CUDA(cudaMemcpyAsync(panel, columns, ld * layout.tile * element,
+                                            cudaMemcpyDeviceToDevice, stream));
+          solver::rows_to_original_order(dtype, panel, ld,
+                                         static_cast<char*>(shard.out.data) + first * n * element,
+                                         n, layout, layout.tile, stream);
+        }
+      }
+    });
+  }
+  if (failed && !result.eigenvalues.empty()) {
+    std::fill(result.eigenvalues.begin(), result.eigenvalues.end(), std::nan(""));
+  }
+
+  // Host results into the shards' device outputs.
+  for_each_part([&](int part, cudaStream_t stream) {
+    const SolverShard& shard = shards[part];
+    if (shard.info.data != nullptr) {
+      MESHLA_CHECK_CUDA(cudaMemcpyAsync(shard.info.data, &result.info, sizeof(int),
+                                        cudaMemcpyHostToDevice, stream));
+    }
+    if (op == SolverOp::kCholeskySolve && shard.logdet.data != nullptr) {
+      const float logdet32 = static_cast<float>(result.logdet);
+      const bool wide = shard.logdet.dtype == DType::kFloat64;
+      // Pageable sources: each copy has left the host value when cudaMemcpyAsync returns.
+      MESHLA_CHECK_CUDA(cudaMemcpyAsync(
+          shard.logdet.data, wide ? static_cast<const void*>(&result.logdet) : &logdet32,
+          wide ? sizeof(double) : sizeof(float), cudaMemcpyHostToDevice, stream));
+    }
+    if (shard.eigenvalues.data != nullptr) {
+      if (shard.eigenvalues.dtype == DType::kFloat64) {
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(shard.eigenvalues.data, result.eigenvalues.data(),
+                                          n * sizeof(double), cudaMemcpyHostToDevice, stream));
+      } else {
+        const std::vector<float> values(result.eigenvalues.begin(), result.eigenvalues.end());
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(shard.eigenvalues.data, values.data(), n * sizeof(float),
+                                          cudaMemcpyHostToDevice, stream));
+        MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));  // `values` dies at scope end
+      }
+    }
+  });
+  synchronize_streams();
+  return result;
+}
+
+}  // namespace meshla

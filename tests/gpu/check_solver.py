@@ -1,0 +1,335 @@
+"""GPU checks of the distributed dense solvers (one process driving 1, 2 and 4 GPUs), one JSON
+line per check.
+
+  python tests/gpu/check_solver.py --results FILE
+
+JAX (meshla.jax.linalg under jit, row-sharded arrays) and PyTorch (meshla.torch.linalg and the
+DenseSolver directly, on NaN-poisoned outputs): Cholesky solve with log-determinant, inverse,
+eigh and eigvalsh in float32, float64, complex64 and complex128, against numpy in float64 on the
+host with fresh random matrices: ||Ax - b|| / (||A|| ||x||), ||A A⁻¹ - I|| / (||A|| ||A⁻¹||),
+||AV - VΛ|| / ||A|| and ||VᴴV - I||. Also n not a multiple of the tile, n = 1, an
+ill-conditioned matrix, a non-positive-definite one (NaN and info > 0), two solves inside one jit,
+a donated input, and two 2-GPU meshes solving at the same time from two threads.
+"""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPUs
+
+import argparse
+import threading
+import traceback
+
+import jax
+import numpy as np
+import torch
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from meshla import _meshla  # noqa: E402
+from meshla.jax import linalg  # noqa: E402
+from meshla.torch import linalg as torch_linalg  # noqa: E402
+from reporting import Reporter  # noqa: E402
+
+DTYPES = [np.float32, np.float64, np.complex64, np.complex128]
+EPS = {np.float32: 1.2e-7, np.complex64: 1.2e-7, np.float64: 2.3e-16, np.complex128: 2.3e-16}
+TORCH_DTYPES = {np.float32: torch.float32, np.float64: torch.float64,
+                np.complex64: torch.complex64, np.complex128: torch.complex128}
+
+
+def tolerance(dtype, n):
+    return 30 * EPS[dtype] * max(n, 16) ** 0.5
+
+
+def random_spd(n, dtype, rng, condition=None):
+    m = rng.standard_normal((n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        m = m + 1j * rng.standard_normal((n, n))
+    q, _ = np.linalg.qr(m)
+    spectrum = (np.geomspace(1.0, 1.0 / condition, n) if condition
+                else rng.uniform(0.5, 2.0, n))
+    return ((q * spectrum) @ q.conj().T).astype(dtype)
+
+
+def random_symmetric(n, dtype, rng):
+    m = rng.standard_normal((n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        m = m + 1j * rng.standard_normal((n, n))
+    return ((m + m.conj().T) / 2).astype(dtype)
+
+
+def solve_residual(a, x, b):
+    a, x, b = (np.asarray(v, np.complex128) for v in (a, x, b))
+    return np.linalg.norm(a @ x - b) / (np.linalg.norm(a, 2) * np.linalg.norm(x))
+
+
+def inverse_residual(a, inverse):
+    a, inverse = (np.asarray(v, np.complex128) for v in (a, inverse))
+    return np.linalg.norm(a @ inverse - np.eye(len(a))) / (
+        np.linalg.norm(a, 2) * np.linalg.norm(inverse, 2))
+
+
+def eigen_residuals(a, values, vectors):
+    a, vectors = (np.asarray(v, np.complex128) for v in (a, vectors))
+    values = np.asarray(values, np.float64)
+    residual = np.linalg.norm(a @ vectors - vectors * values) / np.linalg.norm(a, 2)
+    orthogonality = np.linalg.norm(vectors.conj().T @ vectors - np.eye(len(a)))
+    return residual, orthogonality
+
+
+class Checks:
+    def __init__(self, report: Reporter):
+        self.report = report
+        self.rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+    def run(self, name, body):
+        try:
+            ok, detail = body()
+        except Exception:
+            ok, detail = False, traceback.format_exc(limit=6)
+        self.report.record(name, 0, bool(ok), detail)
+
+    # --- JAX ------------------------------------------------------------------------------
+    def jax_routines(self, mesh, n, dtype, tile=0):
+        g = mesh.shape["x"]
+        label = f"jax g={g} n={n} tile={tile or 'auto'} {np.dtype(dtype).name}"
+        rows = NamedSharding(mesh, P("x", None))
+        tol = tolerance(dtype, n)
+        a = random_spd(n, dtype, self.rng)
+        b = self.rng.standard_normal((n, 3)).astype(dtype)
+
+        def solve():
+            x, logdet, info = jax.jit(lambda a, b: linalg.cho_solve(
+                a, b, mesh, tile=tile, return_logdet=True, return_info=True))(
+                jax.device_put(a, rows), jax.device_put(b, rows))
+            residual = solve_residual(a, x, b)
+            expected = np.linalg.slogdet(a.astype(np.complex128))[1]
+            logdet_error = abs(float(logdet) - expected) / max(1.0, abs(expected))
+            ok = int(info) == 0 and residual < tol and logdet_error < 100 * tol
+            return ok, f"residual {residual:.2e}, logdet error {logdet_error:.2e} (tol {tol:.1e})"
+
+        def inverse():
+            result, info = jax.jit(lambda a: linalg.cholesky_inverse(
+                a, mesh, tile=tile, return_info=True))(jax.device_put(a, rows))
+            residual = inverse_residual(a, result)
+            return int(info) == 0 and residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
+
+        def eigh():
+            h = random_symmetric(n, dtype, self.rng)
+            values, vectors, info = jax.jit(lambda a: linalg.eigh(
+                a, mesh, tile=tile, return_info=True))(jax.device_put(h, rows))
+            residual, orthogonality = eigen_residuals(h, values, vectors)
+            reference = np.linalg.eigvalsh(h.astype(np.complex128))
+            value_error = np.abs(np.asarray(values) - reference).max() / np.abs(reference).max()
+            only = jax.jit(lambda a: linalg.eigh(a, mesh, tile=tile, eigvals_only=True))(
+                jax.device_put(h, rows))
+            only_error = np.abs(np.asarray(only) - reference).max() / np.abs(reference).max()
+            ok = (int(info) == 0 and residual < tol and orthogonality < tol * n ** 0.5
+                  and value_error < tol and only_error < tol)
+            return ok, (f"residual {residual:.2e}, orthogonality {orthogonality:.2e}, eigenvalues "
+                        f"{value_error:.2e}, eigvalsh {only_error:.2e} (tol {tol:.1e})")
+
+        self.run(f"{label} cho_solve", solve)
+        self.run(f"{label} cholesky_inverse", inverse)
+        self.run(f"{label} eigh", eigh)
+
+    def jax_special(self, mesh):
+        g = mesh.shape["x"]
+        rows = NamedSharding(mesh, P("x", None))
+        n = 128 * g
+
+        def ill_conditioned():
+            a = random_spd(n, np.float64, self.rng, condition=1e10)
+            b = self.rng.standard_normal((n, 1))
+            x = linalg.cho_solve(jax.device_put(a, rows), jax.device_put(b, rows), mesh)
+            residual = solve_residual(a, x, b)
+            return residual < 1e-12, f"cond 1e10: backward residual {residual:.2e}"
+
+        def not_spd():
+            a = random_spd(n, np.float64, self.rng)
+            a[n // 2, n // 2] = -10.0
+            b = np.ones((n, 1))
+            x, info = linalg.cho_solve(jax.device_put(a, rows), jax.device_put(b, rows), mesh,
+                                       return_info=True)
+            inverse, inverse_info = linalg.cholesky_inverse(jax.device_put(a, rows), mesh,
+                                                            return_info=True)
+            ok = (int(info) > 0 and np.isnan(np.asarray(x)).all() and int(inverse_info) > 0
+                  and np.isnan(np.asarray(inverse)).all())
+            return ok, f"info {int(info)}, inverse info {int(inverse_info)}"
+
+        def twice_in_one_jit():
+            a = random_spd(n, np.float64, self.rng)
+            b = self.rng.standard_normal((n, 2))
+
+            @jax.jit
+            def twice(a, b):
+                x = linalg.cho_solve(a, b, mesh)
+                return linalg.cho_solve(a, x, mesh)  # A⁻² b
+
+            y = twice(jax.device_put(a, rows), jax.device_put(b, rows))
+            y2 = twice(jax.device_put(a, rows), jax.device_put(2 * b, rows))  # repeated calls
+            expected = np.linalg.solve(a, np.linalg.solve(a, b))
+            error = max(np.linalg.norm(np.asarray(y) - expected),
+                        np.linalg.norm(np.asarray(y2) - 2 * expected) / 2) / np.linalg.norm(expected)
+            return error < 1e-10, f"relative error {error:.2e}"
+
+        def donated():
+            a = random_spd(n, np.float64, self.rng)
+            b = self.rng.standard_normal((n, 1))
+            a_device = jax.device_put(a, rows)
+            solve = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh), donate_argnums=0)
+            x = solve(a_device, jax.device_put(b, rows))
+            residual = solve_residual(a, x, b)
+            return residual < 1e-13 and a_device.is_deleted(), (
+                f"residual {residual:.2e}, input deleted: {a_device.is_deleted()}")
+
+        self.run(f"jax g={g} ill-conditioned", ill_conditioned)
+        self.run(f"jax g={g} not positive definite", not_spd)
+        self.run(f"jax g={g} two solves in one jit, called twice", twice_in_one_jit)
+        self.run(f"jax g={g} donated input", donated)
+
+    def jax_two_meshes(self, devices):
+        meshes = [Mesh(np.array(devices[0:2]), ("x",)), Mesh(np.array(devices[2:4]), ("x",))]
+        n = 512
+        problems = [(random_spd(n, np.float64, self.rng), self.rng.standard_normal((n, 4)))
+                    for _ in meshes]
+        errors = [None, None]
+
+        def work(i):
+            try:
+                mesh = meshes[i]
+                rows = NamedSharding(mesh, P("x", None))
+                solve = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh))
+                a, b = problems[i]
+                worst = 0.0
+                for _ in range(5):
+                    worst = max(worst, solve_residual(
+                        a, solve(jax.device_put(a, rows), jax.device_put(b, rows)), b))
+                errors[i] = worst
+            except Exception:
+                errors[i] = traceback.format_exc(limit=4)
+
+        def both():
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            ok = all(isinstance(e, float) and e < 1e-13 for e in errors)
+            return ok, f"worst residuals {errors}"
+
+        self.run("jax two 2-GPU meshes at once, 5 solves each", both)
+
+    # --- PyTorch --------------------------------------------------------------------------
+    def torch_routines(self, devices, n, dtype):
+        g = len(devices)
+        label = f"torch g={g} n={n} {np.dtype(dtype).name}"
+        tdtype = TORCH_DTYPES[dtype]
+        tol = tolerance(dtype, n)
+        rows = n // g
+
+        def shards(matrix):
+            return [torch.from_numpy(matrix[p * rows:(p + 1) * rows]).to(f"cuda:{d}")
+                    for p, d in enumerate(devices)]
+
+        def solve():
+            a = random_spd(n, dtype, self.rng)
+            b = self.rng.standard_normal((n, 2)).astype(dtype)
+            solved = torch_linalg.cho_solve(shards(a), shards(b))
+            x = torch.cat([s.cpu() for s in solved.x]).numpy()
+            residual = solve_residual(a, x, b)
+            return residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
+
+        def inverse_in_place():
+            a = random_spd(n, dtype, self.rng)
+            a_shards = shards(a)
+            result, info = torch_linalg.cholesky_inverse(a_shards, overwrite_a=True)
+            same = all(r.data_ptr() == s.data_ptr() for r, s in zip(result, a_shards))
+            residual = inverse_residual(a, torch.cat([r.cpu() for r in result]).numpy())
+            return info == 0 and same and residual < tol, (
+                f"residual {residual:.2e} (tol {tol:.1e}), written over a: {same}")
+
+        def poisoned_outputs():
+            # DenseSolver directly, every output NaN before the call.
+            solver = torch_linalg._solver(tuple(devices))
+            a = random_spd(n, dtype, self.rng)
+            h = random_symmetric(n, dtype, self.rng)
+            name = torch_linalg._DTYPES[tdtype]
+            streams = torch_linalg._streams(devices)
+            none = [None] * g
+            vectors = [torch.full((rows, n), float("nan"), dtype=tdtype, device=f"cuda:{d}")
+                       for d in devices]
+            real = torch.empty((), dtype=tdtype).real.dtype
+            values = [torch.full((n,), float("nan"), dtype=real, device=f"cuda:{d}")
+                      for d in devices]
+            op = _meshla.SolverOp.eigh
+            workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 0, 0, False, devices)
+            info, _, host_values, _ = solver.run(op, n, name, 0, 0, False, shards(h), none,
+                                                 vectors, values, none, workspaces, streams)
+            v = torch.cat([x.cpu() for x in vectors]).numpy()
+            residual, orthogonality = eigen_residuals(h, values[-1].cpu().numpy(), v)
+            inverse = [torch.full((rows, n), float("nan"), dtype=tdtype, device=f"cuda:{d}")
+                       for d in devices]
+            op = _meshla.SolverOp.cholesky_inverse
+            workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 0, 0, False, devices)
+            inverse_info, _, _, _ = solver.run(op, n, name, 0, 0, False, shards(a), none,
+                                               inverse, none, none, workspaces, streams)
+            inverse_error = inverse_residual(a, torch.cat([x.cpu() for x in inverse]).numpy())
+            ok = (info == 0 and inverse_info == 0 and residual < tol
+                  and orthogonality < tol * n ** 0.5 and inverse_error < tol
+                  and np.allclose(host_values, values[0].cpu().numpy()))
+            return ok, (f"eigh residual {residual:.2e}, orthogonality {orthogonality:.2e}, "
+                        f"inverse residual {inverse_error:.2e} (tol {tol:.1e})")
+
+        self.run(f"{label} cho_solve", solve)
+        self.run(f"{label} cholesky_inverse over a", inverse_in_place)
+        self.run(f"{label} eigh and inverse on poisoned outputs", poisoned_outputs)
+
+    def torch_errors(self, devices):
+        def wrong_device():
+            a = torch.eye(2 * len(devices), dtype=torch.float64)
+            shards = [s.to(f"cuda:{devices[0]}") for s in a.split(2)]
+            try:
+                torch_linalg.eigh(shards)
+            except ValueError as error:
+                return "a device appears twice" in str(error), str(error)
+            return False, "no error for two shards on one GPU"
+
+        self.run(f"torch g={len(devices)} shards on one GPU twice", wrong_device)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--results", required=True)
+    parser.add_argument("--model", default="solver")
+    args = parser.parse_args()
+    checks = Checks(Reporter(args.results, args.model))
+    devices = jax.devices("gpu")
+    print(f"{len(devices)} GPUs: {devices[0].device_kind}", flush=True)
+
+    one = Mesh(np.array(devices[:1]), ("x",))
+    checks.run("jax g=1 n=1", lambda: (lambda x: (abs(float(x[0, 0]) - 0.5) < 1e-15, str(x)))(
+        np.asarray(linalg.cho_solve(jnp.full((1, 1), 4.0), jnp.full((1, 1), 2.0), one))))
+    for g in (1, 2, 4):
+        if g > len(devices):
+            checks.report.record(f"g={g}", 0, True, f"skipped: {len(devices)} GPUs")
+            continue
+        mesh = Mesh(np.array(devices[:g]), ("x",))
+        for dtype in DTYPES:
+            checks.jax_routines(mesh, 256 * g, dtype)         # tiles divide the rows
+            checks.jax_routines(mesh, 300 * g, dtype)         # padded
+            checks.jax_routines(mesh, 96 * g, dtype, tile=40)  # explicit tile, padded
+            checks.torch_routines([d.local_hardware_id for d in devices[:g]], 192 * g, dtype)
+        checks.jax_special(mesh)
+        if g > 1:
+            checks.torch_errors([d.local_hardware_id for d in devices[:g]])
+    if len(devices) >= 4:
+        checks.jax_two_meshes(devices)
+
+
+if __name__ == "__main__":
+    main()

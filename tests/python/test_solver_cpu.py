@@ -1,0 +1,149 @@
+"""The dense solvers' front ends on CPU devices: the JAX functions on a mesh of 4 host devices
+(the reference path the GPU handlers share their API with), the torch functions on CPU row
+blocks, the layout query, and the argument checks. Against numpy in float64."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import numpy as np
+import pytest
+import torch
+
+from meshla import _meshla
+from meshla.torch import linalg as torch_linalg
+
+jax = pytest.importorskip("jax")
+jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_platforms", "cpu")
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from meshla.jax import linalg  # noqa: E402
+
+
+def spd(n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    m = rng.standard_normal((n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        m = m + 1j * rng.standard_normal((n, n))
+    return (m @ m.conj().T / n + np.eye(n)).astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.skip("needs 4 host devices (XLA_FLAGS set before jax was imported elsewhere)")
+    return Mesh(np.array(devices[:4]), ("x",))
+
+
+def put(array, mesh):
+    return jax.device_put(array, NamedSharding(mesh, P("x", None) if array.ndim == 2 else P("x")))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+def test_jax_cho_solve_matches_numpy(mesh, dtype):
+    n = 24
+    a = spd(n, dtype, 1)
+    b = np.random.default_rng(2).standard_normal((n, 3)).astype(dtype)
+    x, logdet, info = jax.jit(lambda a, b: linalg.cho_solve(
+        a, b, mesh, return_logdet=True, return_info=True))(put(a, mesh), put(b, mesh))
+    assert int(info) == 0
+    residual = np.linalg.norm(a @ np.asarray(x) - b) / (np.linalg.norm(a) * np.linalg.norm(x))
+    assert residual < 1e-13
+    assert abs(float(logdet) - np.linalg.slogdet(a)[1]) < 1e-10
+    assert x.sharding.spec == P("x", None)
+
+
+def test_jax_cho_solve_vector_rhs_and_not_spd(mesh):
+    n = 16
+    a = spd(n, np.float64, 3)
+    b = np.arange(n, dtype=np.float64)
+    x = linalg.cho_solve(put(a, mesh), put(b, mesh), mesh)
+    assert x.shape == (n,)
+    np.testing.assert_allclose(a @ np.asarray(x), b, atol=1e-10)
+    bad = a.copy()
+    bad[3, 3] = -5.0
+    x, info = linalg.cho_solve(put(bad, mesh), put(b, mesh), mesh, return_info=True)
+    assert int(info) > 0 and np.isnan(np.asarray(x)).all()
+
+
+def test_jax_inverse_and_eigh(mesh):
+    n = 20
+    a = spd(n, np.float64, 4)
+    inverse = linalg.cholesky_inverse(put(a, mesh), mesh)
+    assert np.linalg.norm(a @ np.asarray(inverse) - np.eye(n)) < 1e-12
+    values, vectors = linalg.eigh(put(a, mesh), mesh)
+    v = np.asarray(vectors)
+    assert np.all(np.diff(np.asarray(values)) >= 0)
+    assert np.linalg.norm(a @ v - v * np.asarray(values)) / np.linalg.norm(a) < 1e-12
+    only = linalg.eigh(put(a, mesh), mesh, eigvals_only=True)
+    np.testing.assert_allclose(np.asarray(only), np.linalg.eigvalsh(a), rtol=1e-12)
+
+
+def test_jax_shard_forms_inside_shard_map(mesh):
+    n = 16
+    a = spd(n, np.float64, 5)
+    b = np.ones((n, 2))
+
+    def body(a_block, b_block):
+        solved = linalg.cho_solve_shard(a_block, b_block, mesh=mesh)
+        return solved.x, solved.logdet
+
+    x, logdet = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x", None), P("x", None)),
+                                      out_specs=(P("x", None), P()), check_vma=False))(
+        put(a, mesh), put(b, mesh))
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), rtol=1e-10)
+    assert abs(float(logdet) - np.linalg.slogdet(a)[1]) < 1e-10
+
+
+def test_jax_argument_errors(mesh):
+    with pytest.raises(ValueError, match="axis='y' is not an axis"):
+        linalg.cho_solve(jnp.eye(8), jnp.ones((8, 1)), mesh, "y")
+    with pytest.raises(ValueError, match="float32, float64, complex64 or complex128"):
+        linalg.eigh(put(np.eye(8, dtype=np.int32), mesh), mesh)
+    with pytest.raises(ValueError, match=r"b has shape \(2, 1\)"):
+        linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((8, 1)), mesh), mesh)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_torch_cpu_row_blocks(dtype):
+    n = 18
+    a = torch.from_numpy(spd(n, np.complex128 if dtype.is_complex else np.float64, 6))
+    b = torch.randn(n, 2, dtype=torch.float64).to(dtype)
+    shards = list(a.split(6))
+    solved = torch_linalg.cho_solve(shards, list(b.split(6)))
+    x = torch.cat(solved.x)
+    assert torch.linalg.norm(a @ x - b) < 1e-10
+    assert abs(solved.logdet - float(torch.linalg.slogdet(a)[1])) < 1e-10
+    inverse, info = torch_linalg.cholesky_inverse(shards)
+    assert info == 0 and torch.linalg.norm(a @ torch.cat(inverse) - torch.eye(n)) < 1e-10
+    values, vectors, _ = torch_linalg.eigh(shards)
+    v = torch.cat(vectors)
+    assert torch.linalg.norm(a @ v - v * values.to(dtype)) < 1e-10
+
+
+def test_torch_errors():
+    a = torch.eye(8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"a_shards\[1\] has shape \(4, 7\)"):
+        torch_linalg.eigh([a[:4], a[4:, :7]])
+    with pytest.raises(ValueError, match="int64"):
+        torch_linalg.eigh([a.long()])
+    bad = a.clone()
+    bad[5, 5] = -1
+    with pytest.raises(torch.linalg.LinAlgError, match="not positive definite"):
+        torch_linalg.cho_solve(list(bad.split(4)), list(torch.ones(8, 1).double().split(4)))
+    solved = torch_linalg.cho_solve(list(bad.split(4)), list(torch.ones(8, 1).double().split(4)),
+                                    check_errors=False)
+    assert solved.info > 0 and torch.isnan(torch.cat(solved.x)).all()
+
+
+def test_layout_query():
+    assert _meshla.solver_layout(65536, 4) == (1024, False)
+    assert _meshla.solver_layout(4000, 4) == (128, True)
+    assert _meshla.solver_layout(48, 4, 5) == (5, True)
+    with pytest.raises(ValueError, match="n=10 rows are not divisible by the 4 GPUs"):
+        _meshla.solver_layout(10, 4)
