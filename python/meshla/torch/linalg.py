@@ -83,9 +83,10 @@ def _devices(name: str, shards: Sequence[torch.Tensor]) -> tuple[int, ...]:
 
 
 def _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices):
+    # int64 words: the caching allocator's blocks start on 512-byte boundaries.
     return [
-        torch.empty(solver.workspace_bytes(op, n, _DTYPES[dtype], nrhs, tile, overwrite_a, p),
-                    dtype=torch.uint8, device=device)
+        torch.empty(-(-solver.workspace_bytes(op, n, _DTYPES[dtype], nrhs, tile, overwrite_a, p)
+                      // 8), dtype=torch.int64, device=device)
         for p, device in enumerate(devices)
     ]
 
