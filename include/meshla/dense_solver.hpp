@@ -61,7 +61,8 @@ struct SolverShard {
 
 // What the host learns from a call. info > 0: A is not positive definite (kCholesky*) or the
 // eigensolver did not converge (kEigen*); every output then holds NaN. The index info refers to
-// the solver's internal row order, not A's.
+// the solver's internal row order, not A's. cuSolverMg reports a failed factorization as an
+// internal error without an index: then info is 1.
 struct SolverResult {
   int info = 0;
   double logdet = 0.0;              // kCholeskySolve

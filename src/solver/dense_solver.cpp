@@ -486,11 +486,20 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
     detail::DeviceGuard guard(self.devices[0]);
     switch (op) {
       case SolverOp::kCholeskySolve:
-      case SolverOp::kCholeskyInverse:
-        MESHLA_CHECK_CUSOLVER(cusolverMgPotrf(self.handle, CUBLAS_FILL_MODE_LOWER, order,
-                                              arrays.data(), 1, 1, descriptor_a.get(), type,
-                                              work.data(), lwork, &result.info));
+      case SolverOp::kCholeskyInverse: {
+        const cusolverStatus_t status =
+            cusolverMgPotrf(self.handle, CUBLAS_FILL_MODE_LOWER, order, arrays.data(), 1, 1,
+                            descriptor_a.get(), type, work.data(), lwork, &result.info);
+        // Unlike cusolverDn, cuSolverMg fails a factorization that meets a non-positive pivot
+        // with CUSOLVER_STATUS_INTERNAL_ERROR, not always setting info. Its arguments were
+        // checked above, so that status is read as "not positive definite" (info > 0).
+        if (status == CUSOLVER_STATUS_INTERNAL_ERROR && result.info >= 0) {
+          result.info = std::max(result.info, 1);
+        } else {
+          MESHLA_CHECK_CUSOLVER(status);
+        }
         break;
+      }
       case SolverOp::kEigen:
       case SolverOp::kEigenvalues:
         break;

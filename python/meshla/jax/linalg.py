@@ -9,9 +9,11 @@ cuSolverMg over all of them (one process driving several GPUs). The row blocks a
 cuSolverMg's block-cyclic layout after a renumbering inside each GPU, so no matrix moves between
 GPUs and the extra memory is a few tile panels (see ``src/solver/block_cyclic.hpp``).
 
-Memory: the solver factors in place in a copy of ``a`` that XLA makes, unless the caller donates
-``a`` (``jax.jit(..., donate_argnums=...)``), in which case it works in ``a``'s own buffer. When
-n / GPUs is not a multiple of the tile, the solver pads and works in scratch instead.
+Memory: the custom call declares that it writes into ``a`` (an output aliased to it), so XLA
+hands it a copy of ``a``: each GPU holds its row block twice (input and working copy) and a few
+tile panels more. Donating ``a`` to ``jax.jit`` does not remove the copy, because XLA reuses a
+donated buffer only for an output of the jitted function. When n / GPUs is not a multiple of the
+tile, the solver pads and works in XLA scratch instead of the copy.
 
 Errors inside jit cannot raise: a matrix that is not positive definite (or an eigensolver that
 does not converge) gives NaN outputs and ``info > 0`` (returned with ``return_info=True``).
