@@ -16,6 +16,7 @@ Prints a table last and writes JSON with device, date and commit.
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPUs
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the largest n needs it all
 
 import argparse
 import datetime
@@ -43,8 +44,14 @@ def hankel_block(row0, rows, n, dtype):
     """Rows [row0, row0 + rows) of h(i + j) + n I, h(k) = sin(0.618 k) in [-1, 1]."""
     i = row0 + jnp.arange(rows)[:, None]
     j = jnp.arange(n)[None, :]
-    block = jnp.sin(0.6180339887 * (i + j).astype(jnp.float64))
-    return (block + n * (i == j)).astype(dtype)
+    return jnp.sin(jnp.asarray(0.6180339887, dtype) * (i + j).astype(dtype)) + n * (i == j)
+
+
+def hankel_block_torch(row0, rows, n, dtype, device):
+    """hankel_block in torch, on `device` (no buffer shared with JAX's allocator)."""
+    i = row0 + torch.arange(rows, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    return torch.sin(0.6180339887 * (i + j).to(dtype)) + n * (i == j)
 
 
 def make_matrix(mesh, n, dtype):
@@ -68,7 +75,7 @@ def timed(function, repeats):
     return statistics.median(times)
 
 
-def raw_cusolvermg_seconds(devices, n, dtype, repeats):
+def raw_cusolvermg_seconds(devices, n, dtype, tile, repeats):
     """potrf + potrs inside cuSolverMg (DenseSolver's own timer), on torch row blocks."""
     tdtype = {jnp.float64: torch.float64, jnp.float32: torch.float32}[dtype]
     g = len(devices)
@@ -78,13 +85,13 @@ def raw_cusolvermg_seconds(devices, n, dtype, repeats):
     name = torch_linalg._DTYPES[tdtype]
     seconds = []
     for _ in range(repeats):
-        a = [torch.from_dlpack(hankel_block(p * rows, rows, n, dtype)).to(f"cuda:{d}")
+        a = [hankel_block_torch(p * rows, rows, n, tdtype, f"cuda:{d}")
              for p, d in enumerate(devices)]
         b = [torch.ones(rows, 1, dtype=tdtype, device=f"cuda:{d}") for d in devices]
         x = [torch.empty_like(v) for v in b]
         none = [None] * g
-        workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 1, 0, True, devices)
-        info, _, _, inside = solver.run(op, n, name, 1, 0, True, a, b, x, none, none,
+        workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 1, tile, True, devices)
+        info, _, _, inside = solver.run(op, n, name, 1, tile, True, a, b, x, none, none,
                                         workspaces, torch_linalg._streams(devices))
         if info != 0 or not all(bool(torch.isfinite(v).all()) for v in x):
             raise RuntimeError(f"raw cuSolverMg solve failed: info {info}")
@@ -105,7 +112,7 @@ def potrf_flops(n):
     return n ** 3 / 3.0
 
 
-def bench_cho_solve(devices, sizes, dtypes, repeats):
+def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles):
     rows = []
     for dtype in dtypes:
         for n in sizes:
@@ -115,35 +122,37 @@ def bench_cho_solve(devices, sizes, dtypes, repeats):
                     continue
                 mesh = Mesh(np.array(devices[:g]), ("x",))
                 bytes_per_gpu = n * n * np.dtype(dtype).itemsize / g
-                if 3 * bytes_per_gpu > 0.8 * devices[0].memory_stats()["bytes_limit"]:
+                # A, XLA's working copy, and torch's copy for the raw timing.
+                if 3.2 * bytes_per_gpu > devices[0].memory_stats()["bytes_limit"]:
                     continue
                 a = make_matrix(mesh, n, dtype)
                 b = jax.device_put(jnp.ones((n, 1), dtype), NamedSharding(mesh, P("x", None)))
-                solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh))
-                meshla_s = timed(lambda: solve(a, b), repeats)
-                residual = row_residual(np.asarray(solve(a, b)[:, 0]), n, dtype)
-                try:
-                    raw_s = raw_cusolvermg_seconds([d.local_hardware_id for d in devices[:g]],
-                                                   n, dtype, repeats)
-                except RuntimeError as error:
-                    print(f"n={n} gpus={g}: {error}", flush=True)
-                    raw_s = None
                 if g == 1:
-                    a1 = jax.device_put(a, devices[0])
-                    b1 = jax.device_put(b, devices[0])
                     single = jax.jit(lambda a, b: jax.scipy.linalg.cho_solve(
                         jax.scipy.linalg.cho_factor(a, lower=True), b))
-                    single_seconds = timed(lambda: single(a1, b1), repeats)
-                    del a1, b1
-                row = {
-                    "op": "cho_solve", "dtype": np.dtype(dtype).name, "n": n, "gpus": g,
-                    "tile": _meshla.solver_layout(n, g)[0], "meshla_s": meshla_s,
-                    "residual_first_rows": residual,
-                    "cusolvermg_s": raw_s, "jax_1gpu_s": single_seconds,
-                    "meshla_tflops": potrf_flops(n) / meshla_s / 1e12,
-                }
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                    single_seconds = timed(lambda: single(a, b), repeats)
+                tiles = [0] + (extra_tiles if g == len(devices) else [])
+                for tile in tiles:
+                    solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh, tile=tile))
+                    meshla_s = timed(lambda: solve(a, b), repeats)
+                    residual = row_residual(np.asarray(solve(a, b)[:, 0]), n, dtype)
+                    tile_used = _meshla.solver_layout(n, g, tile)[0]
+                    try:
+                        raw_s = raw_cusolvermg_seconds(
+                            [d.local_hardware_id for d in devices[:g]], n, dtype, tile_used,
+                            repeats)
+                    except RuntimeError as error:
+                        print(f"n={n} gpus={g}: {error}", flush=True)
+                        raw_s = None
+                    row = {
+                        "op": "cho_solve", "dtype": np.dtype(dtype).name, "n": n, "gpus": g,
+                        "tile": tile_used, "meshla_s": meshla_s,
+                        "residual_first_rows": residual, "cusolvermg_s": raw_s,
+                        "jax_1gpu_s": single_seconds,
+                        "meshla_tflops": potrf_flops(n) / meshla_s / 1e12,
+                    }
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
                 del a, b
     return rows
 
@@ -178,10 +187,11 @@ def largest(devices, sizes):
         try:
             a = make_matrix(mesh, n, jnp.float64)
             b = jax.device_put(jnp.ones((n, 1)), NamedSharding(mesh, P("x", None)))
-            solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh, return_info=True),
-                            donate_argnums=0)
+            solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh, return_info=True,
+                                              overwrite_a=True), donate_argnums=0)
             start = time.perf_counter()
-            x, info = solve(a, b)
+            x, info, overwritten = solve(a, b)
+            del overwritten
             x.block_until_ready()
             seconds = time.perf_counter() - start
             # Row 0 of A x: n x_0 + sum_j h(j) x_j must be 1.
@@ -207,6 +217,8 @@ def main():
     parser.add_argument("--eigh-n", type=int, default=8192)
     parser.add_argument("--inverse-n", type=int, default=16384)
     parser.add_argument("--largest", default="")
+    parser.add_argument("--extra-tiles", default="",
+                        help="tiles tried besides the automatic one, on all GPUs")
     args = parser.parse_args()
     devices = jax.devices("gpu")
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -215,7 +227,8 @@ def main():
         "device": devices[0].device_kind, "gpus": len(devices),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit, "jax": jax.__version__,
-        "rows": bench_cho_solve(devices, sizes, dtypes, args.repeats),
+        "rows": bench_cho_solve(devices, sizes, dtypes, args.repeats,
+                                [int(t) for t in args.extra_tiles.split(",") if t]),
     }
     if args.eigh_n or args.inverse_n:
         result["rows"] += bench_others(devices, args.eigh_n, args.inverse_n, args.repeats)
@@ -224,7 +237,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']} x{len(devices)}, {result['date']}, commit {args.commit}")
-    print(f"{'op':<16}{'dtype':<9}{'n':>7}{'gpus':>5}{'meshla s':>10}{'cuSolverMg s':>13}"
+    print(f"{'op':<16}{'dtype':<9}{'n':>7}{'gpus':>5}{'tile':>6}{'meshla s':>10}{'cuSolverMg s':>13}"
           f"{'ratio':>7}{'1-GPU jax s':>12}{'speedup':>8}")
     for row in result["rows"]:
         if row["op"] == "largest":
@@ -234,7 +247,7 @@ def main():
         ratio = "" if raw is None else f"{row['meshla_s'] / raw:.2f}"
         single_text = "" if single is None else f"{single:.4f}"
         speedup = "" if single is None else f"{single / row['meshla_s']:.2f}"
-        print(f"{row['op']:<16}{row['dtype']:<9}{row['n']:>7}{row['gpus']:>5}"
+        print(f"{row['op']:<16}{row['dtype']:<9}{row['n']:>7}{row['gpus']:>5}{row.get('tile', ''):>6}"
               f"{row['meshla_s']:>10.4f}{raw_text:>13}{ratio:>7}{single_text:>12}{speedup:>8}")
 
 

@@ -9,7 +9,7 @@ eigh and eigvalsh in float32, float64, complex64 and complex128, against numpy i
 host with fresh random matrices: ||Ax - b|| / (||A|| ||x||), ||A A⁻¹ - I|| / (||A|| ||A⁻¹||),
 ||AV - VΛ|| / ||A|| and ||VᴴV - I||. Also n not a multiple of the tile, n = 1, an
 ill-conditioned matrix, a non-positive-definite one (NaN and info > 0), two solves inside one jit,
-a donated input (solved correctly; XLA still copies it), and two 2-GPU meshes solving at the same time from two threads.
+a donated input solved in its own buffers, and two 2-GPU meshes solving at the same time from two threads.
 """
 
 import os
@@ -181,10 +181,16 @@ class Checks:
             a = random_spd(n, np.float64, self.rng)
             b = self.rng.standard_normal((n, 1))
             a_device = jax.device_put(a, rows)
-            solve = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh), donate_argnums=0)
-            x = solve(a_device, jax.device_put(b, rows))
+            pointers = {s.device: s.data.unsafe_buffer_pointer() for s in a_device.addressable_shards}
+            solve = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh, overwrite_a=True),
+                            donate_argnums=0)
+            x, overwritten = solve(a_device, jax.device_put(b, rows))
             residual = solve_residual(a, x, b)
-            return residual < 1e-13, f"residual {residual:.2e}"
+            in_place = all(pointers[s.device] == s.data.unsafe_buffer_pointer()
+                           for s in overwritten.addressable_shards)
+            return residual < 1e-13 and a_device.is_deleted() and in_place, (
+                f"residual {residual:.2e}, input donated: {a_device.is_deleted()}, solved in "
+                f"A's own buffers: {in_place}")
 
         self.run(f"jax g={g} ill-conditioned", ill_conditioned)
         self.run(f"jax g={g} not positive definite", not_spd)

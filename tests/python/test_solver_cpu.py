@@ -71,6 +71,19 @@ def test_jax_cho_solve_vector_rhs_and_not_spd(mesh):
     assert int(info) > 0 and np.isnan(np.asarray(x)).all()
 
 
+def test_jax_cho_solve_overwrite_a_returns_the_working_buffer(mesh):
+    n = 32
+    a = spd(n, np.float64, 7)
+    b = np.ones((n, 1))
+    x, overwritten = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh, overwrite_a=True),
+                             donate_argnums=0)(put(a, mesh), put(b, mesh))
+    assert overwritten.shape == (n, n) and overwritten.sharding.spec == P("x", None)
+    np.testing.assert_allclose(a @ np.asarray(x), b, atol=1e-10)
+    with pytest.raises(ValueError, match="overwrite_a needs n/GPUs = 20/4"):
+        linalg.cho_solve(put(spd(20, np.float64, 8), mesh), put(np.ones((20, 1)), mesh), mesh,
+                         tile=2, overwrite_a=True)
+
+
 def test_jax_inverse_and_eigh(mesh):
     n = 20
     a = spd(n, np.float64, 4)

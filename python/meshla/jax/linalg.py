@@ -11,9 +11,11 @@ GPUs and the extra memory is a few tile panels (see ``src/solver/block_cyclic.hp
 
 Memory: the custom call declares that it writes into ``a`` (an output aliased to it), so XLA
 hands it a copy of ``a``: each GPU holds its row block twice (input and working copy) and a few
-tile panels more. Donating ``a`` to ``jax.jit`` does not remove the copy, because XLA reuses a
-donated buffer only for an output of the jitted function. When n / GPUs is not a multiple of the
-tile, the solver pads and works in XLA scratch instead of the copy.
+tile panels more. XLA reuses a donated buffer only for an output of the jitted function, so
+to solve in A's own memory, donate ``a`` and return the overwritten buffer
+(``cho_solve(..., overwrite_a=True)``; ``cholesky_inverse`` writes A⁻¹ over A, so donating ``a``
+is enough). When n / GPUs is not a multiple of the tile, the solver pads and works in XLA
+scratch instead of the copy.
 
 Errors inside jit cannot raise: a matrix that is not positive definite (or an eigensolver that
 does not converge) gives NaN outputs and ``info > 0`` (returned with ``return_info=True``).
@@ -62,6 +64,7 @@ class CholeskySolve(NamedTuple):
     x: jax.Array
     logdet: jax.Array
     info: jax.Array
+    overwritten_a: jax.Array  # A's buffer after the solver worked in it: garbage (see cho_solve)
 
 
 class Eigh(NamedTuple):
@@ -186,7 +189,7 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
         factor, info = _reference_cholesky(_gather_rows(a_block, axis))
         x = jax.scipy.linalg.cho_solve((factor, True), _gather_rows(b_block, axis))
         logdet = 2.0 * jnp.sum(jnp.log(jnp.real(jnp.diagonal(factor))))
-        return CholeskySolve(_own_rows(x, axis, rows), logdet, info)
+        return CholeskySolve(_own_rows(x, axis, rows), logdet, info, a_block)
     _register_targets()
     tile, padded = _layout(n, mesh, axis, tile)
     working, aliases = _working(a_block, padded)
@@ -200,8 +203,9 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
         ),
         input_output_aliases={0: 3} if aliases is None else aliases,
     )
-    x, logdet, info, _ = call(a_block, b_block, **_ffi_attributes(mesh, axis, tile, timeout_s))
-    return CholeskySolve(x, logdet, info)
+    x, logdet, info, working = call(a_block, b_block,
+                                    **_ffi_attributes(mesh, axis, tile, timeout_s))
+    return CholeskySolve(x, logdet, info, working)
 
 
 def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
@@ -265,21 +269,33 @@ def _sharded(function, mesh: Mesh, in_specs, out_specs):
 
 def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
               return_logdet: bool = False, return_info: bool = False,
-              timeout_s: float = DEFAULT_TIMEOUT_S):
+              overwrite_a: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
     """X = A⁻¹ B for a symmetric (Hermitian) positive-definite A sharded by rows over ``axis``
     of ``mesh``; B is [n] or [n, nrhs] (nrhs <= 256) sharded the same way. Returns X (sharded
     like B), plus log det A and/or info when asked. Jittable; ``tile`` is the block-cyclic tile
-    (0: meshla's choice)."""
+    (0: meshla's choice).
+
+    ``overwrite_a=True`` also returns, last, the buffer the solver worked in (garbage, shaped
+    like A). Return it from a function jitted with ``a`` donated and XLA hands the solver A's
+    own buffer, so the solve needs no second copy of A (the way to the largest n):
+    ``jax.jit(lambda a, b: cho_solve(a, b, mesh, overwrite_a=True), donate_argnums=0)``. It
+    needs n / GPUs to be a multiple of the tile (no padding)."""
     axis = _axis_of(mesh, axis)
+    if overwrite_a and _layout(a.shape[-1], mesh, axis, tile)[1]:
+        raise ValueError(
+            f"cho_solve: overwrite_a needs n/GPUs = {a.shape[-1]}/{mesh.shape[axis]} to be a "
+            f"multiple of the tile ({_layout(a.shape[-1], mesh, axis, tile)[0]}); pass tile="
+        )
     vector = b.ndim == 1
     solve = functools.partial(cho_solve_shard, mesh=mesh, axis=axis, tile=tile,
                               timeout_s=timeout_s)
-    result = _sharded(lambda a_block, b_block: tuple(solve(a_block, b_block)), mesh,
-                      (P(axis, None), P(axis, None)), (P(axis, None), P(), P()))(
+    x, logdet, info, working = _sharded(
+        lambda a_block, b_block: tuple(solve(a_block, b_block)), mesh,
+        (P(axis, None), P(axis, None)), (P(axis, None), P(), P(), P(axis, None)))(
         a, b[:, None] if vector else b)
-    x, logdet, info = result
     x = x[:, 0] if vector else x
-    extra = ((logdet,) if return_logdet else ()) + ((info,) if return_info else ())
+    extra = (((logdet,) if return_logdet else ()) + ((info,) if return_info else ())
+             + ((working,) if overwrite_a else ()))
     return (x, *extra) if extra else x
 
 
