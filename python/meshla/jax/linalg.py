@@ -281,6 +281,8 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     ``jax.jit(lambda a, b: cho_solve(a, b, mesh, overwrite_a=True), donate_argnums=0)``. It
     needs n / GPUs to be a multiple of the tile (no padding)."""
     axis = _axis_of(mesh, axis)
+    if a.ndim != 2:
+        raise ValueError(f"cho_solve: a has shape {a.shape}; expected [n, n]")
     if overwrite_a and _layout(a.shape[-1], mesh, axis, tile)[1]:
         raise ValueError(
             f"cho_solve: overwrite_a needs n/GPUs = {a.shape[-1]}/{mesh.shape[axis]} to be a "
@@ -289,10 +291,12 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     vector = b.ndim == 1
     solve = functools.partial(cho_solve_shard, mesh=mesh, axis=axis, tile=tile,
                               timeout_s=timeout_s)
+    # The working buffer is A's shape, or a zero-size placeholder when the solver pads.
+    padded = _layout(a.shape[-1], mesh, axis, tile)[1]
     x, logdet, info, working = _sharded(
         lambda a_block, b_block: tuple(solve(a_block, b_block)), mesh,
-        (P(axis, None), P(axis, None)), (P(axis, None), P(), P(), P(axis, None)))(
-        a, b[:, None] if vector else b)
+        (P(axis, None), P(axis, None)), (P(axis, None), P(), P(), P(axis) if padded else
+                                         P(axis, None)))(a, b[:, None] if vector else b)
     x = x[:, 0] if vector else x
     extra = (((logdet,) if return_logdet else ()) + ((info,) if return_info else ())
              + ((working,) if overwrite_a else ()))
