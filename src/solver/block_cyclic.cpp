@@ -1,5 +1,7 @@
 #include "solver/block_cyclic.hpp"
 
+#include <iterator>
+
 #include "core/checks.hpp"
 
 namespace meshla::solver {
@@ -27,18 +29,20 @@ std::int64_t choose_tile(std::int64_t n, std::int64_t parts) {
   MESHLA_CHECK_ARG(n >= 1 && parts >= 1 && n % parts == 0,
                    "choose_tile: n=" << n << " is not a positive multiple of parts=" << parts);
   const std::int64_t rows = n / parts;
-  constexpr std::int64_t kSmallest = 32;
-  if (rows <= 4 * kSmallest) return rows;  // one tile per part: nothing to balance
-  constexpr std::int64_t kCandidates[] = {1024, 768, 512, 384, 256, 192, 128, 96, 64, kSmallest};
+  // Measured on 4x H200 (bench/results/dense_solver_*): cuSolverMg's potrf runs fastest with
+  // the largest tiles, 2048 columns, down to one or two tiles per GPU.
+  constexpr std::int64_t kLargest = 2048;
+  if (rows <= kLargest) return rows;  // one tile per part
+  constexpr std::int64_t kCandidates[] = {kLargest, 1024, 768, 512, 384, 256, 192, 128, 96, 64};
   for (std::int64_t tile : kCandidates) {
-    if (rows % tile == 0 && 4 * tile <= rows) return tile;
+    if (rows % tile == 0) return tile;
   }
   // No candidate divides rows: the largest whose padding stays within 1/16 of the rows.
   for (std::int64_t tile : kCandidates) {
     const std::int64_t padding = (rows + tile - 1) / tile * tile - rows;
-    if (4 * tile <= rows && 16 * padding <= rows) return tile;
+    if (16 * padding <= rows) return tile;
   }
-  return kSmallest;  // pads fewer than 32 rows, under 1/4 of them
+  return kCandidates[std::size(kCandidates) - 1];  // pads fewer than 64 of over 2048 rows
 }
 
 }  // namespace meshla::solver

@@ -90,22 +90,22 @@ INSTANTIATE_TEST_SUITE_P(Shapes, BlockCyclicLayoutTest,
                                            Case{96, 3, 5}, Case{200, 4, 16}, Case{4000, 4, 0},
                                            Case{65536, 4, 1024}));
 
-TEST(ChooseTile, PrefersLargeDivisorsWithFourTilesPerGpu) {
-  EXPECT_EQ(choose_tile(65536, 4), 1024);
-  EXPECT_EQ(choose_tile(16384, 4), 1024);
-  EXPECT_EQ(choose_tile(8192, 4), 512);
-  EXPECT_EQ(choose_tile(4 * 3072, 4), 768);
+TEST(ChooseTile, PrefersTheLargestDivisorUpTo2048) {
+  EXPECT_EQ(choose_tile(65536, 4), 2048);
+  EXPECT_EQ(choose_tile(16384, 4), 2048);
+  EXPECT_EQ(choose_tile(8192, 4), 2048);  // one tile per GPU
+  EXPECT_EQ(choose_tile(4 * 3072, 4), 1024);
+  EXPECT_EQ(choose_tile(4 * 6144, 4), 2048);
   EXPECT_EQ(choose_tile(100, 4), 25);  // small: one tile per GPU
+  EXPECT_EQ(choose_tile(4000, 4), 1000);
 }
 
 TEST(ChooseTile, PadsLittleWhenNothingDivides) {
-  // 1000 rows per GPU: 256 tiles would be fewer than 4, 192 would pad to 1152; 128 pads to 1024.
-  EXPECT_EQ(choose_tile(4000, 4), 128);
-  EXPECT_EQ(choose_tile(4 * 3000, 4), 512);  // pads 3000 to 3072
-  const std::int64_t rows = 1009;            // prime
+  // 3000 rows per GPU past 2048: 2048 would pad to 4096; 1024 pads to 3072 (2.4%).
+  EXPECT_EQ(choose_tile(4 * 3000, 4), 1024);
+  const std::int64_t rows = 4099;  // prime
   const std::int64_t tile = choose_tile(rows * 2, 2);
-  EXPECT_LE(4 * tile, rows);
-  EXPECT_LT((rows + tile - 1) / tile * tile - rows, tile);
+  EXPECT_LE(16 * ((rows + tile - 1) / tile * tile - rows), rows);
 }
 
 TEST(BlockCyclicLayout, RejectsBadArguments) {

@@ -325,7 +325,8 @@ def main():
             continue
         mesh = Mesh(np.array(devices[:g]), ("x",))
         for dtype in DTYPES:
-            checks.jax_routines(mesh, 256 * g, dtype)         # tiles divide the rows
+            checks.jax_routines(mesh, 256 * g, dtype)         # one tile per GPU
+            checks.jax_routines(mesh, 256 * g, dtype, tile=64)  # four tiles per GPU
             checks.jax_routines(mesh, 300 * g, dtype)         # padded
             checks.jax_routines(mesh, 96 * g, dtype, tile=40)  # explicit tile, padded
             checks.torch_routines([d.local_hardware_id for d in devices[:g]], 192 * g, dtype)

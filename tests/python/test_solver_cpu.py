@@ -155,8 +155,9 @@ def test_torch_errors():
 
 
 def test_layout_query():
-    assert _meshla.solver_layout(65536, 4) == (1024, False)
-    assert _meshla.solver_layout(4000, 4) == (128, True)
+    assert _meshla.solver_layout(65536, 4) == (2048, False)
+    assert _meshla.solver_layout(4000, 4) == (1000, False)
+    assert _meshla.solver_layout(4 * 3000, 4) == (1024, True)
     assert _meshla.solver_layout(48, 4, 5) == (5, True)
     with pytest.raises(ValueError, match="n=10 rows are not divisible by the 4 GPUs"):
         _meshla.solver_layout(10, 4)
