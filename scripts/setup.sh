@@ -24,6 +24,6 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check \
-  "torch>=2.4" numpy pytest "nanobind>=2.0" "scikit-build-core>=0.10" nvidia-cutlass
+  "torch>=2.4" jax numpy pytest "nanobind>=2.0" "scikit-build-core>=0.10" nvidia-cutlass
 python3 -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
 python3 -c "import meshla; print('setup: meshla installed at', meshla.__file__)"
