@@ -12,19 +12,21 @@
 #include <complex>
 #include <mutex>
 #include <set>
-#include <sstream>
 #include <string>
 
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
 #include "solver/block_cyclic.hpp"
 #include "solver/solver_kernels.hpp"
+#include "solver/solver_validation.hpp"
 
 namespace meshla {
 namespace {
 
 using solver::BlockCyclicLayout;
+using solver::is_complex;
 using solver::PartPointers;
+using solver::real_dtype;
 
 std::string_view cusolver_status_name(cusolverStatus_t status) {
   switch (status) {
@@ -60,12 +62,6 @@ constexpr std::size_t kAlignment = 256;
 
 std::size_t align_up(std::size_t bytes) {
   return (bytes + kAlignment - 1) / kAlignment * kAlignment;
-}
-
-bool is_complex(DType dtype) { return dtype == DType::kComplex64 || dtype == DType::kComplex128; }
-
-DType real_dtype(DType dtype) {
-  return dtype == DType::kFloat32 || dtype == DType::kComplex64 ? DType::kFloat32 : DType::kFloat64;
 }
 
 cudaDataType cuda_type(DType dtype) {
@@ -229,93 +225,6 @@ struct DenseSolver::Impl {
     w.total = offset;
     return w;
   }
-
-  void check_problem(SolverOp op, const SolverProblem& problem) const {
-    cuda_type(problem.dtype);
-    if (op == SolverOp::kCholeskySolve) {
-      MESHLA_CHECK_ARG(problem.nrhs >= 1 && problem.nrhs <= 256,
-                       "cholesky_solve: nrhs=" << problem.nrhs
-                                               << " right-hand sides; cuSolverMg takes 1 to 256");
-    }
-  }
-
-  void check_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,
-                    const std::vector<SolverShard>& shards,
-                    const std::vector<WorkspaceLayout>& workspaces) const {
-    const char* name = op_label(op);
-    MESHLA_CHECK_ARG(
-        static_cast<int>(shards.size()) == parts(),
-        name << ": " << shards.size() << " shards for a solver over " << parts() << " GPUs");
-    const std::int64_t rows = layout.rows_per_part;
-    auto check = [&](const TensorView& view, const char* what, int part, DType dtype,
-                     std::initializer_list<std::int64_t> shape) {
-      MESHLA_CHECK_ARG(view.data != nullptr, name << ": shard " << part << " has no " << what);
-      MESHLA_CHECK_ARG(
-          view.device_kind == DeviceKind::kCuda && view.device == devices[part],
-          name << ": " << what << " of shard " << part << " is not on cuda:" << devices[part]);
-      MESHLA_CHECK_ARG(view.dtype == dtype, name << ": " << what << " of shard " << part << " is "
-                                                 << dtype_name(view.dtype) << ", expected "
-                                                 << dtype_name(dtype));
-      bool same = view.ndim == static_cast<int>(shape.size());
-      int dim = 0;
-      for (std::int64_t extent : shape) same = same && view.shape[dim++] == extent;
-      std::ostringstream expected;
-      expected << "[";
-      const char* separator = "";
-      for (std::int64_t extent : shape) {
-        expected << separator << extent;
-        separator = ", ";
-      }
-      expected << "]";
-      MESHLA_CHECK_ARG(same, name << ": " << what << " of shard " << part << " has shape "
-                                  << view.shape_string() << ", expected " << expected.str()
-                                  << " (n=" << layout.n << " over " << parts() << " GPUs)");
-      MESHLA_CHECK_ARG(view.is_row_major_contiguous(),
-                       name << ": " << what << " of shard " << part << " is not contiguous");
-    };
-    for (int part = 0; part < parts(); ++part) {
-      const SolverShard& shard = shards[part];
-      check(shard.a, "a", part, problem.dtype, {rows, layout.n});
-      switch (op) {
-        case SolverOp::kCholeskySolve:
-          check(shard.b, "b", part, problem.dtype, {rows, problem.nrhs});
-          check(shard.out, "out", part, problem.dtype, {rows, problem.nrhs});
-          if (shard.logdet.data != nullptr) {
-            check(shard.logdet, "logdet", part, real_dtype(problem.dtype), {});
-          }
-          break;
-        case SolverOp::kCholeskyInverse:
-          check(shard.out, "out", part, problem.dtype, {rows, layout.n});
-          MESHLA_CHECK_ARG(
-              shard.out.data != shard.a.data || problem.overwrite_a,
-              name << ": out of shard " << part << " is a; that needs overwrite_a=true");
-          break;
-        case SolverOp::kEigen:
-          check(shard.out, "out", part, problem.dtype, {rows, layout.n});
-          MESHLA_CHECK_ARG(
-              shard.out.data != shard.a.data,
-              name << ": the eigenvectors (out) of shard " << part << " cannot be written over a");
-          [[fallthrough]];
-        case SolverOp::kEigenvalues:
-          if (shard.eigenvalues.data != nullptr) {
-            check(shard.eigenvalues, "eigenvalues", part, real_dtype(problem.dtype), {layout.n});
-          }
-          break;
-      }
-      if (shard.info.data != nullptr) check(shard.info, "info", part, DType::kInt32, {});
-      MESHLA_CHECK_ARG(shard.workspace.data != nullptr &&
-                           shard.workspace.device_kind == DeviceKind::kCuda &&
-                           shard.workspace.device == devices[part],
-                       name << ": shard " << part << " has no workspace on cuda:" << devices[part]);
-      const std::size_t bytes =
-          static_cast<std::size_t>(shard.workspace.numel()) * dtype_size(shard.workspace.dtype);
-      MESHLA_CHECK_ARG(bytes >= workspaces[part].total,
-                       name << ": workspace of shard " << part << " has " << bytes
-                            << " bytes, workspace_bytes() asks " << workspaces[part].total);
-      MESHLA_CHECK_ARG(reinterpret_cast<std::uintptr_t>(shard.workspace.data) % kAlignment == 0,
-                       name << ": workspace of shard " << part << " is not 256-byte aligned");
-    }
-  }
 };
 
 DenseSolver::DenseSolver(std::vector<int> devices) : impl_(std::make_unique<Impl>()) {
@@ -373,7 +282,7 @@ std::size_t DenseSolver::workspace_bytes(SolverOp op, const SolverProblem& probl
   MESHLA_CHECK_ARG(part >= 0 && part < impl_->parts(), op_label(op) << ": part " << part
                                                                     << " of a solver over "
                                                                     << impl_->parts() << " GPUs");
-  impl_->check_problem(op, problem);
+  solver::check_solver_problem(op, problem);
   std::lock_guard lock(impl_->mutex);
   return impl_->workspace_layout(op, problem, part).total;
 }
@@ -381,7 +290,7 @@ std::size_t DenseSolver::workspace_bytes(SolverOp op, const SolverProblem& probl
 SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
                               const std::vector<SolverShard>& shards) {
   Impl& self = *impl_;
-  self.check_problem(op, problem);
+  solver::check_solver_problem(op, problem);
   std::lock_guard lock(self.mutex);
   const BlockCyclicLayout layout = self.layout(problem);
   const int parts = self.parts();
@@ -389,7 +298,9 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   for (int part = 0; part < parts; ++part) {
     workspaces.push_back(self.workspace_layout(op, problem, part));
   }
-  self.check_shards(op, problem, layout, shards, workspaces);
+  std::vector<std::size_t> workspace_bytes;
+  for (const WorkspaceLayout& workspace : workspaces) workspace_bytes.push_back(workspace.total);
+  solver::check_solver_shards(op, problem, layout, self.devices, shards, workspace_bytes);
 
   const DType dtype = problem.dtype;
   const std::size_t element = dtype_size(dtype);

@@ -1,0 +1,26 @@
+// Host checks of a DenseSolver call: the problem and every GPU's shard. Pure host code (no CUDA
+// call), unit-tested on the CPU.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "meshla/dense_solver.hpp"
+#include "solver/block_cyclic.hpp"
+
+namespace meshla::solver {
+
+// float32 for float32 and complex64, float64 for float64 and complex128 (eigenvalues, logdet).
+DType real_dtype(DType dtype);
+bool is_complex(DType dtype);
+
+// The dtype is one the solvers take; nrhs is 1 to 256 for kCholeskySolve.
+void check_solver_problem(SolverOp op, const SolverProblem& problem);
+
+// One shard per part, each on devices[part], with the shapes, dtypes and outputs `op` needs (see
+// SolverShard), and a 256-byte aligned workspace of at least workspace_bytes[part].
+void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,
+                         const std::vector<int>& devices, const std::vector<SolverShard>& shards,
+                         const std::vector<std::size_t>& workspace_bytes);
+
+}  // namespace meshla::solver

@@ -1,0 +1,143 @@
+// Host checks of DenseSolver calls: every argument error names the argument, the shard and the
+// shapes. No GPU needed: the views point at fake addresses that are never dereferenced.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "meshla/error.hpp"
+#include "solver/solver_validation.hpp"
+
+namespace meshla::solver {
+namespace {
+
+void* fake_address(std::uintptr_t slot) { return reinterpret_cast<void*>(0x10000 * slot); }
+
+struct Call {
+  SolverOp op = SolverOp::kCholeskySolve;
+  SolverProblem problem{.n = 8, .dtype = DType::kFloat64, .nrhs = 2};
+  std::vector<int> devices{3, 5};
+  std::vector<SolverShard> shards;
+  std::vector<std::size_t> workspace_bytes{4096, 1024};
+
+  Call() {
+    for (int part = 0; part < 2; ++part) {
+      const int device = devices[part];
+      const std::uintptr_t base = 16 * (part + 1);
+      SolverShard shard;
+      shard.a = make_tensor_view(fake_address(base), DType::kFloat64, {4, 8}, device);
+      shard.b = make_tensor_view(fake_address(base + 1), DType::kFloat64, {4, 2}, device);
+      shard.out = make_tensor_view(fake_address(base + 2), DType::kFloat64, {4, 2}, device);
+      shard.logdet = make_tensor_view(fake_address(base + 3), DType::kFloat64, {}, device);
+      shard.workspace = make_tensor_view(fake_address(base + 4), DType::kInt64, {512}, device);
+      shards.push_back(shard);
+    }
+  }
+
+  void check() const {
+    check_solver_problem(op, problem);
+    check_solver_shards(op, problem, make_block_cyclic_layout(problem.n, 2, 2), devices, shards,
+                        workspace_bytes);
+  }
+};
+
+// Runs `check` on a call changed by `change` and expects kInvalidArgument mentioning `expected`.
+void expect_rejected(const std::function<void(Call&)>& change, const std::string& expected) {
+  Call call;
+  change(call);
+  try {
+    call.check();
+    FAIL() << "accepted; expected an error mentioning '" << expected << "'";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << error.what();
+    EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << error.what();
+  }
+}
+
+TEST(SolverValidation, AcceptsWellFormedCalls) {
+  Call solve;
+  EXPECT_NO_THROW(solve.check());
+  Call inverse;
+  inverse.op = SolverOp::kCholeskyInverse;
+  for (SolverShard& shard : inverse.shards) {
+    shard.out = shard.a;  // written over A
+  }
+  inverse.problem.overwrite_a = true;
+  EXPECT_NO_THROW(inverse.check());
+  Call eigen;
+  eigen.op = SolverOp::kEigen;
+  eigen.problem.dtype = DType::kComplex64;
+  for (int part = 0; part < 2; ++part) {
+    SolverShard& shard = eigen.shards[part];
+    const int device = eigen.devices[part];
+    shard.a = make_tensor_view(fake_address(100 + part), DType::kComplex64, {4, 8}, device);
+    shard.out = make_tensor_view(fake_address(200 + part), DType::kComplex64, {4, 8}, device);
+    shard.eigenvalues = make_tensor_view(fake_address(300 + part), DType::kFloat32, {8}, device);
+  }
+  EXPECT_NO_THROW(eigen.check());
+}
+
+TEST(SolverValidation, RejectsBadProblems) {
+  expect_rejected([](Call& c) { c.problem.dtype = DType::kBFloat16; },
+                  "bfloat16 is not float32, float64, complex64 or complex128");
+  expect_rejected([](Call& c) { c.problem.nrhs = 257; }, "nrhs=257");
+  expect_rejected([](Call& c) { c.problem.nrhs = 0; }, "nrhs=0");
+}
+
+TEST(SolverValidation, RejectsBadShards) {
+  expect_rejected([](Call& c) { c.shards.pop_back(); }, "1 shards for a solver over 2 GPUs");
+  expect_rejected(
+      [](Call& c) {
+        c.shards[1].a = make_tensor_view(fake_address(9), DType::kFloat64, {4, 7}, 5);
+      },
+      "a of shard 1 has shape [4, 7], expected [4, 8] (n=8 over 2 GPUs)");
+  expect_rejected([](Call& c) { c.shards[0].a.device = 5; }, "a of shard 0 is not on cuda:3");
+  expect_rejected([](Call& c) { c.shards[0].b.dtype = DType::kFloat32; },
+                  "b of shard 0 is float32, expected float64");
+  expect_rejected([](Call& c) { c.shards[1].b.data = nullptr; }, "shard 1 has no b");
+  expect_rejected([](Call& c) { c.shards[0].logdet.dtype = DType::kFloat32; },
+                  "logdet of shard 0 is float32, expected float64");
+  expect_rejected([](Call& c) { c.shards[0].out.strides[0] = 4; },
+                  "out of shard 0 is not contiguous");
+}
+
+TEST(SolverValidation, RejectsOutputsOverA) {
+  expect_rejected(
+      [](Call& c) {
+        c.op = SolverOp::kCholeskyInverse;
+        for (SolverShard& shard : c.shards) shard.out = shard.a;
+      },
+      "out of shard 0 is a; that needs overwrite_a=true");
+  expect_rejected(
+      [](Call& c) {
+        c.op = SolverOp::kEigen;
+        c.problem.overwrite_a = true;
+        for (SolverShard& shard : c.shards) shard.out = shard.a;
+      },
+      "eigenvectors (out) of shard 0 cannot be written over a");
+}
+
+TEST(SolverValidation, RejectsSmallOrMisalignedWorkspace) {
+  expect_rejected([](Call& c) { c.workspace_bytes[0] = 8192; },
+                  "workspace of shard 0 has 4096 bytes, workspace_bytes() asks 8192");
+  expect_rejected(
+      [](Call& c) {
+        c.shards[1].workspace.data = static_cast<char*>(c.shards[1].workspace.data) + 16;
+      },
+      "workspace of shard 1 is not 256-byte aligned");
+  expect_rejected([](Call& c) { c.shards[1].workspace.device = 3; },
+                  "shard 1 has no workspace on cuda:5");
+}
+
+TEST(SolverValidation, RealTypes) {
+  EXPECT_EQ(real_dtype(DType::kComplex128), DType::kFloat64);
+  EXPECT_EQ(real_dtype(DType::kComplex64), DType::kFloat32);
+  EXPECT_EQ(real_dtype(DType::kFloat32), DType::kFloat32);
+  EXPECT_TRUE(is_complex(DType::kComplex64));
+  EXPECT_FALSE(is_complex(DType::kFloat64));
+}
+
+}  // namespace
+}  // namespace meshla::solver
