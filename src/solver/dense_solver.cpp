@@ -107,8 +107,6 @@ struct WorkspaceLayout {
   std::size_t rhs = 0;      // B' on part 0
   std::size_t scalars = 0;  // two float64 reductions
   std::size_t total = 0;
-  bool separate_working = false;
-  bool in_place_panels = false;
 };
 
 // Where the solver's working array is: A's shards (overwrite_a), the inverse's output, or the
@@ -202,17 +200,16 @@ struct DenseSolver::Impl {
     w.lwork = query_lwork(op, problem, layout);
     std::size_t offset = align_up(static_cast<std::size_t>(w.lwork) * element);
     const Working where = working_location(op, problem, layout);
-    w.separate_working = where == Working::kWorkspace;
-    if (w.separate_working) {
+    if (where == Working::kWorkspace) {
       w.working = offset;
       offset +=
           align_up(static_cast<std::size_t>(layout.padded_n() * layout.local_columns()) * element);
     }
     // Rows are shuffled in place, one tile of columns at a time through the panel, when the
     // working array is A itself, or when the inverse is written over its own working array.
-    w.in_place_panels =
+    const bool in_place_panels =
         where == Working::kA || (op == SolverOp::kCholeskyInverse && where != Working::kWorkspace);
-    if (w.in_place_panels) {
+    if (in_place_panels) {
       w.panel = offset;
       offset += align_up(static_cast<std::size_t>(layout.n * layout.tile) * element);
     }
