@@ -79,57 +79,10 @@ SolverRegistry& solvers() {
   return registry;
 }
 
-// Numbers the calls each participant makes to one meeting key within one XLA run, so that the
-// n-th solver call of a program on one GPU meets the n-th on the others. Keyed by (meeting key,
-// participant); a new run id restarts the count, so the table stays one entry per key and GPU.
-class CallCounter {
- public:
-  std::uint64_t next(const std::string& key, int participant, std::int64_t run_id) {
-    std::lock_guard lock(mutex_);
-    Entry& entry = entries_[{key, participant}];
-    if (entry.run_id != run_id) entry = Entry{run_id, 0};
-    return entry.count++;
-  }
-
- private:
-  struct Entry {
-    std::int64_t run_id = -1;
-    std::uint64_t count = 0;
-  };
-  std::mutex mutex_;
-  std::map<std::pair<std::string, int>, Entry> entries_;
-};
-
-CallCounter& call_counter() {
-  static CallCounter counter;
-  return counter;
-}
-
-// The group of GPUs this handler's device solves with. `devices` lists the CUDA ordinals of
-// every group of the mesh, group after group, `group_size` each (the mesh axis the rows are
-// sharded over is the last one).
-struct Group {
-  std::vector<int> devices;
-  int index = -1;
-};
-
-Group find_group(ffi::Span<const std::int64_t> devices, std::int64_t group_size, int ordinal,
-                 const char* name) {
-  MESHLA_CHECK_ARG(
-      group_size >= 1 && devices.size() % group_size == 0,
-      name << ": " << devices.size() << " devices do not form groups of " << group_size);
-  for (std::size_t i = 0; i < devices.size(); ++i) {
-    if (devices[i] != ordinal) continue;
-    Group group;
-    const std::size_t first = i / group_size * group_size;
-    for (std::int64_t j = 0; j < group_size; ++j) {
-      group.devices.push_back(static_cast<int>(devices[first + j]));
-    }
-    group.index = static_cast<int>(i - first);
-    return group;
-  }
-  MESHLA_THROW(kInvalidArgument, name << ": this handler runs on cuda:" << ordinal
-                                      << ", which is not in the mesh the call was built for");
+// Call numbers of this process's solver handlers (see solver::CallNumbering).
+solver::CallNumbering& call_numbering() {
+  static solver::CallNumbering numbering;
+  return numbering;
 }
 
 // One GPU's part of a call: allocate its workspace from XLA, meet the other GPUs of its group;
@@ -138,7 +91,8 @@ void participate(SolverOp op, const SolverProblem& problem, SolverShard shard, i
                  ffi::ScratchAllocator& scratch, std::int64_t run_id,
                  ffi::Span<const std::int64_t> devices, std::int64_t group_size, double timeout_s) {
   const char* name = solver_op_name(op).data();
-  const Group group = find_group(devices, group_size, ordinal, name);
+  const solver::DeviceGroup group = solver::find_device_group(
+      std::vector<std::int64_t>(devices.begin(), devices.end()), group_size, ordinal, name);
   const std::shared_ptr<DenseSolver> solver = solvers().get(group.devices);
   const std::size_t bytes = solver->workspace_bytes(op, problem, group.index);
   // XLA aligns scratch to at most 16 bytes; the solver wants 256.
@@ -155,7 +109,7 @@ void participate(SolverOp op, const SolverProblem& problem, SolverShard shard, i
   std::ostringstream key;
   key << name << "/run " << run_id << "/cuda";
   for (int device : group.devices) key << ":" << device;
-  const solver::MeetingId id{key.str(), call_counter().next(key.str(), group.index, run_id)};
+  const solver::MeetingId id{key.str(), call_numbering().next(key.str(), group.index, run_id)};
   MESHLA_CHECK_ARG(timeout_s > 0, name << ": timeout_s=" << timeout_s << " must be positive");
   solver::meet(
       id, group.index, static_cast<int>(group.devices.size()), &shard,

@@ -159,4 +159,29 @@ void meet(const MeetingId& id, int index, int count, void* value,
 
 std::size_t open_meetings() { return registry().size(); }
 
+DeviceGroup find_device_group(const std::vector<std::int64_t>& mesh, std::int64_t group_size,
+                              int device, std::string_view what) {
+  MESHLA_CHECK_ARG(group_size >= 1 && mesh.size() % group_size == 0,
+                   what << ": " << mesh.size() << " devices do not form groups of " << group_size);
+  for (std::size_t i = 0; i < mesh.size(); ++i) {
+    if (mesh[i] != device) continue;
+    DeviceGroup group;
+    const std::size_t first = i / group_size * group_size;
+    for (std::int64_t j = 0; j < group_size; ++j) {
+      group.devices.push_back(static_cast<int>(mesh[first + j]));
+    }
+    group.index = static_cast<int>(i - first);
+    return group;
+  }
+  MESHLA_THROW(kInvalidArgument,
+               what << ": cuda:" << device << " is not in the mesh the call was built for");
+}
+
+std::uint64_t CallNumbering::next(const std::string& key, int participant, std::int64_t run_id) {
+  std::lock_guard lock(mutex_);
+  Entry& entry = entries_[{key, participant}];
+  if (entry.run_id != run_id) entry = Entry{run_id, 0};
+  return entry.count++;
+}
+
 }  // namespace meshla::solver

@@ -12,7 +12,11 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 namespace meshla::solver {
@@ -34,5 +38,30 @@ void meet(const MeetingId& id, int index, int count, void* value,
 
 // Meetings currently open in this process (for tests: zero once every call has returned).
 std::size_t open_meetings();
+
+// The GPUs one call meets over, and this GPU's place among them. `mesh` lists the CUDA ordinals
+// of every group of a mesh, group after group, `group_size` each; `device` must be in it.
+struct DeviceGroup {
+  std::vector<int> devices;
+  int index = -1;
+};
+DeviceGroup find_device_group(const std::vector<std::int64_t>& mesh, std::int64_t group_size,
+                              int device, std::string_view what);
+
+// Numbers the calls each participant makes to one key within one run of a program, so that the
+// n-th call on one GPU meets the n-th on the others (MeetingId::generation). A new run id
+// restarts the count, so the table keeps one entry per key and participant.
+class CallNumbering {
+ public:
+  std::uint64_t next(const std::string& key, int participant, std::int64_t run_id);
+
+ private:
+  struct Entry {
+    std::int64_t run_id = -1;
+    std::uint64_t count = 0;
+  };
+  std::mutex mutex_;
+  std::map<std::pair<std::string, int>, Entry> entries_;
+};
 
 }  // namespace meshla::solver

@@ -136,5 +136,43 @@ TEST(Rendezvous, SingleParticipantRunsAtOnce) {
   EXPECT_EQ(seen, 7);
 }
 
+TEST(DeviceGroups, FindsTheGroupAndPlaceOfADevice) {
+  // Two groups of two: {6, 4} and {1, 3}.
+  const std::vector<std::int64_t> mesh{6, 4, 1, 3};
+  const DeviceGroup first = find_device_group(mesh, 2, 4, "eigh");
+  EXPECT_EQ(first.devices, (std::vector<int>{6, 4}));
+  EXPECT_EQ(first.index, 1);
+  const DeviceGroup second = find_device_group(mesh, 2, 1, "eigh");
+  EXPECT_EQ(second.devices, (std::vector<int>{1, 3}));
+  EXPECT_EQ(second.index, 0);
+  EXPECT_EQ(find_device_group(mesh, 4, 3, "eigh").index, 3);
+}
+
+TEST(DeviceGroups, RejectsDevicesOutsideTheMeshAndRaggedGroups) {
+  const std::vector<std::int64_t> mesh{0, 1, 2, 3};
+  try {
+    find_device_group(mesh, 2, 7, "cholesky_solve");
+    FAIL() << "cuda:7 accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(error.what()).find("cholesky_solve: cuda:7 is not in the mesh"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_THROW(find_device_group(mesh, 3, 0, "eigh"), Error);
+  EXPECT_THROW(find_device_group(mesh, 0, 0, "eigh"), Error);
+}
+
+TEST(CallNumbering, CountsPerKeyAndParticipantAndRestartsWithEachRun) {
+  CallNumbering numbering;
+  EXPECT_EQ(numbering.next("potrf/cuda:0:1", 0, 7), 0u);
+  EXPECT_EQ(numbering.next("potrf/cuda:0:1", 0, 7), 1u);
+  EXPECT_EQ(numbering.next("potrf/cuda:0:1", 1, 7), 0u);  // the other GPU's own count
+  EXPECT_EQ(numbering.next("potrf/cuda:2:3", 0, 7), 0u);  // another mesh
+  EXPECT_EQ(numbering.next("potrf/cuda:0:1", 1, 7), 1u);
+  EXPECT_EQ(numbering.next("potrf/cuda:0:1", 0, 8), 0u);  // a new run starts again
+  EXPECT_EQ(numbering.next("potrf/cuda:0:1", 0, 8), 1u);
+}
+
 }  // namespace
 }  // namespace meshla::solver
