@@ -100,8 +100,7 @@ class MatrixDescriptor {
 
 // Where one call's pieces live in a part's workspace, and where the solver works.
 struct WorkspaceLayout {
-  std::size_t solver = 0;  // cuSolverMg's own workspace, lwork elements
-  std::int64_t lwork = 0;
+  std::size_t solver = 0;   // cuSolverMg's own workspace, lwork elements
   std::size_t working = 0;  // the working array, when it is neither `a` nor `out`
   std::size_t panel = 0;    // one tile of columns, for shuffling rows in place
   std::size_t rhs = 0;      // B' on part 0
@@ -120,7 +119,9 @@ Working working_location(SolverOp op, const SolverProblem& problem,
   return op == SolverOp::kCholeskyInverse ? Working::kOut : Working::kWorkspace;
 }
 
-const char* op_label(SolverOp op) {
+}  // namespace
+
+std::string_view solver_op_name(SolverOp op) {
   switch (op) {
     case SolverOp::kCholeskySolve:
       return "cholesky_solve";
@@ -133,10 +134,6 @@ const char* op_label(SolverOp op) {
   }
   return "dense solver";
 }
-
-}  // namespace
-
-std::string_view solver_op_name(SolverOp op) { return op_label(op); }
 
 struct DenseSolver::Impl {
   std::vector<int> devices;
@@ -193,12 +190,13 @@ struct DenseSolver::Impl {
     return std::max<std::int64_t>({lwork, second, 1});
   }
 
-  WorkspaceLayout workspace_layout(SolverOp op, const SolverProblem& problem, int part) {
+  // `lwork` from query_lwork(), which every part shares.
+  WorkspaceLayout workspace_layout(SolverOp op, const SolverProblem& problem, int part,
+                                   std::int64_t lwork) const {
     const BlockCyclicLayout layout = this->layout(problem);
     const std::size_t element = dtype_size(problem.dtype);
     WorkspaceLayout w;
-    w.lwork = query_lwork(op, problem, layout);
-    std::size_t offset = align_up(static_cast<std::size_t>(w.lwork) * element);
+    std::size_t offset = align_up(static_cast<std::size_t>(lwork) * element);
     const Working where = working_location(op, problem, layout);
     if (where == Working::kWorkspace) {
       w.working = offset;
@@ -276,12 +274,13 @@ std::int64_t DenseSolver::tile(const SolverProblem& problem) const {
 
 std::size_t DenseSolver::workspace_bytes(SolverOp op, const SolverProblem& problem,
                                          int part) const {
-  MESHLA_CHECK_ARG(part >= 0 && part < impl_->parts(), op_label(op) << ": part " << part
-                                                                    << " of a solver over "
-                                                                    << impl_->parts() << " GPUs");
+  MESHLA_CHECK_ARG(part >= 0 && part < impl_->parts(),
+                   solver_op_name(op)
+                       << ": part " << part << " of a solver over " << impl_->parts() << " GPUs");
   solver::check_solver_problem(op, problem);
   std::lock_guard lock(impl_->mutex);
-  return impl_->workspace_layout(op, problem, part).total;
+  const std::int64_t lwork = impl_->query_lwork(op, problem, impl_->layout(problem));
+  return impl_->workspace_layout(op, problem, part, lwork).total;
 }
 
 SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
@@ -292,8 +291,9 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   const BlockCyclicLayout layout = self.layout(problem);
   const int parts = self.parts();
   std::vector<WorkspaceLayout> workspaces;
+  const std::int64_t lwork = self.query_lwork(op, problem, layout);
   for (int part = 0; part < parts; ++part) {
-    workspaces.push_back(self.workspace_layout(op, problem, part));
+    workspaces.push_back(self.workspace_layout(op, problem, part, lwork));
   }
   std::vector<std::size_t> workspace_bytes;
   for (const WorkspaceLayout& workspace : workspaces) workspace_bytes.push_back(workspace.total);
@@ -384,7 +384,6 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   std::vector<void*> arrays(working.data, working.data + parts);
   std::vector<void*> work(parts);
   for (int part = 0; part < parts; ++part) work[part] = workspace(part, workspaces[part].solver);
-  const std::int64_t lwork = workspaces[0].lwork;
   const int order = static_cast<int>(ld);
   const cudaDataType type = cuda_type(dtype);
   MatrixDescriptor descriptor_a(ld, ld, layout.tile, dtype, self.grid);
@@ -446,8 +445,8 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   result.solver_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - solver_start).count();
   MESHLA_CHECK(kCusolver, result.info >= 0,
-               op_label(op) << ": cuSolverMg reports parameter " << -result.info
-                            << " as wrong (n=" << n << ", tile=" << layout.tile << ")");
+               solver_op_name(op) << ": cuSolverMg reports parameter " << -result.info
+                                  << " as wrong (n=" << n << ", tile=" << layout.tile << ")");
   const bool failed = result.info > 0;
 
   // Outputs.
