@@ -57,7 +57,7 @@ def empty(*shape: int) -> torch.Tensor:
 
 def meshla_variants(meshla_op, a, b, group, out, args) -> dict[str, Callable[[], object]]:
     """meshla_<algorithm> on NCCL at its defaults, meshla_symmetric (the copy-engine backend),
-    meshla_auto (meshla's own choice), plus the sweeps: meshla_<algorithm>_s<sms>_c<chunks>[_t<ctas>]
+    meshla_cublasmp (cuBLASMp's own overlap), meshla_auto (meshla's own choice), plus the sweeps: meshla_<algorithm>_s<sms>_c<chunks>[_t<ctas>]
     on NCCL and meshla_symmetric_c<chunks>."""
     settings = [(backend, algorithm, (-1, 0, 0)) for backend, algorithm in (
         ("nccl", "sequential"), ("nccl", "pipelined"), ("nccl", "ring"), ("symmetric", "ring"),
@@ -65,7 +65,10 @@ def meshla_variants(meshla_op, a, b, group, out, args) -> dict[str, Callable[[],
     settings += [("nccl", algorithm, knobs) for algorithm in ("pipelined", "ring")
                  for knobs in args.sweep]
     settings += [("symmetric", "ring", (-1, chunks, 0)) for chunks in args.symmetric_chunks]
-    variants = {}
+    # cuBLASMp on the same product with b stored [n, k], the layout its GEMM+AllReduce needs.
+    b_t = b.t().contiguous()
+    variants = {"meshla_cublasmp": lambda: meshla_op(a, b_t, group, trans_b=True,
+                                                     backend="cublasmp", out=out)}
     for backend, algorithm, (sms, chunks, ctas) in settings:
         name = "meshla_" + ("symmetric" if backend == "symmetric" else algorithm)
         if backend == "symmetric" and chunks:

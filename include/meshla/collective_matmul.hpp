@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include <cuda_runtime_api.h>
@@ -32,6 +33,9 @@ enum class Backend {
   kNccl,       // NCCL collectives and point-to-point: any topology, crosses nodes
   kSymmetric,  // buffers mapped into every rank of the group; copy engines move the blocks and
                // stream memory operations signal their arrival, so no SM works on communication
+  kCublasMp,   // NVIDIA cuBLASMp's own AG+GEMM, GEMM+RS and GEMM+AR on the group's NCCL
+               // communicator; optional (backend_unavailable_reason), one process per GPU, never
+               // chosen by kAuto
 };
 
 enum class Algorithm {
@@ -46,6 +50,11 @@ enum class Algorithm {
 std::string_view collective_op_name(CollectiveOp op);
 std::string_view algorithm_name(Algorithm algorithm);
 std::string_view backend_name(Backend backend);
+
+// Why `backend` cannot run in this process, or "" when it can. kCublasMp needs a build with
+// MESHLA_WITH_CUBLASMP and the cuBLASMp library (with its NVSHMEM and the GPU driver) at run time;
+// the other backends are always there.
+std::string backend_unavailable_reason(Backend backend);
 
 struct CollectiveMatmulConfig {
   CollectiveOp op = CollectiveOp::kAllGatherMatmul;

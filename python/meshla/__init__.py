@@ -26,6 +26,33 @@ def _load_wheel_nccl():
 
 _load_wheel_nccl()
 
-from meshla._meshla import Algorithm, CollectiveMatmul, CollectiveOp, Communicator, unique_id  # noqa: E402
+from meshla import _meshla  # noqa: E402
+from meshla._meshla import (  # noqa: E402
+    Algorithm,
+    Backend,
+    CollectiveMatmul,
+    CollectiveOp,
+    Communicator,
+    unique_id,
+)
 
-__all__ = ["Algorithm", "CollectiveMatmul", "CollectiveOp", "Communicator", "unique_id"]
+
+def backend_unavailable_reason(backend: str) -> str:
+    """Why the collective-matmul ``backend`` ("auto", "nccl", "symmetric", "cublasmp") cannot run
+    in this process, or ``""`` when it can. Only "cublasmp" can be missing: it needs a build with
+    cuBLASMp's header and, at run time, its library, NVSHMEM and a GPU driver."""
+    try:
+        value = Backend.__members__[backend]
+    except KeyError:
+        raise ValueError(f"backend={backend!r}; expected one of {sorted(Backend.__members__)}") from None
+    return _meshla.backend_unavailable_reason(value)
+
+__all__ = [
+    "Algorithm",
+    "Backend",
+    "CollectiveMatmul",
+    "CollectiveOp",
+    "Communicator",
+    "backend_unavailable_reason",
+    "unique_id",
+]

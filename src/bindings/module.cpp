@@ -167,7 +167,11 @@ NB_MODULE(_meshla, m) {
   nb::enum_<Backend>(m, "Backend")
       .value("auto", Backend::kAuto)
       .value("nccl", Backend::kNccl)
-      .value("symmetric", Backend::kSymmetric);
+      .value("symmetric", Backend::kSymmetric)
+      .value("cublasmp", Backend::kCublasMp);
+
+  m.def("backend_unavailable_reason", &backend_unavailable_reason, "backend"_a,
+        "Why the collective-matmul backend cannot run in this process, or '' when it can.");
 
   nb::class_<CollectiveMatmul>(m, "CollectiveMatmul",
                                "A collective-matmul plan for one shape on one communicator.")

@@ -35,6 +35,9 @@ struct CommState {
   int size;
   int device;
   std::chrono::milliseconds timeout;
+  // Ranks of this group that this process drives: 1 for one process per GPU, the group's size for
+  // Communicator::create_local.
+  int ranks_in_process = 1;
   // enable_peer_access's answer for this group, once asked: "" when every rank maps every other
   // rank's memory, else why not. A property of the group, so each plan need not ask again. Like
   // the NCCL communicator itself, used by one thread at a time.

@@ -40,8 +40,10 @@ std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_
   // The parent is blocking, so the split completes (with every rank) before it returns.
   MESHLA_CHECK_NCCL(ncclCommSplit(parent.comm, 0, parent.rank, &child, &config));
   MESHLA_CHECK(kNccl, child != nullptr, "ncclCommSplit returned no communicator");
-  return std::make_shared<CommState>(child, nullptr, parent.rank, parent.size, parent.device,
-                                     parent.timeout, release_nccl_comm);
+  auto state = std::make_shared<CommState>(child, nullptr, parent.rank, parent.size, parent.device,
+                                           parent.timeout, release_nccl_comm);
+  state->ranks_in_process = parent.ranks_in_process;
+  return state;
 }
 
 std::vector<std::byte> all_gather_host(const CommState& state, const void* data,
@@ -196,6 +198,7 @@ std::vector<Communicator> create_ranks(const ncclUniqueId& id, const std::vector
   for (std::size_t i = 0; i < count; ++i) {
     result.emplace_back(std::make_shared<CommState>(made[i], parents[i], ranks[i], size, devices[i],
                                                     timeout, release_nccl_comm));
+    result.back().state()->ranks_in_process = static_cast<int>(count);
   }
   return result;
 }

@@ -2,14 +2,19 @@
 // of one plan; the backends (overlap/executor.hpp) enqueue the work.
 #include "meshla/collective_matmul.hpp"
 
+#include <cstddef>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "comm/comm_state.hpp"
 #include "comm/peer_memory.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
 #include "overlap/executor.hpp"
+#ifdef MESHLA_WITH_CUBLASMP
+#include "overlap/cublasmp_library.hpp"
+#endif
 #include "overlap/validation.hpp"
 
 namespace meshla {
@@ -48,8 +53,21 @@ std::string_view backend_name(Backend backend) {
       return "nccl";
     case Backend::kSymmetric:
       return "symmetric";
+    case Backend::kCublasMp:
+      return "cublasmp";
   }
   return "unknown";
+}
+
+std::string backend_unavailable_reason(Backend backend) {
+  if (backend != Backend::kCublasMp) return "";
+#ifdef MESHLA_WITH_CUBLASMP
+  std::string why;
+  return overlap::cublasmp_library(&why) != nullptr ? "" : why;
+#else
+  return "meshla was built without cuBLASMp (MESHLA_WITH_CUBLASMP=OFF: pip install "
+         "nvidia-cublasmp-cu13==0.7.* and rebuild)";
+#endif
 }
 
 namespace overlap {
@@ -97,10 +115,49 @@ int overlapped_gemm_sms(const CollectiveMatmulConfig& config, int device) {
 
 namespace {
 
+// Throws kNotImplemented on every rank unless the backend can run on all of them, so that no
+// rank goes on into a collective set-up that another rank never joins. Collective.
+void require_on_every_rank(const Communicator& comm, const CollectiveMatmulConfig& config) {
+  const std::string why = backend_unavailable_reason(config.backend);
+  const std::byte available{why.empty()};
+  const std::vector<std::byte> everyone =
+      comm.size() > 1 ? detail::all_gather_host(*comm.state(), &available, 1)
+                      : std::vector<std::byte>{available};
+  MESHLA_CHECK(kNotImplemented, why.empty(),
+               collective_op_name(config.op)
+                   << ": backend=" << backend_name(config.backend) << " is unavailable: " << why);
+  for (std::size_t rank = 0; rank < everyone.size(); ++rank) {
+    MESHLA_CHECK(kNotImplemented, everyone[rank] == std::byte{1},
+                 collective_op_name(config.op)
+                     << ": backend=" << backend_name(config.backend) << " is unavailable on rank "
+                     << rank << " of the group");
+  }
+}
+
+std::unique_ptr<overlap::Executor> make_executor(const Communicator& comm,
+                                                 const CollectiveMatmulConfig& config) {
+  switch (config.backend) {
+    case Backend::kSymmetric:
+      return overlap::make_symmetric_executor(comm, config);
+#ifdef MESHLA_WITH_CUBLASMP
+    case Backend::kCublasMp:
+      return overlap::make_cublasmp_executor(comm, config);
+#endif
+    default:
+      MESHLA_ASSERT(config.backend == Backend::kNccl);
+      return overlap::make_nccl_executor(comm, config);
+  }
+}
+
 // Resolves the config, asking the group whether its ranks map each other's memory when the
 // backend may be symmetric. Collective: every rank asks, or none does.
 CollectiveMatmulConfig resolve_for_group(const Communicator& comm,
                                          const CollectiveMatmulConfig& requested) {
+  if (requested.backend == Backend::kCublasMp) {
+    CollectiveMatmulConfig resolved = overlap::resolve_config(requested, comm.size());
+    require_on_every_rank(comm, requested);
+    return resolved;
+  }
   bool peer_access = false;
   if (requested.backend != Backend::kNccl && comm.size() >= 2) {
     std::string why;
@@ -122,9 +179,7 @@ struct CollectiveMatmul::Impl {
   Impl(Communicator comm_, const CollectiveMatmulConfig& requested)
       : comm(std::move(comm_)),
         config(resolve_for_group(comm, requested)),
-        executor(config.backend == Backend::kSymmetric
-                     ? overlap::make_symmetric_executor(comm, config)
-                     : overlap::make_nccl_executor(comm, config)),
+        executor(make_executor(comm, config)),
         done(comm.device()) {}
 
   ~Impl() {

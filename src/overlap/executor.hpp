@@ -26,6 +26,12 @@ std::unique_ptr<Executor> make_nccl_executor(const Communicator& comm,
 std::unique_ptr<Executor> make_symmetric_executor(const Communicator& comm,
                                                   const CollectiveMatmulConfig& config);
 
+#ifdef MESHLA_WITH_CUBLASMP
+// The caller has checked that cuBLASMp is available on every rank (backend_unavailable_reason).
+std::unique_ptr<Executor> make_cublasmp_executor(const Communicator& comm,
+                                                 const CollectiveMatmulConfig& config);
+#endif
+
 // An executor's side streams, forked from and joined back into the caller's stream.
 class SideStreams {
  public:

@@ -40,6 +40,37 @@ void check_matrix(std::string_view op, const char* name, const TensorView& view,
                                                       << " must be contiguous row-major");
 }
 
+// cuBLASMp picks its own split and thread blocks; what it runs is fixed by its layouts
+// (overlap/cublasmp_executor.cpp).
+CollectiveMatmulConfig resolve_cublasmp(const CollectiveMatmulConfig& config, int tp) {
+  const std::string_view op = collective_op_name(config.op);
+  MESHLA_CHECK(
+      kNotImplemented, config.dtype == DType::kBFloat16 || config.dtype == DType::kFloat16,
+      op << ": backend=cublasmp supports bfloat16 and float16, not " << dtype_name(config.dtype));
+  MESHLA_CHECK(kNotImplemented, config.algorithm != Algorithm::kPipelined,
+               op << ": backend=cublasmp runs cuBLASMp's split peer-to-peer algorithm "
+                     "(algorithm=ring, the default) or no overlap (sequential), not "
+                     "algorithm=pipelined");
+  MESHLA_CHECK_ARG(config.chunks == 0, op << ": chunks=" << config.chunks
+                                          << " must be 0 with backend=cublasmp, which splits "
+                                             "the work itself");
+  MESHLA_CHECK_ARG(config.comm_ctas == 0,
+                   op << ": comm_ctas=" << config.comm_ctas << " applies to backend=nccl only");
+  MESHLA_CHECK(kNotImplemented, !config.return_gathered,
+               op << ": backend=cublasmp does not return the gathered a (return_gathered); use "
+                     "backend=nccl or symmetric");
+  MESHLA_CHECK(kNotImplemented, config.op != CollectiveOp::kMatmulAllReduce || config.trans_b,
+               op << ": backend=cublasmp needs b stored [n, k] (trans_b=True); cuBLASMp's "
+                     "GEMM+AllReduce takes no other layout");
+  MESHLA_CHECK_ARG(config.op == CollectiveOp::kMatmulAllReduce || config.m % tp == 0,
+                   op << ": m=" << config.m << " rows are not divisible by tp_size=" << tp);
+  CollectiveMatmulConfig resolved = config;
+  resolved.algorithm =
+      config.algorithm == Algorithm::kSequential ? Algorithm::kSequential : Algorithm::kRing;
+  resolved.comm_sms = std::max(config.comm_sms, 0);
+  return resolved;
+}
+
 }  // namespace
 
 CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int tp,
@@ -57,6 +88,7 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
                    op << ": comm_sms=" << config.comm_sms << " must be -1 (default) or at least 0");
   MESHLA_CHECK_ARG(config.comm_ctas >= 0, op << ": comm_ctas=" << config.comm_ctas
                                              << " must be 0 (NCCL's choice) or more");
+  if (config.backend == Backend::kCublasMp) return resolve_cublasmp(config, tp);
   CollectiveMatmulConfig resolved = config;
   if (config.backend == Backend::kAuto) {
     const bool symmetric = peer_access && tp >= 2 && symmetric_unsupported(config, tp).empty();

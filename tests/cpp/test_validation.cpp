@@ -184,5 +184,80 @@ TEST(Validation, ConfigErrors) {
       ErrorCode::kNotImplemented);
 }
 
+CollectiveMatmulConfig cublasmp_config(CollectiveOp op) {
+  return {.op = op, .backend = Backend::kCublasMp, .m = 64, .n = 8, .k = 8, .trans_b = true};
+}
+
+std::string cublasmp_error(const CollectiveMatmulConfig& config, ErrorCode expected) {
+  return message_of([&] { resolve_config(config, 4); }, expected);
+}
+
+TEST(Validation, CublasMpResolvesItsOwnAlgorithm) {
+  const CollectiveMatmulConfig resolved =
+      resolve_config(cublasmp_config(CollectiveOp::kMatmulReduceScatter), 4);
+  EXPECT_EQ(resolved.backend, Backend::kCublasMp);
+  EXPECT_EQ(resolved.algorithm, Algorithm::kRing);
+  EXPECT_EQ(resolved.comm_sms, 0);
+  EXPECT_EQ(resolved.chunks, 0);
+  CollectiveMatmulConfig sequential = cublasmp_config(CollectiveOp::kAllGatherMatmul);
+  sequential.algorithm = Algorithm::kSequential;
+  sequential.trans_b = false;
+  EXPECT_EQ(resolve_config(sequential, 4).algorithm, Algorithm::kSequential);
+  // kAuto never picks cuBLASMp.
+  CollectiveMatmulConfig automatic = cublasmp_config(CollectiveOp::kAllGatherMatmul);
+  automatic.backend = Backend::kAuto;
+  EXPECT_NE(resolve_config(automatic, 4, /*peer_access=*/true).backend, Backend::kCublasMp);
+}
+
+TEST(Validation, CublasMpConfigErrors) {
+  CollectiveMatmulConfig c = cublasmp_config(CollectiveOp::kAllGatherMatmul);
+  c.dtype = DType::kFloat32;
+  EXPECT_NE(cublasmp_error(c, ErrorCode::kNotImplemented)
+                .find("all_gather_matmul: backend=cublasmp supports bfloat16 and float16, not "
+                      "float32"),
+            std::string::npos);
+  c = cublasmp_config(CollectiveOp::kAllGatherMatmul);
+  c.algorithm = Algorithm::kPipelined;
+  EXPECT_NE(cublasmp_error(c, ErrorCode::kNotImplemented).find("not algorithm=pipelined"),
+            std::string::npos);
+  c = cublasmp_config(CollectiveOp::kMatmulReduceScatter);
+  c.chunks = 2;
+  EXPECT_NE(cublasmp_error(c, ErrorCode::kInvalidArgument).find("chunks=2 must be 0"),
+            std::string::npos);
+  c = cublasmp_config(CollectiveOp::kMatmulReduceScatter);
+  c.comm_ctas = 8;
+  EXPECT_NE(cublasmp_error(c, ErrorCode::kInvalidArgument).find("comm_ctas=8"), std::string::npos);
+  c = cublasmp_config(CollectiveOp::kAllGatherMatmul);
+  c.return_gathered = true;
+  EXPECT_NE(cublasmp_error(c, ErrorCode::kNotImplemented).find("return_gathered"),
+            std::string::npos);
+  c = cublasmp_config(CollectiveOp::kMatmulAllReduce);
+  c.trans_b = false;
+  EXPECT_NE(cublasmp_error(c, ErrorCode::kNotImplemented).find("trans_b=True"), std::string::npos);
+  c = cublasmp_config(CollectiveOp::kMatmulReduceScatter);
+  c.m = 10;
+  EXPECT_NE(cublasmp_error(c, ErrorCode::kInvalidArgument)
+                .find("matmul_reduce_scatter: m=10 rows are not divisible by tp_size=4"),
+            std::string::npos);
+  c = cublasmp_config(CollectiveOp::kMatmulAllReduce);
+  c.m = 10;  // all-reduce keeps every row on every rank
+  EXPECT_NO_THROW(resolve_config(c, 4));
+}
+
+TEST(Backends, OnlyCublasMpCanBeMissing) {
+  EXPECT_EQ(backend_unavailable_reason(Backend::kNccl), "");
+  EXPECT_EQ(backend_unavailable_reason(Backend::kSymmetric), "");
+  EXPECT_EQ(backend_name(Backend::kCublasMp), "cublasmp");
+  // Where it is missing (a build without it, or no cuBLASMp, NVSHMEM or driver here), the reason
+  // says which.
+  const std::string reason = backend_unavailable_reason(Backend::kCublasMp);
+  if (!reason.empty()) {
+    EXPECT_TRUE(reason.find("MESHLA_WITH_CUBLASMP") != std::string::npos ||
+                reason.find("cuBLASMp") != std::string::npos ||
+                reason.find("libcublasmp") != std::string::npos)
+        << reason;
+  }
+}
+
 }  // namespace
 }  // namespace meshla::overlap

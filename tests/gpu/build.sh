@@ -13,5 +13,10 @@ echo "NCCL_ROOT=${NCCL_ROOT:-<toolkit>}"
 if [ -z "${CUTLASS_INCLUDE_DIR:-}" ] && [ -f .deps/cutlass/include/cutlass/cutlass.h ]; then
   export CUTLASS_INCLUDE_DIR=$PWD/.deps/cutlass/include
 fi
+# cuBLASMp 0.7 carried as its wheel (.deps/nvidia_cublasmp_cu13-*.whl); its NCCL and NVSHMEM
+# are the ones PyTorch brings. Without it the build leaves the cuBLASMp backend out.
+for wheel in .deps/nvidia_cublasmp_cu13-*.whl; do
+  [ -f "$wheel" ] && python3 -m pip install --no-deps --no-index -q "$wheel" 2>&1
+done
 python3 -m pip install --no-build-isolation --no-deps --no-index -q . 2>&1
 python3 -c "import meshla; print('meshla installed:', meshla.__file__)"

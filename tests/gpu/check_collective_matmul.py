@@ -7,6 +7,9 @@ Two process models:
   python tests/gpu/check_collective_matmul.py --threads --results FILE
       one process driving every visible GPU, one thread per GPU (Communicator.create_local; with
       4 GPUs also two tp=2 groups of the same process).
+  torchrun --nproc-per-node=N tests/gpu/check_collective_matmul.py --cublasmp --results FILE
+      the cuBLASMp backend alone, on the world group: cuBLASMp 0.7 starts NVSHMEM over the first
+      group it meets, so one process serves one cuBLASMp group.
 
 Every check draws fresh random inputs, poisons the outputs with NaN, runs the op and compares with
 a float64 reference computed from the same (rounded) inputs: ||out - ref|| / ||ref|| under a
@@ -24,10 +27,11 @@ import traceback
 import torch
 import torch.distributed as dist
 
+import meshla
 import meshla.torch as mt
 from reporting import Reporter, relative_error
 
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 # (backend, algorithm, comm_ctas): every NCCL algorithm, the NCCL ring on its own communicator
 # limited to 8 thread blocks, the symmetric backend, and meshla's own choice.
@@ -253,6 +257,116 @@ def check_argument_errors(group, reporter, label):
     reporter.record(name, group.rank, ok, detail)
 
 
+def run_cublasmp(op, problem, group, algorithm, trans_b):
+    return getattr(mt, op)(problem.a, problem.b, group, bias=problem.bias, trans_b=trans_b,
+                           algorithm=algorithm, backend="cublasmp", out=problem.out)
+
+
+def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=300):
+    """The cuBLASMp backend: every op x dtype x layout x bias x algorithm against the reference,
+    graph replays of each op and of the three in one graph, shapes drawn at random, and the
+    configurations it refuses."""
+    reason = meshla.backend_unavailable_reason("cublasmp")
+    if reason:
+        reporter.record(f"{label}/cublasmp/available", group.rank, False, reason)
+        return
+    case = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for op in OPS:
+            for trans_b in (True, False) if op != "matmul_all_reduce" else (True,):
+                for algorithm in ("ring", "sequential"):
+                    case += 1
+                    bias = case % 2 == 1
+                    m, n, k = (256 if case % 3 else 200) * group.size, 384, 256
+                    name = (f"{label}/{op}/cublasmp/{algorithm}/{str(dtype)[6:]}"
+                            f"/trans_b={int(trans_b)}/bias={int(bias)}/m={m}")
+                    try:
+                        p = Problem(op, group, dtype, m, n, k, seed_base + case, trans_b, bias)
+                        out = run_cublasmp(op, p, group, algorithm, trans_b)
+                        torch.cuda.synchronize(group.device)
+                        err = relative_error(out, p.ref)
+                        ok, detail = err < TOLERANCE[dtype], f"rel_err={err:.2e}"
+                    except Exception as e:
+                        ok, detail = False, f"{type(e).__name__}: {e}"
+                    reporter.record(name, group.rank, ok, detail)
+
+    dtype, m, n, k = torch.bfloat16, 256 * group.size, 512, 256
+    problems = {}
+    for index, op in enumerate(OPS):
+        name = f"{label}/graph/{op}/cublasmp/ring/bfloat16"
+        try:
+            p = problems[op] = Problem(op, group, dtype, m, n, k, seed_base + 1000 * index, True,
+                                       True)
+            run = lambda op=op, p=p: run_cublasmp(op, p, group, "ring", True)  # noqa: E731
+            run()  # eager first: the plan and its warm-up stay outside the capture
+            torch.cuda.synchronize(group.device)
+            graph = capture(group, [run])
+            worst = 0.0
+            for replay in range(replays):
+                fresh = Problem(op, group, dtype, m, n, k, seed_base + 1000 * index + replay + 1,
+                                True, True)
+                refill(p, fresh)
+                graph.replay()
+                torch.cuda.synchronize(group.device)
+                worst = max(worst, relative_error(p.out, fresh.ref))
+            ok, detail = worst < TOLERANCE[dtype], f"worst rel_err over {replays} replays={worst:.2e}"
+        except Exception as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, group.rank, ok, detail)
+
+    name = f"{label}/graph-sequence/cublasmp/bfloat16"
+    try:
+        runs = [lambda op=op: run_cublasmp(op, problems[op], group, "ring", True) for op in OPS]
+        graph = capture(group, runs)
+        worst = 0.0
+        for replay in range(100):
+            fresh = {op: Problem(op, group, dtype, m, n, k, seed_base + 100 * (replay + 1) + i,
+                                 True, True) for i, op in enumerate(OPS)}
+            for op in OPS:
+                refill(problems[op], fresh[op])
+            graph.replay()
+            torch.cuda.synchronize(group.device)
+            worst = max([worst] + [relative_error(problems[op].out, fresh[op].ref) for op in OPS])
+        ok, detail = worst < TOLERANCE[dtype], f"worst rel_err over 100 replays of 3 ops={worst:.2e}"
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, group.rank, ok, detail)
+
+    name = f"{label}/stress/cublasmp/{stress_calls}"
+    draw = random.Random(seed_base + 5)
+    worst, failures, detail = 0.0, 0, ""
+    try:
+        for call in range(stress_calls):
+            op = draw.choice(OPS)
+            trans_b = op == "matmul_all_reduce" or draw.random() < 0.5
+            rows, n_s, k_s = draw.choice(STRESS_SHAPES)
+            p = Problem(op, group, torch.bfloat16, rows * group.size, n_s, k_s, seed_base + call,
+                        trans_b, call % 3 == 0)
+            err = relative_error(run_cublasmp(op, p, group, draw.choice(("ring", "sequential")),
+                                              trans_b), p.ref)
+            worst = max(worst, err)
+            if not err < TOLERANCE[torch.bfloat16]:
+                failures += 1
+                detail = detail or f"call {call}: {op} rel_err={err:.2e}"
+        ok = failures == 0
+        detail = f"{failures} wrong of {stress_calls}; worst rel_err={worst:.2e} {detail}".strip()
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, group.rank, ok, detail)
+
+    refusals = (("matmul_all_reduce", torch.bfloat16, False, "trans_b=True"),
+                ("all_gather_matmul", torch.float32, True, "supports bfloat16 and float16"))
+    for op, dtype, trans_b, expected in refusals:
+        name = f"{label}/{op}/cublasmp/refused/{str(dtype)[6:]}/trans_b={int(trans_b)}"
+        try:
+            p = Problem(op, group, dtype, 64 * group.size, 64, 64, seed_base, trans_b, False)
+            run_cublasmp(op, p, group, "ring", trans_b)
+            ok, detail = False, "no error"
+        except NotImplementedError as e:
+            ok, detail = expected in str(e), f"refused: {e}"
+        reporter.record(name, group.rank, ok, detail)
+
+
 def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
     torch.cuda.set_device(group.device)
     if quick:
@@ -274,6 +388,12 @@ def main_processes(args, reporter):
     dist.broadcast_object_list(seed, src=0)
     device = torch.device("cuda", local_rank)
     world = mt.group_from_process_group(device=device)
+    if args.cublasmp:
+        torch.cuda.set_device(device)
+        check_cublasmp(world, reporter, f"tp{size}", seed[0])
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     run_all(world, reporter, f"tp{size}", seed[0], args.quick)
     if size == 4 and not args.quick:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -317,6 +437,7 @@ if __name__ == "__main__":
     parser.add_argument("--results", required=True, help="JSON-lines file to append to")
     parser.add_argument("--threads", action="store_true", help="one process, a thread per GPU")
     parser.add_argument("--quick", action="store_true", help="bf16 correctness only")
+    parser.add_argument("--cublasmp", action="store_true", help="the cuBLASMp backend alone")
     parser.add_argument("--model", default=None, help="label of this run in the results")
     args = parser.parse_args()
     model = args.model or ("threads" if args.threads else "processes")

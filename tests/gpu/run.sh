@@ -2,7 +2,8 @@
 # Builds meshla and runs the whole GPU suite on this machine's GPUs; the last line is
 # "N passed, N failed". Logs and the per-check results go to $LOG_DIR (default $OUT/gpu-suite).
 #   tests/gpu/run.sh            build, then every process model
-#   tests/gpu/run.sh threads    only the named models (processes, threads, network)
+#   tests/gpu/run.sh threads    only the named models (grouped, solver, processes, cublasmp,
+#                               threads, network)
 #   MESHLA_SKIP_BUILD=1 ...     reuse the installed package
 set -uo pipefail
 # Never NVLink multicast: it can take a shared host's GPUs out of service.
@@ -33,7 +34,7 @@ launch() {
 }
 
 check=tests/gpu/check_collective_matmul.py
-models=${*:-grouped solver processes threads network}
+models=${*:-grouped solver processes cublasmp threads network}
 wants() { [[ " $models " == *" $1 "* ]]; }
 # The grouped GEMM needs one GPU; the collective models need two or more.
 if [ "$gpus" -ge 1 ] && wants grouped; then
@@ -49,6 +50,11 @@ else
   wants processes && launch processes-tp2 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node=2 "$check" --results "$results" --model processes-tp2
   if wants processes && [ "$gpus" -ge 4 ]; then
     launch processes-tp4 env CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc-per-node=4 "$check" --results "$results" --model processes-tp4
+  fi
+  # cuBLASMp's backend (needs the nvidia-cublasmp-cu13 wheel; a check says so when it is missing).
+  if wants cublasmp; then
+    launch cublasmp-tp2 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node=2 "$check" --cublasmp --results "$results" --model cublasmp-tp2
+    [ "$gpus" -ge 4 ] && launch cublasmp-tp4 env CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc-per-node=4 "$check" --cublasmp --results "$results" --model cublasmp-tp4
   fi
   wants threads && launch threads python3 "$check" --threads --results "$results" --model threads
   # NCCL's network transport (the path that crosses nodes) instead of NVLink / shared memory.

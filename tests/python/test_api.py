@@ -92,3 +92,14 @@ def test_unique_id_travels_through_the_process_group(gloo_env):
     assert len(ids[0]) == 128
     assert ids[0] == ids[1] == ids[2]
     assert meshla.unique_id() != ids[0]  # fresh ids differ
+
+
+def test_backend_query_names_what_is_missing():
+    assert meshla.backend_unavailable_reason("nccl") == ""
+    assert meshla.backend_unavailable_reason("symmetric") == ""
+    reason = meshla.backend_unavailable_reason("cublasmp")
+    if not torch.cuda.is_available():
+        # libcublasmp needs the GPU driver, or the build left cuBLASMp out: either is named.
+        assert "libcuda" in reason or "MESHLA_WITH_CUBLASMP" in reason, reason
+    with pytest.raises(ValueError, match="backend='cublas'; expected one of"):
+        meshla.backend_unavailable_reason("cublas")

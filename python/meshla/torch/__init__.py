@@ -46,7 +46,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 @dataclass(frozen=True)
 class Tuning:
     """How a collective matmul communicates and overlaps: ``backend`` ("auto", "nccl",
-    "symmetric": copy engines into peer-mapped buffers, one host with CUDA peer access),
+    "symmetric": copy engines into peer-mapped buffers, one host with CUDA peer access,
+    "cublasmp": cuBLASMp's own overlap, see :func:`meshla.backend_unavailable_reason`),
     ``algorithm`` ("auto", "sequential", "pipelined", "ring"), ``chunks`` (pipeline depth, 0: the
     default), ``comm_sms`` (SMs the overlapped GEMMs leave to NCCL, -1: default) and ``comm_ctas``
     (thread blocks NCCL may use for the transfers, 0: NCCL's choice)."""

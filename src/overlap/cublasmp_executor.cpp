@@ -1,0 +1,277 @@
+// The cuBLASMp backend of collective matmul: cuBLASMp's own AG+GEMM, GEMM+RS and GEMM+AR
+// (cublasMpMatmul with its split peer-to-peer algorithm) on the plan's NCCL communicator.
+//
+// Layouts. cuBLASMp is column-major: meshla's row-major [r, c] array is its c x r matrix. It
+// computes D = op(A) op(B) over global matrices split into one block per rank, over a P x 1
+// process grid ("rows over P") or a 1 x P one ("columns over P"). meshla's b is its A, a is B and
+// out is D:
+//   all_gather_matmul      D (n P) x m, rows over P:     local n x m     = out [m, n]
+//                          B k x m, columns over P:      local k x m/P   = a [m/P, k], gathered
+//                          A k x (n P), columns over P:  local k x n     = b [n, k] (trans_b), or
+//                          A (n P) x k, rows over P:     local n x k     = b [k, n]
+//   matmul_reduce_scatter  D n x m, columns over P:      local n x m/P   = out [m/P, n]
+//                          B (k P) x m, rows over P:     local k x m     = a [m, k]
+//                          A (k P) x n, rows over P:     local k x n     = b [n, k] (trans_b), or
+//                          A n x (k P), columns over P:  local n x k     = b [k, n]
+//   matmul_all_reduce      D n x (m P), columns over P:  local n x m     = out [m, n], summed by
+//                          the ALLREDUCE epilogue; A and B as for reduce-scatter, trans_b only.
+// The bias is added by meshla after cuBLASMp returns: cuBLASMp before 0.9 adds an epilogue bias
+// to GEMM+AR once per rank, and a reduced product must carry it once.
+#include <array>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "comm/comm_state.hpp"
+#include "core/cuda_checks.hpp"
+#include "core/cuda_handles.hpp"
+#include "overlap/add_bias.hpp"
+#include "overlap/cublasmp_library.hpp"
+#include "overlap/executor.hpp"
+
+namespace meshla::overlap {
+namespace {
+
+template <typename Handle>
+using Owned = std::unique_ptr<std::remove_pointer_t<Handle>, std::function<void(Handle)>>;
+
+cudaDataType_t cuda_type(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return CUDA_R_16BF;
+    case DType::kFloat16:
+      return CUDA_R_16F;
+    default:
+      MESHLA_THROW(kNotImplemented,
+                   "backend=cublasmp: dtype " << dtype_name(dtype) << " is not supported");
+  }
+}
+
+// One matrix operand: its global shape, the block each rank holds, and how ranks split it.
+struct Operand {
+  std::int64_t rows, cols, row_block, col_block;
+  bool rows_over_ranks;  // P x 1 grid; otherwise 1 x P
+};
+
+// Device workspace on NVSHMEM's symmetric heap, where cuBLASMp 0.7's overlapped algorithms need
+// it. nvshmem_malloc and nvshmem_free are collective: every rank of the group allocates and frees
+// its plans' workspaces in the same order.
+class SymmetricWorkspace {
+ public:
+  SymmetricWorkspace(const CublasMpLibrary& library, std::size_t bytes)
+      : library_(library), bytes_(bytes) {
+    if (bytes == 0) return;
+    data_ = library.nvshmem_malloc(bytes);
+    MESHLA_CHECK(kCuda, data_ != nullptr,
+                 "backend=cublasmp: nvshmem_malloc(" << bytes
+                                                     << ") failed; NVSHMEM's symmetric heap is "
+                                                        "full (see NVSHMEM_SYMMETRIC_SIZE)");
+  }
+  ~SymmetricWorkspace() {
+    if (data_ != nullptr) library_.nvshmem_free(data_);
+  }
+  SymmetricWorkspace(const SymmetricWorkspace&) = delete;
+  SymmetricWorkspace& operator=(const SymmetricWorkspace&) = delete;
+  void* data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  const CublasMpLibrary& library_;
+  std::size_t bytes_;
+  void* data_ = nullptr;
+};
+
+class CublasMpExecutor final : public Executor {
+ public:
+  CublasMpExecutor(const CublasMpLibrary& library, const Communicator& comm,
+                   const CollectiveMatmulConfig& config)
+      : library_(library),
+        comm_(comm),
+        config_(config),
+        tp_(comm.size()),
+        own_stream_(comm.device(), /*high_priority=*/false) {
+    const CollectiveMatmulConfig& c = config;
+    const std::int64_t p = tp_;
+    const bool gather = c.op == CollectiveOp::kAllGatherMatmul;
+    // cuBLASMp's m, n, k: rows and columns of D and the contraction, all global.
+    shape_ = gather ? std::array<std::int64_t, 3>{c.n * p, c.m, c.k}
+                    : std::array<std::int64_t, 3>{c.n, c.m, c.k * p};
+    Operand a_operand{}, b_operand{}, d_operand{};
+    if (gather) {
+      a_operand = c.trans_b ? Operand{c.k, c.n * p, c.k, c.n, false}
+                            : Operand{c.n * p, c.k, c.n, c.k, true};
+      b_operand = Operand{c.k, c.m, c.k, c.m / p, false};
+      d_operand = Operand{c.n * p, c.m, c.n, c.m / p, true};
+    } else {
+      a_operand = c.trans_b ? Operand{c.k * p, c.n, c.k, c.n, true}
+                            : Operand{c.n, c.k * p, c.n, c.k, false};
+      if (c.op == CollectiveOp::kMatmulReduceScatter) {
+        b_operand = Operand{c.k * p, c.m, c.k, c.m / p, true};
+        d_operand = Operand{c.n, c.m, c.n, c.m / p, false};
+      } else {
+        b_operand = Operand{c.k * p, c.m, c.k, c.m, true};
+        d_operand = Operand{c.n, c.m * p, c.n, c.m, false};
+      }
+    }
+    out_rows_ = c.op == CollectiveOp::kMatmulReduceScatter ? c.m / p : c.m;
+
+    cublasMpHandle_t handle = nullptr;
+    MESHLA_CHECK_CUBLASMP(library.create(&handle, own_stream_.get()));
+    handle_ = Owned<cublasMpHandle_t>(handle, library.destroy);
+    // The first grid starts NVSHMEM over the communicator's ranks.
+    grid_rows_ = make_grid(p, 1, CUBLASMP_GRID_LAYOUT_COL_MAJOR);
+    grid_columns_ = make_grid(1, p, CUBLASMP_GRID_LAYOUT_ROW_MAJOR);
+    a_desc_ = describe(a_operand);
+    b_desc_ = describe(b_operand);
+    d_desc_ = describe(d_operand);
+
+    cublasMpMatmulDescriptor_t matmul = nullptr;
+    MESHLA_CHECK_CUBLASMP(library.matmul_descriptor_create(&matmul, CUBLAS_COMPUTE_32F));
+    matmul_desc_ = Owned<cublasMpMatmulDescriptor_t>(matmul, library.matmul_descriptor_destroy);
+    set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSA,
+                  c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
+    set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSB, CUBLAS_OP_N);
+    // Never the default or multicast algorithms: NVLink multicast can take a shared host's GPUs
+    // out of service.
+    set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_ALGO_TYPE,
+                  c.algorithm == Algorithm::kSequential ? CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP
+                                                        : CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P);
+    if (c.op == CollectiveOp::kMatmulAllReduce) {
+      set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_EPILOGUE,
+                    CUBLASMP_MATMUL_EPILOGUE_ALLREDUCE);
+    }
+    if (c.comm_sms > 0) {
+      set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_COMMUNICATION_SM_COUNT, c.comm_sms);
+    }
+    warm_up();
+  }
+
+  // In this order, with the plan's device current: the workspace goes before the grids that own
+  // NVSHMEM, everything before the communicator.
+  ~CublasMpExecutor() override {
+    detail::DeviceGuard guard(comm_.device());
+    workspace_.reset();
+    matmul_desc_.reset();
+    d_desc_.reset();
+    b_desc_.reset();
+    a_desc_.reset();
+    grid_columns_.reset();
+    grid_rows_.reset();
+    handle_.reset();
+  }
+  CublasMpExecutor(const CublasMpExecutor&) = delete;
+  CublasMpExecutor& operator=(const CublasMpExecutor&) = delete;
+
+  void enqueue(const CollectiveMatmulArgs& args, cudaStream_t stream) override {
+    MESHLA_CHECK_CUBLASMP(library_.stream_set(handle_.get(), stream));
+    matmul(args.b.data, args.a.data, args.out.data);
+    if (config_.bias) {
+      add_bias(config_.dtype, args.out.data, out_rows_, config_.n, args.bias.data, stream);
+    }
+  }
+
+ private:
+  Owned<cublasMpGrid_t> make_grid(std::int64_t rows, std::int64_t cols,
+                                  cublasMpGridLayout_t layout) {
+    cublasMpGrid_t grid = nullptr;
+    MESHLA_CHECK_CUBLASMP(library_.grid_create(rows, cols, layout, comm_.state()->comm, &grid));
+    return Owned<cublasMpGrid_t>(grid, library_.grid_destroy);
+  }
+
+  Owned<cublasMpMatrixDescriptor_t> describe(const Operand& o) {
+    cublasMpMatrixDescriptor_t desc = nullptr;
+    // Column-major local blocks: the leading dimension is the block's row count.
+    MESHLA_CHECK_CUBLASMP(library_.matrix_descriptor_create(
+        o.rows, o.cols, o.row_block, o.col_block, 0, 0, o.row_block, cuda_type(config_.dtype),
+        o.rows_over_ranks ? grid_rows_.get() : grid_columns_.get(), &desc));
+    return Owned<cublasMpMatrixDescriptor_t>(desc, library_.matrix_descriptor_destroy);
+  }
+
+  template <typename Value>
+  void set_attribute(cublasMpMatmulDescriptorAttribute_t attribute, Value value) {
+    MESHLA_CHECK_CUBLASMP(library_.matmul_descriptor_attribute_set(matmul_desc_.get(), attribute,
+                                                                   &value, sizeof(value)));
+  }
+
+  // D = A B with this plan's descriptors; A is meshla's b, B its a.
+  void matmul(const void* a, const void* b, void* d) {
+    const float alpha = 1.0f;
+    const float beta = 0.0f;
+    MESHLA_CHECK_CUBLASMP(library_.matmul(handle_.get(), matmul_desc_.get(), shape_[0], shape_[1],
+                                          shape_[2], &alpha, a, 1, 1, a_desc_.get(), b, 1, 1,
+                                          b_desc_.get(), &beta, nullptr, 1, 1, nullptr, d, 1, 1,
+                                          d_desc_.get(), workspace_->data(), workspace_->bytes(),
+                                          host_workspace_.data(), host_workspace_.size()));
+  }
+
+  // Sizes the workspaces and runs the op once on zeros, so that cuBLASMp's lazy set-up (NVSHMEM
+  // buffers, signals, kernels) happens here and not inside a CUDA-graph capture. The inputs are
+  // freed before returning, also when it throws.
+  void warm_up() {
+    const CollectiveMatmulConfig& c = config_;
+    const int device = comm_.device();
+    const std::size_t element = dtype_size(c.dtype);
+    const std::int64_t a_rows = c.op == CollectiveOp::kAllGatherMatmul ? c.m / tp_ : c.m;
+    detail::DeviceBuffer a(device, static_cast<std::size_t>(a_rows * c.k) * element);
+    detail::DeviceBuffer b(device, static_cast<std::size_t>(c.k * c.n) * element);
+    detail::DeviceBuffer d(device, static_cast<std::size_t>(out_rows_ * c.n) * element);
+    const cudaStream_t stream = own_stream_.get();
+    MESHLA_CHECK_CUDA(cudaMemsetAsync(a.data(), 0, a.bytes(), stream));
+    MESHLA_CHECK_CUDA(cudaMemsetAsync(b.data(), 0, b.bytes(), stream));
+    const float alpha = 1.0f;
+    const float beta = 0.0f;
+    std::size_t device_bytes = 0;
+    std::size_t host_bytes = 0;
+    MESHLA_CHECK_CUBLASMP(library_.matmul_buffer_size(
+        handle_.get(), matmul_desc_.get(), shape_[0], shape_[1], shape_[2], &alpha, b.data(), 1, 1,
+        a_desc_.get(), a.data(), 1, 1, b_desc_.get(), &beta, nullptr, 1, 1, nullptr, d.data(), 1, 1,
+        d_desc_.get(), &device_bytes, &host_bytes));
+    workspace_ = std::make_unique<SymmetricWorkspace>(library_, device_bytes);
+    host_workspace_.resize(host_bytes);
+    MESHLA_CHECK_CUBLASMP(library_.stream_set(handle_.get(), stream));
+    matmul(b.data(), a.data(), d.data());
+    detail::Event done(device);
+    MESHLA_CHECK_CUDA(cudaEventRecord(done.get(), stream));
+    const cudaError_t waited = detail::wait_for_event(done.get(), comm_.timeout());
+    MESHLA_CHECK(kTimeout, waited != cudaErrorNotReady,
+                 "backend=cublasmp: the warm-up "
+                     << collective_op_name(c.op) << " did not finish within "
+                     << comm_.timeout().count() << " ms; is every rank building the same plan?");
+    MESHLA_CHECK_CUDA(waited);
+  }
+
+  const CublasMpLibrary& library_;
+  Communicator comm_;  // outlives every cuBLASMp object below
+  CollectiveMatmulConfig config_;
+  std::int64_t tp_;
+  detail::Stream own_stream_;  // the handle's stream outside execute(): creation and warm-up
+  std::array<std::int64_t, 3> shape_{};
+  std::int64_t out_rows_ = 0;
+  Owned<cublasMpHandle_t> handle_;
+  Owned<cublasMpGrid_t> grid_rows_;
+  Owned<cublasMpGrid_t> grid_columns_;
+  Owned<cublasMpMatrixDescriptor_t> a_desc_;
+  Owned<cublasMpMatrixDescriptor_t> b_desc_;
+  Owned<cublasMpMatrixDescriptor_t> d_desc_;
+  Owned<cublasMpMatmulDescriptor_t> matmul_desc_;
+  std::unique_ptr<SymmetricWorkspace> workspace_;
+  std::vector<std::byte> host_workspace_;
+};
+
+}  // namespace
+
+std::unique_ptr<Executor> make_cublasmp_executor(const Communicator& comm,
+                                                 const CollectiveMatmulConfig& config) {
+  std::string why;
+  const CublasMpLibrary* library = cublasmp_library(&why);
+  MESHLA_ASSERT(library != nullptr);  // the caller has checked availability on every rank
+  MESHLA_CHECK(kNotImplemented, comm.state()->ranks_in_process == 1,
+               collective_op_name(config.op)
+                   << ": backend=cublasmp needs one process per GPU (cuBLASMp 0.7 runs on "
+                      "NVSHMEM, one process per rank), but this process drives "
+                   << comm.state()->ranks_in_process << " ranks of the group");
+  detail::DeviceGuard guard(comm.device());
+  return std::make_unique<CublasMpExecutor>(*library, comm, config);
+}
+
+}  // namespace meshla::overlap
