@@ -18,8 +18,11 @@
 // The bias is added by meshla after cuBLASMp returns: cuBLASMp before 0.9 adds an epilogue bias
 // to GEMM+AR once per rank, and a reduced product must carry it once.
 #include <array>
+#include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "comm/comm_state.hpp"
@@ -81,15 +84,67 @@ class SymmetricWorkspace {
   void* data_ = nullptr;
 };
 
+// The cuBLASMp handle and process grids of one communicator, shared by all its plans: each grid
+// takes one of NVSHMEM's few teams (32 by default, and running out aborts the process), so plans
+// must not make their own. Holds the communicator, so it never outlives it.
+struct GroupContext {
+  GroupContext(const CublasMpLibrary& library, const Communicator& comm_)
+      : comm(comm_), stream(comm_.device(), /*high_priority=*/false) {
+    cublasMpHandle_t raw_handle = nullptr;
+    MESHLA_CHECK_CUBLASMP(library.create(&raw_handle, stream.get()));
+    handle = Owned<cublasMpHandle_t>(raw_handle, library.destroy);
+    // The first grid of the process starts NVSHMEM over this communicator's ranks.
+    grid_rows = make_grid(library, comm.size(), 1, CUBLASMP_GRID_LAYOUT_COL_MAJOR);
+    grid_columns = make_grid(library, 1, comm.size(), CUBLASMP_GRID_LAYOUT_ROW_MAJOR);
+  }
+  ~GroupContext() {
+    detail::DeviceGuard guard(comm.device());
+    grid_columns.reset();
+    grid_rows.reset();
+    handle.reset();
+  }
+  GroupContext(const GroupContext&) = delete;
+  GroupContext& operator=(const GroupContext&) = delete;
+
+  Owned<cublasMpGrid_t> make_grid(const CublasMpLibrary& library, std::int64_t rows,
+                                  std::int64_t cols, cublasMpGridLayout_t layout) const {
+    cublasMpGrid_t grid = nullptr;
+    MESHLA_CHECK_CUBLASMP(library.grid_create(rows, cols, layout, comm.state()->comm, &grid));
+    return Owned<cublasMpGrid_t>(grid, library.grid_destroy);
+  }
+
+  Communicator comm;
+  detail::Stream stream;  // the handle's stream outside execute(): creation and warm-ups
+  Owned<cublasMpHandle_t> handle;
+  Owned<cublasMpGrid_t> grid_rows;     // P x 1
+  Owned<cublasMpGrid_t> grid_columns;  // 1 x P
+};
+
+// Registry of the live contexts, keyed by the communicator state they serve (one context per
+// communicator, for as long as one of its plans lives).
+std::shared_ptr<GroupContext> group_context(const CublasMpLibrary& library,
+                                            const Communicator& comm) {
+  static std::mutex mutex;
+  static std::map<const detail::CommState*, std::weak_ptr<GroupContext>> contexts;
+  const std::lock_guard<std::mutex> lock(mutex);
+  std::erase_if(contexts, [](const auto& entry) { return entry.second.expired(); });
+  std::weak_ptr<GroupContext>& slot = contexts[comm.state().get()];
+  std::shared_ptr<GroupContext> context = slot.lock();
+  if (context == nullptr) {
+    context = std::make_shared<GroupContext>(library, comm);
+    slot = context;
+  }
+  return context;
+}
+
 class CublasMpExecutor final : public Executor {
  public:
   CublasMpExecutor(const CublasMpLibrary& library, const Communicator& comm,
                    const CollectiveMatmulConfig& config)
       : library_(library),
-        comm_(comm),
+        context_(group_context(library, comm)),
         config_(config),
-        tp_(comm.size()),
-        own_stream_(comm.device(), /*high_priority=*/false) {
+        tp_(comm.size()) {
     const CollectiveMatmulConfig& c = config;
     const std::int64_t p = tp_;
     const bool gather = c.op == CollectiveOp::kAllGatherMatmul;
@@ -115,12 +170,6 @@ class CublasMpExecutor final : public Executor {
     }
     out_rows_ = c.op == CollectiveOp::kMatmulReduceScatter ? c.m / p : c.m;
 
-    cublasMpHandle_t handle = nullptr;
-    MESHLA_CHECK_CUBLASMP(library.create(&handle, own_stream_.get()));
-    handle_ = Owned<cublasMpHandle_t>(handle, library.destroy);
-    // The first grid starts NVSHMEM over the communicator's ranks.
-    grid_rows_ = make_grid(p, 1, CUBLASMP_GRID_LAYOUT_COL_MAJOR);
-    grid_columns_ = make_grid(1, p, CUBLASMP_GRID_LAYOUT_ROW_MAJOR);
     a_desc_ = describe(a_operand);
     b_desc_ = describe(b_operand);
     d_desc_ = describe(d_operand);
@@ -131,11 +180,6 @@ class CublasMpExecutor final : public Executor {
     set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSA,
                   c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
     set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSB, CUBLAS_OP_N);
-    // Never the default or multicast algorithms: NVLink multicast can take a shared host's GPUs
-    // out of service.
-    set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_ALGO_TYPE,
-                  c.algorithm == Algorithm::kSequential ? CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP
-                                                        : CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P);
     if (c.op == CollectiveOp::kMatmulAllReduce) {
       set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_EPILOGUE,
                     CUBLASMP_MATMUL_EPILOGUE_ALLREDUCE);
@@ -146,24 +190,21 @@ class CublasMpExecutor final : public Executor {
     warm_up();
   }
 
-  // In this order, with the plan's device current: the workspace goes before the grids that own
-  // NVSHMEM, everything before the communicator.
+  // In this order, with the plan's device current: the workspace and descriptors go before the
+  // grids they belong to (the shared context, which goes last).
   ~CublasMpExecutor() override {
-    detail::DeviceGuard guard(comm_.device());
+    detail::DeviceGuard guard(context_->comm.device());
     workspace_.reset();
     matmul_desc_.reset();
     d_desc_.reset();
     b_desc_.reset();
     a_desc_.reset();
-    grid_columns_.reset();
-    grid_rows_.reset();
-    handle_.reset();
   }
   CublasMpExecutor(const CublasMpExecutor&) = delete;
   CublasMpExecutor& operator=(const CublasMpExecutor&) = delete;
 
   void enqueue(const CollectiveMatmulArgs& args, cudaStream_t stream) override {
-    MESHLA_CHECK_CUBLASMP(library_.stream_set(handle_.get(), stream));
+    MESHLA_CHECK_CUBLASMP(library_.stream_set(context_->handle.get(), stream));
     matmul(args.b.data, args.a.data, args.out.data);
     if (config_.bias) {
       add_bias(config_.dtype, args.out.data, out_rows_, config_.n, args.bias.data, stream);
@@ -171,19 +212,12 @@ class CublasMpExecutor final : public Executor {
   }
 
  private:
-  Owned<cublasMpGrid_t> make_grid(std::int64_t rows, std::int64_t cols,
-                                  cublasMpGridLayout_t layout) {
-    cublasMpGrid_t grid = nullptr;
-    MESHLA_CHECK_CUBLASMP(library_.grid_create(rows, cols, layout, comm_.state()->comm, &grid));
-    return Owned<cublasMpGrid_t>(grid, library_.grid_destroy);
-  }
-
   Owned<cublasMpMatrixDescriptor_t> describe(const Operand& o) {
     cublasMpMatrixDescriptor_t desc = nullptr;
     // Column-major local blocks: the leading dimension is the block's row count.
     MESHLA_CHECK_CUBLASMP(library_.matrix_descriptor_create(
         o.rows, o.cols, o.row_block, o.col_block, 0, 0, o.row_block, cuda_type(config_.dtype),
-        o.rows_over_ranks ? grid_rows_.get() : grid_columns_.get(), &desc));
+        o.rows_over_ranks ? context_->grid_rows.get() : context_->grid_columns.get(), &desc));
     return Owned<cublasMpMatrixDescriptor_t>(desc, library_.matrix_descriptor_destroy);
   }
 
@@ -197,59 +231,80 @@ class CublasMpExecutor final : public Executor {
   void matmul(const void* a, const void* b, void* d) {
     const float alpha = 1.0f;
     const float beta = 0.0f;
-    MESHLA_CHECK_CUBLASMP(library_.matmul(handle_.get(), matmul_desc_.get(), shape_[0], shape_[1],
-                                          shape_[2], &alpha, a, 1, 1, a_desc_.get(), b, 1, 1,
-                                          b_desc_.get(), &beta, nullptr, 1, 1, nullptr, d, 1, 1,
-                                          d_desc_.get(), workspace_->data(), workspace_->bytes(),
+    MESHLA_CHECK_CUBLASMP(library_.matmul(context_->handle.get(), matmul_desc_.get(), shape_[0],
+                                          shape_[1], shape_[2], &alpha, a, 1, 1, a_desc_.get(), b,
+                                          1, 1, b_desc_.get(), &beta, nullptr, 1, 1, nullptr, d, 1,
+                                          1, d_desc_.get(), workspace_->data(), workspace_->bytes(),
                                           host_workspace_.data(), host_workspace_.size()));
   }
 
-  // Sizes the workspaces and runs the op once on zeros, so that cuBLASMp's lazy set-up (NVSHMEM
-  // buffers, signals, kernels) happens here and not inside a CUDA-graph capture. The inputs are
-  // freed before returning, also when it throws.
+  // The algorithms to try, best first. Never the default or multicast ones: NVLink multicast can
+  // take a shared host's GPUs out of service. cuBLASMp 0.7 reports an algorithm it cannot run
+  // for a shape or epilogue as NOT_SUPPORTED when sizing its workspace.
+  std::vector<cublasMpMatmulAlgoType_t> algorithm_candidates() const {
+    if (config_.algorithm == Algorithm::kSequential) return {CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP};
+    if (config_.op == CollectiveOp::kMatmulAllReduce) {
+      return {CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P, CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_P2P};
+    }
+    return {CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P};
+  }
+
+  // Picks the algorithm, sizes the workspaces and runs the op once on zeros, so that cuBLASMp's
+  // lazy set-up (NVSHMEM buffers, signals, kernels) happens here and not inside a CUDA-graph
+  // capture. The inputs are freed before returning, also when it throws.
   void warm_up() {
     const CollectiveMatmulConfig& c = config_;
-    const int device = comm_.device();
+    const int device = context_->comm.device();
     const std::size_t element = dtype_size(c.dtype);
     const std::int64_t a_rows = c.op == CollectiveOp::kAllGatherMatmul ? c.m / tp_ : c.m;
     detail::DeviceBuffer a(device, static_cast<std::size_t>(a_rows * c.k) * element);
     detail::DeviceBuffer b(device, static_cast<std::size_t>(c.k * c.n) * element);
     detail::DeviceBuffer d(device, static_cast<std::size_t>(out_rows_ * c.n) * element);
-    const cudaStream_t stream = own_stream_.get();
+    const cudaStream_t stream = context_->stream.get();
     MESHLA_CHECK_CUDA(cudaMemsetAsync(a.data(), 0, a.bytes(), stream));
     MESHLA_CHECK_CUDA(cudaMemsetAsync(b.data(), 0, b.bytes(), stream));
     const float alpha = 1.0f;
     const float beta = 0.0f;
     std::size_t device_bytes = 0;
     std::size_t host_bytes = 0;
-    MESHLA_CHECK_CUBLASMP(library_.matmul_buffer_size(
-        handle_.get(), matmul_desc_.get(), shape_[0], shape_[1], shape_[2], &alpha, b.data(), 1, 1,
-        a_desc_.get(), a.data(), 1, 1, b_desc_.get(), &beta, nullptr, 1, 1, nullptr, d.data(), 1, 1,
-        d_desc_.get(), &device_bytes, &host_bytes));
+    cublasMpStatus_t sized = CUBLASMP_STATUS_NOT_SUPPORTED;
+    for (const cublasMpMatmulAlgoType_t algorithm : algorithm_candidates()) {
+      set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_ALGO_TYPE, algorithm);
+      sized = library_.matmul_buffer_size(
+          context_->handle.get(), matmul_desc_.get(), shape_[0], shape_[1], shape_[2], &alpha,
+          b.data(), 1, 1, a_desc_.get(), a.data(), 1, 1, b_desc_.get(), &beta, nullptr, 1, 1,
+          nullptr, d.data(), 1, 1, d_desc_.get(), &device_bytes, &host_bytes);
+      if (sized != CUBLASMP_STATUS_NOT_SUPPORTED) break;
+    }
+    MESHLA_CHECK(kNotImplemented, sized != CUBLASMP_STATUS_NOT_SUPPORTED,
+                 collective_op_name(c.op)
+                     << ": cuBLASMp " << library_.version / 1000 << "."
+                     << library_.version / 100 % 10 << " cannot run m=" << c.m << ", n=" << c.n
+                     << ", k=" << c.k << ", trans_b=" << c.trans_b << " on " << tp_
+                     << " ranks with algorithm=" << algorithm_name(c.algorithm)
+                     << " (CUBLASMP_STATUS_NOT_SUPPORTED)");
+    MESHLA_CHECK_CUBLASMP(sized);
     workspace_ = std::make_unique<SymmetricWorkspace>(library_, device_bytes);
     host_workspace_.resize(host_bytes);
-    MESHLA_CHECK_CUBLASMP(library_.stream_set(handle_.get(), stream));
+    MESHLA_CHECK_CUBLASMP(library_.stream_set(context_->handle.get(), stream));
     matmul(b.data(), a.data(), d.data());
     detail::Event done(device);
     MESHLA_CHECK_CUDA(cudaEventRecord(done.get(), stream));
-    const cudaError_t waited = detail::wait_for_event(done.get(), comm_.timeout());
+    const std::chrono::milliseconds timeout = context_->comm.timeout();
+    const cudaError_t waited = detail::wait_for_event(done.get(), timeout);
     MESHLA_CHECK(kTimeout, waited != cudaErrorNotReady,
-                 "backend=cublasmp: the warm-up "
-                     << collective_op_name(c.op) << " did not finish within "
-                     << comm_.timeout().count() << " ms; is every rank building the same plan?");
+                 "backend=cublasmp: the warm-up " << collective_op_name(c.op)
+                                                  << " did not finish within " << timeout.count()
+                                                  << " ms; is every rank building the same plan?");
     MESHLA_CHECK_CUDA(waited);
   }
 
   const CublasMpLibrary& library_;
-  Communicator comm_;  // outlives every cuBLASMp object below
+  std::shared_ptr<GroupContext> context_;  // outlives every cuBLASMp object below
   CollectiveMatmulConfig config_;
   std::int64_t tp_;
-  detail::Stream own_stream_;  // the handle's stream outside execute(): creation and warm-up
   std::array<std::int64_t, 3> shape_{};
   std::int64_t out_rows_ = 0;
-  Owned<cublasMpHandle_t> handle_;
-  Owned<cublasMpGrid_t> grid_rows_;
-  Owned<cublasMpGrid_t> grid_columns_;
   Owned<cublasMpMatrixDescriptor_t> a_desc_;
   Owned<cublasMpMatrixDescriptor_t> b_desc_;
   Owned<cublasMpMatrixDescriptor_t> d_desc_;

@@ -19,6 +19,7 @@ per-dtype threshold. tests/gpu/run.sh runs every model and prints "N passed, N f
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import threading
@@ -274,10 +275,10 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
     for dtype in (torch.bfloat16, torch.float16):
         for op in OPS:
             for trans_b in (True, False) if op != "matmul_all_reduce" else (True,):
-                for algorithm in ("ring", "sequential"):
+                for algorithm, rows in itertools.product(("ring", "sequential"), (256, 200)):
                     case += 1
                     bias = case % 2 == 1
-                    m, n, k = (256 if case % 3 else 200) * group.size, 384, 256
+                    m, n, k = rows * group.size, 384, 256
                     name = (f"{label}/{op}/cublasmp/{algorithm}/{str(dtype)[6:]}"
                             f"/trans_b={int(trans_b)}/bias={int(bias)}/m={m}")
                     try:
