@@ -35,7 +35,8 @@ enum class Backend {
                // stream memory operations signal their arrival, so no SM works on communication
   kCublasMp,   // NVIDIA cuBLASMp's own AG+GEMM, GEMM+RS and GEMM+AR on the group's NCCL
                // communicator; optional (backend_unavailable_reason), one process per GPU, never
-               // chosen by kAuto
+               // chosen by kAuto. Its all-reduce runs unoverlapped (kSequential): cuBLASMp 0.7
+               // overlaps that one only with NVLink multicast, which meshla never uses.
 };
 
 enum class Algorithm {

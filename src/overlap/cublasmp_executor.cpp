@@ -180,6 +180,11 @@ class CublasMpExecutor final : public Executor {
     set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSA,
                   c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
     set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSB, CUBLAS_OP_N);
+    // Never the default or multicast algorithms: NVLink multicast can take a shared host's GPUs
+    // out of service.
+    set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_ALGO_TYPE,
+                  c.algorithm == Algorithm::kSequential ? CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP
+                                                        : CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P);
     if (c.op == CollectiveOp::kMatmulAllReduce) {
       set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_EPILOGUE,
                     CUBLASMP_MATMUL_EPILOGUE_ALLREDUCE);
@@ -238,18 +243,7 @@ class CublasMpExecutor final : public Executor {
                                           host_workspace_.data(), host_workspace_.size()));
   }
 
-  // The algorithms to try, best first. Never the default or multicast ones: NVLink multicast can
-  // take a shared host's GPUs out of service. cuBLASMp 0.7 reports an algorithm it cannot run
-  // for a shape or epilogue as NOT_SUPPORTED when sizing its workspace.
-  std::vector<cublasMpMatmulAlgoType_t> algorithm_candidates() const {
-    if (config_.algorithm == Algorithm::kSequential) return {CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP};
-    if (config_.op == CollectiveOp::kMatmulAllReduce) {
-      return {CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P, CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_P2P};
-    }
-    return {CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P};
-  }
-
-  // Picks the algorithm, sizes the workspaces and runs the op once on zeros, so that cuBLASMp's
+  // Sizes the workspaces and runs the op once on zeros, so that cuBLASMp's
   // lazy set-up (NVSHMEM buffers, signals, kernels) happens here and not inside a CUDA-graph
   // capture. The inputs are freed before returning, also when it throws.
   void warm_up() {
@@ -267,15 +261,10 @@ class CublasMpExecutor final : public Executor {
     const float beta = 0.0f;
     std::size_t device_bytes = 0;
     std::size_t host_bytes = 0;
-    cublasMpStatus_t sized = CUBLASMP_STATUS_NOT_SUPPORTED;
-    for (const cublasMpMatmulAlgoType_t algorithm : algorithm_candidates()) {
-      set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_ALGO_TYPE, algorithm);
-      sized = library_.matmul_buffer_size(
-          context_->handle.get(), matmul_desc_.get(), shape_[0], shape_[1], shape_[2], &alpha,
-          b.data(), 1, 1, a_desc_.get(), a.data(), 1, 1, b_desc_.get(), &beta, nullptr, 1, 1,
-          nullptr, d.data(), 1, 1, d_desc_.get(), &device_bytes, &host_bytes);
-      if (sized != CUBLASMP_STATUS_NOT_SUPPORTED) break;
-    }
+    const cublasMpStatus_t sized = library_.matmul_buffer_size(
+        context_->handle.get(), matmul_desc_.get(), shape_[0], shape_[1], shape_[2], &alpha,
+        b.data(), 1, 1, a_desc_.get(), a.data(), 1, 1, b_desc_.get(), &beta, nullptr, 1, 1, nullptr,
+        d.data(), 1, 1, d_desc_.get(), &device_bytes, &host_bytes);
     MESHLA_CHECK(kNotImplemented, sized != CUBLASMP_STATUS_NOT_SUPPORTED,
                  collective_op_name(c.op)
                      << ": cuBLASMp " << library_.version / 1000 << "."

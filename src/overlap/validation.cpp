@@ -64,9 +64,17 @@ CollectiveMatmulConfig resolve_cublasmp(const CollectiveMatmulConfig& config, in
                      "GEMM+AllReduce takes no other layout");
   MESHLA_CHECK_ARG(config.op == CollectiveOp::kMatmulAllReduce || config.m % tp == 0,
                    op << ": m=" << config.m << " rows are not divisible by tp_size=" << tp);
+  // cuBLASMp 0.7 answers NOT_SUPPORTED for GEMM+AllReduce with its split and atomic
+  // peer-to-peer algorithms (H200, 2 and 4 ranks, every shape tried); the rest need NVLink
+  // multicast, which meshla never uses. Only its unoverlapped form is left.
+  const bool all_reduce = config.op == CollectiveOp::kMatmulAllReduce;
+  MESHLA_CHECK(kNotImplemented, !all_reduce || config.algorithm != Algorithm::kRing,
+               op << ": backend=cublasmp has no overlapped all-reduce without NVLink multicast; "
+                     "use algorithm=sequential (or auto) or another backend");
   CollectiveMatmulConfig resolved = config;
-  resolved.algorithm =
-      config.algorithm == Algorithm::kSequential ? Algorithm::kSequential : Algorithm::kRing;
+  resolved.algorithm = config.algorithm == Algorithm::kSequential || all_reduce
+                           ? Algorithm::kSequential
+                           : Algorithm::kRing;
   resolved.comm_sms = std::max(config.comm_sms, 0);
   return resolved;
 }

@@ -203,6 +203,9 @@ TEST(Validation, CublasMpResolvesItsOwnAlgorithm) {
   sequential.algorithm = Algorithm::kSequential;
   sequential.trans_b = false;
   EXPECT_EQ(resolve_config(sequential, 4).algorithm, Algorithm::kSequential);
+  // No overlapped all-reduce without multicast: auto resolves to cuBLASMp's unoverlapped one.
+  EXPECT_EQ(resolve_config(cublasmp_config(CollectiveOp::kMatmulAllReduce), 4).algorithm,
+            Algorithm::kSequential);
   // kAuto never picks cuBLASMp.
   CollectiveMatmulConfig automatic = cublasmp_config(CollectiveOp::kAllGatherMatmul);
   automatic.backend = Backend::kAuto;
@@ -219,6 +222,11 @@ TEST(Validation, CublasMpConfigErrors) {
   c = cublasmp_config(CollectiveOp::kAllGatherMatmul);
   c.algorithm = Algorithm::kPipelined;
   EXPECT_NE(cublasmp_error(c, ErrorCode::kNotImplemented).find("not algorithm=pipelined"),
+            std::string::npos);
+  c = cublasmp_config(CollectiveOp::kMatmulAllReduce);
+  c.algorithm = Algorithm::kRing;
+  EXPECT_NE(cublasmp_error(c, ErrorCode::kNotImplemented)
+                .find("no overlapped all-reduce without NVLink multicast"),
             std::string::npos);
   c = cublasmp_config(CollectiveOp::kMatmulReduceScatter);
   c.chunks = 2;

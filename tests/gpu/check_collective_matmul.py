@@ -275,7 +275,7 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
     for dtype in (torch.bfloat16, torch.float16):
         for op in OPS:
             for trans_b in (True, False) if op != "matmul_all_reduce" else (True,):
-                for algorithm, rows in itertools.product(("ring", "sequential"), (256, 200)):
+                for algorithm, rows in itertools.product(("auto", "sequential"), (256, 200)):
                     case += 1
                     bias = case % 2 == 1
                     m, n, k = rows * group.size, 384, 256
@@ -294,11 +294,11 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
     dtype, m, n, k = torch.bfloat16, 256 * group.size, 512, 256
     problems = {}
     for index, op in enumerate(OPS):
-        name = f"{label}/graph/{op}/cublasmp/ring/bfloat16"
+        name = f"{label}/graph/{op}/cublasmp/auto/bfloat16"
         try:
             p = problems[op] = Problem(op, group, dtype, m, n, k, seed_base + 1000 * index, True,
                                        True)
-            run = lambda op=op, p=p: run_cublasmp(op, p, group, "ring", True)  # noqa: E731
+            run = lambda op=op, p=p: run_cublasmp(op, p, group, "auto", True)  # noqa: E731
             run()  # eager first: the plan and its warm-up stay outside the capture
             torch.cuda.synchronize(group.device)
             graph = capture(group, [run])
@@ -317,7 +317,7 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
 
     name = f"{label}/graph-sequence/cublasmp/bfloat16"
     try:
-        runs = [lambda op=op: run_cublasmp(op, problems[op], group, "ring", True) for op in OPS]
+        runs = [lambda op=op: run_cublasmp(op, problems[op], group, "auto", True) for op in OPS]
         graph = capture(group, runs)
         worst = 0.0
         for replay in range(100):
@@ -343,7 +343,7 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
             rows, n_s, k_s = draw.choice(STRESS_SHAPES)
             p = Problem(op, group, torch.bfloat16, rows * group.size, n_s, k_s, seed_base + call,
                         trans_b, call % 3 == 0)
-            err = relative_error(run_cublasmp(op, p, group, draw.choice(("ring", "sequential")),
+            err = relative_error(run_cublasmp(op, p, group, draw.choice(("auto", "sequential")),
                                               trans_b), p.ref)
             worst = max(worst, err)
             if not err < TOLERANCE[torch.bfloat16]:
@@ -355,17 +355,35 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
         ok, detail = False, f"{type(e).__name__}: {e}"
     reporter.record(name, group.rank, ok, detail)
 
-    refusals = (("matmul_all_reduce", torch.bfloat16, False, "trans_b=True"),
-                ("all_gather_matmul", torch.float32, True, "supports bfloat16 and float16"))
-    for op, dtype, trans_b, expected in refusals:
-        name = f"{label}/{op}/cublasmp/refused/{str(dtype)[6:]}/trans_b={int(trans_b)}"
+    refusals = (("matmul_all_reduce", torch.bfloat16, False, "auto", "trans_b=True"),
+                ("matmul_all_reduce", torch.bfloat16, True, "ring", "without NVLink multicast"),
+                ("all_gather_matmul", torch.float32, True, "auto", "supports bfloat16 and float16"))
+    for op, dtype, trans_b, algorithm, expected in refusals:
+        name = (f"{label}/{op}/cublasmp/refused/{algorithm}/{str(dtype)[6:]}"
+                f"/trans_b={int(trans_b)}")
         try:
             p = Problem(op, group, dtype, 64 * group.size, 64, 64, seed_base, trans_b, False)
-            run_cublasmp(op, p, group, "ring", trans_b)
+            run_cublasmp(op, p, group, algorithm, trans_b)
             ok, detail = False, "no error"
         except NotImplementedError as e:
             ok, detail = expected in str(e), f"refused: {e}"
         reporter.record(name, group.rank, ok, detail)
+
+
+def check_cublasmp_refused_in_threads(group, reporter, label):
+    """One process driving several GPUs cannot use cuBLASMp 0.7 (NVSHMEM: one process per rank):
+    a clear error on every thread, not a hang."""
+    name = f"{label}/all_gather_matmul/cublasmp/refused/threads"
+    try:
+        p = Problem("all_gather_matmul", group, torch.bfloat16, 64 * group.size, 64, 64, 1, True,
+                    False)
+        run_cublasmp("all_gather_matmul", p, group, "auto", True)
+        ok, detail = False, "no error"
+    except NotImplementedError as e:
+        reason = meshla.backend_unavailable_reason("cublasmp")
+        ok = ("one process per GPU" in str(e)) if not reason else (reason in str(e))
+        detail = f"refused: {e}"
+    reporter.record(name, group.rank, ok, detail)
 
 
 def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
@@ -418,6 +436,7 @@ def main_threads(args, reporter):
         try:
             run_all(groups[index], reporter, f"threads-tp{len(devices)}", seed, args.quick,
                     stress_calls=THREADS_STRESS_CALLS)
+            check_cublasmp_refused_in_threads(groups[index], reporter, f"threads-tp{len(devices)}")
             if pairs and not args.quick:
                 run_all(pairs[index], reporter, f"threads-tp2-in-4/pair{index // 2}", seed + 7,
                         False, stress_calls=THREADS_STRESS_CALLS)
