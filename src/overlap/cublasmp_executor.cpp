@@ -1,5 +1,7 @@
-// The cuBLASMp backend of collective matmul: cuBLASMp's own AG+GEMM, GEMM+RS and GEMM+AR
-// (cublasMpMatmul with its split peer-to-peer algorithm) on the plan's NCCL communicator.
+// The cuBLASMp backend of collective matmul: cuBLASMp's own AG+GEMM, GEMM+RS (its split
+// peer-to-peer algorithm) and GEMM+AR (unoverlapped) on the plan's NCCL communicator. cuBLASMp 0.7
+// starts NVSHMEM over the ranks of the first grid a process creates, so a process serves one
+// cuBLASMp group: the ranks of its first communicator.
 //
 // Layouts. cuBLASMp is column-major: meshla's row-major [r, c] array is its c x r matrix. It
 // computes D = op(A) op(B) over global matrices split into one block per rank, over a P x 1
@@ -126,12 +128,18 @@ std::shared_ptr<GroupContext> group_context(const CublasMpLibrary& library,
                                             const Communicator& comm) {
   static std::mutex mutex;
   static std::map<const detail::CommState*, std::weak_ptr<GroupContext>> contexts;
+  static int nvshmem_ranks = 0;  // size of the group NVSHMEM was started over; 0 before that
   const std::lock_guard<std::mutex> lock(mutex);
   std::erase_if(contexts, [](const auto& entry) { return entry.second.expired(); });
   std::weak_ptr<GroupContext>& slot = contexts[comm.state().get()];
   std::shared_ptr<GroupContext> context = slot.lock();
   if (context == nullptr) {
+    MESHLA_CHECK(kNotImplemented, nvshmem_ranks == 0 || nvshmem_ranks == comm.size(),
+                 "backend=cublasmp: this process started cuBLASMp's NVSHMEM over a group of "
+                     << nvshmem_ranks << " ranks and cannot use it for a group of " << comm.size()
+                     << "; use one cuBLASMp group per process");
     context = std::make_shared<GroupContext>(library, comm);
+    nvshmem_ranks = comm.size();
     slot = context;
   }
   return context;

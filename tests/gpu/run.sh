@@ -2,8 +2,8 @@
 # Builds meshla and runs the whole GPU suite on this machine's GPUs; the last line is
 # "N passed, N failed". Logs and the per-check results go to $LOG_DIR (default $OUT/gpu-suite).
 #   tests/gpu/run.sh            build, then every process model
-#   tests/gpu/run.sh threads    only the named models (grouped, solver, processes, cublasmp,
-#                               threads, network)
+#   tests/gpu/run.sh threads    only the named models (grouped, solver, solver-processes,
+#                               processes, cublasmp, threads, network)
 #   MESHLA_SKIP_BUILD=1 ...     reuse the installed package
 set -uo pipefail
 # Never NVLink multicast: it can take a shared host's GPUs out of service.
@@ -34,7 +34,7 @@ launch() {
 }
 
 check=tests/gpu/check_collective_matmul.py
-models=${*:-grouped solver processes cublasmp threads network}
+models=${*:-grouped solver solver-processes processes cublasmp threads network}
 wants() { [[ " $models " == *" $1 "* ]]; }
 # The grouped GEMM needs one GPU; the collective models need two or more.
 if [ "$gpus" -ge 1 ] && wants grouped; then
@@ -43,6 +43,11 @@ fi
 # The dense solvers: one process driving 1, 2 and 4 GPUs (as many as there are).
 if [ "$gpus" -ge 1 ] && wants solver; then
   MESHLA_LAUNCH_TIMEOUT=${MESHLA_SOLVER_TIMEOUT:-600} launch solver python3 tests/gpu/check_solver.py --results "$results" --model solver
+fi
+# The dense solvers with one process per GPU (the *_shard forms, CUDA IPC to the first rank).
+if [ "$gpus" -ge 2 ] && wants solver-processes; then
+  launch solver-processes-tp2 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node=2 tests/gpu/check_solver_processes.py --results "$results" --model solver-processes-tp2
+  [ "$gpus" -ge 4 ] && launch solver-processes-tp4 torchrun --nproc-per-node=4 tests/gpu/check_solver_processes.py --results "$results" --model solver-processes-tp4
 fi
 if [ "$gpus" -lt 2 ]; then
   echo "skipped: the collective models need at least 2 GPUs, this machine has $gpus"

@@ -161,3 +161,41 @@ def test_layout_query():
     assert _meshla.solver_layout(48, 4, 5) == (5, True)
     with pytest.raises(ValueError, match="n=10 rows are not divisible by the 4 GPUs"):
         _meshla.solver_layout(10, 4)
+
+
+def _shard_forms(rank, size, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        n = 12
+        a = torch.from_numpy(spd(n, np.float64, 9))
+        b = torch.arange(2 * n, dtype=torch.float64).reshape(n, 2)
+        rows = slice(rank * n // size, (rank + 1) * n // size)
+        solved = torch_linalg.cho_solve_shard(a[rows], b[rows])
+        inverse, info = torch_linalg.cholesky_inverse_shard(a[rows])
+        eig = torch_linalg.eigh_shard(a[rows])
+        results[rank] = (solved.x, solved.logdet, inverse, info, eig.eigenvalues, eig.eigenvectors)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_shard_forms_on_cpu_ranks(gloo_env):
+    """One process per rank over gloo: each rank gets its row block of X, A⁻¹ and V."""
+    import torch.multiprocessing as mp
+
+    size = 2
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_shard_forms, args=(size, results), nprocs=size)
+    n = 12
+    a = torch.from_numpy(spd(n, np.float64, 9))
+    b = torch.arange(2 * n, dtype=torch.float64).reshape(n, 2)
+    x = torch.cat([results[r][0] for r in range(size)])
+    assert torch.linalg.norm(a @ x - b) / torch.linalg.norm(b) < 1e-12
+    assert abs(results[0][1] - float(torch.linalg.slogdet(a)[1])) < 1e-10
+    inverse = torch.cat([results[r][2] for r in range(size)])
+    assert torch.linalg.norm(a @ inverse - torch.eye(n)) < 1e-10
+    values = results[1][4]
+    vectors = torch.cat([results[r][5] for r in range(size)])
+    assert torch.allclose(values, torch.linalg.eigvalsh(a), atol=1e-12)
+    assert torch.linalg.norm(a @ vectors - vectors * values) < 1e-10

@@ -1,7 +1,9 @@
-"""Distributed dense solvers for PyTorch, over the GPUs of one process: the matrix is a list of
+"""Distributed dense solvers for PyTorch. Over the GPUs of one process, the matrix is a list of
 row blocks, one per GPU (``a_shards[p]`` holds rows ``[p*n/P, (p+1)*n/P)`` of A on its device),
-as :mod:`meshla.jax.linalg` takes a row-sharded array. cuSolverMg runs over all of them from the
-calling thread; see ``include/meshla/dense_solver.hpp`` for the layout.
+as :mod:`meshla.jax.linalg` takes a row-sharded array; cuSolverMg runs over all of them from the
+calling thread (see ``include/meshla/dense_solver.hpp`` for the layout). With one process per GPU,
+the ``*_shard`` forms take this rank's row block and a torch.distributed group: the group's first
+rank drives every GPU through CUDA IPC.
 
 Calls wait for each device's current stream (their inputs) and return when the outputs are
 written. A matrix that is not positive definite (or an eigensolver that does not converge)
@@ -19,7 +21,16 @@ import torch
 
 from meshla import _meshla
 
-__all__ = ["CholeskySolve", "Eigh", "cho_solve", "cholesky_inverse", "eigh"]
+__all__ = [
+    "CholeskySolve",
+    "Eigh",
+    "cho_solve",
+    "cho_solve_shard",
+    "cholesky_inverse",
+    "cholesky_inverse_shard",
+    "eigh",
+    "eigh_shard",
+]
 
 _DTYPES = {
     torch.float32: "float32",
@@ -71,6 +82,19 @@ def _check_shards(name: str, a_shards: Sequence[torch.Tensor]) -> tuple[int, tor
     return n, dtype
 
 
+def _check_rhs(name: str, a_shards: Sequence[torch.Tensor],
+               b_shards: Sequence[torch.Tensor]) -> int:
+    """Checks B's row blocks against A's; returns nrhs."""
+    if len(b_shards) != len(a_shards):
+        raise ValueError(f"{name}: {len(b_shards)} b_shards for {len(a_shards)} a_shards")
+    for p, (a, b) in enumerate(zip(a_shards, b_shards)):
+        if (b.ndim != 2 or b.shape[0] != a.shape[0] or b.shape[1] != b_shards[0].shape[1]
+                or b.dtype != a.dtype or b.device != a.device):
+            raise ValueError(f"{name}: b_shards[{p}] is {tuple(b.shape)} {b.dtype} on "
+                             f"{b.device}; expected [{a.shape[0]}, nrhs] {a.dtype} on {a.device}")
+    return b_shards[0].shape[1]
+
+
 def _on_cpu(shards: Sequence[torch.Tensor]) -> bool:
     return all(shard.device.type == "cpu" for shard in shards)
 
@@ -107,13 +131,7 @@ def cho_solve(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor]
     """Row blocks of X = A⁻¹ B (B's row blocks [n/P, nrhs], nrhs <= 256) and log det A.
     ``overwrite_a`` lets the solver factor in A's own buffers (they hold garbage afterwards)."""
     n, dtype = _check_shards("cho_solve", a_shards)
-    if len(b_shards) != len(a_shards):
-        raise ValueError(f"cho_solve: {len(b_shards)} b_shards for {len(a_shards)} a_shards")
-    for p, (a, b) in enumerate(zip(a_shards, b_shards)):
-        if b.ndim != 2 or b.shape[0] != a.shape[0] or b.dtype != dtype or b.device != a.device:
-            raise ValueError(f"cho_solve: b_shards[{p}] is {tuple(b.shape)} {b.dtype} on "
-                             f"{b.device}; expected [{a.shape[0]}, nrhs] {dtype} on {a.device}")
-    nrhs = b_shards[0].shape[1]
+    nrhs = _check_rhs("cho_solve", a_shards, b_shards)
     if _on_cpu(a_shards):
         factor, status = torch.linalg.cholesky_ex(torch.cat(list(a_shards)))
         info = int(status)
@@ -125,17 +143,21 @@ def cho_solve(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor]
             logdet = float("nan")
         return CholeskySolve(list(x.split([a.shape[0] for a in a_shards])), logdet, info)
     devices = _devices("cho_solve", a_shards)
-    solver = _solver(devices)
-    a_list = [a.contiguous() for a in a_shards]
-    x = [torch.empty_like(b) for b in b_shards]
-    info, logdet, _, _ = solver.run(
-        _meshla.SolverOp.cholesky_solve, n, _DTYPES[dtype], nrhs, tile, overwrite_a, a_list,
-        [b.contiguous() for b in b_shards], x, [None] * len(devices), [None] * len(devices),
-        _workspaces(solver, _meshla.SolverOp.cholesky_solve, n, dtype, nrhs, tile, overwrite_a,
-                    devices),
-        _streams(devices))
+    x = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in b_shards]
+    info, logdet = _cho_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile,
+                                   overwrite_a)
     _raise_if_failed("cho_solve", info, check_errors, "a is not positive definite")
     return CholeskySolve(x, logdet, info)
+
+
+def _cho_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwrite_a):
+    solver = _solver(devices)
+    op = _meshla.SolverOp.cholesky_solve
+    info, logdet, _, _ = solver.run(
+        op, n, _DTYPES[dtype], nrhs, tile, overwrite_a, [a.contiguous() for a in a_shards],
+        [b.contiguous() for b in b_shards], x, [None] * len(devices), [None] * len(devices),
+        _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices), _streams(devices))
+    return info, logdet
 
 
 def cholesky_inverse(a_shards: Sequence[torch.Tensor], *, tile: int = 0,
@@ -153,20 +175,24 @@ def cholesky_inverse(a_shards: Sequence[torch.Tensor], *, tile: int = 0,
             inverse.fill_(float("nan"))
         return list(inverse.split([a.shape[0] for a in a_shards])), info
     devices = _devices("cholesky_inverse", a_shards)
-    solver = _solver(devices)
     if overwrite_a and not all(a.is_contiguous() for a in a_shards):
         raise ValueError("cholesky_inverse: overwrite_a needs contiguous a_shards")
-    a_list = [a.contiguous() for a in a_shards]
-    out = a_list if overwrite_a else [torch.empty_like(a) for a in a_list]
-    none = [None] * len(devices)
-    info, _, _, _ = solver.run(
-        _meshla.SolverOp.cholesky_inverse, n, _DTYPES[dtype], 0, tile, overwrite_a, a_list, none,
-        out, none, none,
-        _workspaces(solver, _meshla.SolverOp.cholesky_inverse, n, dtype, 0, tile, overwrite_a,
-                    devices),
-        _streams(devices))
+    out = list(a_shards) if overwrite_a else [
+        torch.empty_like(a, memory_format=torch.contiguous_format) for a in a_shards]
+    info = _cholesky_inverse_cuda(devices, n, dtype, a_shards, out, tile, overwrite_a)
     _raise_if_failed("cholesky_inverse", info, check_errors, "a is not positive definite")
     return out, info
+
+
+def _cholesky_inverse_cuda(devices, n, dtype, a_shards, out, tile, overwrite_a):
+    solver = _solver(devices)
+    op = _meshla.SolverOp.cholesky_inverse
+    none = [None] * len(devices)
+    info, _, _, _ = solver.run(
+        op, n, _DTYPES[dtype], 0, tile, overwrite_a, [a.contiguous() for a in a_shards], none,
+        out, none, none, _workspaces(solver, op, n, dtype, 0, tile, overwrite_a, devices),
+        _streams(devices))
+    return info
 
 
 def eigh(a_shards: Sequence[torch.Tensor], *, eigvals_only: bool = False, tile: int = 0,
@@ -182,15 +208,161 @@ def eigh(a_shards: Sequence[torch.Tensor], *, eigvals_only: bool = False, tile: 
         values, vectors = torch.linalg.eigh(a_full)
         return Eigh(values, list(vectors.split([a.shape[0] for a in a_shards])), 0)
     devices = _devices("eigh", a_shards)
-    solver = _solver(devices)
-    op = _meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh
-    a_list = [a.contiguous() for a in a_shards]
-    vectors = None if eigvals_only else [torch.empty_like(a) for a in a_list]
-    none = [None] * len(devices)
-    values = [torch.empty(n, dtype=real, device=devices[0])] + none[1:]
-    info, _, _, _ = solver.run(
-        op, n, _DTYPES[dtype], 0, tile, overwrite_a, a_list, none,
-        none if vectors is None else vectors, values, none,
-        _workspaces(solver, op, n, dtype, 0, tile, overwrite_a, devices), _streams(devices))
+    vectors = None if eigvals_only else [
+        torch.empty_like(a, memory_format=torch.contiguous_format) for a in a_shards]
+    values = torch.empty(n, dtype=real, device=devices[0])
+    info = _eigh_cuda(devices, n, dtype, a_shards, vectors, values, tile, overwrite_a)
     _raise_if_failed("eigh", info, check_errors, "the eigensolver did not converge")
-    return Eigh(values[0], vectors, info)
+    return Eigh(values, vectors, info)
+
+
+def _eigh_cuda(devices, n, dtype, a_shards, vectors, values, tile, overwrite_a):
+    solver = _solver(devices)
+    op = _meshla.SolverOp.eigvalsh if vectors is None else _meshla.SolverOp.eigh
+    none = [None] * len(devices)
+    info, _, _, _ = solver.run(
+        op, n, _DTYPES[dtype], 0, tile, overwrite_a, [a.contiguous() for a in a_shards], none,
+        none if vectors is None else vectors, [values] + none[1:], none,
+        _workspaces(solver, op, n, dtype, 0, tile, overwrite_a, devices), _streams(devices))
+    return info
+
+
+# One process per GPU. Every rank hands its row blocks (and the buffers for its outputs) to the
+# group's first rank through CUDA IPC; that process drives cuSolverMg over every rank's GPU with
+# the same solver as above, and broadcasts the status. The handles and the outcome travel over the
+# torch.distributed group (any backend), whose timeout bounds every wait.
+
+_ERRORS = {cls.__name__: cls for cls in
+           (ValueError, NotImplementedError, RuntimeError, torch.linalg.LinAlgError)}
+
+
+def _on_first_rank(name, group, tensors, work):
+    """Runs ``work(parts)`` on the group's first rank, where ``parts[r]`` is rank r's
+    ``tensors`` (CUDA tensors or None) opened through CUDA IPC, and returns its (picklable)
+    result on every rank. An exception on the first rank is raised on every rank."""
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    group = group if group is not None else dist.group.WORLD
+    device = next(t.device for t in tensors if t is not None)
+    # The exporter's pending writes must be done before another process reads the memory.
+    torch.cuda.current_stream(device).synchronize()
+    mine = (device.index, str(torch.cuda.get_device_properties(device).uuid),
+            [None if t is None else reduce_tensor(t) for t in tensors])
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    outcome = None
+    if dist.get_rank(group) == 0:
+        try:
+            parts = [list(tensors)]
+            for rank, (index, uuid, reduced) in enumerate(everyone[1:], start=1):
+                visible = index < torch.cuda.device_count() and str(
+                    torch.cuda.get_device_properties(index).uuid) == uuid
+                if not visible:
+                    raise ValueError(
+                        f"{name}: rank {rank}'s cuda:{index} is not cuda:{index} of the group's "
+                        "first rank; one process per GPU needs every process to see every GPU "
+                        "with the same numbering (no per-process CUDA_VISIBLE_DEVICES)")
+                parts.append([None if r is None else r[0](*r[1]) for r in reduced])
+            outcome = ("ok", work(parts))
+            del parts  # close the imported memory before the owners may free it
+            torch.cuda.synchronize(device)
+        except Exception as error:  # reaches every rank below
+            outcome = ("error", type(error).__name__, str(error))
+    box = [outcome]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    if box[0][0] == "error":
+        raise _ERRORS.get(box[0][1], RuntimeError)(box[0][2])
+    return box[0][1]
+
+
+def _gather_rows(group, block):
+    """Every rank's CPU row block, in rank order (the CPU reference of the shard forms)."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    blocks = [None] * dist.get_world_size(group)
+    dist.all_gather_object(blocks, block, group=group)
+    return blocks
+
+
+def _own_rows(group, blocks):
+    import torch.distributed as dist
+
+    return blocks[dist.get_rank(group if group is not None else dist.group.WORLD)]
+
+
+def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 0,
+                    overwrite_a: bool = False, check_errors: bool = True) -> CholeskySolve:
+    """:func:`cho_solve` with one process per GPU: ``a`` is this rank's row block of A and ``b``
+    its row block of B, ranks in the order of ``group`` (a torch.distributed process group of any
+    backend; default the world). Collective; every process must see every GPU with the same
+    numbering (torchrun's default). Returns a :class:`CholeskySolve` whose ``x`` is this rank's
+    row block of X."""
+    if a.device.type == "cpu":
+        result = cho_solve(_gather_rows(group, a), _gather_rows(group, b), tile=tile,
+                           check_errors=check_errors)
+        return CholeskySolve(_own_rows(group, result.x), result.logdet, result.info)
+    x = torch.empty_like(b, memory_format=torch.contiguous_format)
+
+    def work(parts):
+        a_shards, b_shards, x_shards = (list(role) for role in zip(*parts))
+        n, dtype = _check_shards("cho_solve_shard", a_shards)
+        nrhs = _check_rhs("cho_solve_shard", a_shards, b_shards)
+        return _cho_solve_cuda(_devices("cho_solve_shard", a_shards), n, dtype, nrhs, a_shards,
+                               b_shards, x_shards, tile, overwrite_a)
+
+    info, logdet = _on_first_rank("cho_solve_shard", group, [a, b.contiguous(), x], work)
+    _raise_if_failed("cho_solve_shard", info, check_errors, "a is not positive definite")
+    return CholeskySolve(x, logdet, info)
+
+
+def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
+                           overwrite_a: bool = False,
+                           check_errors: bool = True) -> tuple[torch.Tensor, int]:
+    """:func:`cholesky_inverse` with one process per GPU (see :func:`cho_solve_shard`): this
+    rank's row block of A⁻¹, and info."""
+    if a.device.type == "cpu":
+        inverse, info = cholesky_inverse(_gather_rows(group, a), tile=tile,
+                                         check_errors=check_errors)
+        return _own_rows(group, inverse), info
+    if overwrite_a and not a.is_contiguous():
+        raise ValueError("cholesky_inverse_shard: overwrite_a needs a contiguous a")
+    out = a if overwrite_a else torch.empty_like(a, memory_format=torch.contiguous_format)
+
+    def work(parts):
+        a_shards, out_shards = (list(role) for role in zip(*parts))
+        n, dtype = _check_shards("cholesky_inverse_shard", a_shards)
+        return _cholesky_inverse_cuda(_devices("cholesky_inverse_shard", a_shards), n, dtype,
+                                      a_shards, out_shards, tile, overwrite_a)
+
+    info = _on_first_rank("cholesky_inverse_shard", group, [a.contiguous(), out], work)
+    _raise_if_failed("cholesky_inverse_shard", info, check_errors, "a is not positive definite")
+    return out, info
+
+
+def eigh_shard(a: torch.Tensor, group=None, *, eigvals_only: bool = False, tile: int = 0,
+               overwrite_a: bool = False, check_errors: bool = True) -> Eigh:
+    """:func:`eigh` with one process per GPU (see :func:`cho_solve_shard`): every rank gets all
+    eigenvalues on its device and, unless ``eigvals_only``, its row block of the eigenvectors."""
+    if a.device.type == "cpu":
+        result = eigh(_gather_rows(group, a), eigvals_only=eigvals_only, tile=tile,
+                      check_errors=check_errors)
+        vectors = None if eigvals_only else _own_rows(group, result.eigenvectors)
+        return Eigh(result.eigenvalues, vectors, result.info)
+    vectors = None if eigvals_only else torch.empty_like(
+        a, memory_format=torch.contiguous_format)
+
+    def work(parts):
+        a_shards, vector_shards = (list(role) for role in zip(*parts))
+        n, dtype = _check_shards("eigh_shard", a_shards)
+        devices = _devices("eigh_shard", a_shards)
+        values = torch.empty(n, dtype=torch.empty((), dtype=dtype).real.dtype,
+                             device=devices[0])
+        info = _eigh_cuda(devices, n, dtype, a_shards, None if eigvals_only else vector_shards,
+                          values, tile, overwrite_a)
+        return info, values.cpu()
+
+    info, values = _on_first_rank("eigh_shard", group, [a.contiguous(), vectors], work)
+    _raise_if_failed("eigh_shard", info, check_errors, "the eigensolver did not converge")
+    return Eigh(values.to(a.device), vectors, info)

@@ -1,0 +1,144 @@
+"""GPU checks of the dense solvers with one process per GPU (meshla.torch.linalg's *_shard forms),
+one JSON line per check and rank.
+
+  torchrun --nproc-per-node=N tests/gpu/check_solver_processes.py --results FILE
+
+Each rank holds its row block of a fresh random matrix (the same seed on every rank), the group's
+first rank solves over every GPU through CUDA IPC, and every rank checks the gathered answer
+against numpy in float64: ||Ax - b|| / (||A|| ||x||) and log det, ||A A⁻¹ - I|| / (||A|| ||A⁻¹||),
+||AV - VΛ|| / ||A|| and the eigenvalues. Also a non-positive-definite matrix (LinAlgError on every
+rank), an inverse written over a's own buffers, and a rank whose outputs were poisoned before the
+call in the memory the solver's outputs reuse.
+"""
+
+import argparse
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from check_solver import TORCH_DTYPES, random_spd, random_symmetric, tolerance
+from meshla.torch import linalg as torch_linalg
+from reporting import Reporter
+
+
+def gathered(block):
+    """Every rank's block, stacked in rank order, as float64/complex128 numpy."""
+    blocks = [None] * dist.get_world_size()
+    dist.all_gather_object(blocks, block.cpu())
+    return np.concatenate([b.numpy() for b in blocks]).astype(np.complex128 if block.is_complex()
+                                                              else np.float64)
+
+
+def poison_cache(rows, cols, dtype, device):
+    """Fills memory the caching allocator will hand to the next outputs with NaN."""
+    junk = torch.full((rows, cols), float("nan"), dtype=dtype, device=device)
+    del junk
+
+
+def check(reporter, name, rank, fn):
+    try:
+        ok, detail = fn()
+    except Exception as e:  # a check that raises is a failed check, not a crash
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, rank, ok, detail)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", required=True)
+    parser.add_argument("--model", default="solver-processes")
+    args = parser.parse_args()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("gloo")  # the IPC handles travel over gloo
+    rank, size = dist.get_rank(), dist.get_world_size()
+    reporter = Reporter(args.results, args.model)
+    seed = [random.randrange(2**30) if rank == 0 else None]
+    dist.broadcast_object_list(seed, src=0)
+    device = torch.device("cuda", local_rank)
+    label = f"tp{size}"
+
+    for case, (dtype, n) in enumerate([(np.float64, 1536), (np.float32, 1536),
+                                       (np.complex128, 1000), (np.complex64, 1000)]):
+        rng = np.random.default_rng(seed[0] + case)
+        a = random_spd(n, dtype, rng)
+        b = rng.standard_normal((n, 3)).astype(dtype)
+        rows = slice(rank * n // size, (rank + 1) * n // size)
+        torch_dtype = TORCH_DTYPES[dtype]
+        a_block = torch.from_numpy(a[rows]).to(device)
+        b_block = torch.from_numpy(b[rows]).to(device)
+        tol = tolerance(dtype, n)
+        a64 = a.astype(np.complex128 if np.iscomplexobj(a) else np.float64)
+        dtype_name = str(torch_dtype)[6:]
+
+        def solve():
+            poison_cache(n // size, 3, torch_dtype, device)
+            solved = torch_linalg.cho_solve_shard(a_block, b_block)
+            x = gathered(solved.x)
+            residual = np.linalg.norm(a64 @ x - b) / (np.linalg.norm(a64) * np.linalg.norm(x))
+            logdet_error = abs(solved.logdet - np.linalg.slogdet(a64)[1]) / n
+            ok = solved.info == 0 and residual < tol and logdet_error < 100 * tol
+            return ok, f"residual {residual:.2e}, logdet error {logdet_error:.2e} (tol {tol:.1e})"
+
+        def inverse():
+            poison_cache(n // size, n, torch_dtype, device)
+            out, info = torch_linalg.cholesky_inverse_shard(a_block)
+            inv = gathered(out)
+            residual = np.linalg.norm(a64 @ inv - np.eye(n)) / (
+                np.linalg.norm(a64) * np.linalg.norm(inv))
+            return info == 0 and residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
+
+        def eigen():
+            symmetric = random_symmetric(n, dtype, np.random.default_rng(seed[0] + 100 + case))
+            block = torch.from_numpy(symmetric[rows]).to(device)
+            s64 = symmetric.astype(a64.dtype)
+            poison_cache(n // size, n, torch_dtype, device)
+            result = torch_linalg.eigh_shard(block)
+            v = gathered(result.eigenvectors)
+            w = result.eigenvalues.cpu().double().numpy()
+            scale = np.linalg.norm(s64)
+            residual = np.linalg.norm(s64 @ v - v * w) / scale
+            value_error = np.abs(w - np.linalg.eigvalsh(s64)).max() / scale
+            ok = result.info == 0 and residual < tol and value_error < tol
+            return ok, f"residual {residual:.2e}, eigenvalues {value_error:.2e} (tol {tol:.1e})"
+
+        check(reporter, f"{label}/cho_solve_shard/{dtype_name}/n={n}", rank, solve)
+        check(reporter, f"{label}/cholesky_inverse_shard/{dtype_name}/n={n}", rank, inverse)
+        check(reporter, f"{label}/eigh_shard/{dtype_name}/n={n}", rank, eigen)
+
+    def not_spd():
+        n = 512
+        a = random_spd(n, np.float64, np.random.default_rng(seed[0] + 7))
+        a[n - 3, n - 3] = -5.0
+        block = torch.from_numpy(a[rank * n // size:(rank + 1) * n // size]).to(device)
+        try:
+            torch_linalg.cho_solve_shard(block, torch.ones(n // size, 1, dtype=torch.float64,
+                                                           device=device))
+            return False, "no error for a non-positive-definite matrix"
+        except torch.linalg.LinAlgError as e:
+            return "not positive definite" in str(e), f"raised: {e}"
+
+    def inverse_in_place():
+        n = 1024
+        a = random_spd(n, np.float64, np.random.default_rng(seed[0] + 8))
+        block = torch.from_numpy(a[rank * n // size:(rank + 1) * n // size]).to(device)
+        pointer = block.data_ptr()
+        out, info = torch_linalg.cholesky_inverse_shard(block, overwrite_a=True)
+        inv = gathered(out)
+        residual = np.linalg.norm(a @ inv - np.eye(n)) / (np.linalg.norm(a) * np.linalg.norm(inv))
+        tol = tolerance(np.float64, n)
+        same = out.data_ptr() == pointer
+        return info == 0 and same and residual < tol, (
+            f"residual {residual:.2e} (tol {tol:.1e}), written over a: {same}")
+
+    check(reporter, f"{label}/cho_solve_shard/not_spd", rank, not_spd)
+    check(reporter, f"{label}/cholesky_inverse_shard/overwrite_a", rank, inverse_in_place)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
