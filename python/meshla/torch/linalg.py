@@ -254,8 +254,7 @@ def _on_first_rank(name, group, tensors, work):
     outcome = None
     if dist.get_rank(group) == 0:
         try:
-            parts = [list(tensors)]
-            for rank, (index, uuid, reduced) in enumerate(everyone[1:], start=1):
+            for rank, (index, uuid, _) in enumerate(everyone[1:], start=1):
                 visible = index < torch.cuda.device_count() and str(
                     torch.cuda.get_device_properties(index).uuid) == uuid
                 if not visible:
@@ -263,7 +262,12 @@ def _on_first_rank(name, group, tensors, work):
                         f"{name}: rank {rank}'s cuda:{index} is not cuda:{index} of the group's "
                         "first rank; one process per GPU needs every process to see every GPU "
                         "with the same numbering (no per-process CUDA_VISIBLE_DEVICES)")
-                parts.append([None if r is None else r[0](*r[1]) for r in reduced])
+            # The solver enables peer access between the GPUs; it must come before the imports,
+            # which are mapped only into the devices that have peer access at that time (a
+            # kernel on GPU 0 reading GPU 1's imported rows faulted otherwise).
+            _solver(tuple(index for index, _, _ in everyone))
+            parts = [list(tensors)] + [[None if r is None else r[0](*r[1]) for r in reduced]
+                                       for _, _, reduced in everyone[1:]]
             outcome = ("ok", work(parts))
             del parts  # close the imported memory before the owners may free it
             torch.cuda.synchronize(device)
