@@ -262,15 +262,21 @@ def _on_first_rank(name, group, tensors, work):
                         f"{name}: rank {rank}'s cuda:{index} is not cuda:{index} of the group's "
                         "first rank; one process per GPU needs every process to see every GPU "
                         "with the same numbering (no per-process CUDA_VISIBLE_DEVICES)")
-            # The solver enables peer access between the GPUs; it must come before the imports,
-            # which are mapped only into the devices that have peer access at that time (a
-            # kernel on GPU 0 reading GPU 1's imported rows faulted otherwise).
-            _solver(tuple(index for index, _, _ in everyone))
-            parts = [list(tensors)] + [[None if r is None else r[0](*r[1]) for r in reduced]
-                                       for _, _, reduced in everyone[1:]]
-            outcome = ("ok", work(parts))
-            del parts  # close the imported memory before the owners may free it
-            torch.cuda.synchronize(device)
+            imported = [[None if r is None else r[0](*r[1]) for r in reduced]
+                        for _, _, reduced in everyone[1:]]
+            # The solver's layout kernels read their peers' memory, and memory opened through
+            # CUDA IPC is not readable from the other GPUs (a kernel on GPU 0 reading GPU 1's
+            # imported rows faulted, with peer access on). So the solver works on copies this
+            # process owns, on each rank's GPU, and the results are copied back: one more copy
+            # of each rank's blocks on its GPU.
+            staged = [[None if t is None else t.clone() for t in ts] for ts in imported]
+            outcome = ("ok", work([list(tensors)] + staged))
+            for ts, copies in zip(imported, staged):
+                for t, copy in zip(ts, copies):
+                    if t is not None:
+                        t.copy_(copy)
+                        torch.cuda.current_stream(t.device).synchronize()
+            del imported, staged  # close the imported memory before the owners may free it
         except Exception as error:  # reaches every rank below
             outcome = ("error", type(error).__name__, str(error))
     box = [outcome]
