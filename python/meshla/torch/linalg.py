@@ -3,7 +3,8 @@ row blocks, one per GPU (``a_shards[p]`` holds rows ``[p*n/P, (p+1)*n/P)`` of A 
 as :mod:`meshla.jax.linalg` takes a row-sharded array; cuSolverMg runs over all of them from the
 calling thread (see ``include/meshla/dense_solver.hpp`` for the layout). With one process per GPU,
 the ``*_shard`` forms take this rank's row block and a torch.distributed group: the group's first
-rank drives every GPU through CUDA IPC.
+rank drives every GPU through CUDA IPC, on copies of the other ranks' blocks that it owns (so each
+GPU holds its blocks twice, and the first rank's process opens a context on every GPU).
 
 Calls wait for each device's current stream (their inputs) and return when the outputs are
 written. A matrix that is not positive definite (or an eigensolver that does not converge)
@@ -13,6 +14,7 @@ raises ``torch.linalg.LinAlgError``, or, with ``check_errors=False``, gives NaN 
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -54,6 +56,8 @@ class Eigh(NamedTuple):
 
 _solvers: dict[tuple[int, ...], _meshla.DenseSolver] = {}  # keyed by the CUDA ordinals, in order
 _solvers_lock = threading.Lock()
+# cuSolverMg's handles go before the interpreter tears down the modules (and torch's CUDA state).
+atexit.register(_solvers.clear)
 
 
 def _solver(devices: tuple[int, ...]) -> _meshla.DenseSolver:
