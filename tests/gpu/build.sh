@@ -14,8 +14,9 @@ if [ -z "${CUTLASS_INCLUDE_DIR:-}" ] && [ -f .deps/cutlass/include/cutlass/cutla
   export CUTLASS_INCLUDE_DIR=$PWD/.deps/cutlass/include
 fi
 # cuBLASMp 0.7 carried as its wheel (.deps/nvidia_cublasmp_cu13-*.whl); its NCCL and NVSHMEM
-# are the ones PyTorch brings. Without it the build leaves the cuBLASMp backend out.
-for wheel in .deps/nvidia_cublasmp_cu13-*.whl; do
+# are the ones PyTorch brings. Without it the build leaves the cuBLASMp backend out. cuSOLVERMp
+# 0.8 (.deps/nvidia_cusolvermp_cu13-*.whl) is for bench/cusolvermp_potrf only.
+for wheel in .deps/nvidia_cublasmp_cu13-*.whl .deps/nvidia_cusolvermp_cu13-*.whl; do
   [ -f "$wheel" ] && python3 -m pip install --no-deps --no-index -q "$wheel" 2>&1
 done
 python3 -m pip install --no-build-isolation --no-deps --no-index -q . 2>&1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
-#   tests/gpu/job.sh COMMIT [suite] [bench] [grouped-bench] [solver-bench]
+#   tests/gpu/job.sh COMMIT [suite] [bench] [grouped-bench] [solver-bench] [cusolvermp-bench]
 #   (default: suite and bench; SUITE_MODELS picks suite models)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -32,6 +32,21 @@ for step in $steps; do
         --out "$OUT/dense_solver_$(date -u +%Y%m%dT%H%M%SZ).json" ${SOLVER_BENCH_ARGS:-} \
         >"$OUT/solver_bench.txt" 2>&1
       tail -45 "$OUT/solver_bench.txt"
+      ;;
+    cusolvermp-bench)
+      # cuSOLVERMp potrf on every 2-D grid of 1, 2 and 4 GPUs (issue 5's scaling question).
+      root=$(python3 -c "import nvidia.cu13 as m, os; print(next(p for p in m.__path__ if os.path.exists(p + '/include/cusolverMp.h')))")
+      nvcc -std=c++17 -shared -Xcompiler -fPIC -O2 -arch=sm_90 bench/cusolvermp_potrf.cu \
+        -I"$root/include" -L"$root/lib" -l:libcusolverMp.so.0 -lnccl -Xlinker -rpath,"$root/lib" \
+        -o /tmp/libcusolvermp_potrf.so >"$OUT/cusolvermp_build.txt" 2>&1 || { tail -20 "$OUT/cusolvermp_build.txt"; continue; }
+      json="$OUT/cusolvermp_potrf_$(date -u +%Y%m%dT%H%M%SZ).json"
+      for p in 1 2 4; do
+        [ "$gpus" -ge "$p" ] || continue
+        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((p - 1))) timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node=$p \
+          bench/cusolvermp_potrf.py --library /tmp/libcusolvermp_potrf.so --commit "$commit" --out "$json" \
+          ${CUSOLVERMP_BENCH_ARGS:-} 2>&1 | grep -v '^W1' >"$OUT/cusolvermp_p$p.txt"
+        tail -15 "$OUT/cusolvermp_p$p.txt"
+      done
       ;;
     bench)
       stamp=$(date -u +%Y%m%dT%H%M%SZ)
