@@ -61,6 +61,14 @@ __global__ void fill_spd(double* a, std::int64_t rows, std::int64_t cols, std::i
 
 }  // namespace
 
+// Writes a fresh NCCL unique id (128 bytes) for the ranks of one measurement; returns 0 on success.
+extern "C" int cusolvermp_unique_id(void* out) {
+  ncclUniqueId id;
+  if (ncclGetUniqueId(&id) != ncclSuccess) return 1;
+  __builtin_memcpy(out, &id, sizeof(id));
+  return 0;
+}
+
 // Returns 0 and fills seconds[0..reps) and *info, or returns 1 with the failing call in `error`.
 extern "C" int cusolvermp_potrf_seconds(const void* unique_id, int rank, int size, int device,
                                         int nprow, int npcol, long long n, long long block,

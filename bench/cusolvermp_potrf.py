@@ -25,7 +25,12 @@ from datetime import datetime, timezone  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import meshla  # noqa: E402
+
+def unique_id(library) -> bytes:
+    buffer = ctypes.create_string_buffer(128)
+    if library.cusolvermp_unique_id(buffer) != 0:
+        raise RuntimeError("ncclGetUniqueId failed")
+    return buffer.raw
 
 
 def grids(size):
@@ -52,7 +57,7 @@ def main():
     for nprow, npcol in grids(size):
         for n in args.n:
             for block in args.block:
-                box = [bytes(meshla.unique_id()) if rank == 0 else None]
+                box = [unique_id(library) if rank == 0 else None]
                 dist.broadcast_object_list(box, src=0)
                 seconds = (ctypes.c_double * args.reps)()
                 info = ctypes.c_int(-1)
