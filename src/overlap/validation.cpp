@@ -49,8 +49,7 @@ CollectiveMatmulConfig resolve_cublasmp(const CollectiveMatmulConfig& config, in
       op << ": backend=cublasmp supports bfloat16 and float16, not " << dtype_name(config.dtype));
   MESHLA_CHECK(kNotImplemented, config.algorithm != Algorithm::kPipelined,
                op << ": backend=cublasmp runs cuBLASMp's split peer-to-peer algorithm "
-                     "(algorithm=ring, the default) or no overlap (sequential), not "
-                     "algorithm=pipelined");
+                     "(algorithm=ring) or no overlap (sequential), not algorithm=pipelined");
   MESHLA_CHECK_ARG(config.chunks == 0, op << ": chunks=" << config.chunks
                                           << " must be 0 with backend=cublasmp, which splits "
                                              "the work itself");
