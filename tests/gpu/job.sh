@@ -17,10 +17,10 @@ gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 for step in $steps; do
   case $step in
     suite)
-      # Per-launcher logs stay on the machine (the lease returns at most 8 files); the results
-      # and the summary come back.
+      # The lease returns at most 8 files: the per-launcher logs come back as one archive.
       LOG_DIR=/tmp/meshla-suite MESHLA_SKIP_BUILD=1 tests/gpu/run.sh ${SUITE_MODELS:-} 2>&1 | tee "$OUT/suite.txt" | tail -60
       cp /tmp/meshla-suite/results.jsonl "$OUT/suite_results.jsonl"
+      tar -czf "$OUT/suite_logs.tar.gz" -C /tmp/meshla-suite --exclude results.jsonl . 2>/dev/null
       ;;
     grouped-bench)
       timeout "${BENCH_TIMEOUT:-400}" python3 bench/grouped_linear.py --commit "$commit" \

@@ -27,8 +27,12 @@ launch() {
   local label=$1
   shift
   echo "== $label: $*"
-  if ! timeout "${MESHLA_LAUNCH_TIMEOUT:-300}" "$@" >"$LOG_DIR/$label.log" 2>&1; then
-    echo "{\"model\": \"$label\", \"name\": \"launcher\", \"rank\": -1, \"ok\": false, \"detail\": \"exited non-zero; see $label.log\"}" >>"$results"
+  timeout "${MESHLA_LAUNCH_TIMEOUT:-300}" "$@" >"$LOG_DIR/$label.log" 2>&1
+  local status=$?
+  if [ "$status" -ne 0 ]; then
+    # 124: the time limit; above 128: killed by signal (status - 128), e.g. 139 a segfault.
+    echo "{\"model\": \"$label\", \"name\": \"launcher\", \"rank\": -1, \"ok\": false, \"detail\": \"exited with status $status; see $label.log\"}" >>"$results"
+    echo "$label exited with status $status"
     tail -30 "$LOG_DIR/$label.log"
   fi
 }
