@@ -3,20 +3,7 @@
 // starts NVSHMEM over the ranks of the first grid a process creates, so a process serves one
 // cuBLASMp group: the ranks of its first communicator.
 //
-// Layouts. cuBLASMp is column-major: meshla's row-major [r, c] array is its c x r matrix. It
-// computes D = op(A) op(B) over global matrices split into one block per rank, over a P x 1
-// process grid ("rows over P") or a 1 x P one ("columns over P"). meshla's b is its A, a is B and
-// out is D:
-//   all_gather_matmul      D (n P) x m, rows over P:     local n x m     = out [m, n]
-//                          B k x m, columns over P:      local k x m/P   = a [m/P, k], gathered
-//                          A k x (n P), columns over P:  local k x n     = b [n, k] (trans_b), or
-//                          A (n P) x k, rows over P:     local n x k     = b [k, n]
-//   matmul_reduce_scatter  D n x m, columns over P:      local n x m/P   = out [m/P, n]
-//                          B (k P) x m, rows over P:     local k x m     = a [m, k]
-//                          A (k P) x n, rows over P:     local k x n     = b [n, k] (trans_b), or
-//                          A n x (k P), columns over P:  local n x k     = b [k, n]
-//   matmul_all_reduce      D n x (m P), columns over P:  local n x m     = out [m, n], summed by
-//                          the ALLREDUCE epilogue; A and B as for reduce-scatter, trans_b only.
+// The layouts (which of cuBLASMp's operands is which array) are overlap/cublasmp_layout.hpp's.
 // The bias is added by meshla after cuBLASMp returns: cuBLASMp before 0.9 adds an epilogue bias
 // to GEMM+AR once per rank, and a reduced product must carry it once.
 #include <array>
@@ -31,6 +18,7 @@
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
 #include "overlap/add_bias.hpp"
+#include "overlap/cublasmp_layout.hpp"
 #include "overlap/cublasmp_library.hpp"
 #include "overlap/executor.hpp"
 
@@ -51,12 +39,6 @@ cudaDataType_t cuda_type(DType dtype) {
                    "backend=cublasmp: dtype " << dtype_name(dtype) << " is not supported");
   }
 }
-
-// One matrix operand: its global shape, the block each rank holds, and how ranks split it.
-struct Operand {
-  std::int64_t rows, cols, row_block, col_block;
-  bool rows_over_ranks;  // P x 1 grid; otherwise 1 x P
-};
 
 // Device workspace on NVSHMEM's symmetric heap, where cuBLASMp 0.7's overlapped algorithms need
 // it. nvshmem_malloc and nvshmem_free are collective: every rank of the group allocates and frees
@@ -154,39 +136,18 @@ class CublasMpExecutor final : public Executor {
         config_(config),
         tp_(comm.size()) {
     const CollectiveMatmulConfig& c = config;
-    const std::int64_t p = tp_;
-    const bool gather = c.op == CollectiveOp::kAllGatherMatmul;
-    // cuBLASMp's m, n, k: rows and columns of D and the contraction, all global.
-    shape_ = gather ? std::array<std::int64_t, 3>{c.n * p, c.m, c.k}
-                    : std::array<std::int64_t, 3>{c.n, c.m, c.k * p};
-    Operand a_operand{}, b_operand{}, d_operand{};
-    if (gather) {
-      a_operand = c.trans_b ? Operand{c.k, c.n * p, c.k, c.n, false}
-                            : Operand{c.n * p, c.k, c.n, c.k, true};
-      b_operand = Operand{c.k, c.m, c.k, c.m / p, false};
-      d_operand = Operand{c.n * p, c.m, c.n, c.m / p, true};
-    } else {
-      a_operand = c.trans_b ? Operand{c.k * p, c.n, c.k, c.n, true}
-                            : Operand{c.n, c.k * p, c.n, c.k, false};
-      if (c.op == CollectiveOp::kMatmulReduceScatter) {
-        b_operand = Operand{c.k * p, c.m, c.k, c.m / p, true};
-        d_operand = Operand{c.n, c.m, c.n, c.m / p, false};
-      } else {
-        b_operand = Operand{c.k * p, c.m, c.k, c.m, true};
-        d_operand = Operand{c.n, c.m * p, c.n, c.m, false};
-      }
-    }
-    out_rows_ = c.op == CollectiveOp::kMatmulReduceScatter ? c.m / p : c.m;
-
-    a_desc_ = describe(a_operand);
-    b_desc_ = describe(b_operand);
-    d_desc_ = describe(d_operand);
+    const CublasMpLayout layout = cublasmp_layout(c, tp_);
+    shape_ = layout.shape;
+    out_rows_ = layout.out_rows;
+    a_desc_ = describe(layout.a);
+    b_desc_ = describe(layout.b);
+    d_desc_ = describe(layout.d);
 
     cublasMpMatmulDescriptor_t matmul = nullptr;
     MESHLA_CHECK_CUBLASMP(library.matmul_descriptor_create(&matmul, CUBLAS_COMPUTE_32F));
     matmul_desc_ = Owned<cublasMpMatmulDescriptor_t>(matmul, library.matmul_descriptor_destroy);
     set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSA,
-                  c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
+                  layout.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N);
     set_attribute(CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSB, CUBLAS_OP_N);
     // Never the default or multicast algorithms: NVLink multicast can take a shared host's GPUs
     // out of service.
@@ -225,7 +186,7 @@ class CublasMpExecutor final : public Executor {
   }
 
  private:
-  Owned<cublasMpMatrixDescriptor_t> describe(const Operand& o) {
+  Owned<cublasMpMatrixDescriptor_t> describe(const CublasMpOperand& o) {
     cublasMpMatrixDescriptor_t desc = nullptr;
     // Column-major local blocks: the leading dimension is the block's row count.
     MESHLA_CHECK_CUBLASMP(library_.matrix_descriptor_create(

@@ -2,9 +2,11 @@
 // argument and the shapes.
 #include <gtest/gtest.h>
 
+#include <utility>
 #include <vector>
 
 #include "meshla/error.hpp"
+#include "overlap/cublasmp_layout.hpp"
 #include "overlap/validation.hpp"
 
 namespace meshla::overlap {
@@ -250,6 +252,56 @@ TEST(Validation, CublasMpConfigErrors) {
   c = cublasmp_config(CollectiveOp::kMatmulAllReduce);
   c.m = 10;  // all-reduce keeps every row on every rank
   EXPECT_NO_THROW(resolve_config(c, 4));
+}
+
+// cuBLASMp's column-major view of a row-major [r, c] array is c x r: each rank's block of A, B
+// and D must be exactly meshla's b, a and out, and the global shapes must agree with m, n, k.
+TEST(Validation, CublasMpBlocksAreMeshlasArrays) {
+  const std::int64_t p = 4, m = 64, n = 24, k = 40;
+  for (const CollectiveOp op : {CollectiveOp::kAllGatherMatmul, CollectiveOp::kMatmulReduceScatter,
+                                CollectiveOp::kMatmulAllReduce}) {
+    for (const bool trans_b : {true, false}) {
+      if (op == CollectiveOp::kMatmulAllReduce && !trans_b) continue;
+      const CollectiveMatmulConfig config{
+          .op = op, .backend = Backend::kCublasMp, .m = m, .n = n, .k = k, .trans_b = trans_b};
+      const CublasMpLayout layout = cublasmp_layout(resolve_config(config, p), p);
+      SCOPED_TRACE(std::string(collective_op_name(op)) + (trans_b ? " trans_b" : ""));
+      const bool gather = op == CollectiveOp::kAllGatherMatmul;
+      const std::int64_t a_rows = gather ? m / p : m;
+      const std::int64_t out_rows = op == CollectiveOp::kMatmulReduceScatter ? m / p : m;
+      // A rank's local matrix: one block along the split dimension, all of the other one.
+      const auto local = [](const CublasMpOperand& o) {
+        return std::pair{o.rows_over_ranks ? o.row_block : o.rows,
+                         o.rows_over_ranks ? o.cols : o.col_block};
+      };
+      for (const CublasMpOperand& o : {layout.a, layout.b, layout.d}) {
+        EXPECT_EQ(o.rows_over_ranks ? o.rows : o.cols,
+                  (o.rows_over_ranks ? o.row_block : o.col_block) * p);
+        // The executor passes row_block as the leading dimension: it must be the local rows.
+        EXPECT_EQ(o.row_block, local(o).first);
+      }
+      // B's local matrix is a [a_rows, k], A's is b ([n, k] with trans_b, else [k, n]), D's is
+      // out [out_rows, n], each seen column-major.
+      EXPECT_EQ(local(layout.b), std::pair(k, a_rows));
+      EXPECT_EQ(local(layout.a), trans_b ? std::pair(k, n) : std::pair(n, k));
+      EXPECT_EQ(local(layout.d), std::pair(n, out_rows));
+      EXPECT_EQ(layout.transpose_a, trans_b);
+      EXPECT_EQ(layout.out_rows, out_rows);
+      // op(A) is shape[0] x shape[2], B is shape[2] x shape[1], D is shape[0] x shape[1]
+      // (the all-reduce's D holds one shape[1] block per rank).
+      const std::int64_t a_out = trans_b ? layout.a.cols : layout.a.rows;
+      const std::int64_t a_inner = trans_b ? layout.a.rows : layout.a.cols;
+      EXPECT_EQ(a_out, layout.shape[0]);
+      EXPECT_EQ(a_inner, layout.shape[2]);
+      EXPECT_EQ(layout.b.rows, layout.shape[2]);
+      EXPECT_EQ(layout.b.cols, layout.shape[1]);
+      EXPECT_EQ(layout.d.rows, layout.shape[0]);
+      EXPECT_EQ(layout.d.cols, layout.shape[1] * (op == CollectiveOp::kMatmulAllReduce ? p : 1));
+      // The contraction is the full k: all-gather holds it whole, the others split it over ranks.
+      EXPECT_EQ(layout.shape[2], gather ? k : k * p);
+      EXPECT_EQ(layout.shape[1], m);
+    }
+  }
 }
 
 TEST(Backends, OnlyCublasMpCanBeMissing) {
