@@ -9,6 +9,7 @@
 
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
+#include "core/cuda_types.hpp"
 #include "gemm/random_fill.hpp"
 
 namespace meshla {
@@ -57,19 +58,8 @@ class LtOwned {
   Handle handle_ = nullptr;
 };
 
-cudaDataType_t cuda_type(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return CUDA_R_16BF;
-    case DType::kFloat16:
-      return CUDA_R_16F;
-    case DType::kFloat32:
-      return CUDA_R_32F;
-    default:
-      MESHLA_THROW(kNotImplemented, "matmul: dtype " << dtype_name(dtype)
-                                                     << " is not supported; use bfloat16, "
-                                                     << "float16 or float32");
-  }
+bool supported(DType dtype) {
+  return dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32;
 }
 
 // Largest power of two up to 256 dividing the address and every step from it.
@@ -144,7 +134,10 @@ class Descriptors {
  public:
   Descriptors(cublasLtHandle_t handle, const ResolvedShape& resolved, std::size_t workspace_bytes) {
     const MatmulShape& s = resolved.shape;
-    const cudaDataType_t type = cuda_type(s.dtype);
+    MESHLA_CHECK(kNotImplemented, supported(s.dtype),
+                 "matmul: dtype " << dtype_name(s.dtype)
+                                  << " is not supported; use bfloat16, float16 or float32");
+    const cudaDataType_t type = detail::cuda_data_type(s.dtype);
     MESHLA_CHECK_CUBLAS(cublasLtMatmulDescCreate(desc_.out(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
     // Row-major d = a @ op(b) is column-major d^T = op(b)^T a^T: cuBLAS's first operand is b.
     const cublasOperation_t op_b = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;

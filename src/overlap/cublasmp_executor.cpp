@@ -17,6 +17,7 @@
 #include "comm/comm_state.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
+#include "core/cuda_types.hpp"
 #include "overlap/add_bias.hpp"
 #include "overlap/cublasmp_layout.hpp"
 #include "overlap/cublasmp_library.hpp"
@@ -27,18 +28,6 @@ namespace {
 
 template <typename Handle>
 using Owned = std::unique_ptr<std::remove_pointer_t<Handle>, std::function<void(Handle)>>;
-
-cudaDataType_t cuda_type(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return CUDA_R_16BF;
-    case DType::kFloat16:
-      return CUDA_R_16F;
-    default:
-      MESHLA_THROW(kNotImplemented,
-                   "backend=cublasmp: dtype " << dtype_name(dtype) << " is not supported");
-  }
-}
 
 // Device workspace on NVSHMEM's symmetric heap, where cuBLASMp 0.7's overlapped algorithms need
 // it. nvshmem_malloc and nvshmem_free are collective: every rank of the group allocates and frees
@@ -190,7 +179,8 @@ class CublasMpExecutor final : public Executor {
     cublasMpMatrixDescriptor_t desc = nullptr;
     // Column-major local blocks: the leading dimension is the block's row count.
     MESHLA_CHECK_CUBLASMP(library_.matrix_descriptor_create(
-        o.rows, o.cols, o.row_block, o.col_block, 0, 0, o.row_block, cuda_type(config_.dtype),
+        o.rows, o.cols, o.row_block, o.col_block, 0, 0, o.row_block,
+        detail::cuda_data_type(config_.dtype),
         o.rows_over_ranks ? context_->grid_rows.get() : context_->grid_columns.get(), &desc));
     return Owned<cublasMpMatrixDescriptor_t>(desc, library_.matrix_descriptor_destroy);
   }

@@ -16,6 +16,7 @@
 
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
+#include "core/cuda_types.hpp"
 #include "solver/block_cyclic.hpp"
 #include "solver/solver_kernels.hpp"
 #include "solver/solver_validation.hpp"
@@ -64,30 +65,13 @@ std::size_t align_up(std::size_t bytes) {
   return (bytes + kAlignment - 1) / kAlignment * kAlignment;
 }
 
-cudaDataType cuda_type(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return CUDA_R_32F;
-    case DType::kFloat64:
-      return CUDA_R_64F;
-    case DType::kComplex64:
-      return CUDA_C_32F;
-    case DType::kComplex128:
-      return CUDA_C_64F;
-    default:
-      MESHLA_THROW(kInvalidArgument, "dense solver: dtype " << dtype_name(dtype)
-                                                            << " is not float32, float64, "
-                                                               "complex64 or complex128");
-  }
-}
-
 // Owns a cuSolverMg matrix descriptor.
 class MatrixDescriptor {
  public:
   MatrixDescriptor(std::int64_t rows, std::int64_t columns, std::int64_t column_tile, DType dtype,
                    cudaLibMgGrid_t grid) {
     MESHLA_CHECK_CUSOLVER(cusolverMgCreateMatrixDesc(&descriptor_, rows, columns, rows, column_tile,
-                                                     cuda_type(dtype), grid));
+                                                     detail::cuda_data_type(dtype), grid));
   }
   ~MatrixDescriptor() { cusolverMgDestroyMatrixDesc(descriptor_); }
   MatrixDescriptor(const MatrixDescriptor&) = delete;
@@ -155,7 +139,7 @@ struct DenseSolver::Impl {
   std::int64_t query_lwork(SolverOp op, const SolverProblem& problem,
                            const BlockCyclicLayout& layout) {
     const int n = static_cast<int>(layout.padded_n());
-    const cudaDataType type = cuda_type(problem.dtype);
+    const cudaDataType type = detail::cuda_data_type(problem.dtype);
     MatrixDescriptor a(n, n, layout.tile, problem.dtype, grid);
     // The size queries read no array: cuSolverMg sizes the workspace from the descriptors.
     std::vector<void*> arrays(devices.size(), nullptr);
@@ -183,7 +167,7 @@ struct DenseSolver::Impl {
         MESHLA_CHECK_CUSOLVER(cusolverMgSyevd_bufferSize(
             handle, op == SolverOp::kEigen ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR,
             CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), eigenvalues.data(),
-            cuda_type(real_dtype(problem.dtype)), type, &lwork));
+            detail::cuda_data_type(real_dtype(problem.dtype)), type, &lwork));
         break;
       }
     }
@@ -385,7 +369,7 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   std::vector<void*> work(parts);
   for (int part = 0; part < parts; ++part) work[part] = workspace(part, workspaces[part].solver);
   const int order = static_cast<int>(ld);
-  const cudaDataType type = cuda_type(dtype);
+  const cudaDataType type = detail::cuda_data_type(dtype);
   MatrixDescriptor descriptor_a(ld, ld, layout.tile, dtype, self.grid);
   SolverResult result;
   const auto solver_start = std::chrono::steady_clock::now();
@@ -426,7 +410,7 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
                                             work.data(), lwork, &result.info));
     }
     if (op == SolverOp::kEigen || op == SolverOp::kEigenvalues) {
-      const cudaDataType real_type = cuda_type(real_dtype(dtype));
+      const cudaDataType real_type = detail::cuda_data_type(real_dtype(dtype));
       std::vector<double> values64(static_cast<std::size_t>(ld));
       std::vector<float> values32(real_type == CUDA_R_32F ? static_cast<std::size_t>(ld) : 0);
       void* values = real_type == CUDA_R_32F ? static_cast<void*>(values32.data())

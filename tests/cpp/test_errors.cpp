@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "core/cuda_checks.hpp"
+#include "core/cuda_types.hpp"
 
 namespace meshla {
 namespace {
@@ -66,6 +67,18 @@ TEST(Errors, ArgumentChecksCarryTheMessage) {
   EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
   EXPECT_STREQ(error.what(), "all_gather_matmul: m=1001 is not divisible by tp_size=4");
   EXPECT_EQ(error_code_name(ErrorCode::kTimeout), "timeout");
+}
+
+TEST(Errors, CudaDataTypeCoversEveryFloatingDtype) {
+  EXPECT_EQ(detail::cuda_data_type(DType::kFloat32), CUDA_R_32F);
+  EXPECT_EQ(detail::cuda_data_type(DType::kFloat64), CUDA_R_64F);
+  EXPECT_EQ(detail::cuda_data_type(DType::kFloat16), CUDA_R_16F);
+  EXPECT_EQ(detail::cuda_data_type(DType::kBFloat16), CUDA_R_16BF);
+  EXPECT_EQ(detail::cuda_data_type(DType::kComplex64), CUDA_C_32F);
+  EXPECT_EQ(detail::cuda_data_type(DType::kComplex128), CUDA_C_64F);
+  const Error error = caught([] { detail::cuda_data_type(DType::kInt64); });
+  EXPECT_EQ(error.code(), ErrorCode::kNotImplemented);
+  EXPECT_NE(std::string(error.what()).find("int64"), std::string::npos) << error.what();
 }
 
 }  // namespace
