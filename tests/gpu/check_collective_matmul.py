@@ -151,6 +151,22 @@ def refill(problem, fresh):
     problem.gathered.fill_(float("nan"))
 
 
+def worst_over_replays(group, graph, problems, fresh, replays):
+    """Replays `graph` `replays` times, each time after copying fresh inputs (`fresh(replay)`: op
+    -> Problem) into the captured `problems` (op -> Problem); the worst relative error of any
+    output after any replay."""
+    worst = 0.0
+    for replay in range(replays):
+        new = fresh(replay)
+        for op, problem in problems.items():
+            refill(problem, new[op])
+        graph.replay()
+        torch.cuda.synchronize(group.device)
+        worst = max([worst] + [relative_error(problem.out, new[op].ref)
+                               for op, problem in problems.items()])
+    return worst
+
+
 def check_graph_replay(group, reporter, label, seed_base, replays=20):
     """Capture each op once per backend, replay with new inputs copied into the captured
     buffers."""
@@ -163,14 +179,11 @@ def check_graph_replay(group, reporter, label, seed_base, replays=20):
             run()  # eager first: builds the plan outside capture
             torch.cuda.synchronize(group.device)
             graph = capture(group, [run])
-            worst = 0.0
-            for replay in range(replays):
-                fresh = Problem(op, group, dtype, m, n, k, seed_base + 1000 * index + replay + 1,
-                                False, True)
-                refill(p, fresh)
-                graph.replay()
-                torch.cuda.synchronize(group.device)
-                worst = max(worst, relative_error(p.out, fresh.ref))
+            worst = worst_over_replays(
+                group, graph, {op: p},
+                lambda replay: {op: Problem(op, group, dtype, m, n, k,
+                                            seed_base + 1000 * index + replay + 1, False, True)},
+                replays)
             ok = worst < TOLERANCE[dtype]
             detail = f"worst rel_err over {replays} replays={worst:.2e}"
         except Exception as e:
@@ -192,15 +205,12 @@ def check_graph_sequence(group, reporter, label, seed_base, replays=100):
             run()
         torch.cuda.synchronize(group.device)
         graph = capture(group, runs)
-        worst = 0.0
-        for replay in range(replays):
-            fresh = {op: Problem(op, group, dtype, m, n, k, seed_base + 100 * (replay + 1) + i,
-                                 False, True) for i, op in enumerate(OPS)}
-            for op in OPS:
-                refill(problems[op], fresh[op])
-            graph.replay()
-            torch.cuda.synchronize(group.device)
-            worst = max([worst] + [relative_error(problems[op].out, fresh[op].ref) for op in OPS])
+        worst = worst_over_replays(
+            group, graph, problems,
+            lambda replay: {op: Problem(op, group, dtype, m, n, k,
+                                        seed_base + 100 * (replay + 1) + i, False, True)
+                            for i, op in enumerate(OPS)},
+            replays)
         ok = worst < TOLERANCE[dtype]
         detail = f"worst rel_err over {replays} replays of 3 ops={worst:.2e}"
     except Exception as e:
@@ -302,14 +312,11 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
             run()  # eager first: the plan and its warm-up stay outside the capture
             torch.cuda.synchronize(group.device)
             graph = capture(group, [run])
-            worst = 0.0
-            for replay in range(replays):
-                fresh = Problem(op, group, dtype, m, n, k, seed_base + 1000 * index + replay + 1,
-                                True, True)
-                refill(p, fresh)
-                graph.replay()
-                torch.cuda.synchronize(group.device)
-                worst = max(worst, relative_error(p.out, fresh.ref))
+            worst = worst_over_replays(
+                group, graph, {op: p},
+                lambda replay: {op: Problem(op, group, dtype, m, n, k,
+                                            seed_base + 1000 * index + replay + 1, True, True)},
+                replays)
             ok, detail = worst < TOLERANCE[dtype], f"worst rel_err over {replays} replays={worst:.2e}"
         except Exception as e:
             ok, detail = False, f"{type(e).__name__}: {e}"
@@ -319,15 +326,12 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
     try:
         runs = [lambda op=op: run_cublasmp(op, problems[op], group, "auto", True) for op in OPS]
         graph = capture(group, runs)
-        worst = 0.0
-        for replay in range(100):
-            fresh = {op: Problem(op, group, dtype, m, n, k, seed_base + 100 * (replay + 1) + i,
-                                 True, True) for i, op in enumerate(OPS)}
-            for op in OPS:
-                refill(problems[op], fresh[op])
-            graph.replay()
-            torch.cuda.synchronize(group.device)
-            worst = max([worst] + [relative_error(problems[op].out, fresh[op].ref) for op in OPS])
+        worst = worst_over_replays(
+            group, graph, problems,
+            lambda replay: {op: Problem(op, group, dtype, m, n, k,
+                                        seed_base + 100 * (replay + 1) + i, True, True)
+                            for i, op in enumerate(OPS)},
+            100)
         ok, detail = worst < TOLERANCE[dtype], f"worst rel_err over 100 replays of 3 ops={worst:.2e}"
     except Exception as e:
         ok, detail = False, f"{type(e).__name__}: {e}"
