@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
 
 from meshla import _meshla
 
@@ -244,9 +246,6 @@ def _on_first_rank(name, group, tensors, work):
     """Runs ``work(parts)`` on the group's first rank, where ``parts[r]`` is rank r's
     ``tensors`` (CUDA tensors or None) opened through CUDA IPC, and returns its (picklable)
     result on every rank. An exception on the first rank is raised on every rank."""
-    import torch.distributed as dist
-    from torch.multiprocessing.reductions import reduce_tensor
-
     group = group if group is not None else dist.group.WORLD
     device = next(t.device for t in tensors if t is not None)
     # The exporter's pending writes must be done before another process reads the memory.
@@ -292,18 +291,13 @@ def _on_first_rank(name, group, tensors, work):
 
 def _gather_rows(group, block):
     """Every rank's CPU row block, in rank order (the CPU reference of the shard forms)."""
-    import torch.distributed as dist
-
-    group = group if group is not None else dist.group.WORLD
     blocks = [None] * dist.get_world_size(group)
     dist.all_gather_object(blocks, block, group=group)
     return blocks
 
 
 def _own_rows(group, blocks):
-    import torch.distributed as dist
-
-    return blocks[dist.get_rank(group if group is not None else dist.group.WORLD)]
+    return blocks[dist.get_rank(group)]
 
 
 def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 0,
