@@ -12,6 +12,7 @@ call in the memory the solver's outputs reuse.
 """
 
 import argparse
+import faulthandler
 import os
 import random
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from check_solver import TORCH_DTYPES, random_spd, random_symmetric, tolerance
+from matrices import TORCH_DTYPES, random_spd, random_symmetric, tolerance
 from meshla.torch import linalg as torch_linalg
 from reporting import Reporter
 
@@ -39,6 +40,7 @@ def poison_cache(rows, cols, dtype, device):
 
 
 def check(reporter, name, rank, fn):
+    print(f"rank {rank}: {name}", flush=True)  # where a rank that dies (no record) stopped
     try:
         ok, detail = fn()
     except Exception as e:  # a check that raises is a failed check, not a crash
@@ -51,6 +53,7 @@ def main():
     parser.add_argument("--results", required=True)
     parser.add_argument("--model", default="solver-processes")
     args = parser.parse_args()
+    faulthandler.enable()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("gloo")  # the IPC handles travel over gloo

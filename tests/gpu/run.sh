@@ -33,7 +33,14 @@ launch() {
     # 124: the time limit; above 128: killed by signal (status - 128), e.g. 139 a segfault.
     echo "{\"model\": \"$label\", \"name\": \"launcher\", \"rank\": -1, \"ok\": false, \"detail\": \"exited with status $status; see $label.log\"}" >>"$results"
     echo "$label exited with status $status"
-    tail -30 "$LOG_DIR/$label.log"
+    # A rank's own error comes before torchrun's long traceback of its launcher: show both ends.
+    if [ "$(wc -l <"$LOG_DIR/$label.log")" -gt 70 ]; then
+      head -50 "$LOG_DIR/$label.log"
+      echo "[...]"
+      tail -15 "$LOG_DIR/$label.log"
+    else
+      cat "$LOG_DIR/$label.log"
+    fi
   fi
 }
 

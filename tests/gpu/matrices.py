@@ -1,0 +1,31 @@
+"""Random test matrices and the error tolerance shared by the solver checks (no JAX here, so
+the one-process-per-GPU checks do not start JAX in every rank)."""
+
+import numpy as np
+import torch
+
+DTYPES = [np.float32, np.float64, np.complex64, np.complex128]
+EPS = {np.float32: 1.2e-7, np.complex64: 1.2e-7, np.float64: 2.3e-16, np.complex128: 2.3e-16}
+TORCH_DTYPES = {np.float32: torch.float32, np.float64: torch.float64,
+                np.complex64: torch.complex64, np.complex128: torch.complex128}
+
+
+def tolerance(dtype, n):
+    return 30 * EPS[dtype] * max(n, 16) ** 0.5
+
+
+def random_spd(n, dtype, rng, condition=None):
+    m = rng.standard_normal((n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        m = m + 1j * rng.standard_normal((n, n))
+    q, _ = np.linalg.qr(m)
+    spectrum = (np.geomspace(1.0, 1.0 / condition, n) if condition
+                else rng.uniform(0.5, 2.0, n))
+    return ((q * spectrum) @ q.conj().T).astype(dtype)
+
+
+def random_symmetric(n, dtype, rng):
+    m = rng.standard_normal((n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        m = m + 1j * rng.standard_normal((n, n))
+    return ((m + m.conj().T) / 2).astype(dtype)
