@@ -13,7 +13,7 @@ class Reporter:
         self.path, self.model, self.lock = path, model, threading.Lock()
 
     def record(self, name: str, rank: int, ok: bool, detail: str):
-        line = json.dumps({"model": self.model, "name": name, "rank": rank, "ok": ok,
+        line = json.dumps({"model": self.model, "name": name, "rank": rank, "ok": bool(ok),
                            "detail": detail})
         with self.lock, open(self.path, "a") as f:
             f.write(line + "\n")
