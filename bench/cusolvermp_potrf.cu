@@ -9,9 +9,11 @@
 #include <cusolverMp.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 namespace {
 
@@ -61,6 +63,20 @@ __global__ void fill_spd(double* a, std::int64_t rows, std::int64_t cols, std::i
 
 }  // namespace
 
+// Waits for `event` until `seconds` have passed. A rank whose peer failed (out of memory, say)
+// would otherwise wait forever inside cuSOLVERMp's NCCL calls; the caller aborts the communicator.
+void wait_or_throw(cudaEvent_t event, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  cudaError_t status;
+  while ((status = cudaEventQuery(event)) == cudaErrorNotReady) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw Failure{"potrf did not finish within " + std::to_string(seconds) + " s"};
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  PROBE_CHECK(status, cudaSuccess);
+}
+
 // Writes a fresh NCCL unique id (128 bytes) for the ranks of one measurement; returns 0 on success.
 extern "C" int cusolvermp_unique_id(void* out) {
   ncclUniqueId id;
@@ -72,8 +88,8 @@ extern "C" int cusolvermp_unique_id(void* out) {
 // Returns 0 and fills seconds[0..reps) and *info, or returns 1 with the failing call in `error`.
 extern "C" int cusolvermp_potrf_seconds(const void* unique_id, int rank, int size, int device,
                                         int nprow, int npcol, long long n, long long block,
-                                        int reps, double* seconds, int* info, char* error,
-                                        int error_bytes) {
+                                        int reps, double timeout_seconds, double* seconds,
+                                        int* info, char* error, int error_bytes) {
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
   cusolverMpHandle_t handle = nullptr;
@@ -124,7 +140,7 @@ extern "C" int cusolvermp_potrf_seconds(const void* unique_id, int rank, int siz
                           device_bytes, host_work.data(), host_bytes, device_info),
           CUSOLVER_STATUS_SUCCESS);
       PROBE_CHECK(cudaEventRecord(stop, stream), cudaSuccess);
-      PROBE_CHECK(cudaEventSynchronize(stop), cudaSuccess);
+      wait_or_throw(stop, timeout_seconds);
       float ms = 0;
       PROBE_CHECK(cudaEventElapsedTime(&ms, start, stop), cudaSuccess);
       seconds[rep] = ms / 1000.0;
@@ -133,6 +149,9 @@ extern "C" int cusolvermp_potrf_seconds(const void* unique_id, int rank, int siz
   } catch (const Failure& failure) {
     std::snprintf(error, static_cast<std::size_t>(error_bytes), "%s", failure.what.c_str());
     result = 1;
+    // Ends this rank's pending NCCL work (and lets the peers' time out) instead of waiting on it.
+    if (comm) ncclCommAbort(comm);
+    comm = nullptr;
   }
   if (desc) cusolverMpDestroyMatrixDesc(desc);
   if (grid) cusolverMpDestroyGrid(grid);

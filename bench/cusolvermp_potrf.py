@@ -33,6 +33,13 @@ def unique_id(library) -> bytes:
     return buffer.raw
 
 
+def _row_text(r):
+    head = f"{r['grid']:<5} {r['n']:>6} {r['block']:>5}"
+    if r["error"]:
+        return f"{head} failed: {r['error']}"
+    return f"{head} {r['time_s']:8.3f} {r['tflops']:8.1f} {r['info']}"
+
+
 def grids(size):
     return [(rows, size // rows) for rows in range(1, size + 1) if size % rows == 0]
 
@@ -45,6 +52,10 @@ def main():
     parser.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--block", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--grids", nargs="+", help="e.g. 2x2 1x4 (default: every grid of the world)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds one factorization may take before the measurement is "
+                             "abandoned (a hung rank aborts its communicator)")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -54,7 +65,9 @@ def main():
     probe = library.cusolvermp_potrf_seconds
     probe.restype = ctypes.c_int
     rows_out = []
-    for nprow, npcol in grids(size):
+    chosen = ([tuple(int(v) for v in g.split("x")) for g in args.grids] if args.grids
+              else grids(size))
+    for nprow, npcol in chosen:
         for n in args.n:
             for block in args.block:
                 box = [unique_id(library) if rank == 0 else None]
@@ -63,7 +76,8 @@ def main():
                 info = ctypes.c_int(-1)
                 error = ctypes.create_string_buffer(512)
                 failed = probe(box[0], rank, size, local_rank, nprow, npcol, n, block, args.reps,
-                               seconds, ctypes.byref(info), error, len(error))
+                               ctypes.c_double(args.timeout), seconds, ctypes.byref(info), error,
+                               len(error))
                 outcome = [None] * size
                 dist.all_gather_object(
                     outcome, (failed, statistics.median(seconds) if not failed else None,
@@ -76,7 +90,7 @@ def main():
                         "tflops": None if time_s is None else n ** 3 / 3 / time_s / 1e12,
                         "info": max(o[2] for o in outcome), "error": errors[0] if errors else None,
                     })
-                    print(f"done: grid {nprow}x{npcol} n={n} block={block}", flush=True)
+                    print(_row_text(rows_out[-1]), flush=True)  # what is done survives a kill
     if rank == 0:
         run = {"device": torch.cuda.get_device_name(0), "device_count": size,
                "date": datetime.now(timezone.utc).isoformat(), "commit": args.commit,
@@ -88,13 +102,9 @@ def main():
                 runs = json.load(f)["runs"]
         with open(args.out, "w") as f:
             json.dump({"runs": runs + [run]}, f, indent=2)
-        print(f"{'grid':>5} {'n':>6} {'block':>5} {'time_s':>8} {'TFLOP/s':>8} info")
+        print(f"{'grid':<5} {'n':>6} {'block':>5} {'time_s':>8} {'TFLOP/s':>8} info")
         for r in rows_out:
-            if r["error"]:
-                print(f"{r['grid']:>5} {r['n']:>6} {r['block']:>5} failed: {r['error']}")
-            else:
-                print(f"{r['grid']:>5} {r['n']:>6} {r['block']:>5} {r['time_s']:8.3f} "
-                      f"{r['tflops']:8.1f} {r['info']}")
+            print(_row_text(r))
     dist.barrier()
     dist.destroy_process_group()
 

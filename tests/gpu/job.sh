@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
 #   tests/gpu/job.sh COMMIT [suite] [bench] [grouped-bench] [solver-bench] [cusolvermp-bench]
-#   (default: suite and bench; SUITE_MODELS picks suite models)
+#   (default: suite and bench; SUITE_MODELS picks suite models; CUSOLVERMP_GPUS the world sizes
+#   of cusolvermp-bench, CUSOLVERMP_BENCH_ARGS its grids, sizes and blocks)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -40,12 +41,12 @@ for step in $steps; do
         -I"$root/include" -L"$root/lib" -l:libcusolverMp.so.0 -lnccl -Xlinker -rpath,"$root/lib" \
         -o /tmp/libcusolvermp_potrf.so >"$OUT/cusolvermp_build.txt" 2>&1 || { tail -20 "$OUT/cusolvermp_build.txt"; continue; }
       json="$OUT/cusolvermp_potrf_$(date -u +%Y%m%dT%H%M%SZ).json"
-      for p in 1 2 4; do
+      for p in ${CUSOLVERMP_GPUS:-1 2 4}; do
         [ "$gpus" -ge "$p" ] || continue
         CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((p - 1))) timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node=$p \
           bench/cusolvermp_potrf.py --library /tmp/libcusolvermp_potrf.so --commit "$commit" --out "$json" \
           ${CUSOLVERMP_BENCH_ARGS:-} 2>&1 | grep -v '^W1' >"$OUT/cusolvermp_p$p.txt"
-        tail -15 "$OUT/cusolvermp_p$p.txt"
+        grep -v -E '^\s|^Traceback|^torch\.distributed' "$OUT/cusolvermp_p$p.txt" | tail -40
       done
       ;;
     bench)
