@@ -2,7 +2,7 @@
 
 One process per GPU, the whole world is the grid:
   torchrun --nproc-per-node=P bench/cusolvermp_potrf.py --library /tmp/libcusolvermp_potrf.so \
-      --commit SHA --out cusolvermp.json [--n 16384 32768 65536] [--block 256 512 1024]
+      --commit SHA --out cusolvermp.json [--sizes 16384 32768 65536] [--block 256 512 1024]
 The library is bench/cusolvermp_potrf.cu built against the nvidia-cusolvermp-cu13 wheel
 (tests/gpu/job.sh's cusolvermp-bench step builds it). Every grid nprow x npcol with nprow * npcol
 = P runs every (n, block); a time is the median of --reps factorizations, taken on the slowest
@@ -49,7 +49,7 @@ def main():
     parser.add_argument("--library", required=True)
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--n", type=int, nargs="+", default=[16384, 32768, 65536])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--block", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--grids", nargs="+", help="e.g. 2x2 1x4 (default: every grid of the world)")
@@ -68,7 +68,7 @@ def main():
     chosen = ([tuple(int(v) for v in g.split("x")) for g in args.grids] if args.grids
               else grids(size))
     for nprow, npcol in chosen:
-        for n in args.n:
+        for n in args.sizes:
             for block in args.block:
                 box = [unique_id(library) if rank == 0 else None]
                 dist.broadcast_object_list(box, src=0)
