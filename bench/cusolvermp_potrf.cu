@@ -127,7 +127,13 @@ extern "C" int cusolvermp_potrf_seconds(const void* unique_id, int rank, int siz
     PROBE_CHECK(cusolverMpPotrf_bufferSize(handle, CUBLAS_FILL_MODE_LOWER, n, a, 1, 1, desc,
                                            CUDA_R_64F, &device_bytes, &host_bytes),
                 CUSOLVER_STATUS_SUCCESS);
-    PROBE_CHECK(cudaMalloc(&device_work, device_bytes > 0 ? device_bytes : 1), cudaSuccess);
+    if (cudaMalloc(&device_work, device_bytes > 0 ? device_bytes : 1) != cudaSuccess) {
+      std::size_t free_bytes = 0, total_bytes = 0;
+      cudaMemGetInfo(&free_bytes, &total_bytes);
+      throw Failure{"cusolverMpPotrf_bufferSize asked for " + std::to_string(device_bytes) +
+                    " device bytes; " + std::to_string(free_bytes) + " of " +
+                    std::to_string(total_bytes) + " are free"};
+    }
     std::string host_work(host_bytes, '\0');
     for (int rep = 0; rep < reps; ++rep) {
       fill_spd<<<1024, 256, 0, stream>>>(a, rows, cols, lld, n, block, my_row, my_col, nprow, npcol,
