@@ -3,9 +3,10 @@
   python bench/dense_solver.py --commit SHA --out results.json [--sizes 8192,16384] [--largest]
 
 For each dtype (float64, float32), GPU count (1, 2, 4) and n: the jitted
-``meshla.jax.linalg.cho_solve`` on a row-sharded array (A and one right-hand side), beside the
-time cuSolverMg itself spends in potrf + potrs on the same GPUs and tile (measured inside
-meshla's DenseSolver, so the ratio is the cost of meshla's layout work and synchronisation), and
+``meshla.jax.linalg.cho_solve`` on a row-sharded array (A and one right-hand side; meshla's own
+factorization, then cuSolverMg's potrs), beside the time raw cuSolverMg spends in its potrf +
+potrs on the same GPUs and tile (measured inside meshla's DenseSolver with cholesky="cusolvermg",
+data already in its layout), and
 ``jax.scipy.linalg.cho_factor`` + ``cho_solve`` on one GPU. Then eigh and the SPD inverse beside
 ``jnp.linalg.eigh`` / ``jnp.linalg.inv`` on one GPU, and with ``--largest`` the largest float64 n
 solved on all GPUs (input donated). Matrices are symmetric Hankel matrices h(i + j) plus n·I
@@ -76,7 +77,7 @@ def timed(function, repeats):
 
 
 def raw_cusolvermg_seconds(devices, n, dtype, tile, repeats):
-    """potrf + potrs inside cuSolverMg (DenseSolver's own timer), on torch row blocks."""
+    """cusolverMgPotrf + potrs (DenseSolver's own timer around them), on torch row blocks."""
     tdtype = {jnp.float64: torch.float64, jnp.float32: torch.float32}[dtype]
     g = len(devices)
     rows = n // g
@@ -90,9 +91,11 @@ def raw_cusolvermg_seconds(devices, n, dtype, tile, repeats):
         b = [torch.ones(rows, 1, dtype=tdtype, device=f"cuda:{d}") for d in devices]
         x = [torch.empty_like(v) for v in b]
         none = [None] * g
-        workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 1, tile, True, devices)
+        workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 1, tile, True, devices,
+                                              cholesky="cusolvermg")
         info, _, _, inside = solver.run(op, n, name, 1, tile, True, a, b, x, none, none,
-                                        workspaces, torch_linalg._streams(devices))
+                                        workspaces, torch_linalg._streams(devices),
+                                        cholesky="cusolvermg")
         if info != 0 or not all(bool(torch.isfinite(v).all()) for v in x):
             raise RuntimeError(f"raw cuSolverMg solve failed: info {info}")
         seconds.append(inside)

@@ -34,15 +34,21 @@ enum class SolverOp {
 
 std::string_view solver_op_name(SolverOp op);
 
+// Who factors A for kCholeskySolve and kCholeskyInverse; the solve and the inverse after it are
+// cuSolverMg's either way. meshla's own factorization (solver/block_cyclic_cholesky.hpp)
+// overlaps the panels with the trailing updates; cusolverMgPotrf stays as the reference.
+enum class CholeskyFactorization { kMeshla, kCusolverMg };
+
 // The problem: order n over the solver's parts, element type, right-hand sides (kCholeskySolve),
-// the tile (columns per block-cyclic tile; 0 picks one), and whether A's shards may be used as
-// the solver's working memory (then they hold garbage afterwards).
+// the tile (columns per block-cyclic tile; 0 picks one), whether A's shards may be used as
+// the solver's working memory (then they hold garbage afterwards), and who factors A.
 struct SolverProblem {
   std::int64_t n = 0;
   DType dtype = DType::kFloat64;  // float32, float64, complex64, complex128
   std::int64_t nrhs = 0;
   std::int64_t tile = 0;
   bool overwrite_a = false;
+  CholeskyFactorization cholesky = CholeskyFactorization::kMeshla;
 };
 
 // One GPU's part of a call, on the GPU of the solver's part of the same index.
@@ -61,13 +67,14 @@ struct SolverShard {
 
 // What the host learns from a call. info > 0: A is not positive definite (kCholesky*) or the
 // eigensolver did not converge (kEigen*); every output then holds NaN. The index info refers to
-// the solver's internal row order, not A's. cuSolverMg reports a failed factorization as an
-// internal error without an index: then info is 1.
+// the solver's internal row order, not A's. cusolverMgPotrf reports a failed factorization as
+// an internal error without an index: then info is 1.
 struct SolverResult {
   int info = 0;
   double logdet = 0.0;              // kCholeskySolve
   std::vector<double> eigenvalues;  // kEigen, kEigenvalues: ascending
-  double solver_seconds = 0.0;      // wall time inside cuSolverMg (what the layout work adds to)
+  double solver_seconds =
+      0.0;  // wall time of the factorization and cuSolverMg (what the layout work adds to)
 };
 
 class DenseSolver {

@@ -76,6 +76,13 @@ DType parse_dtype(const std::string& name) {
   MESHLA_THROW(kInvalidArgument, "dtype '" << name << "' is not a meshla dtype");
 }
 
+CholeskyFactorization parse_cholesky(const std::string& name) {
+  if (name == "meshla") return CholeskyFactorization::kMeshla;
+  if (name == "cusolvermg") return CholeskyFactorization::kCusolverMg;
+  MESHLA_THROW(kInvalidArgument,
+               "cholesky='" << name << "' is not one of 'meshla' and 'cusolvermg'");
+}
+
 std::chrono::milliseconds to_timeout(double seconds) {
   MESHLA_CHECK_ARG(seconds > 0, "timeout_s=" << seconds << " must be positive");
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0));
@@ -314,16 +321,19 @@ NB_MODULE(_meshla, m) {
       .def(
           "workspace_bytes",
           [](const DenseSolver& self, SolverOp op, std::int64_t n, const std::string& dtype,
-             std::int64_t nrhs, std::int64_t tile, bool overwrite_a, int part) {
+             std::int64_t nrhs, std::int64_t tile, bool overwrite_a, int part,
+             const std::string& cholesky) {
             const SolverProblem problem{.n = n,
                                         .dtype = parse_dtype(dtype),
                                         .nrhs = nrhs,
                                         .tile = tile,
-                                        .overwrite_a = overwrite_a};
+                                        .overwrite_a = overwrite_a,
+                                        .cholesky = parse_cholesky(cholesky)};
             nb::gil_scoped_release release;
             return self.workspace_bytes(op, problem, part);
           },
-          "op"_a, "n"_a, "dtype"_a, "nrhs"_a, "tile"_a, "overwrite_a"_a, "part"_a)
+          "op"_a, "n"_a, "dtype"_a, "nrhs"_a, "tile"_a, "overwrite_a"_a, "part"_a,
+          "cholesky"_a = "meshla")
       .def(
           "run",
           [](DenseSolver& self, SolverOp op, std::int64_t n, const std::string& dtype,
@@ -333,7 +343,7 @@ NB_MODULE(_meshla, m) {
              const std::vector<std::optional<Array>>& eigenvalues,
              const std::vector<std::optional<Array>>& logdet,
              const std::vector<std::optional<Array>>& workspace,
-             const std::vector<std::uintptr_t>& streams) {
+             const std::vector<std::uintptr_t>& streams, const std::string& cholesky) {
             const std::size_t parts = self.devices().size();
             for (const auto* list : {&a, &b, &out, &eigenvalues, &logdet, &workspace}) {
               MESHLA_CHECK_ARG(list->size() == parts, solver_op_name(op)
@@ -358,16 +368,18 @@ NB_MODULE(_meshla, m) {
                                         .dtype = parse_dtype(dtype),
                                         .nrhs = nrhs,
                                         .tile = tile,
-                                        .overwrite_a = overwrite_a};
+                                        .overwrite_a = overwrite_a,
+                                        .cholesky = parse_cholesky(cholesky)};
             nb::gil_scoped_release release;
             const SolverResult result = self.run(op, problem, shards);
             return std::make_tuple(result.info, result.logdet, result.eigenvalues,
                                    result.solver_seconds);
           },
           "op"_a, "n"_a, "dtype"_a, "nrhs"_a, "tile"_a, "overwrite_a"_a, "a"_a, "b"_a, "out"_a,
-          "eigenvalues"_a, "logdet"_a, "workspace"_a, "streams"_a,
+          "eigenvalues"_a, "logdet"_a, "workspace"_a, "streams"_a, "cholesky"_a = "meshla",
           "Runs one call over per-GPU lists (None where an op takes no such array); returns "
-          "(info, logdet, eigenvalues, seconds inside cuSolverMg).");
+          "(info, logdet, eigenvalues, seconds in the factorization and cuSolverMg). cholesky: "
+          "who factors A, 'meshla' or 'cusolvermg' (the reference).");
 
 #ifdef MESHLA_WITH_JAX
   m.def(

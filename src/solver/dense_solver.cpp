@@ -11,6 +11,7 @@
 #include <cmath>
 #include <complex>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -18,6 +19,8 @@
 #include "core/cuda_handles.hpp"
 #include "core/cuda_types.hpp"
 #include "solver/block_cyclic.hpp"
+#include "solver/block_cyclic_cholesky.hpp"
+#include "solver/cusolver_checks.hpp"
 #include "solver/solver_kernels.hpp"
 #include "solver/solver_validation.hpp"
 
@@ -28,36 +31,6 @@ using solver::BlockCyclicLayout;
 using solver::is_complex;
 using solver::PartPointers;
 using solver::real_dtype;
-
-std::string_view cusolver_status_name(cusolverStatus_t status) {
-  switch (status) {
-    case CUSOLVER_STATUS_NOT_INITIALIZED:
-      return "CUSOLVER_STATUS_NOT_INITIALIZED";
-    case CUSOLVER_STATUS_ALLOC_FAILED:
-      return "CUSOLVER_STATUS_ALLOC_FAILED";
-    case CUSOLVER_STATUS_INVALID_VALUE:
-      return "CUSOLVER_STATUS_INVALID_VALUE";
-    case CUSOLVER_STATUS_ARCH_MISMATCH:
-      return "CUSOLVER_STATUS_ARCH_MISMATCH";
-    case CUSOLVER_STATUS_EXECUTION_FAILED:
-      return "CUSOLVER_STATUS_EXECUTION_FAILED";
-    case CUSOLVER_STATUS_INTERNAL_ERROR:
-      return "CUSOLVER_STATUS_INTERNAL_ERROR";
-    case CUSOLVER_STATUS_NOT_SUPPORTED:
-      return "CUSOLVER_STATUS_NOT_SUPPORTED";
-    default:
-      return "cusolverStatus_t";
-  }
-}
-
-#define MESHLA_CHECK_CUSOLVER(call)                                                             \
-  do {                                                                                          \
-    const cusolverStatus_t meshla_status_ = (call);                                             \
-    if (meshla_status_ != CUSOLVER_STATUS_SUCCESS)                                              \
-      MESHLA_THROW(kCusolver, #call " failed: " << cusolver_status_name(meshla_status_) << " (" \
-                                                << static_cast<int>(meshla_status_) << ") at "  \
-                                                << __FILE__ << ":" << __LINE__);                \
-  } while (false)
 
 constexpr std::size_t kAlignment = 256;
 
@@ -85,6 +58,7 @@ class MatrixDescriptor {
 // Where one call's pieces live in a part's workspace, and where the solver works.
 struct WorkspaceLayout {
   std::size_t solver = 0;   // cuSolverMg's own workspace, lwork elements
+  std::size_t factor = 0;   // meshla's Cholesky factorization (CholeskyWorkspace)
   std::size_t working = 0;  // the working array, when it is neither `a` nor `out`
   std::size_t panel = 0;    // one tile of columns, for shuffling rows in place
   std::size_t rhs = 0;      // B' on part 0
@@ -95,6 +69,11 @@ struct WorkspaceLayout {
 // Where the solver's working array is: A's shards (overwrite_a), the inverse's output, or the
 // workspace. In place (working == a or out) needs n/P to be a multiple of the tile (no padding).
 enum class Working { kA, kOut, kWorkspace };
+
+bool uses_meshla_cholesky(SolverOp op, const SolverProblem& problem) {
+  return (op == SolverOp::kCholeskySolve || op == SolverOp::kCholeskyInverse) &&
+         problem.cholesky == CholeskyFactorization::kMeshla;
+}
 
 Working working_location(SolverOp op, const SolverProblem& problem,
                          const BlockCyclicLayout& layout) {
@@ -121,6 +100,7 @@ std::string_view solver_op_name(SolverOp op) {
 
 struct DenseSolver::Impl {
   std::vector<int> devices;
+  std::optional<solver::BlockCyclicCholesky> cholesky;
   cusolverMgHandle_t handle = nullptr;
   cudaLibMgGrid_t grid = nullptr;
   std::mutex mutex;
@@ -199,6 +179,10 @@ struct DenseSolver::Impl {
       w.rhs = offset;
       offset += align_up(static_cast<std::size_t>(layout.padded_n() * problem.nrhs) * element);
     }
+    if (uses_meshla_cholesky(op, problem)) {
+      w.factor = offset;
+      offset += align_up(cholesky->workspace(problem.dtype, layout).total);
+    }
     w.scalars = offset;
     offset += kAlignment;
     w.total = offset;
@@ -238,6 +222,7 @@ DenseSolver::DenseSolver(std::vector<int> devices) : impl_(std::make_unique<Impl
     }
   }
   impl_->devices = std::move(devices);
+  impl_->cholesky.emplace(impl_->devices);
   detail::DeviceGuard guard(impl_->devices[0]);
   MESHLA_CHECK_CUSOLVER(cusolverMgCreate(&impl_->handle));
   MESHLA_CHECK_CUSOLVER(
@@ -378,6 +363,16 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
     switch (op) {
       case SolverOp::kCholeskySolve:
       case SolverOp::kCholeskyInverse: {
+        if (uses_meshla_cholesky(op, problem)) {
+          std::vector<void*> factor_work(parts);
+          std::vector<cudaStream_t> streams(parts);
+          for (int part = 0; part < parts; ++part) {
+            factor_work[part] = workspace(part, workspaces[part].factor);
+            streams[part] = shards[part].stream;
+          }
+          result.info = self.cholesky->factor(dtype, working, layout, factor_work, streams);
+          break;
+        }
         const cusolverStatus_t status =
             cusolverMgPotrf(self.handle, CUBLAS_FILL_MODE_LOWER, order, arrays.data(), 1, 1,
                             descriptor_a.get(), type, work.data(), lwork, &result.info);

@@ -264,7 +264,33 @@ class Checks:
             return ok, (f"eigh residual {residual:.2e}, orthogonality {orthogonality:.2e}, "
                         f"inverse residual {inverse_error:.2e} (tol {tol:.1e})")
 
+        def factorizations_agree():
+            # The same solve with each factorization (meshla's is the default), outputs poisoned.
+            solver = torch_linalg._solver(tuple(devices))
+            a = random_spd(n, dtype, self.rng)
+            b = self.rng.standard_normal((n, 2)).astype(dtype)
+            name = torch_linalg._DTYPES[tdtype]
+            op = _meshla.SolverOp.cholesky_solve
+            none = [None] * g
+            details, ok = [], True
+            for cholesky in ("meshla", "cusolvermg"):
+                x = [torch.full((rows, 2), float("nan"), dtype=tdtype, device=f"cuda:{d}")
+                     for d in devices]
+                workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 2, 0, False,
+                                                      devices, cholesky=cholesky)
+                info, logdet, _, _ = solver.run(op, n, name, 2, 0, False, shards(a), shards(b),
+                                                x, none, none, workspaces,
+                                                torch_linalg._streams(devices), cholesky=cholesky)
+                residual = solve_residual(a, torch.cat([v.cpu() for v in x]).numpy(), b)
+                logdet_error = abs(logdet - np.linalg.slogdet(a.astype(np.complex128))[1]) / n
+                ok = ok and info == 0 and residual < tol and logdet_error < 100 * tol
+                details.append(f"{cholesky}: residual {residual:.2e}, logdet error "
+                               f"{logdet_error:.2e}")
+            return ok, ", ".join(details) + f" (tol {tol:.1e})"
+
         self.run(f"{label} cho_solve", solve)
+        self.run(f"{label} cho_solve, meshla's and cuSolverMg's factorizations",
+                 factorizations_agree)
         self.run(f"{label} cholesky_inverse over a", inverse_in_place)
         self.run(f"{label} eigh and inverse on poisoned outputs", poisoned_outputs)
 

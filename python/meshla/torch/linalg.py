@@ -112,11 +112,12 @@ def _devices(name: str, shards: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(shard.device.index for shard in shards)
 
 
-def _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices):
+def _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices, cholesky="meshla"):
     # int64 words: the caching allocator's blocks start on 512-byte boundaries.
     return [
-        torch.empty(-(-solver.workspace_bytes(op, n, _DTYPES[dtype], nrhs, tile, overwrite_a, p)
-                      // 8), dtype=torch.int64, device=device)
+        torch.empty(-(-solver.workspace_bytes(op, n, _DTYPES[dtype], nrhs, tile, overwrite_a, p,
+                                              cholesky=cholesky) // 8),
+                    dtype=torch.int64, device=device)
         for p, device in enumerate(devices)
     ]
 
@@ -127,8 +128,9 @@ def _streams(devices) -> list[int]:
 
 def _raise_if_failed(name: str, info: int, check_errors: bool, what: str) -> None:
     if info > 0 and check_errors:
-        raise torch.linalg.LinAlgError(f"{name}: {what} (cuSolverMg info={info}); pass "
-                                       "check_errors=False to get NaN outputs instead")
+        raise torch.linalg.LinAlgError(f"{name}: {what} (info={info}, in the solver's row "
+                                       "order); pass check_errors=False to get NaN outputs "
+                                       "instead")
 
 
 def cho_solve(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor], *,
