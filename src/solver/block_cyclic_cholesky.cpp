@@ -175,13 +175,19 @@ struct Part {
 struct BlockCyclicCholesky::Impl {
   std::vector<std::unique_ptr<Part>> parts;
 
+  // One GPU holds the whole matrix in one column-major array: cusolverDn factors it in one call.
+  // Otherwise cusolverDn factors one diagonal tile at a time.
+  std::int64_t potrf_order(const BlockCyclicLayout& layout) const {
+    return parts.size() == 1 ? layout.padded_n() : layout.tile;
+  }
+
   std::size_t potrf_bytes(DType dtype, const BlockCyclicLayout& layout, std::size_t* host_bytes) {
     Part& part = *parts.front();
     detail::DeviceGuard guard(part.device);
     const cudaDataType type = detail::cuda_data_type(dtype);
     std::size_t device_bytes = 0;
     MESHLA_CHECK_CUSOLVER(cusolverDnXpotrf_bufferSize(
-        part.dense, part.params, CUBLAS_FILL_MODE_LOWER, layout.tile, type, nullptr,
+        part.dense, part.params, CUBLAS_FILL_MODE_LOWER, potrf_order(layout), type, nullptr,
         layout.padded_n(), type, &device_bytes, host_bytes));
     return device_bytes;
   }
@@ -251,6 +257,21 @@ int BlockCyclicCholesky::factor(DType dtype, const PartPointers& working,
     // Panel buffers are rewritten only after the caller's earlier work on this stream.
     MESHLA_CHECK_CUDA(cudaEventRecord(part.started.get(), streams[p]));
     MESHLA_CHECK_CUDA(cudaStreamWaitEvent(part.copies.get(), part.started.get(), 0));
+  }
+
+  if (count == 1) {
+    Part& part = *parts.front();
+    detail::DeviceGuard guard(part.device);
+    int* info = reinterpret_cast<int*>(static_cast<char*>(workspaces[0]) + w.pivots);
+    MESHLA_CHECK_CUSOLVER(cusolverDnXpotrf(part.dense, part.params, CUBLAS_FILL_MODE_LOWER, ld,
+                                           type, working.data[0], ld, type,
+                                           static_cast<char*>(workspaces[0]) + w.potrf, potrf_bytes,
+                                           part.host_workspace.data(), host_bytes, info));
+    int host_info = 0;
+    MESHLA_CHECK_CUDA(
+        cudaMemcpyAsync(&host_info, info, sizeof(int), cudaMemcpyDeviceToHost, streams[0]));
+    MESHLA_CHECK_CUDA(cudaStreamSynchronize(streams[0]));
+    return host_info;
   }
 
   auto factor_tile = [&](std::int64_t k) {

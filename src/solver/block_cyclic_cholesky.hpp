@@ -13,6 +13,7 @@
 //   k]ᴴ.
 //     The owner of tile k+1 updates that tile first and factors it right away, so panel k+1
 //     travels while the rest of step k's updates run.
+// On one GPU the local array is the whole matrix, and cusolverDn's potrf factors it in one call.
 // The GEMMs also write the upper half of each diagonal tile, which the lower-triangle routines
 // never read (cuSolverMg's potri result is mirrored from the lower triangle afterwards).
 #pragma once
@@ -33,7 +34,7 @@ namespace meshla::solver {
 // Where the factorization's pieces live in a part's workspace (offsets from its start).
 struct CholeskyWorkspace {
   std::size_t panels = 0;  // two panel buffers, ld x tile elements each
-  std::size_t potrf = 0;   // cusolverDn's workspace for one diagonal tile
+  std::size_t potrf = 0;   // cusolverDn's workspace for a diagonal tile (one GPU: all of A)
   std::size_t pivots = 0;  // one int per local tile: cusolverDn's info of that tile
   std::size_t total = 0;
 };
@@ -55,8 +56,8 @@ struct CholeskyStep {
 // The whole schedule for `layout` (pure host logic, unit-tested on the CPU by running it).
 std::vector<CholeskyStep> cholesky_schedule(const BlockCyclicLayout& layout);
 
-// `potrf_bytes`: cusolverDn's device workspace for a tile x tile potrf with leading dimension
-// ld = layout.padded_n().
+// `potrf_bytes`: cusolverDn's device workspace for its potrf (a tile; on one GPU the whole
+// matrix) with leading dimension ld = layout.padded_n().
 CholeskyWorkspace cholesky_workspace(DType dtype, const BlockCyclicLayout& layout,
                                      std::size_t potrf_bytes);
 
