@@ -7,6 +7,7 @@
 #include <array>
 #include <utility>
 
+#include "core/alignment.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
 #include "core/cuda_types.hpp"
@@ -15,11 +16,7 @@
 namespace meshla::solver {
 namespace {
 
-constexpr std::size_t kAlignment = 256;
-
-std::size_t align_up(std::size_t bytes) {
-  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
-}
+using detail::align_up;
 
 bool is_double_precision(DType dtype) {
   return dtype == DType::kFloat64 || dtype == DType::kComplex128;

@@ -15,6 +15,7 @@
 #include <set>
 #include <string>
 
+#include "core/alignment.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
 #include "core/cuda_types.hpp"
@@ -32,11 +33,7 @@ using solver::is_complex;
 using solver::PartPointers;
 using solver::real_dtype;
 
-constexpr std::size_t kAlignment = 256;
-
-std::size_t align_up(std::size_t bytes) {
-  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
-}
+using detail::align_up;
 
 // Owns a cuSolverMg matrix descriptor.
 class MatrixDescriptor {
@@ -184,7 +181,7 @@ struct DenseSolver::Impl {
       offset += align_up(cholesky->workspace(problem.dtype, layout).total);
     }
     w.scalars = offset;
-    offset += kAlignment;
+    offset += detail::kWorkspaceAlignment;
     w.total = offset;
     return w;
   }
