@@ -12,6 +12,7 @@
 #include "core/cuda_handles.hpp"
 #include "core/cuda_types.hpp"
 #include "solver/cusolver_checks.hpp"
+#include "solver/solver_validation.hpp"
 
 namespace meshla::solver {
 namespace {
@@ -20,10 +21,6 @@ using detail::align_up;
 
 bool is_double_precision(DType dtype) {
   return dtype == DType::kFloat64 || dtype == DType::kComplex128;
-}
-
-bool is_complex_type(DType dtype) {
-  return dtype == DType::kComplex64 || dtype == DType::kComplex128;
 }
 
 // -1 and 1 as the GEMM's and trsm's scalar type (a complex scalar is two reals, real part first).
@@ -46,7 +43,7 @@ void solve_right_adjoint(cublasHandle_t handle, DType dtype, int rows, int colum
   const Scalars scalars;
   const cublasSideMode_t side = CUBLAS_SIDE_RIGHT;
   const cublasFillMode_t fill = CUBLAS_FILL_MODE_LOWER;
-  const cublasOperation_t op = is_complex_type(dtype) ? CUBLAS_OP_C : CUBLAS_OP_T;
+  const cublasOperation_t op = is_complex(dtype) ? CUBLAS_OP_C : CUBLAS_OP_T;
   const cublasDiagType_t diag = CUBLAS_DIAG_NON_UNIT;
   switch (dtype) {
     case DType::kFloat32:
@@ -225,7 +222,7 @@ int BlockCyclicCholesky::factor(DType dtype, const PartPointers& working,
   const cudaDataType type = detail::cuda_data_type(dtype);
   const cublasComputeType_t compute =
       is_double_precision(dtype) ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
-  const cublasOperation_t adjoint = is_complex_type(dtype) ? CUBLAS_OP_C : CUBLAS_OP_T;
+  const cublasOperation_t adjoint = is_complex(dtype) ? CUBLAS_OP_C : CUBLAS_OP_T;
   const Scalars scalars;
 
   auto owner = [&](std::int64_t k) { return static_cast<int>(k % count); };
