@@ -122,19 +122,21 @@ struct DenseSolver::Impl {
     std::vector<void*> arrays(devices.size(), nullptr);
     std::int64_t lwork = 0;
     std::int64_t second = 0;
+    // cusolverMgPotrf's workspace only when it factors (meshla's factorization brings its own).
+    if ((op == SolverOp::kCholeskySolve || op == SolverOp::kCholeskyInverse) &&
+        !uses_meshla_cholesky(op, problem)) {
+      MESHLA_CHECK_CUSOLVER(cusolverMgPotrf_bufferSize(handle, CUBLAS_FILL_MODE_LOWER, n,
+                                                       arrays.data(), 1, 1, a.get(), type, &lwork));
+    }
     switch (op) {
       case SolverOp::kCholeskySolve: {
         MatrixDescriptor b(n, problem.nrhs, problem.nrhs, problem.dtype, grid);
-        MESHLA_CHECK_CUSOLVER(cusolverMgPotrf_bufferSize(
-            handle, CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), type, &lwork));
         MESHLA_CHECK_CUSOLVER(cusolverMgPotrs_bufferSize(
             handle, CUBLAS_FILL_MODE_LOWER, n, static_cast<int>(problem.nrhs), arrays.data(), 1, 1,
             a.get(), arrays.data(), 1, 1, b.get(), type, &second));
         break;
       }
       case SolverOp::kCholeskyInverse:
-        MESHLA_CHECK_CUSOLVER(cusolverMgPotrf_bufferSize(
-            handle, CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), type, &lwork));
         MESHLA_CHECK_CUSOLVER(cusolverMgPotri_bufferSize(
             handle, CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), type, &second));
         break;
