@@ -5,7 +5,8 @@ loop and one dense GEMM of the same total size, in the same run.
 
 TFLOP/s of forward (y = x W_gᵀ), dgrad (dx = dy W_g) and wgrad (dW_g = dy_gᵀ x_g) for each shape
 and routing. Timings: CUDA events around `--iters` back-to-back calls after a warm-up; the median
-of `--repeats` such runs. The table is printed last; JSON carries device, date and commit.
+of `--repeats` such runs, taken in turns with the peers'. The table is printed last; JSON carries
+device, date and commit.
 """
 
 import argparse
@@ -41,19 +42,29 @@ def routing(groups: int, tokens: int, skewed: bool, seed: int = 0) -> list[int]:
     return sizes
 
 
-def time_ms(fn, iters: int, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
+def time_ms(fns: dict, iters: int, repeats: int) -> dict:
+    """Median ms per call of each of `fns`. The functions take turns (one run of `iters` calls each,
+    `repeats` rounds), so a drift of the GPU's clocks during the measurement falls on all of them
+    alike instead of on whichever ran last. A function that raises is recorded by its error."""
+    runs, errors = {label: [] for label in fns}, {}
+    for label, fn in fns.items():
+        try:
             fn()
-        stop.record()
-        stop.synchronize()
-        runs.append(start.elapsed_time(stop) / iters)
-    return statistics.median(runs)
+        except Exception as error:  # a peer that refuses a shape is recorded, not fatal
+            errors[label] = str(error).splitlines()[0][:160]
+    torch.cuda.synchronize()
+    for _ in range(repeats):
+        for label, fn in fns.items():
+            if label in errors:
+                continue
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            stop.record()
+            stop.synchronize()
+            runs[label].append(start.elapsed_time(stop) / iters)
+    return {label: statistics.median(r) for label, r in runs.items() if r}, errors
 
 
 def torch_grouped_mm():
@@ -103,18 +114,16 @@ def bench_shape(name, groups, k, n, tokens, skewed, args):
         row = {"shape": name, "routing": "skewed" if skewed else "uniform", "pass": pass_name,
                "groups": groups, "k": k, "n": n, "tokens": tokens,
                "largest_group": max(sizes), "empty_groups": sizes.count(0)}
-        ms = time_ms(fn, args.iters, args.repeats)
-        row["meshla_ms"] = ms
-        row["meshla_tflops"] = flop / ms / 1e9
-        for peer, fns in peers.items():
-            if fns is None:
-                continue
-            try:
-                peer_ms = time_ms(fns[pass_name], args.iters, args.repeats)
-                row[f"{peer}_ms"] = peer_ms
-                row[f"{peer}_tflops"] = flop / peer_ms / 1e9
-            except Exception as error:  # a peer that refuses a shape is recorded, not fatal
-                row[f"{peer}_error"] = str(error).splitlines()[0][:160]
+        fns = {"meshla": fn}
+        fns.update({peer: peer_fns[pass_name] for peer, peer_fns in peers.items() if peer_fns})
+        times, errors = time_ms(fns, args.iters, args.repeats)
+        if "meshla" in errors:
+            raise RuntimeError(f"meshla {pass_name} on {name}: {errors['meshla']}")
+        for label, ms in times.items():
+            row[f"{label}_ms"] = ms
+            row[f"{label}_tflops"] = flop / ms / 1e9
+        for label, error in errors.items():
+            row[f"{label}_error"] = error
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -141,7 +150,7 @@ def main():
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     rows = []
     for shape in SHAPES:
