@@ -15,6 +15,7 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "core/cuda_checks.hpp"
@@ -66,7 +67,13 @@ struct PassLayouts<GroupedPass::kWgrad> {
   using B = cutlass::layout::RowMajor;
 };
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue>
+template <ClusterPair pair>
+using ClusterShapeOf = std::conditional_t<
+    pair == ClusterPair::kAlongM, cute::Shape<cute::_2, cute::_1, cute::_1>,
+    std::conditional_t<pair == ClusterPair::kAlongN, cute::Shape<cute::_1, cute::_2, cute::_1>,
+                       cute::Shape<cute::_1, cute::_1, cute::_1>>>;
+
+template <GroupedPass pass, DType dtype, Epilogue epilogue, ClusterPair pair>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -79,7 +86,7 @@ struct GroupedGemm {
   // persistent scheduler walks all groups' tiles in one launch. Measured against pingpong 64x256
   // and 128x128 (bench/NOTES.md, experiment 12), it wins or ties on every benchmarked shape.
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using ClusterShape = ClusterShapeOf<pair>;
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
@@ -254,17 +261,30 @@ inline void check_cutlass(cutlass::Status status, const char* what) {
                "CUTLASS grouped GEMM " << what << " failed: " << cutlassGetStatusString(status));
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue>
-CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
-  using G = GroupedGemm<pass, dtype, epilogue>;
+template <GroupedPass pass, DType dtype, Epilogue epilogue, ClusterPair pair>
+CutlassWorkspace workspace_of_pair(std::int64_t groups, int device, int sm_count) {
+  using G = GroupedGemm<pass, dtype, epilogue, pair>;
   const typename G::Tables none{};
   return {G::tables_bytes(groups),
           G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
 }
 
 template <GroupedPass pass, DType dtype, Epilogue epilogue>
+CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
+  CutlassWorkspace most;
+  for (const CutlassWorkspace w :
+       {workspace_of_pair<pass, dtype, epilogue, ClusterPair::kAlongM>(groups, device, sm_count),
+        workspace_of_pair<pass, dtype, epilogue, ClusterPair::kAlongN>(groups, device, sm_count),
+        workspace_of_pair<pass, dtype, epilogue, ClusterPair::kNone>(groups, device, sm_count)}) {
+    most.tables = std::max(most.tables, w.tables);
+    most.kernel = std::max(most.kernel, w.kernel);
+  }
+  return most;
+}
+
+template <GroupedPass pass, DType dtype, Epilogue epilogue, ClusterPair pair>
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
-  using G = GroupedGemm<pass, dtype, epilogue>;
+  using G = GroupedGemm<pass, dtype, epilogue, pair>;
   const std::int64_t groups = call.index.groups;
   const typename G::Tables tables = G::carve(call.tables, groups);
   constexpr int kThreads = 128;
@@ -286,12 +306,24 @@ CutlassWorkspace workspace_for(DType dtype, std::int64_t groups, int device, int
   return workspace_of<pass, DType::kFloat16, epilogue>(groups, device, sm_count);
 }
 
+template <GroupedPass pass, DType dtype, Epilogue epilogue>
+void run_paired(const CutlassCall& call, cudaStream_t stream) {
+  switch (call.cluster) {
+    case ClusterPair::kAlongM:
+      return run_grouped<pass, dtype, epilogue, ClusterPair::kAlongM>(call, stream);
+    case ClusterPair::kAlongN:
+      return run_grouped<pass, dtype, epilogue, ClusterPair::kAlongN>(call, stream);
+    case ClusterPair::kNone:
+      return run_grouped<pass, dtype, epilogue, ClusterPair::kNone>(call, stream);
+  }
+}
+
 template <GroupedPass pass, Epilogue epilogue>
 void run_for(const CutlassCall& call, cudaStream_t stream) {
   if (call.dtype == DType::kBFloat16)
-    return run_grouped<pass, DType::kBFloat16, epilogue>(call, stream);
+    return run_paired<pass, DType::kBFloat16, epilogue>(call, stream);
   MESHLA_ASSERT(call.dtype == DType::kFloat16);
-  run_grouped<pass, DType::kFloat16, epilogue>(call, stream);
+  run_paired<pass, DType::kFloat16, epilogue>(call, stream);
 }
 
 }  // namespace meshla::grouped

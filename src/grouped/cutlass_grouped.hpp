@@ -14,6 +14,11 @@ struct CutlassWorkspace {
   std::size_t kernel = 0;  // CUTLASS's own workspace
 };
 
+// Which two CTAs of a cluster share an operand tile through TMA multicast: two M-tiles (sharing
+// the B tile), two N-tiles (sharing the A tile), or none. CUTLASS rounds each group's tile count
+// along the paired dimension up to a multiple of 2 and runs the extra tile in full.
+enum class ClusterPair { kAlongM, kAlongN, kNone };
+
 struct CutlassCall {
   GroupIndex index;
   GroupedOperands operands;
@@ -22,6 +27,7 @@ struct CutlassCall {
   void* kernel_workspace;
   int device;
   int sm_count;
+  ClusterPair cluster;
 };
 
 CutlassWorkspace cutlass_forward_workspace(DType dtype, std::int64_t groups, int device,

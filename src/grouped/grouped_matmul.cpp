@@ -1,3 +1,5 @@
+#include <cstdlib>
+#include <string>
 #include "meshla/grouped_matmul.hpp"
 
 #include <cuda_runtime_api.h>
@@ -73,6 +75,14 @@ struct GroupedMatmul::Impl {
     return (parts.tables + 255) / 256 * 256 + parts.kernel;
   }
 };
+
+// EXPERIMENT (bench/NOTES.md, experiment 14): cluster pairing from MESHLA_GROUPED_CLUSTER.
+grouped::ClusterPair experiment_cluster() {
+  const char* v = std::getenv("MESHLA_GROUPED_CLUSTER");
+  if (v && std::string(v) == "n") return grouped::ClusterPair::kAlongN;
+  if (v && std::string(v) == "none") return grouped::ClusterPair::kNone;
+  return grouped::ClusterPair::kAlongM;
+}
 
 GroupedMatmul::GroupedMatmul(int device) : impl_(std::make_unique<Impl>()) {
   impl_->device = device;
@@ -180,7 +190,8 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                                     tables,
                                     tables + (parts.tables + 255) / 256 * 256,
                                     impl_->device,
-                                    impl_->sm_count};
+                                    impl_->sm_count,
+                                    experiment_cluster()};
     switch (pass) {
       case GroupedPass::kForward:
         grouped::cutlass_forward(call, stream);
