@@ -15,11 +15,11 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
-#include <algorithm>
 #include <type_traits>
 
 #include "core/cuda_checks.hpp"
 #include "grouped/cutlass_grouped.hpp"
+#include "grouped/group_index.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "meshla's grouped GEMM needs CUTLASS's SM90 ptr-array support (CUDA 12.3+ and sm_90a)"
@@ -67,13 +67,7 @@ struct PassLayouts<GroupedPass::kWgrad> {
   using B = cutlass::layout::RowMajor;
 };
 
-template <ClusterPair pair>
-using ClusterShapeOf = std::conditional_t<
-    pair == ClusterPair::kAlongM, cute::Shape<cute::_2, cute::_1, cute::_1>,
-    std::conditional_t<pair == ClusterPair::kAlongN, cute::Shape<cute::_1, cute::_2, cute::_1>,
-                       cute::Shape<cute::_1, cute::_1, cute::_1>>>;
-
-template <GroupedPass pass, DType dtype, Epilogue epilogue, ClusterPair pair>
+template <GroupedPass pass, DType dtype, Epilogue epilogue>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -82,11 +76,15 @@ struct GroupedGemm {
   static constexpr int kAlignment = 8;  // 16 bytes of 16-bit elements: TMA's minimum
   static constexpr int kAlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
-  // Cooperative 128x256 tiles with a 2x1 cluster: both consumer warpgroups share each tile and the
-  // persistent scheduler walks all groups' tiles in one launch. Measured against pingpong 64x256
-  // and 128x128 (bench/NOTES.md, experiment 12), it wins or ties on every benchmarked shape.
+  // Cooperative 128x256 tiles: both consumer warpgroups share each tile and the persistent
+  // scheduler walks all groups' tiles in one launch. Measured against pingpong 64x256 and 128x128
+  // (bench/NOTES.md, experiment 12), it wins or ties on every benchmarked shape.
+  // No cluster: CUTLASS rounds each group's tile count along a paired dimension up to the cluster
+  // and runs the extra tile in full, and a group's rows are known only on the device. With 2x1
+  // every group with an odd number of 128-row tiles cost one more tile (13% more tiles on the
+  // skewed Qwen3 routing); the multicast it buys was worth less (experiment 24).
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = ClusterShapeOf<pair>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
@@ -211,10 +209,9 @@ __device__ Stride leading_stride(std::int64_t leading) {
 }
 
 template <class G, GroupedPass pass>
-__global__ void fill_tables(GroupIndex index, GroupedOperands op, typename G::Tables tables) {
+__device__ void fill_group(std::int64_t g, const GroupIndex& index, const GroupedOperands& op,
+                           const typename G::Tables& tables) {
   using Element = typename G::Element;
-  const std::int64_t g = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-  if (g >= index.groups) return;
   const std::int64_t first = index.offsets[g];
   const int rows = static_cast<int>(index.offsets[g + 1] - first);
   const int in = static_cast<int>(op.in_features);
@@ -256,40 +253,38 @@ __global__ void fill_tables(GroupIndex index, GroupedOperands op, typename G::Ta
   }
 }
 
+// One block: the group index, then every group's entries of the tables. A call whose m_splits fail
+// the checks gets all-zero offsets, so every group has no rows and the GEMM touches nothing.
+template <class G, GroupedPass pass>
+__global__ void __launch_bounds__(kIndexThreads)
+    fill_tables(GroupIndex index, DeviceStatus* status, GroupedOperands op,
+                typename G::Tables tables) {
+  build_group_index(index, status);
+  for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
+    fill_group<G, pass>(g, index, op, tables);
+  }
+}
+
 inline void check_cutlass(cutlass::Status status, const char* what) {
   MESHLA_CHECK(kInternal, status == cutlass::Status::kSuccess,
                "CUTLASS grouped GEMM " << what << " failed: " << cutlassGetStatusString(status));
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, ClusterPair pair>
-CutlassWorkspace workspace_of_pair(std::int64_t groups, int device, int sm_count) {
-  using G = GroupedGemm<pass, dtype, epilogue, pair>;
+template <GroupedPass pass, DType dtype, Epilogue epilogue>
+CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
+  using G = GroupedGemm<pass, dtype, epilogue>;
   const typename G::Tables none{};
   return {G::tables_bytes(groups),
           G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
 }
 
 template <GroupedPass pass, DType dtype, Epilogue epilogue>
-CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
-  CutlassWorkspace most;
-  for (const CutlassWorkspace w :
-       {workspace_of_pair<pass, dtype, epilogue, ClusterPair::kAlongM>(groups, device, sm_count),
-        workspace_of_pair<pass, dtype, epilogue, ClusterPair::kAlongN>(groups, device, sm_count),
-        workspace_of_pair<pass, dtype, epilogue, ClusterPair::kNone>(groups, device, sm_count)}) {
-    most.tables = std::max(most.tables, w.tables);
-    most.kernel = std::max(most.kernel, w.kernel);
-  }
-  return most;
-}
-
-template <GroupedPass pass, DType dtype, Epilogue epilogue, ClusterPair pair>
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
-  using G = GroupedGemm<pass, dtype, epilogue, pair>;
+  using G = GroupedGemm<pass, dtype, epilogue>;
   const std::int64_t groups = call.index.groups;
   const typename G::Tables tables = G::carve(call.tables, groups);
-  constexpr int kThreads = 128;
-  const auto blocks = static_cast<unsigned>((groups + kThreads - 1) / kThreads);
-  fill_tables<G, pass><<<blocks, kThreads, 0, stream>>>(call.index, call.operands, tables);
+  fill_tables<G, pass>
+      <<<1, kIndexThreads, 0, stream>>>(call.index, call.status, call.operands, tables);
   MESHLA_CHECK_CUDA(cudaGetLastError());
   typename G::Gemm gemm;
   const auto args =
@@ -306,24 +301,12 @@ CutlassWorkspace workspace_for(DType dtype, std::int64_t groups, int device, int
   return workspace_of<pass, DType::kFloat16, epilogue>(groups, device, sm_count);
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue>
-void run_paired(const CutlassCall& call, cudaStream_t stream) {
-  switch (call.cluster) {
-    case ClusterPair::kAlongM:
-      return run_grouped<pass, dtype, epilogue, ClusterPair::kAlongM>(call, stream);
-    case ClusterPair::kAlongN:
-      return run_grouped<pass, dtype, epilogue, ClusterPair::kAlongN>(call, stream);
-    case ClusterPair::kNone:
-      return run_grouped<pass, dtype, epilogue, ClusterPair::kNone>(call, stream);
-  }
-}
-
 template <GroupedPass pass, Epilogue epilogue>
 void run_for(const CutlassCall& call, cudaStream_t stream) {
   if (call.dtype == DType::kBFloat16)
-    return run_paired<pass, DType::kBFloat16, epilogue>(call, stream);
+    return run_grouped<pass, DType::kBFloat16, epilogue>(call, stream);
   MESHLA_ASSERT(call.dtype == DType::kFloat16);
-  run_paired<pass, DType::kFloat16, epilogue>(call, stream);
+  run_grouped<pass, DType::kFloat16, epilogue>(call, stream);
 }
 
 }  // namespace meshla::grouped

@@ -14,20 +14,17 @@ struct CutlassWorkspace {
   std::size_t kernel = 0;  // CUTLASS's own workspace
 };
 
-// Which two CTAs of a cluster share an operand tile through TMA multicast: two M-tiles (sharing
-// the B tile), two N-tiles (sharing the A tile), or none. CUTLASS rounds each group's tile count
-// along the paired dimension up to a multiple of 2 and runs the extra tile in full.
-enum class ClusterPair { kAlongM, kAlongN, kNone };
-
+// One call of a CUTLASS pass. It builds the group index itself (reporting bad m_splits to
+// `status`), so no separate group index launch precedes it.
 struct CutlassCall {
   GroupIndex index;
+  DeviceStatus* status;
   GroupedOperands operands;
   DType dtype;
   void* tables;
   void* kernel_workspace;
   int device;
   int sm_count;
-  ClusterPair cluster;
 };
 
 CutlassWorkspace cutlass_forward_workspace(DType dtype, std::int64_t groups, int device,

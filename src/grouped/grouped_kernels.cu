@@ -4,72 +4,17 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
-#include <limits>
 
 #include "core/cuda_checks.hpp"
+#include "grouped/group_index.cuh"
 
 namespace meshla::grouped {
 namespace {
 
-constexpr int kIndexThreads = 256;
-constexpr std::int64_t kNoGroup = std::numeric_limits<std::int64_t>::max();
-
-struct Lesser {
-  __device__ std::int64_t operator()(std::int64_t a, std::int64_t b) const { return a < b ? a : b; }
-};
-
-// One block walks m_splits twice: first to validate (a negative size, or a sum other than the
-// rows), then to write the offsets, all zero when invalid so that no later kernel reads or writes
-// outside the caller's tensors.
+// One block builds the index (group_index.cuh); used by the passes that do not build their own.
 __global__ void __launch_bounds__(kIndexThreads)
     group_index_kernel(GroupIndex index, DeviceStatus* status) {
-  using Scan = cub::BlockScan<std::int64_t, kIndexThreads>;
-  using Min = cub::BlockReduce<std::int64_t, kIndexThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ typename Min::TempStorage min_storage;
-  __shared__ bool valid;
-
-  std::int64_t total = 0;
-  std::int64_t negative = kNoGroup;
-  for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
-    const std::int64_t g = base + threadIdx.x;
-    const std::int64_t size = g < index.groups ? index.m_splits[g] : 0;
-    if (size < 0 && g < negative) negative = g;
-    std::int64_t prefix, chunk_total;
-    Scan(scan_storage).ExclusiveSum(size, prefix, chunk_total);
-    __syncthreads();
-    total += chunk_total;
-  }
-  const std::int64_t lowest = Min(min_storage).Reduce(negative, Lesser());
-  if (threadIdx.x == 0) {
-    const bool has_negative = lowest != kNoGroup;
-    valid = !has_negative && total == index.rows;
-    *index.invalid = valid ? 0 : 1;
-    if (!valid) {
-      volatile DeviceStatus* report = status;
-      report->group = has_negative ? static_cast<std::int32_t>(lowest) : -1;
-      report->value = has_negative ? index.m_splits[lowest] : total;
-      report->rows = index.rows;
-      __threadfence_system();
-      report->code = has_negative ? kNegativeSize : kSumMismatch;
-      __threadfence_system();
-    }
-  }
-  __syncthreads();
-
-  std::int64_t carry = 0;
-  for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
-    const std::int64_t g = base + threadIdx.x;
-    const std::int64_t size = valid && g < index.groups ? index.m_splits[g] : 0;
-    std::int64_t prefix, chunk_total;
-    Scan(scan_storage).ExclusiveSum(size, prefix, chunk_total);
-    __syncthreads();
-    if (g < index.groups) index.offsets[g] = carry + prefix;
-    carry += chunk_total;
-  }
-  if (threadIdx.x == 0) index.offsets[index.groups] = carry;
+  build_group_index(index, status);
 }
 
 template <typename T>
@@ -111,9 +56,10 @@ __global__ void zero_empty_kernel(GroupIndex index, GroupedSpan span) {
 // Grid-wide launches over groups: y walks the groups, x a few blocks per group. These kernels
 // usually have nothing to do (no failed check, no empty group) and every block exits at once, but
 // even that costs about 0.6 ns per block: 1024 blocks per group made them take 80 us each beside a
-// 760 us weight gradient of 128 experts. So the whole grid stays near kSpanBlocks blocks, and the
-// rare group that is written strides over its elements.
-constexpr std::int64_t kSpanBlocks = 2048;
+// 760 us weight gradient of 128 experts. So the whole grid stays near kSpanBlocks blocks (about
+// 2 us when there is nothing to write), and the rare group that is written strides over its
+// elements.
+constexpr std::int64_t kSpanBlocks = 1024;
 
 dim3 span_grid(const GroupedSpan& span, int threads) {
   const std::int64_t per_group = (span.group_elements + threads - 1) / threads;

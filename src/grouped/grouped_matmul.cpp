@@ -1,5 +1,3 @@
-#include <cstdlib>
-#include <string>
 #include "meshla/grouped_matmul.hpp"
 
 #include <cuda_runtime_api.h>
@@ -76,14 +74,6 @@ struct GroupedMatmul::Impl {
   }
 };
 
-// EXPERIMENT (bench/NOTES.md, experiment 14): cluster pairing from MESHLA_GROUPED_CLUSTER.
-grouped::ClusterPair experiment_cluster() {
-  const char* v = std::getenv("MESHLA_GROUPED_CLUSTER");
-  if (v && std::string(v) == "n") return grouped::ClusterPair::kAlongN;
-  if (v && std::string(v) == "none") return grouped::ClusterPair::kNone;
-  return grouped::ClusterPair::kAlongM;
-}
-
 GroupedMatmul::GroupedMatmul(int device) : impl_(std::make_unique<Impl>()) {
   impl_->device = device;
   detail::DeviceGuard guard(device);
@@ -141,7 +131,9 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                                   reinterpret_cast<std::int64_t*>(base + layout.offsets),
                                   reinterpret_cast<std::int32_t*>(base + layout.invalid),
                                   shape.groups, shape.rows};
-  grouped::launch_group_index(index, impl_->status, stream);
+  // The CUTLASS passes (bf16, fp16) build the index in their table kernel; the others launch it.
+  const bool cutlass_pass = pass != GroupedPass::kBiasGrad && shape.dtype != DType::kFloat32;
+  if (!cutlass_pass) grouped::launch_group_index(index, impl_->status, stream);
 
   if (pass == GroupedPass::kBiasGrad) {
     grouped::launch_bias_grad(index, args.dy.data, shape.dtype, shape.out_features,
@@ -179,19 +171,15 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                                  shape.out_features * shape.in_features, out.strides[0]}
           : grouped::GroupedSpan{out.data, out.dtype, 1, out.numel(), out.numel()};
 
-  if (shape.dtype == DType::kFloat32) {
+  if (!cutlass_pass) {
     grouped::launch_grouped_fp32(index, operands, stream);
   } else {
     const CutlassWorkspace parts = impl_->cutlass_workspace(pass, shape.dtype, shape.groups);
     char* tables = base + layout.pass;
-    const grouped::CutlassCall call{index,
-                                    operands,
-                                    shape.dtype,
-                                    tables,
-                                    tables + (parts.tables + 255) / 256 * 256,
-                                    impl_->device,
-                                    impl_->sm_count,
-                                    experiment_cluster()};
+    const grouped::CutlassCall call{index,         impl_->status,
+                                    operands,      shape.dtype,
+                                    tables,        tables + (parts.tables + 255) / 256 * 256,
+                                    impl_->device, impl_->sm_count};
     switch (pass) {
       case GroupedPass::kForward:
         grouped::cutlass_forward(call, stream);
