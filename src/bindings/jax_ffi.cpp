@@ -7,6 +7,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "core/alignment.hpp"
 #include "core/checks.hpp"
 #include "meshla/dense_solver.hpp"
 #include "solver/rendezvous.hpp"
@@ -96,13 +97,12 @@ void participate(SolverOp op, const SolverProblem& problem, SolverShard shard, i
   const std::shared_ptr<DenseSolver> solver = solvers().get(group.devices);
   const std::size_t bytes = solver->workspace_bytes(op, problem, group.index);
   // XLA aligns scratch to at most 16 bytes; the solver wants 256.
-  constexpr std::size_t kAlignment = 256;
-  const std::optional<void*> memory = scratch.Allocate(bytes + kAlignment, 16);
+  const std::optional<void*> memory = scratch.Allocate(bytes + detail::kWorkspaceAlignment, 16);
   MESHLA_CHECK(
       kCuda, memory.has_value(),
       name << ": XLA could not allocate " << bytes << " bytes of workspace on cuda:" << ordinal);
   const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(*memory);
-  void* aligned = reinterpret_cast<void*>((address + kAlignment - 1) / kAlignment * kAlignment);
+  void* aligned = reinterpret_cast<void*>(detail::align_up(address));
   shard.workspace =
       make_tensor_view(aligned, DType::kInt32, {static_cast<std::int64_t>(bytes / 4)}, ordinal);
 

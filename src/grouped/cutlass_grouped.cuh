@@ -17,9 +17,10 @@
 
 #include <type_traits>
 
+#include "core/alignment.hpp"
 #include "core/cuda_checks.hpp"
 #include "grouped/cutlass_grouped.hpp"
-#include "grouped/group_index.cuh"
+#include "grouped/grouped_device.cuh"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "meshla's grouped GEMM needs CUTLASS's SM90 ptr-array support (CUDA 12.3+ and sm_90a)"
@@ -138,13 +139,11 @@ struct GroupedGemm {
     StrideD* stride_d;
   };
 
-  static std::size_t round_up(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
-
   static std::size_t tables_bytes(std::int64_t groups) {
     const auto n = static_cast<std::size_t>(groups);
-    return round_up(n * sizeof(Shape)) + 5 * round_up(n * sizeof(void*)) +
-           round_up(n * sizeof(StrideA)) + round_up(n * sizeof(StrideB)) +
-           round_up(n * sizeof(StrideC)) + round_up(n * sizeof(StrideD));
+    return detail::align_up(n * sizeof(Shape)) + 5 * detail::align_up(n * sizeof(void*)) +
+           detail::align_up(n * sizeof(StrideA)) + detail::align_up(n * sizeof(StrideB)) +
+           detail::align_up(n * sizeof(StrideC)) + detail::align_up(n * sizeof(StrideD));
   }
 
   static Tables carve(void* base, std::int64_t groups) {
@@ -152,7 +151,7 @@ struct GroupedGemm {
     const auto n = static_cast<std::size_t>(groups);
     auto take = [&](std::size_t bytes) {
       char* at = cursor;
-      cursor += round_up(bytes);
+      cursor += detail::align_up(bytes);
       return at;
     };
     Tables tables;
@@ -254,15 +253,19 @@ __device__ void fill_group(std::int64_t g, const GroupIndex& index, const Groupe
 }
 
 // One block: the group index, then every group's entries of the tables. A call whose m_splits fail
-// the checks gets all-zero offsets, so every group has no rows and the GEMM touches nothing.
+// the checks gets all-zero offsets, so every group has no rows and the GEMM touches nothing; this
+// block then fills the output with NaN (slowly, with one block, but only on that rare path, which
+// spares every valid call a launch).
 template <class G, GroupedPass pass>
 __global__ void __launch_bounds__(kIndexThreads)
-    fill_tables(GroupIndex index, DeviceStatus* status, GroupedOperands op,
+    fill_tables(GroupIndex index, DeviceStatus* status, GroupedOperands op, GroupedSpan out,
                 typename G::Tables tables) {
   build_group_index(index, status);
   for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
     fill_group<G, pass>(g, index, op, tables);
   }
+  if (*index.invalid == 0) return;
+  for (std::int64_t g = 0; g < out.groups; ++g) fill_nan(out, g, threadIdx.x, blockDim.x);
 }
 
 inline void check_cutlass(cutlass::Status status, const char* what) {
@@ -284,7 +287,7 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   const std::int64_t groups = call.index.groups;
   const typename G::Tables tables = G::carve(call.tables, groups);
   fill_tables<G, pass>
-      <<<1, kIndexThreads, 0, stream>>>(call.index, call.status, call.operands, tables);
+      <<<1, kIndexThreads, 0, stream>>>(call.index, call.status, call.operands, call.out, tables);
   MESHLA_CHECK_CUDA(cudaGetLastError());
   typename G::Gemm gemm;
   const auto args =

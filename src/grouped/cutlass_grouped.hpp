@@ -15,11 +15,12 @@ struct CutlassWorkspace {
 };
 
 // One call of a CUTLASS pass. It builds the group index itself (reporting bad m_splits to
-// `status`), so no separate group index launch precedes it.
+// `status`) and poisons `out` when they are bad, so no other kernel runs before or after it.
 struct CutlassCall {
   GroupIndex index;
   DeviceStatus* status;
   GroupedOperands operands;
+  GroupedSpan out;  // the output as groups of elements
   DType dtype;
   void* tables;
   void* kernel_workspace;

@@ -6,46 +6,28 @@
 #include <algorithm>
 
 #include "core/cuda_checks.hpp"
-#include "grouped/group_index.cuh"
+#include "grouped/grouped_device.cuh"
 
 namespace meshla::grouped {
 namespace {
 
-// One block builds the index (group_index.cuh); used by the passes that do not build their own.
+// One block builds the index (grouped_device.cuh) for the passes that do not build their own.
 __global__ void __launch_bounds__(kIndexThreads)
     group_index_kernel(GroupIndex index, DeviceStatus* status) {
   build_group_index(index, status);
 }
 
-template <typename T>
-__device__ T quiet_nan();
-template <>
-__device__ float quiet_nan<float>() {
-  return __int_as_float(0x7fc00000);
-}
-template <>
-__device__ __nv_bfloat16 quiet_nan<__nv_bfloat16>() {
-  return __ushort_as_bfloat16(0x7fc0);
-}
-template <>
-__device__ __half quiet_nan<__half>() {
-  return __ushort_as_half(0x7e00);
-}
-
-template <typename T>
 __global__ void poison_kernel(const std::int32_t* invalid, GroupedSpan span) {
   if (*invalid == 0) return;
-  auto* data = static_cast<T*>(span.data) + blockIdx.y * span.group_stride;
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       i < span.group_elements; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    data[i] = quiet_nan<T>();
-  }
+  fill_nan(span, blockIdx.y, blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x,
+           static_cast<std::int64_t>(gridDim.x) * blockDim.x);
 }
 
 template <typename T>
 __global__ void zero_empty_kernel(GroupIndex index, GroupedSpan span) {
   const std::int64_t g = blockIdx.y;
-  if (index.offsets[g + 1] != index.offsets[g]) return;
+  // A failed call's offsets are all zero; its output is poisoned instead.
+  if (*index.invalid != 0 || index.offsets[g + 1] != index.offsets[g]) return;
   auto* data = static_cast<T*>(span.data) + g * span.group_stride;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        i < span.group_elements; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
@@ -87,14 +69,6 @@ void launch_by_dtype(DType dtype, dim3 grid, int threads, cudaStream_t stream, A
   }
   MESHLA_CHECK_CUDA(cudaGetLastError());
 }
-
-template <typename T>
-struct Poison {
-  static void launch(dim3 grid, int threads, cudaStream_t stream, const std::int32_t* invalid,
-                     GroupedSpan span) {
-    poison_kernel<T><<<grid, threads, 0, stream>>>(invalid, span);
-  }
-};
 
 template <typename T>
 struct ZeroEmpty {
@@ -269,7 +243,8 @@ void launch_group_index(const GroupIndex& index, DeviceStatus* status, cudaStrea
 
 void launch_poison_if_invalid(const std::int32_t* invalid, const GroupedSpan& span,
                               cudaStream_t stream) {
-  launch_by_dtype<Poison>(span.dtype, span_grid(span, 256), 256, stream, invalid, span);
+  poison_kernel<<<span_grid(span, 256), 256, 0, stream>>>(invalid, span);
+  MESHLA_CHECK_CUDA(cudaGetLastError());
 }
 
 void launch_zero_empty_groups(const GroupIndex& index, const GroupedSpan& span,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "core/alignment.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
 #include "grouped/cutlass_grouped.hpp"
@@ -70,7 +71,7 @@ struct GroupedMatmul::Impl {
     // fp32 needs no tables; other dtypes are refused by run()'s checks.
     if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return 0;
     const CutlassWorkspace parts = cutlass_workspace(pass, dtype, groups);
-    return (parts.tables + 255) / 256 * 256 + parts.kernel;
+    return detail::align_up(parts.tables) + parts.kernel;
   }
 };
 
@@ -131,7 +132,8 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                                   reinterpret_cast<std::int64_t*>(base + layout.offsets),
                                   reinterpret_cast<std::int32_t*>(base + layout.invalid),
                                   shape.groups, shape.rows};
-  // The CUTLASS passes (bf16, fp16) build the index in their table kernel; the others launch it.
+  // The CUTLASS passes (bf16, fp16) build the index and poison a failed call's output in their
+  // table kernel; the others launch both.
   const bool cutlass_pass = pass != GroupedPass::kBiasGrad && shape.dtype != DType::kFloat32;
   if (!cutlass_pass) grouped::launch_group_index(index, impl_->status, stream);
 
@@ -176,10 +178,15 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
   } else {
     const CutlassWorkspace parts = impl_->cutlass_workspace(pass, shape.dtype, shape.groups);
     char* tables = base + layout.pass;
-    const grouped::CutlassCall call{index,         impl_->status,
-                                    operands,      shape.dtype,
-                                    tables,        tables + (parts.tables + 255) / 256 * 256,
-                                    impl_->device, impl_->sm_count};
+    const grouped::CutlassCall call{index,
+                                    impl_->status,
+                                    operands,
+                                    out_span,
+                                    shape.dtype,
+                                    tables,
+                                    tables + detail::align_up(parts.tables),
+                                    impl_->device,
+                                    impl_->sm_count};
     switch (pass) {
       case GroupedPass::kForward:
         grouped::cutlass_forward(call, stream);
@@ -198,7 +205,7 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
   if (pass == GroupedPass::kWgrad && !args.accumulate) {
     grouped::launch_zero_empty_groups(index, out_span, stream);
   }
-  grouped::launch_poison_if_invalid(index.invalid, out_span, stream);
+  if (!cutlass_pass) grouped::launch_poison_if_invalid(index.invalid, out_span, stream);
 }
 
 }  // namespace meshla

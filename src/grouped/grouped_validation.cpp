@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "core/alignment.hpp"
 #include "core/checks.hpp"
 
 namespace meshla {
@@ -33,12 +34,6 @@ std::int64_t packed_group_stride(std::int64_t out_features, std::int64_t in_feat
 
 namespace grouped {
 namespace {
-
-constexpr std::size_t kAlignment = 256;
-
-std::size_t round_up(std::size_t bytes) {
-  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
-}
 
 bool present(const TensorView& view) { return view.ndim > 0; }
 
@@ -238,9 +233,9 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
 WorkspaceLayout workspace_layout(std::int64_t groups, std::size_t pass_bytes) {
   WorkspaceLayout layout;
   layout.offsets = 0;
-  layout.invalid = round_up(sizeof(std::int64_t) * static_cast<std::size_t>(groups + 1));
-  layout.pass = layout.invalid + kAlignment;
-  layout.total = layout.pass + round_up(pass_bytes);
+  layout.invalid = detail::align_up(sizeof(std::int64_t) * static_cast<std::size_t>(groups + 1));
+  layout.pass = layout.invalid + detail::kWorkspaceAlignment;
+  layout.total = layout.pass + detail::align_up(pass_bytes);
   return layout;
 }
 

@@ -177,6 +177,32 @@ def check_bad_splits(report):
         raised = str(error)
     report.record("bad-splits/check_device_errors", 0, "sums to 6" in raised, raised)
 
+    # Every pass poisons its whole output when m_splits are bad: the CUTLASS passes (bf16) in their
+    # table kernel, fp32 and the bias gradient in a kernel of their own.
+    bad = torch.tensor([10, 10, 10], device=dev)
+    dy = torch.randn(64, 16, device=dev, dtype=torch.bfloat16)
+    stride = mt.packed_group_stride(16, 32, torch.bfloat16)
+    main_grad = torch.randn(3, 16, 32, device=dev)
+    passes = {
+        "forward-fp32": lambda: torch.ops.meshla.grouped_mm(x.float(), bad, w.float(), None),
+        "dgrad": lambda: torch.ops.meshla.grouped_mm_dgrad(dy, bad, w),
+        "wgrad": lambda: torch.ops.meshla.grouped_mm_wgrad(x, dy, bad, stride),
+        "wgrad-accumulate": lambda: (
+            torch.ops.meshla.grouped_mm_wgrad_accumulate_(x, dy, bad, main_grad), main_grad)[1],
+        "bias-grad": lambda: torch.ops.meshla.grouped_bias_grad(dy, bad, 3),
+    }
+    for name, run in passes.items():
+        out = run()
+        torch.cuda.synchronize()
+        poisoned = bool(torch.isnan(out).all())
+        try:
+            mt.check_device_errors()
+            raised = "nothing raised"
+        except ValueError as error:
+            raised = str(error)
+        report.record(f"bad-splits-poison/{name}", 0, poisoned and "sums to 30" in raised,
+                      f"output all NaN: {poisoned}; check_device_errors: {raised}")
+
 
 def check_graph_capture(report, dtype):
     """Forward and backward of the functional op captured once; replays with new inputs and new

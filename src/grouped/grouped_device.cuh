@@ -1,6 +1,7 @@
-// The device side of the group index: prefix sums and validation of m_splits, by one block. Shared
-// by the group index kernel and the CUTLASS passes' table kernel, which builds the index itself
-// instead of waiting for a separate launch.
+// Device functions of the grouped GEMM shared by its kernels and the CUTLASS passes' table kernel
+// (which builds the index and, on the rare invalid call, poisons the output itself, so that a
+// valid call launches one kernel before the GEMM and none after it): the group index (prefix sums
+// and validation of m_splits) and the NaN fill of a failed call's output.
 #pragma once
 
 #include <cstdint>
@@ -70,6 +71,23 @@ __device__ inline void build_group_index(const GroupIndex& index, DeviceStatus* 
   }
   if (threadIdx.x == 0) index.offsets[index.groups] = carry;
   __syncthreads();
+}
+
+// Writes quiet NaNs over group `group` of `span`: the calling threads take elements first,
+// first + step, ... The bit patterns come from span.dtype, so one function serves every dtype.
+__device__ inline void fill_nan(const GroupedSpan& span, std::int64_t group, std::int64_t first,
+                                std::int64_t step) {
+  auto fill = [&](auto* data, auto nan) {
+    data += group * span.group_stride;
+    for (std::int64_t i = first; i < span.group_elements; i += step) data[i] = nan;
+  };
+  if (span.dtype == DType::kFloat32) {
+    fill(static_cast<std::uint32_t*>(span.data), std::uint32_t{0x7fc00000u});
+  } else {
+    // bf16 and fp16: the quiet NaN with the sign and mantissa of float's.
+    const std::uint16_t nan = span.dtype == DType::kBFloat16 ? 0x7fc0 : 0x7e00;
+    fill(static_cast<std::uint16_t*>(span.data), nan);
+  }
 }
 
 }  // namespace meshla::grouped
