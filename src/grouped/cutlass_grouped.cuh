@@ -265,7 +265,9 @@ __global__ void __launch_bounds__(kIndexThreads)
     fill_group<G, pass>(g, index, op, tables);
   }
   if (*index.invalid == 0) return;
-  for (std::int64_t g = 0; g < out.groups; ++g) fill_nan(out, g, threadIdx.x, blockDim.x);
+  for (std::int64_t g = 0; g < out.groups; ++g) {
+    fill_elements(out, g, Fill::kNaN, threadIdx.x, blockDim.x);
+  }
 }
 
 inline void check_cutlass(cutlass::Status status, const char* what) {

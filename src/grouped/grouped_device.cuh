@@ -1,7 +1,8 @@
 // Device functions of the grouped GEMM shared by its kernels and the CUTLASS passes' table kernel
 // (which builds the index and, on the rare invalid call, poisons the output itself, so that a
 // valid call launches one kernel before the GEMM and none after it): the group index (prefix sums
-// and validation of m_splits) and the NaN fill of a failed call's output.
+// and validation of m_splits) and the element fill (NaN for a failed call's output, zero for an
+// empty group's weight gradient).
 #pragma once
 
 #include <cstdint>
@@ -73,20 +74,23 @@ __device__ inline void build_group_index(const GroupIndex& index, DeviceStatus* 
   __syncthreads();
 }
 
-// Writes quiet NaNs over group `group` of `span`: the calling threads take elements first,
+enum class Fill { kZero, kNaN };
+
+// Writes `value` over group `group` of `span`: the calling threads take elements first,
 // first + step, ... The bit patterns come from span.dtype, so one function serves every dtype.
-__device__ inline void fill_nan(const GroupedSpan& span, std::int64_t group, std::int64_t first,
-                                std::int64_t step) {
-  auto fill = [&](auto* data, auto nan) {
+__device__ inline void fill_elements(const GroupedSpan& span, std::int64_t group, Fill value,
+                                     std::int64_t first, std::int64_t step) {
+  auto fill = [&](auto* data, auto bits) {
     data += group * span.group_stride;
-    for (std::int64_t i = first; i < span.group_elements; i += step) data[i] = nan;
+    for (std::int64_t i = first; i < span.group_elements; i += step) data[i] = bits;
   };
+  const bool nan = value == Fill::kNaN;
   if (span.dtype == DType::kFloat32) {
-    fill(static_cast<std::uint32_t*>(span.data), std::uint32_t{0x7fc00000u});
+    fill(static_cast<std::uint32_t*>(span.data), nan ? std::uint32_t{0x7fc00000u} : 0u);
   } else {
     // bf16 and fp16: the quiet NaN with the sign and mantissa of float's.
-    const std::uint16_t nan = span.dtype == DType::kBFloat16 ? 0x7fc0 : 0x7e00;
-    fill(static_cast<std::uint16_t*>(span.data), nan);
+    const std::uint16_t nan_bits = span.dtype == DType::kBFloat16 ? 0x7fc0 : 0x7e00;
+    fill(static_cast<std::uint16_t*>(span.data), nan ? nan_bits : std::uint16_t{0});
   }
 }
 

@@ -17,22 +17,22 @@ __global__ void __launch_bounds__(kIndexThreads)
   build_group_index(index, status);
 }
 
-__global__ void poison_kernel(const std::int32_t* invalid, GroupedSpan span) {
-  if (*invalid == 0) return;
-  fill_nan(span, blockIdx.y, blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x,
-           static_cast<std::int64_t>(gridDim.x) * blockDim.x);
+__device__ std::int64_t grid_thread() {
+  return blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
 }
 
-template <typename T>
+__device__ std::int64_t grid_threads() { return static_cast<std::int64_t>(gridDim.x) * blockDim.x; }
+
+__global__ void poison_kernel(const std::int32_t* invalid, GroupedSpan span) {
+  if (*invalid == 0) return;
+  fill_elements(span, blockIdx.y, Fill::kNaN, grid_thread(), grid_threads());
+}
+
 __global__ void zero_empty_kernel(GroupIndex index, GroupedSpan span) {
   const std::int64_t g = blockIdx.y;
   // A failed call's offsets are all zero; its output is poisoned instead.
   if (*index.invalid != 0 || index.offsets[g + 1] != index.offsets[g]) return;
-  auto* data = static_cast<T*>(span.data) + g * span.group_stride;
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-       i < span.group_elements; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    data[i] = T(0.0f);
-  }
+  fill_elements(span, g, Fill::kZero, grid_thread(), grid_threads());
 }
 
 // Grid-wide launches over groups: y walks the groups, x a few blocks per group. These kernels
@@ -69,14 +69,6 @@ void launch_by_dtype(DType dtype, dim3 grid, int threads, cudaStream_t stream, A
   }
   MESHLA_CHECK_CUDA(cudaGetLastError());
 }
-
-template <typename T>
-struct ZeroEmpty {
-  static void launch(dim3 grid, int threads, cudaStream_t stream, GroupIndex index,
-                     GroupedSpan span) {
-    zero_empty_kernel<T><<<grid, threads, 0, stream>>>(index, span);
-  }
-};
 
 // Bias gradient: each thread owns one column and a run of kBiasRows rows, which may cross group
 // boundaries; it adds its partial sum for a group into the fp32 accumulator when the group ends.
@@ -249,7 +241,8 @@ void launch_poison_if_invalid(const std::int32_t* invalid, const GroupedSpan& sp
 
 void launch_zero_empty_groups(const GroupIndex& index, const GroupedSpan& span,
                               cudaStream_t stream) {
-  launch_by_dtype<ZeroEmpty>(span.dtype, span_grid(span, 256), 256, stream, index, span);
+  zero_empty_kernel<<<span_grid(span, 256), 256, 0, stream>>>(index, span);
+  MESHLA_CHECK_CUDA(cudaGetLastError());
 }
 
 void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std::int64_t out,
