@@ -15,7 +15,6 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -192,13 +191,6 @@ struct GroupedGemm {
     }
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
-    // Experiment: tile order of the persistent scheduler (M or N fastest), and its swizzle.
-    if (const char* raster = std::getenv("MESHLA_GROUPED_RASTER"); raster && raster[0] == 'N') {
-      args.scheduler.raster_order = cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
-    }
-    if (const char* swizzle = std::getenv("MESHLA_GROUPED_SWIZZLE")) {
-      args.scheduler.max_swizzle_size = std::atoi(swizzle);
-    }
     return args;
   }
 };
