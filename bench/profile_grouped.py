@@ -4,7 +4,8 @@ grouped_mm, with its mean duration over `--calls` calls, beside the call's wall 
   python bench/profile_grouped.py --shape "qwen3-30b-a3b up_proj" --routing skewed
 
 The shapes and routings are bench/grouped_linear.py's. A wall time above the sum of the kernels
-is launch gaps; a kernel other than the GEMM that takes noticeable time is overhead to remove.
+is launch gaps; a kernel other than the GEMM that takes noticeable time is overhead to remove. The
+host time is what one call costs the CPU (calls queued behind a sleeping kernel).
 `--order` rearranges the skewed routing's experts (same sizes, other order) to see whether the order
 in which the persistent kernel meets large and small groups changes its time.
 """
@@ -30,6 +31,13 @@ def profile_pass(label: str, fn, calls: int):
         fn()
     torch.cuda.synchronize()
     wall_us = (time.perf_counter() - start) / calls * 1e6
+    # Host time alone: the calls are queued behind a long sleep kernel, so none waits for the GPU.
+    torch.cuda._sleep(int(2e9))
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
@@ -39,7 +47,8 @@ def profile_pass(label: str, fn, calls: int):
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[event.name] += event.device_time / calls
     kernels_us = sum(per_kernel.values())
-    print(f"{label}: wall {wall_us:.1f} us per call, kernels {kernels_us:.1f} us")
+    print(f"{label}: wall {wall_us:.1f} us per call, kernels {kernels_us:.1f} us, "
+          f"host {host_us:.1f} us")
     for name, us in sorted(per_kernel.items(), key=lambda item: -item[1]):
         print(f"    {us:9.1f} us  {name[:110]}")
 

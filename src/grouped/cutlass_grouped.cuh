@@ -252,22 +252,28 @@ __device__ void fill_group(std::int64_t g, const GroupIndex& index, const Groupe
   }
 }
 
-// One block: the group index, then every group's entries of the tables. A call whose m_splits fail
-// the checks gets all-zero offsets, so every group has no rows and the GEMM touches nothing; this
-// block then fills the output with NaN (slowly, with one block, but only on that rare path, which
-// spares every valid call a launch).
-template <class G, GroupedPass pass>
+// Everything a call does before its GEMM, in one launch. Block 0 builds the group index, then
+// every group's entries of the tables. A call whose m_splits fail the checks gets all-zero offsets,
+// so every group has no rows and the GEMM touches nothing; block 0 then fills the output with NaN
+// (slowly, with one block, but only on that rare path, which spares every valid call a launch).
+// The weight gradient's kernel has a block grid over the groups (span_grid) that zeroes the groups
+// without rows, which get no tiles from the GEMM; the other passes run block 0 alone.
+template <class G, GroupedPass pass, bool clear_empty>
 __global__ void __launch_bounds__(kIndexThreads)
     fill_tables(GroupIndex index, DeviceStatus* status, GroupedOperands op, GroupedSpan out,
                 typename G::Tables tables) {
-  build_group_index(index, status);
-  for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
-    fill_group<G, pass>(g, index, op, tables);
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    build_group_index(index, status);
+    for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
+      fill_group<G, pass>(g, index, op, tables);
+    }
+    if (*index.invalid != 0) {
+      for (std::int64_t g = 0; g < out.groups; ++g) {
+        fill_elements(out, g, Fill::kNaN, threadIdx.x, blockDim.x);
+      }
+    }
   }
-  if (*index.invalid == 0) return;
-  for (std::int64_t g = 0; g < out.groups; ++g) {
-    fill_elements(out, g, Fill::kNaN, threadIdx.x, blockDim.x);
-  }
+  if constexpr (clear_empty) clear_if_empty(index, out);
 }
 
 inline void check_cutlass(cutlass::Status status, const char* what) {
@@ -288,8 +294,11 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   using G = GroupedGemm<pass, dtype, epilogue>;
   const std::int64_t groups = call.index.groups;
   const typename G::Tables tables = G::carve(call.tables, groups);
-  fill_tables<G, pass>
-      <<<1, kIndexThreads, 0, stream>>>(call.index, call.status, call.operands, call.out, tables);
+  // The weight gradient (not accumulated) zeroes empty groups; accumulating leaves them alone.
+  constexpr bool clear_empty = pass == GroupedPass::kWgrad && epilogue == Epilogue::kStore;
+  const dim3 grid = clear_empty ? span_grid(call.out, kIndexThreads) : dim3(1);
+  fill_tables<G, pass, clear_empty>
+      <<<grid, kIndexThreads, 0, stream>>>(call.index, call.status, call.operands, call.out, tables);
   MESHLA_CHECK_CUDA(cudaGetLastError());
   typename G::Gemm gemm;
   const auto args =

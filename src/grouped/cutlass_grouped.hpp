@@ -15,7 +15,8 @@ struct CutlassWorkspace {
 };
 
 // One call of a CUTLASS pass. It builds the group index itself (reporting bad m_splits to
-// `status`) and poisons `out` when they are bad, so no other kernel runs before or after it.
+// `status`), poisons `out` when they are bad and zeroes empty groups' weight gradients, so no
+// other kernel runs before or after it.
 struct CutlassCall {
   GroupIndex index;
   DeviceStatus* status;

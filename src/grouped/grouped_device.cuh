@@ -1,8 +1,8 @@
 // Device functions of the grouped GEMM shared by its kernels and the CUTLASS passes' table kernel
-// (which builds the index and, on the rare invalid call, poisons the output itself, so that a
-// valid call launches one kernel before the GEMM and none after it): the group index (prefix sums
-// and validation of m_splits) and the element fill (NaN for a failed call's output, zero for an
-// empty group's weight gradient).
+// (which builds the index, clears empty groups' weight gradients and, on the rare invalid call,
+// poisons the output itself, so that a valid call launches one kernel before the GEMM and none
+// after it): the checks of m_splits, the group index (prefix sums) and the element fills (NaN for
+// a failed call's output, zero for an empty group's weight gradient).
 #pragma once
 
 #include <cstdint>
@@ -21,44 +21,59 @@ struct LesserGroup {
   __device__ std::int64_t operator()(std::int64_t a, std::int64_t b) const { return a < b ? a : b; }
 };
 
-// Run by one whole block of kIndexThreads threads: walks m_splits twice, first to validate (a
-// negative size, or a sum other than the rows), then to write the offsets, all zero when invalid so
-// that no later kernel reads or writes outside the caller's tensors. The block's offsets are
-// visible to all its threads when it returns.
-__device__ inline void build_group_index(const GroupIndex& index, DeviceStatus* status) {
-  using Scan = cub::BlockScan<std::int64_t, kIndexThreads>;
-  using Min = cub::BlockReduce<std::int64_t, kIndexThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ typename Min::TempStorage min_storage;
-  __shared__ bool valid;
+// What m_splits says about a call: the sum of the sizes and the first group with a negative one.
+struct SplitsCheck {
+  std::int64_t total;
+  std::int64_t lowest_negative;  // kNoGroup when none is negative
 
+  __device__ bool valid(std::int64_t rows) const {
+    return lowest_negative == kNoGroup && total == rows;
+  }
+};
+
+// Run by one whole block of kIndexThreads threads; every thread gets the result.
+__device__ inline SplitsCheck check_splits(const GroupIndex& index) {
+  using Reduce = cub::BlockReduce<std::int64_t, kIndexThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  __shared__ SplitsCheck result;
   std::int64_t total = 0;
   std::int64_t negative = kNoGroup;
-  for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
-    const std::int64_t g = base + threadIdx.x;
-    const std::int64_t size = g < index.groups ? index.m_splits[g] : 0;
-    if (size < 0 && g < negative) negative = g;
-    std::int64_t prefix, chunk_total;
-    Scan(scan_storage).ExclusiveSum(size, prefix, chunk_total);
-    __syncthreads();
-    total += chunk_total;
+  // Each thread meets its groups in increasing order, so its first negative is its lowest.
+  for (std::int64_t g = threadIdx.x; g < index.groups; g += kIndexThreads) {
+    const std::int64_t size = index.m_splits[g];
+    total += size;
+    if (size < 0 && negative == kNoGroup) negative = g;
   }
-  const std::int64_t lowest = Min(min_storage).Reduce(negative, LesserGroup());
+  const std::int64_t sum = Reduce(storage).Sum(total);
+  __syncthreads();
+  const std::int64_t lowest = Reduce(storage).Reduce(negative, LesserGroup());
+  if (threadIdx.x == 0) result = {sum, lowest};
+  __syncthreads();
+  return result;
+}
+
+// Run by one whole block of kIndexThreads threads: checks m_splits, reports a failure to `status`,
+// then writes the offsets, all zero when invalid so that no later kernel reads or writes outside
+// the caller's tensors. The block's offsets are visible to all its threads when it returns.
+__device__ inline void build_group_index(const GroupIndex& index, DeviceStatus* status) {
+  using Scan = cub::BlockScan<std::int64_t, kIndexThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+
+  const SplitsCheck check = check_splits(index);
+  const bool valid = check.valid(index.rows);
   if (threadIdx.x == 0) {
-    const bool has_negative = lowest != kNoGroup;
-    valid = !has_negative && total == index.rows;
     *index.invalid = valid ? 0 : 1;
     if (!valid) {
+      const bool has_negative = check.lowest_negative != kNoGroup;
       volatile DeviceStatus* report = status;
-      report->group = has_negative ? static_cast<std::int32_t>(lowest) : -1;
-      report->value = has_negative ? index.m_splits[lowest] : total;
+      report->group = has_negative ? static_cast<std::int32_t>(check.lowest_negative) : -1;
+      report->value = has_negative ? index.m_splits[check.lowest_negative] : check.total;
       report->rows = index.rows;
       __threadfence_system();
       report->code = has_negative ? kNegativeSize : kSumMismatch;
       __threadfence_system();
     }
   }
-  __syncthreads();
 
   std::int64_t carry = 0;
   for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
@@ -92,6 +107,20 @@ __device__ inline void fill_elements(const GroupedSpan& span, std::int64_t group
     const std::uint16_t nan_bits = span.dtype == DType::kBFloat16 ? 0x7fc0 : 0x7e00;
     fill(static_cast<std::uint16_t*>(span.data), nan ? nan_bits : std::uint16_t{0});
   }
+}
+
+// Run by whole blocks of kIndexThreads threads on a grid whose y walks the groups of `span` and
+// whose x splits each group between blocks. Group blockIdx.y, when it has no rows, gets zeros, or
+// NaN when m_splits fail the checks. Each block checks m_splits itself, so this needs no group
+// index and can run in the kernel that builds it, and a block whose group has rows (nearly all of
+// them) returns after one load.
+__device__ inline void clear_if_empty(const GroupIndex& index, const GroupedSpan& span) {
+  const std::int64_t g = blockIdx.y;
+  if (index.m_splits[g] != 0) return;  // the same for the whole block
+  const bool valid = check_splits(index).valid(index.rows);
+  fill_elements(span, g, valid ? Fill::kZero : Fill::kNaN,
+                blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x,
+                static_cast<std::int64_t>(gridDim.x) * blockDim.x);
 }
 
 }  // namespace meshla::grouped

@@ -28,28 +28,8 @@ __global__ void poison_kernel(const std::int32_t* invalid, GroupedSpan span) {
   fill_elements(span, blockIdx.y, Fill::kNaN, grid_thread(), grid_threads());
 }
 
-__global__ void zero_empty_kernel(GroupIndex index, GroupedSpan span) {
-  const std::int64_t g = blockIdx.y;
-  // A failed call's offsets are all zero; its output is poisoned instead.
-  if (*index.invalid != 0 || index.offsets[g + 1] != index.offsets[g]) return;
-  fill_elements(span, g, Fill::kZero, grid_thread(), grid_threads());
-}
-
-// Grid-wide launches over groups: y walks the groups, x a few blocks per group. These kernels
-// usually have nothing to do (no failed check, no empty group) and every block exits at once, but
-// even that costs about 0.6 ns per block: 1024 blocks per group made them take 80 us each beside a
-// 760 us weight gradient of 128 experts. So the whole grid stays near kSpanBlocks blocks (about
-// 2 us when there is nothing to write), and the rare group that is written strides over its
-// elements.
-constexpr std::int64_t kSpanBlocks = 1024;
-
-dim3 span_grid(const GroupedSpan& span, int threads) {
-  const std::int64_t per_group = (span.group_elements + threads - 1) / threads;
-  MESHLA_CHECK_ARG(span.groups <= 65535,
-                   "grouped GEMM: " << span.groups << " groups exceed the limit of 65535");
-  const std::int64_t cap = std::max<std::int64_t>(kSpanBlocks / span.groups, 1);
-  return dim3(static_cast<unsigned>(std::clamp<std::int64_t>(per_group, 1, cap)),
-              static_cast<unsigned>(span.groups));
+__global__ void __launch_bounds__(kIndexThreads) zero_empty_kernel(GroupIndex index, GroupedSpan span) {
+  clear_if_empty(index, span);
 }
 
 template <template <typename> class Kernel, typename... Args>
@@ -228,6 +208,23 @@ __global__ void __launch_bounds__(kSimtThreads)
 
 }  // namespace
 
+// Grid-wide launches over groups: y walks the groups, x a few blocks per group. These kernels
+// usually have nothing to do (no failed check, no empty group) and every block exits at once, but
+// even that costs about 0.6 ns per block: 1024 blocks per group made them take 80 us each beside a
+// 760 us weight gradient of 128 experts. So the whole grid stays near kSpanBlocks blocks (about
+// 2 us when there is nothing to write), and the rare group that is written strides over its
+// elements.
+constexpr std::int64_t kSpanBlocks = 1024;
+
+dim3 span_grid(const GroupedSpan& span, int threads) {
+  const std::int64_t per_group = (span.group_elements + threads - 1) / threads;
+  MESHLA_CHECK_ARG(span.groups <= 65535,
+                   "grouped GEMM: " << span.groups << " groups exceed the limit of 65535");
+  const std::int64_t cap = std::max<std::int64_t>(kSpanBlocks / span.groups, 1);
+  return dim3(static_cast<unsigned>(std::clamp<std::int64_t>(per_group, 1, cap)),
+              static_cast<unsigned>(span.groups));
+}
+
 void launch_group_index(const GroupIndex& index, DeviceStatus* status, cudaStream_t stream) {
   group_index_kernel<<<1, kIndexThreads, 0, stream>>>(index, status);
   MESHLA_CHECK_CUDA(cudaGetLastError());
@@ -241,7 +238,7 @@ void launch_poison_if_invalid(const std::int32_t* invalid, const GroupedSpan& sp
 
 void launch_zero_empty_groups(const GroupIndex& index, const GroupedSpan& span,
                               cudaStream_t stream) {
-  zero_empty_kernel<<<span_grid(span, 256), 256, 0, stream>>>(index, span);
+  zero_empty_kernel<<<span_grid(span, kIndexThreads), kIndexThreads, 0, stream>>>(index, span);
   MESHLA_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -44,11 +44,15 @@ struct GroupedSpan {
   std::int64_t group_stride;
 };
 
+// The grid of a kernel over every group of `span` (y: the groups, x: blocks sharing a group), about
+// a thousand blocks in all, with `threads` threads each.
+dim3 span_grid(const GroupedSpan& span, int threads);
+
 // Fills `span` with NaN when *invalid is set; does nothing otherwise.
 void launch_poison_if_invalid(const std::int32_t* invalid, const GroupedSpan& span,
                               cudaStream_t stream);
 
-// Zeroes the groups of `span` whose group has no rows.
+// Zeroes the groups of `span` whose group has no rows (NaN when m_splits fail the checks).
 void launch_zero_empty_groups(const GroupIndex& index, const GroupedSpan& span,
                               cudaStream_t stream);
 

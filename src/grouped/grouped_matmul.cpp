@@ -132,8 +132,8 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                                   reinterpret_cast<std::int64_t*>(base + layout.offsets),
                                   reinterpret_cast<std::int32_t*>(base + layout.invalid),
                                   shape.groups, shape.rows};
-  // The CUTLASS passes (bf16, fp16) build the index and poison a failed call's output in their
-  // table kernel; the others launch both.
+  // The CUTLASS passes (bf16, fp16) build the index, poison a failed call's output and zero empty
+  // groups' weight gradients in their table kernel; the others launch each.
   const bool cutlass_pass = pass != GroupedPass::kBiasGrad && shape.dtype != DType::kFloat32;
   if (!cutlass_pass) grouped::launch_group_index(index, impl_->status, stream);
 
@@ -175,6 +175,10 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
 
   if (!cutlass_pass) {
     grouped::launch_grouped_fp32(index, operands, stream);
+    if (pass == GroupedPass::kWgrad && !args.accumulate) {
+      grouped::launch_zero_empty_groups(index, out_span, stream);
+    }
+    grouped::launch_poison_if_invalid(index.invalid, out_span, stream);
   } else {
     const CutlassWorkspace parts = impl_->cutlass_workspace(pass, shape.dtype, shape.groups);
     char* tables = base + layout.pass;
@@ -202,10 +206,6 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
         }
     }
   }
-  if (pass == GroupedPass::kWgrad && !args.accumulate) {
-    grouped::launch_zero_empty_groups(index, out_span, stream);
-  }
-  if (!cutlass_pass) grouped::launch_poison_if_invalid(index.invalid, out_span, stream);
 }
 
 }  // namespace meshla
