@@ -297,8 +297,8 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   // The weight gradient (not accumulated) zeroes empty groups; accumulating leaves them alone.
   constexpr bool clear_empty = pass == GroupedPass::kWgrad && epilogue == Epilogue::kStore;
   const dim3 grid = clear_empty ? span_grid(call.out, kIndexThreads) : dim3(1);
-  fill_tables<G, pass, clear_empty>
-      <<<grid, kIndexThreads, 0, stream>>>(call.index, call.status, call.operands, call.out, tables);
+  fill_tables<G, pass, clear_empty><<<grid, kIndexThreads, 0, stream>>>(
+      call.index, call.status, call.operands, call.out, tables);
   MESHLA_CHECK_CUDA(cudaGetLastError());
   typename G::Gemm gemm;
   const auto args =

@@ -28,7 +28,8 @@ __global__ void poison_kernel(const std::int32_t* invalid, GroupedSpan span) {
   fill_elements(span, blockIdx.y, Fill::kNaN, grid_thread(), grid_threads());
 }
 
-__global__ void __launch_bounds__(kIndexThreads) zero_empty_kernel(GroupIndex index, GroupedSpan span) {
+__global__ void __launch_bounds__(kIndexThreads)
+    zero_empty_kernel(GroupIndex index, GroupedSpan span) {
   clear_if_empty(index, span);
 }
 
