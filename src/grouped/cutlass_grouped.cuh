@@ -16,6 +16,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -340,7 +341,9 @@ void run_clustered(const CutlassCall& call, cudaStream_t stream) {
     constexpr std::int64_t kTileM =
         cute::size<0>(typename GroupedGemm<pass, dtype, epilogue>::TileShape{});
     const std::int64_t m_tiles = (call.operands.out_features + kTileM - 1) / kTileM;
-    if (m_tiles % 2 == 0) return run_grouped<pass, dtype, epilogue, 2>(call, stream);
+    const char* force_single = std::getenv("MESHLA_GROUPED_WGRAD_SINGLE");  // experiment 28
+    if (m_tiles % 2 == 0 && !force_single)
+      return run_grouped<pass, dtype, epilogue, 2>(call, stream);
   }
   run_grouped<pass, dtype, epilogue, 1>(call, stream);
 }
