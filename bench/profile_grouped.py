@@ -69,6 +69,8 @@ def main():
     parser.add_argument("--shape", action="append", help="a name from grouped_linear.SHAPES "
                         "(repeatable; default: all)")
     parser.add_argument("--routing", choices=["uniform", "skewed", "both"], default="both")
+    parser.add_argument("--pass", dest="passes", action="append",
+                        choices=["forward", "dgrad", "wgrad"], help="repeatable; default: all")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--order", choices=["random", "descending", "ascending", "alternating"],
                         action="append", help="expert order of the skewed routing (repeatable; "
@@ -105,6 +107,8 @@ def main():
                           lambda: gmm(dy.t(), x, offs=offsets)),
             }
             for pass_name, (ours, peer) in passes.items():
+                if args.passes and pass_name not in args.passes:
+                    continue
                 profile_pass(f"meshla {pass_name}", ours, args.calls)
                 if gmm is not None:
                     profile_pass(f"torch grouped_mm {pass_name}", peer, args.calls)
