@@ -15,7 +15,6 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -192,9 +191,6 @@ struct GroupedGemm {
     }
     args.hw_info.device_id = device;
     args.hw_info.sm_count = sm_count;
-    if (const char* swizzle = std::getenv("MESHLA_GROUPED_SWIZZLE")) {  // experiment 29
-      args.scheduler.max_swizzle_size = std::atoi(swizzle);
-    }
     return args;
   }
 };
