@@ -15,6 +15,8 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -68,7 +70,7 @@ struct PassLayouts<GroupedPass::kWgrad> {
   using B = cutlass::layout::RowMajor;
 };
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -80,12 +82,14 @@ struct GroupedGemm {
   // Cooperative 128x256 tiles: both consumer warpgroups share each tile and the persistent
   // scheduler walks all groups' tiles in one launch. Measured against pingpong 64x256 and 128x128
   // (bench/NOTES.md, experiment 12), it wins or ties on every benchmarked shape.
-  // No cluster: CUTLASS rounds each group's tile count along a paired dimension up to the cluster
-  // and runs the extra tile in full, and a group's rows are known only on the device. With 2x1
-  // every group with an odd number of 128-row tiles cost one more tile (13% more tiles on the
-  // skewed Qwen3 routing); the multicast it buys was worth less (experiment 24).
+  // Cluster along M (cluster_m = 2: pairs of M-tiles share each B tile through multicast) only
+  // where the host knows every group's M-tile count is even: CUTLASS rounds each group's tile
+  // count along a paired dimension up to the cluster and runs the extra tile in full. Forward and
+  // dgrad tile the rows, known only on the device; with 2x1 every group with an odd number of
+  // 128-row tiles cost one more tile (13% more on the skewed Qwen3 routing), more than the
+  // multicast bought (experiment 24). The weight gradient tiles out_features (run_clustered).
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<cluster_m>, cute::_1, cute::_1>;
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
@@ -281,17 +285,33 @@ inline void check_cutlass(cutlass::Status status, const char* what) {
                "CUTLASS grouped GEMM " << what << " failed: " << cutlassGetStatusString(status));
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m>
 CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
-  using G = GroupedGemm<pass, dtype, epilogue>;
+  using G = GroupedGemm<pass, dtype, epilogue, cluster_m>;
   const typename G::Tables none{};
   return {G::tables_bytes(groups),
           G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
 }
 
+// The weight gradient's M is out_features, known on the host: a 2x1 cluster wastes no tile when
+// its count of 128-row tiles is even (2048, 1536 and 768 all are).
+constexpr bool pairs_along_m(GroupedPass) { return true; }  // experiment 30
+
 template <GroupedPass pass, DType dtype, Epilogue epilogue>
+CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
+  const CutlassWorkspace single = workspace_of<pass, dtype, epilogue, 1>(groups, device, sm_count);
+  if constexpr (pairs_along_m(pass)) {
+    const CutlassWorkspace paired =
+        workspace_of<pass, dtype, epilogue, 2>(groups, device, sm_count);
+    return {std::max(single.tables, paired.tables), std::max(single.kernel, paired.kernel)};
+  } else {
+    return single;
+  }
+}
+
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m>
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
-  using G = GroupedGemm<pass, dtype, epilogue>;
+  using G = GroupedGemm<pass, dtype, epilogue, cluster_m>;
   const std::int64_t groups = call.index.groups;
   const typename G::Tables tables = G::carve(call.tables, groups);
   // The weight gradient (not accumulated) zeroes empty groups; accumulating leaves them alone.
@@ -315,12 +335,24 @@ CutlassWorkspace workspace_for(DType dtype, std::int64_t groups, int device, int
   return workspace_of<pass, DType::kFloat16, epilogue>(groups, device, sm_count);
 }
 
+template <GroupedPass pass, DType dtype, Epilogue epilogue>
+void run_clustered(const CutlassCall& call, cudaStream_t stream) {
+  if constexpr (pairs_along_m(pass)) {
+    constexpr std::int64_t kTileM =
+        cute::size<0>(typename GroupedGemm<pass, dtype, epilogue>::TileShape{});
+    const std::int64_t m_tiles = (call.operands.out_features + kTileM - 1) / kTileM;
+    if (std::getenv("MESHLA_GROUPED_CLUSTER_M") && (pass != GroupedPass::kWgrad || m_tiles % 2 == 0))
+      return run_grouped<pass, dtype, epilogue, 2>(call, stream);
+  }
+  run_grouped<pass, dtype, epilogue, 1>(call, stream);
+}
+
 template <GroupedPass pass, Epilogue epilogue>
 void run_for(const CutlassCall& call, cudaStream_t stream) {
   if (call.dtype == DType::kBFloat16)
-    return run_grouped<pass, DType::kBFloat16, epilogue>(call, stream);
+    return run_clustered<pass, DType::kBFloat16, epilogue>(call, stream);
   MESHLA_ASSERT(call.dtype == DType::kFloat16);
-  run_grouped<pass, DType::kFloat16, epilogue>(call, stream);
+  run_clustered<pass, DType::kFloat16, epilogue>(call, stream);
 }
 
 }  // namespace meshla::grouped
