@@ -16,7 +16,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -82,12 +81,12 @@ struct GroupedGemm {
   // Cooperative 128x256 tiles: both consumer warpgroups share each tile and the persistent
   // scheduler walks all groups' tiles in one launch. Measured against pingpong 64x256 and 128x128
   // (bench/NOTES.md, experiment 12), it wins or ties on every benchmarked shape.
-  // Cluster along M (cluster_m = 2: pairs of M-tiles share each B tile through multicast) only
-  // where the host knows every group's M-tile count is even: CUTLASS rounds each group's tile
-  // count along a paired dimension up to the cluster and runs the extra tile in full. Forward and
-  // dgrad tile the rows, known only on the device; with 2x1 every group with an odd number of
-  // 128-row tiles cost one more tile (13% more on the skewed Qwen3 routing), more than the
-  // multicast bought (experiment 24). The weight gradient tiles out_features (run_clustered).
+  // cluster_m = 2 pairs M-tiles, which then share each B tile through multicast, but CUTLASS
+  // rounds each group's M-tile count up to the pair and runs the extra tile in full. Forward and
+  // dgrad tile the rows, known only on the device: on the skewed Qwen3 routing the rounding cost
+  // 13% more tiles, more than the multicast bought (experiment 24), so they pair only when the
+  // groups are large on average (run_clustered). The weight gradient (M = out_features) never
+  // pairs: where its count is even, pairing measured within 1% (experiment 28).
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using ClusterShape = cute::Shape<cute::Int<cluster_m>, cute::_1, cute::_1>;
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
@@ -293,9 +292,14 @@ CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
           G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
 }
 
-// The weight gradient's M is out_features, known on the host: a 2x1 cluster wastes no tile when
-// its count of 128-row tiles is even (2048, 1536 and 768 all are).
-constexpr bool pairs_along_m(GroupedPass) { return true; }  // experiment 30
+constexpr bool pairs_along_m(GroupedPass pass) { return pass != GroupedPass::kWgrad; }
+
+// Forward and dgrad pair M-tiles when the groups average at least 32 tiles of rows: the rounding
+// then adds at most one tile per group to each N-tile column (1/32 of the tiles at worst, half
+// that on average), and the multicast of the weight tile gains more (experiment 30, DeepSeek-V3
+// with 8 experts: 1-3%). At 16 tiles per group the rounding already loses (32 experts skewed
+// about 2%, 16 x 2048 skewed 3-13%).
+constexpr std::int64_t kPairedMinRowsPerGroup = 32 * 128;
 
 template <GroupedPass pass, DType dtype, Epilogue epilogue>
 CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
@@ -338,11 +342,9 @@ CutlassWorkspace workspace_for(DType dtype, std::int64_t groups, int device, int
 template <GroupedPass pass, DType dtype, Epilogue epilogue>
 void run_clustered(const CutlassCall& call, cudaStream_t stream) {
   if constexpr (pairs_along_m(pass)) {
-    constexpr std::int64_t kTileM =
-        cute::size<0>(typename GroupedGemm<pass, dtype, epilogue>::TileShape{});
-    const std::int64_t m_tiles = (call.operands.out_features + kTileM - 1) / kTileM;
-    if (std::getenv("MESHLA_GROUPED_CLUSTER_M") && (pass != GroupedPass::kWgrad || m_tiles % 2 == 0))
+    if (call.index.rows >= kPairedMinRowsPerGroup * call.index.groups) {
       return run_grouped<pass, dtype, epilogue, 2>(call, stream);
+    }
   }
   run_grouped<pass, dtype, epilogue, 1>(call, stream);
 }
