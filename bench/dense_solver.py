@@ -115,12 +115,12 @@ def potrf_flops(n):
     return n ** 3 / 3.0
 
 
-def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles):
+def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles, gpu_counts):
     rows = []
     for dtype in dtypes:
         for n in sizes:
             single_seconds = None
-            for g in (1, 2, 4):
+            for g in gpu_counts:
                 if g > len(devices):
                     continue
                 mesh = Mesh(np.array(devices[:g]), ("x",))
@@ -225,6 +225,9 @@ def main():
     parser.add_argument("--eigh-n", type=int, default=8192)
     parser.add_argument("--inverse-n", type=int, default=16384)
     parser.add_argument("--largest", default="")
+    parser.add_argument("--gpu-counts", default="1,2,4",
+                        help="GPU counts to solve on (fewer leave more memory to the raw "
+                             "cuSolverMg timing, which JAX's pool can starve)")
     parser.add_argument("--extra-tiles", default="",
                         help="tiles tried besides the automatic one, on all GPUs")
     args = parser.parse_args()
@@ -236,7 +239,8 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": args.commit, "jax": jax.__version__,
         "rows": bench_cho_solve(devices, sizes, dtypes, args.repeats,
-                                [int(t) for t in args.extra_tiles.split(",") if t]),
+                                [int(t) for t in args.extra_tiles.split(",") if t],
+                                [int(g) for g in args.gpu_counts.split(",")]),
     }
     result["rows"] += bench_others(devices, args.eigh_n, args.inverse_n, args.repeats)
     if args.largest:
