@@ -1,8 +1,10 @@
-// Host-side checks, packed strides and workspace layout of the grouped GEMM (no GPU needed).
+// Host-side checks, packed strides, workspace layout and launch grids of the grouped GEMM (no GPU
+// needed).
 #include <gtest/gtest.h>
 
 #include <string>
 
+#include "grouped/grouped_kernels.hpp"
 #include "grouped/grouped_validation.hpp"
 #include "meshla/error.hpp"
 
@@ -145,6 +147,22 @@ TEST(GroupedLayout, WorkspacePartsAreAlignedAndDisjoint) {
   EXPECT_GE(layout.pass, layout.invalid + sizeof(std::int32_t));
   EXPECT_EQ(layout.pass % 256, 0u);
   EXPECT_GE(layout.total, layout.pass + 1000);
+}
+
+TEST(GroupedLayout, SpanGridKeepsAboutAThousandBlocksOverEveryGroup) {
+  // Qwen3's weight gradient: 128 groups of 1536 x 2048 elements share 1024 blocks.
+  const dim3 qwen = span_grid({nullptr, DType::kBFloat16, 128, 1536 * 2048, 1536 * 2048}, 256);
+  EXPECT_EQ(qwen.x, 8u);
+  EXPECT_EQ(qwen.y, 128u);
+  // A small group gets no more blocks than it has elements for.
+  const dim3 small = span_grid({nullptr, DType::kFloat32, 1, 300, 300}, 256);
+  EXPECT_EQ(small.x, 2u);
+  EXPECT_EQ(small.y, 1u);
+  // More groups than the budget: one block each.
+  const dim3 wide = span_grid({nullptr, DType::kFloat32, 5000, 10, 16}, 256);
+  EXPECT_EQ(wide.x, 1u);
+  EXPECT_EQ(wide.y, 5000u);
+  EXPECT_THROW(span_grid({nullptr, DType::kFloat32, 70000, 10, 16}, 256), Error);
 }
 
 }  // namespace
