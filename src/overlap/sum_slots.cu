@@ -18,11 +18,18 @@ struct alignas(16) Vector {
   T lane[kLanes<T>];
 };
 
+// Where a sum goes: this rank's output and, for an all-reduce's last round, peers' memory.
+template <typename T>
+struct Outputs {
+  T* at[kMaxSumOutputs];
+  int count;
+};
+
 // Each thread sums whole 16-byte vectors; the caller guarantees alignment and a count that is a
 // multiple of the vector width.
 template <typename T>
 __global__ void sum_slots_kernel(const Vector<T>* slots, std::int64_t slot_stride, int slot_count,
-                                 std::int64_t vectors, Vector<T>* out) {
+                                 std::int64_t vectors, Outputs<Vector<T>> outs) {
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        i < vectors; i += step) {
@@ -35,13 +42,13 @@ __global__ void sum_slots_kernel(const Vector<T>* slots, std::int64_t slot_strid
     Vector<T> result;
 #pragma unroll
     for (int lane = 0; lane < kLanes<T>; ++lane) result.lane[lane] = static_cast<T>(sum[lane]);
-    out[i] = result;
+    for (int o = 0; o < outs.count; ++o) outs.at[o][i] = result;
   }
 }
 
 template <typename T>
 __global__ void sum_slots_scalar_kernel(const T* slots, std::int64_t slot_stride, int slot_count,
-                                        std::int64_t count, T* out) {
+                                        std::int64_t count, Outputs<T> outs) {
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += step) {
@@ -49,7 +56,8 @@ __global__ void sum_slots_scalar_kernel(const T* slots, std::int64_t slot_stride
     for (int slot = 0; slot < slot_count; ++slot) {
       sum += static_cast<float>(slots[slot * slot_stride + i]);
     }
-    out[i] = static_cast<T>(sum);
+    const T result = static_cast<T>(sum);
+    for (int o = 0; o < outs.count; ++o) outs.at[o][i] = result;
   }
 }
 
@@ -58,20 +66,29 @@ int grid_for(std::int64_t items, int threads) {
   return static_cast<int>(std::clamp<std::int64_t>((items + threads - 1) / threads, 1, 1024));
 }
 
+template <typename U>
+Outputs<U> outputs_of(void* const* outs, int out_count) {
+  Outputs<U> result{};
+  result.count = out_count;
+  for (int o = 0; o < out_count; ++o) result.at[o] = static_cast<U*>(outs[o]);
+  return result;
+}
+
 template <typename T>
 void launch(const void* slots_base, std::int64_t slot_stride, int slots, std::int64_t count,
-            void* out, cudaStream_t stream) {
+            void* const* outs, int out_count, cudaStream_t stream) {
   constexpr int kThreads = 512;
   const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   if (count % kLanes<T> == 0 && slot_stride % kLanes<T> == 0 && aligned(slots_base) &&
-      aligned(out)) {
+      std::all_of(outs, outs + out_count, aligned)) {
     const std::int64_t vectors = count / kLanes<T>;
     sum_slots_kernel<T><<<grid_for(vectors, kThreads), kThreads, 0, stream>>>(
         static_cast<const Vector<T>*>(slots_base), slot_stride / kLanes<T>, slots, vectors,
-        static_cast<Vector<T>*>(out));
+        outputs_of<Vector<T>>(outs, out_count));
   } else {
     sum_slots_scalar_kernel<T><<<grid_for(count, kThreads), kThreads, 0, stream>>>(
-        static_cast<const T*>(slots_base), slot_stride, slots, count, static_cast<T*>(out));
+        static_cast<const T*>(slots_base), slot_stride, slots, count,
+        outputs_of<T>(outs, out_count));
   }
   MESHLA_CHECK_CUDA(cudaGetLastError());
 }
@@ -99,15 +116,22 @@ void load_sum_slots(DType dtype) {
 }
 
 void sum_slots(DType dtype, const void* slots_base, std::int64_t slot_stride, int slots,
-               std::int64_t count, void* out, cudaStream_t stream) {
+               std::int64_t count, void* const* outs, int out_count, cudaStream_t stream) {
+  MESHLA_ASSERT(out_count > 0);
   if (count == 0) return;
+  // More outputs than one launch carries: each further launch sums again for the next ones.
+  if (out_count > kMaxSumOutputs) {
+    sum_slots(dtype, slots_base, slot_stride, slots, count, outs, kMaxSumOutputs, stream);
+    return sum_slots(dtype, slots_base, slot_stride, slots, count, outs + kMaxSumOutputs,
+                     out_count - kMaxSumOutputs, stream);
+  }
   switch (dtype) {
     case DType::kBFloat16:
-      return launch<__nv_bfloat16>(slots_base, slot_stride, slots, count, out, stream);
+      return launch<__nv_bfloat16>(slots_base, slot_stride, slots, count, outs, out_count, stream);
     case DType::kFloat16:
-      return launch<__half>(slots_base, slot_stride, slots, count, out, stream);
+      return launch<__half>(slots_base, slot_stride, slots, count, outs, out_count, stream);
     case DType::kFloat32:
-      return launch<float>(slots_base, slot_stride, slots, count, out, stream);
+      return launch<float>(slots_base, slot_stride, slots, count, outs, out_count, stream);
     default:
       MESHLA_THROW(kNotImplemented, "sum_slots: dtype " << dtype_name(dtype));
   }

@@ -1,6 +1,7 @@
-// out = the sum of `slots` equal arrays laid out `slot_stride` elements apart, accumulated in
-// fp32: the reduction that ends a symmetric-backend reduce-scatter round. Memory-bound and short;
-// it is the only kernel of that backend besides the GEMMs.
+// The sum of `slots` equal arrays laid out `slot_stride` elements apart, accumulated in fp32 and
+// stored to each of the `out_count` pointers of `outs` (which may be peers' memory): the reduction
+// that ends a symmetric-backend reduce-scatter round. Memory-bound and short; it is the only kernel
+// of that backend besides the GEMMs.
 #pragma once
 
 #include <cstdint>
@@ -11,8 +12,11 @@
 
 namespace meshla::overlap {
 
+// Outputs one launch stores to; more take another launch each.
+inline constexpr int kMaxSumOutputs = 8;
+
 void sum_slots(DType dtype, const void* slots_base, std::int64_t slot_stride, int slots,
-               std::int64_t count, void* out, cudaStream_t stream);
+               std::int64_t count, void* const* outs, int out_count, cudaStream_t stream);
 
 // Loads sum_slots' kernels for `dtype` now. Under CUDA's lazy module loading the first launch
 // loads them, and loading can wait for work already queued on the device; with several GPUs

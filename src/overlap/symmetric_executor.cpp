@@ -11,6 +11,9 @@
 //   reduced[round][q]  q's summed sub-block of `round` has landed here (all-reduce)
 // A flag goes 0 -> 1 -> 0 once per execution, and its next set always follows its clearing in
 // stream order, so repeated executions and CUDA-graph replays never see a stale value.
+#include <cstdlib>
+#include <vector>
+
 #include "comm/peer_memory.hpp"
 #include "comm/stream_flags.hpp"
 #include "core/cuda_checks.hpp"
@@ -202,21 +205,42 @@ class SymmetricExecutor final : public Executor {
       for (int peer : peers_) consume(stream, flag(rank_, Flag::kArrived, round, peer));
       // A reduce-scatter's output holds only this rank's rows; an all-reduce's holds all.
       char* summed = out + (all_reduce ? row_of(rank_, round) : round * sub_rows_) * row_bytes;
-      sum_slots(config_.dtype, inbox(rank_, round, 0), sub_count, tp_, sub_count, summed, stream);
+      std::vector<void*> sum_targets{summed};
+      const auto result_in = [&](int peer) {
+        return buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes;
+      };
+      // An all-reduce's last round: the GEMMs are done, so the SMs are free, and the sum stores
+      // itself into every peer at once over NVLink, where the copy engine would push it to one
+      // peer after another. Safe to write: every peer's product of this round has arrived, so
+      // each peer has started this execution and has finished reading its results of the last.
+      const bool sum_into_peers = all_reduce && round == rounds_ - 1 && !experiment_ce_tail_;
+      if (sum_into_peers) {
+        for (int peer : peers_) sum_targets.push_back(result_in(peer));
+      }
+      sum_slots(config_.dtype, inbox(rank_, round, 0), sub_count, tp_, sub_count,
+                sum_targets.data(), static_cast<int>(sum_targets.size()), stream);
       if (!all_reduce) continue;
-      MESHLA_CHECK_CUDA(cudaEventRecord(reduced_ready_[round].get(), stream));
-      MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], reduced_ready_[round].get(), 0));
-      for (int peer : peers_) {
-        push(push_[0], buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes,
-             summed, sub_bytes, flag(peer, Flag::kReduced, round, rank_));
+      if (sum_into_peers) {
+        // The flag's write follows the kernel's stores on this stream, with a memory barrier.
+        for (int peer : peers_) {
+          detail::write_flag(stream, flag(peer, Flag::kReduced, round, rank_), 1);
+        }
+      } else {
+        MESHLA_CHECK_CUDA(cudaEventRecord(reduced_ready_[round].get(), stream));
+        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], reduced_ready_[round].get(), 0));
+        for (int peer : peers_) {
+          push(push_[0], result_in(peer), summed, sub_bytes,
+               flag(peer, Flag::kReduced, round, rank_));
+        }
       }
       for (int peer : peers_) {
         consume(collect_[0], flag(rank_, Flag::kReduced, round, peer));
         const std::int64_t row = row_of(peer, round);
         // A one-slot sum is a copy. On SMs, between the GEMMs' waves: a local copy on the copy
         // engine ran at about 130 GB/s and held up the pushes queued behind it (measured).
+        void* const copy_to[] = {out + row * row_bytes};
         sum_slots(config_.dtype, buffer_.local() + results_offset_ + row * row_bytes, 0, 1,
-                  sub_count, out + row * row_bytes, collect_[0]);
+                  sub_count, copy_to, 1, collect_[0]);
       }
     }
   }
@@ -242,6 +266,9 @@ class SymmetricExecutor final : public Executor {
   std::int64_t results_offset_ = 0;
   std::int64_t flags_offset_ = 0;
   int gemm_sms_ = 0;
+  // EXPERIMENT (to be removed after measuring): the all-reduce's last round pushed by the copy
+  // engine, as before.
+  bool experiment_ce_tail_ = std::getenv("MESHLA_EXPERIMENT_CE_TAIL") != nullptr;
 };
 
 }  // namespace

@@ -19,5 +19,12 @@ fi
 for wheel in .deps/nvidia_cublasmp_cu13-*.whl .deps/nvidia_cusolvermp_cu13-*.whl; do
   [ -f "$wheel" ] && python3 -m pip install --no-deps --no-index -q "$wheel" 2>&1
 done
-python3 -m pip install --no-build-isolation --no-deps --no-index -q . 2>&1
+# A wheel carried in .whl/ (scripts/build_wheel.sh, built on a machine without a GPU for this
+# Python) saves the build's minutes of device time; .whl/COMMIT names the tree it was built from.
+if compgen -G ".whl/meshla-*.whl" >/dev/null; then
+  echo "installing the carried wheel of $(cat .whl/COMMIT)"
+  python3 -m pip install --no-deps --no-index --force-reinstall -q .whl/meshla-*.whl 2>&1
+else
+  python3 -m pip install --no-build-isolation --no-deps --no-index -q . 2>&1
+fi
 python3 -c "import meshla; print('meshla installed:', meshla.__file__)"
