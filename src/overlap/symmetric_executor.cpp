@@ -38,7 +38,9 @@ class SymmetricExecutor final : public Executor {
         peers_(ring_peers(tp_, rank_)),
         matmul_(comm.device()),
         push_(comm.device(), 1, /*high_priority=*/true),
-        collect_(comm.device(), 1, /*high_priority=*/true) {
+        collect_(comm.device(), 1, /*high_priority=*/true),
+        reduce_(comm.device(), 1, /*high_priority=*/true),
+        second_lane_(comm.device(), 1, /*high_priority=*/false) {
     const int device = comm.device();
     gemm_sms_ = overlapped_gemm_sms(config, device);
     const std::int64_t m = config.m;
@@ -60,7 +62,10 @@ class SymmetricExecutor final : public Executor {
     for (std::size_t i = 0; i < peers_.size() * static_cast<std::size_t>(rounds_); ++i) {
       product_ready_.emplace_back(device);
     }
-    for (int round = 0; round < rounds_; ++round) reduced_ready_.emplace_back(device);
+    for (int round = 0; round < rounds_; ++round) {
+      own_ready_.emplace_back(device);
+      reduced_ready_.emplace_back(device);
+    }
     for (std::size_t i = 0; i < peers_.size(); ++i) arrived_.emplace_back(device);
     prepare_gemms();
     if (config.op != CollectiveOp::kAllGatherMatmul) load_sum_slots(config.dtype);
@@ -74,8 +79,8 @@ class SymmetricExecutor final : public Executor {
     // This rank's buffers are free again: its previous execution, which read them, is behind us
     // on this stream.
     for (int peer : peers_) detail::write_flag(stream, flag(peer, Flag::kFree, 0, rank_), 1);
-    push_.fork(stream);
-    collect_.fork(stream);
+    SideStreams* const sides[] = {&push_, &collect_, &reduce_, &second_lane_};
+    for (SideStreams* side : sides) side->fork(stream);
     try {
       if (config_.op == CollectiveOp::kAllGatherMatmul) {
         all_gather_matmul(args, stream);
@@ -83,12 +88,10 @@ class SymmetricExecutor final : public Executor {
         reduce_matmul(args, stream);
       }
     } catch (...) {
-      push_.join_after_failure(stream);
-      collect_.join_after_failure(stream);
+      for (SideStreams* side : sides) side->join_after_failure(stream);
       throw;
     }
-    push_.join(stream);
-    collect_.join(stream);
+    for (SideStreams* side : sides) side->join(stream);
   }
 
  private:
@@ -135,6 +138,13 @@ class SymmetricExecutor final : public Executor {
     }
   }
 
+  // The stream of the execution's `index`-th GEMM. Consecutive GEMMs alternate between the
+  // caller's stream and a second one, so that the last, partial wave of one GEMM's tiles shares
+  // the SMs with the first wave of the next: a block of m/tp rows rarely fills whole waves.
+  cudaStream_t lane(cudaStream_t stream, int index) const {
+    return index % 2 == 0 || experiment_one_lane_ ? stream : second_lane_[0];
+  }
+
   void gemm(const CollectiveMatmulArgs& args, const char* a, std::int64_t rows, void* d, bool bias,
             cudaStream_t stream) {
     matmul_.run(shape(rows, bias),
@@ -158,15 +168,16 @@ class SymmetricExecutor final : public Executor {
       MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + rank_ * block_bytes, own, block_bytes,
                                         cudaMemcpyDeviceToDevice, collect_[0]));
     }
-    gemm(args, own, block, out + rank_ * out_block_bytes, config_.bias, stream);
+    gemm(args, own, block, out + rank_ * out_block_bytes, config_.bias, lane(stream, 0));
     const std::vector<int> sources = arrival_order(tp_, rank_);
     for (std::size_t i = 0; i < sources.size(); ++i) {
       const int source = sources[i];
-      consume(stream, flag(rank_, Flag::kArrived, 0, source));
+      cudaStream_t on = lane(stream, static_cast<int>(i) + 1);
+      consume(on, flag(rank_, Flag::kArrived, 0, source));
       const char* received = buffer_.local() + source * block_bytes;
-      gemm(args, received, block, out + source * out_block_bytes, config_.bias, stream);
+      gemm(args, received, block, out + source * out_block_bytes, config_.bias, on);
       if (gathered != nullptr) {
-        MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), stream));
+        MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), on));
         MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_[i].get(), 0));
         MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes, received, block_bytes,
                                           cudaMemcpyDeviceToDevice, collect_[0]));
@@ -187,46 +198,54 @@ class SymmetricExecutor final : public Executor {
     const auto row_of = [&](int owner, int round) {
       return sub_block_begin(config_.m, tp_, rounds_, owner, round);
     };
+    // The GEMMs run on their lanes; the sums wait for the products on the reduce stream, so
+    // that the next round's GEMMs never wait for this round's arrivals.
+    cudaStream_t reduce = reduce_[0];
+    int gemm_index = 0;
     for (int round = 0; round < rounds_; ++round) {
       for (std::size_t j = 0; j < peers_.size(); ++j) {
         const int peer = peers_[j];
         char* product = static_cast<char*>(staging_.data()) + (round * tp_ + peer) * sub_bytes;
-        gemm(args, a + row_of(peer, round) * config_.k * element_, sub_rows_, product, false,
-             stream);
+        cudaStream_t on = lane(stream, gemm_index++);
+        gemm(args, a + row_of(peer, round) * config_.k * element_, sub_rows_, product, false, on);
         cudaEvent_t ready = product_ready_[round * peers_.size() + j].get();
-        MESHLA_CHECK_CUDA(cudaEventRecord(ready, stream));
+        MESHLA_CHECK_CUDA(cudaEventRecord(ready, on));
         MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], ready, 0));
         if (round == 0) consume(push_[0], flag(rank_, Flag::kFree, 0, peer));
         push(push_[0], inbox(peer, round, rank_), product, sub_bytes,
              flag(peer, Flag::kArrived, round, rank_));
       }
+      cudaStream_t on = lane(stream, gemm_index++);
       gemm(args, a + row_of(rank_, round) * config_.k * element_, sub_rows_,
-           inbox(rank_, round, rank_), config_.bias, stream);
-      for (int peer : peers_) consume(stream, flag(rank_, Flag::kArrived, round, peer));
+           inbox(rank_, round, rank_), config_.bias, on);
+      MESHLA_CHECK_CUDA(cudaEventRecord(own_ready_[round].get(), on));
+      MESHLA_CHECK_CUDA(cudaStreamWaitEvent(reduce, own_ready_[round].get(), 0));
+      for (int peer : peers_) consume(reduce, flag(rank_, Flag::kArrived, round, peer));
       // A reduce-scatter's output holds only this rank's rows; an all-reduce's holds all.
       char* summed = out + (all_reduce ? row_of(rank_, round) : round * sub_rows_) * row_bytes;
       std::vector<void*> sum_targets{summed};
       const auto result_in = [&](int peer) {
         return buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes;
       };
-      // An all-reduce's last round: the GEMMs are done, so the SMs are free, and the sum stores
+      // An all-reduce's last round: the GEMMs are done or finishing, so SMs are free, and the sum
+      // stores
       // itself into every peer at once over NVLink, where the copy engine would push it to one
       // peer after another. Safe to write: every peer's product of this round has arrived, so
       // each peer has started this execution and has finished reading its results of the last.
-      const bool sum_into_peers = all_reduce && round == rounds_ - 1 && !experiment_ce_tail_;
+      const bool sum_into_peers = all_reduce && round == rounds_ - 1;
       if (sum_into_peers) {
         for (int peer : peers_) sum_targets.push_back(result_in(peer));
       }
       sum_slots(config_.dtype, inbox(rank_, round, 0), sub_count, tp_, sub_count,
-                sum_targets.data(), static_cast<int>(sum_targets.size()), stream);
+                sum_targets.data(), static_cast<int>(sum_targets.size()), reduce);
       if (!all_reduce) continue;
       if (sum_into_peers) {
         // The flag's write follows the kernel's stores on this stream, with a memory barrier.
         for (int peer : peers_) {
-          detail::write_flag(stream, flag(peer, Flag::kReduced, round, rank_), 1);
+          detail::write_flag(reduce, flag(peer, Flag::kReduced, round, rank_), 1);
         }
       } else {
-        MESHLA_CHECK_CUDA(cudaEventRecord(reduced_ready_[round].get(), stream));
+        MESHLA_CHECK_CUDA(cudaEventRecord(reduced_ready_[round].get(), reduce));
         MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], reduced_ready_[round].get(), 0));
         for (int peer : peers_) {
           push(push_[0], result_in(peer), summed, sub_bytes,
@@ -256,19 +275,21 @@ class SymmetricExecutor final : public Executor {
   // another anyway (measured), and from several streams it took them in any order, so a rank
   // could wait for the block its peer happened to push last.
   SideStreams push_;
-  SideStreams collect_;  // copies out of this rank's own buffer into the caller's outputs
+  SideStreams collect_;      // copies out of this rank's own buffer into the caller's outputs
+  SideStreams reduce_;       // reduce-scatter and all-reduce: waits for the products, sums them
+  SideStreams second_lane_;  // every other GEMM (see lane())
   detail::PeerBuffer buffer_;
   detail::DeviceBuffer staging_;  // [round][destination] partial products before their push
   std::vector<detail::Event> product_ready_;
+  std::vector<detail::Event> own_ready_;  // [round] this rank's own product is in its inbox
   std::vector<detail::Event> reduced_ready_;
   std::vector<detail::Event> arrived_;  // all_gather_matmul: the i-th block to arrive is here
   std::int64_t sub_rows_ = 0;
   std::int64_t results_offset_ = 0;
   std::int64_t flags_offset_ = 0;
   int gemm_sms_ = 0;
-  // EXPERIMENT (to be removed after measuring): the all-reduce's last round pushed by the copy
-  // engine, as before.
-  bool experiment_ce_tail_ = std::getenv("MESHLA_EXPERIMENT_CE_TAIL") != nullptr;
+  // EXPERIMENT (to be removed after measuring): every GEMM on the caller's stream, as before.
+  bool experiment_one_lane_ = std::getenv("MESHLA_EXPERIMENT_ONE_LANE") != nullptr;
 };
 
 }  // namespace
