@@ -9,8 +9,8 @@ Each case is OP:M[:CHUNKS] on bench/collective_matmul.py's shapes (a Llama-70B M
   gpu_ms    time per call between CUDA events, as the benchmark measures it
 and, from a profile of the same calls:
   period    time between the first GEMMs of consecutive calls
-  gemms     GEMM kernel time per call; `wait` is the GEMM stream's idle time inside a call,
-            `between` its idle time from a call's last GEMM to the next call's first
+  gemms     GEMM kernel time per call; `wait` is the time inside a call between one GEMM's end
+            and the next one's start, `between` from a call's last GEMM to the next call's first
   alone     the same GEMM shapes with no communication (meshla on a one-GPU group, so the same
             tuned kernels), and torch.matmul of the whole product
   per-GEMM  mean duration and mean wait before it, by position in the call (rank 0)
@@ -54,9 +54,8 @@ def traced(fn, calls: int, path: str) -> list[dict]:
 
 
 def gemm_kernels(events: list[dict]) -> list[dict]:
-    kernels = [e for e in events if e["cat"] == "kernel" and not any(s in e["name"] for s in NOT_GEMMS)]
-    busiest = statistics.mode(e["tid"] for e in kernels)  # the caller's stream runs the GEMMs
-    return [e for e in kernels if e["tid"] == busiest]
+    """The GEMMs, on whichever streams they ran; where two overlap, `wait` goes negative."""
+    return [e for e in events if e["cat"] == "kernel" and not any(s in e["name"] for s in NOT_GEMMS)]
 
 
 def call_stats(events: list[dict], calls: int) -> dict:

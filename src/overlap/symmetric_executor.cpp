@@ -36,7 +36,7 @@ class SymmetricExecutor final : public Executor {
         rounds_(config.op == CollectiveOp::kAllGatherMatmul ? 1 : config.chunks),
         element_(static_cast<std::int64_t>(dtype_size(config.dtype))),
         peers_(ring_peers(tp_, rank_)),
-        matmul_(comm.device()),
+        matmul_(comm.device(), /*lanes=*/2),
         push_(comm.device(), 1, /*high_priority=*/true),
         collect_(comm.device(), 1, /*high_priority=*/true),
         reduce_(comm.device(), 1, /*high_priority=*/true),
@@ -141,15 +141,21 @@ class SymmetricExecutor final : public Executor {
   // The stream of the execution's `index`-th GEMM. Consecutive GEMMs alternate between the
   // caller's stream and a second one, so that the last, partial wave of one GEMM's tiles shares
   // the SMs with the first wave of the next: a block of m/tp rows rarely fills whole waves.
-  cudaStream_t lane(cudaStream_t stream, int index) const {
-    return index % 2 == 0 || experiment_one_lane_ ? stream : second_lane_[0];
+  // Each lane has its own cuBLASLt workspace (see Matmul).
+  struct Lane {
+    cudaStream_t stream;
+    int workspace;
+  };
+  Lane lane(cudaStream_t stream, int index) const {
+    if (index % 2 == 0 || experiment_one_lane_) return {stream, 0};
+    return {second_lane_[0], 1};
   }
 
   void gemm(const CollectiveMatmulArgs& args, const char* a, std::int64_t rows, void* d, bool bias,
-            cudaStream_t stream) {
+            Lane on) {
     matmul_.run(shape(rows, bias),
                 {.a = a, .b = args.b.data, .bias = bias ? args.bias.data : nullptr, .d = d},
-                stream);
+                on.stream, on.workspace);
   }
 
   void all_gather_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
@@ -172,12 +178,12 @@ class SymmetricExecutor final : public Executor {
     const std::vector<int> sources = arrival_order(tp_, rank_);
     for (std::size_t i = 0; i < sources.size(); ++i) {
       const int source = sources[i];
-      cudaStream_t on = lane(stream, static_cast<int>(i) + 1);
-      consume(on, flag(rank_, Flag::kArrived, 0, source));
+      const Lane on = lane(stream, static_cast<int>(i) + 1);
+      consume(on.stream, flag(rank_, Flag::kArrived, 0, source));
       const char* received = buffer_.local() + source * block_bytes;
       gemm(args, received, block, out + source * out_block_bytes, config_.bias, on);
       if (gathered != nullptr) {
-        MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), on));
+        MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), on.stream));
         MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_[i].get(), 0));
         MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes, received, block_bytes,
                                           cudaMemcpyDeviceToDevice, collect_[0]));
@@ -206,19 +212,19 @@ class SymmetricExecutor final : public Executor {
       for (std::size_t j = 0; j < peers_.size(); ++j) {
         const int peer = peers_[j];
         char* product = static_cast<char*>(staging_.data()) + (round * tp_ + peer) * sub_bytes;
-        cudaStream_t on = lane(stream, gemm_index++);
+        const Lane on = lane(stream, gemm_index++);
         gemm(args, a + row_of(peer, round) * config_.k * element_, sub_rows_, product, false, on);
         cudaEvent_t ready = product_ready_[round * peers_.size() + j].get();
-        MESHLA_CHECK_CUDA(cudaEventRecord(ready, on));
+        MESHLA_CHECK_CUDA(cudaEventRecord(ready, on.stream));
         MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], ready, 0));
         if (round == 0) consume(push_[0], flag(rank_, Flag::kFree, 0, peer));
         push(push_[0], inbox(peer, round, rank_), product, sub_bytes,
              flag(peer, Flag::kArrived, round, rank_));
       }
-      cudaStream_t on = lane(stream, gemm_index++);
+      const Lane on = lane(stream, gemm_index++);
       gemm(args, a + row_of(rank_, round) * config_.k * element_, sub_rows_,
            inbox(rank_, round, rank_), config_.bias, on);
-      MESHLA_CHECK_CUDA(cudaEventRecord(own_ready_[round].get(), on));
+      MESHLA_CHECK_CUDA(cudaEventRecord(own_ready_[round].get(), on.stream));
       MESHLA_CHECK_CUDA(cudaStreamWaitEvent(reduce, own_ready_[round].get(), 0));
       for (int peer : peers_) consume(reduce, flag(rank_, Flag::kArrived, round, peer));
       // A reduce-scatter's output holds only this rank's rows; an all-reduce's holds all.
@@ -228,10 +234,10 @@ class SymmetricExecutor final : public Executor {
         return buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes;
       };
       // An all-reduce's last round: the GEMMs are done or finishing, so SMs are free, and the sum
-      // stores
-      // itself into every peer at once over NVLink, where the copy engine would push it to one
-      // peer after another. Safe to write: every peer's product of this round has arrived, so
-      // each peer has started this execution and has finished reading its results of the last.
+      // stores itself into every peer at once over NVLink, where the copy engine would push it
+      // to one peer after another. Safe to write: every peer's product of this round has
+      // arrived, so each peer has started this execution and has finished reading its results
+      // of the last.
       const bool sum_into_peers = all_reduce && round == rounds_ - 1;
       if (sum_into_peers) {
         for (int peer : peers_) sum_targets.push_back(result_in(peer));
