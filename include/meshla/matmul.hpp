@@ -39,10 +39,8 @@ struct MatmulOperands {
 
 class Matmul {
  public:
-  // Creates the cuBLASLt handle and one workspace per lane on `device`. cuBLASLt's kernels keep
-  // scratch (tile counters among it) in the workspace, so runs that may overlap on the GPU (on
-  // different streams) must use different lanes.
-  explicit Matmul(int device, int lanes = 1);
+  // Creates the cuBLASLt handle and a workspace on `device`.
+  explicit Matmul(int device);
   ~Matmul();
   Matmul(Matmul&&) noexcept;
   Matmul& operator=(Matmul&&) noexcept;
@@ -57,8 +55,7 @@ class Matmul {
   // Enqueues the product on `stream`. Never allocates device memory or waits on the host. The
   // algorithm is cached per shape and operand alignment; a shape or alignment not prepared costs
   // one host-side heuristic query (its first candidate, untimed), safe inside graph capture.
-  void run(const MatmulShape& shape, const MatmulOperands& operands, cudaStream_t stream,
-           int lane = 0);
+  void run(const MatmulShape& shape, const MatmulOperands& operands, cudaStream_t stream);
 
   int device() const;
 

@@ -273,9 +273,7 @@ class Descriptors {
 }  // namespace
 
 struct Matmul::Impl {
-  Impl(int device_, int lanes) : device(device_) {
-    MESHLA_CHECK_ARG(lanes >= 1, "matmul: lanes=" << lanes << " must be at least 1");
-    for (int lane = 0; lane < lanes; ++lane) workspaces.emplace_back(device, kWorkspaceBytes);
+  explicit Impl(int device_) : device(device_), workspace(device_, kWorkspaceBytes) {
     detail::DeviceGuard guard(device);
     MESHLA_CHECK_CUBLAS(cublasLtCreate(&handle));
   }
@@ -288,17 +286,17 @@ struct Matmul::Impl {
     auto key = resolved.key();
     auto found = cache.find(key);
     if (found != cache.end()) return *found->second;
-    auto made = std::make_unique<Descriptors>(handle, resolved, kWorkspaceBytes);
+    auto made = std::make_unique<Descriptors>(handle, resolved, workspace.bytes());
     return *cache.emplace(key, std::move(made)).first->second;
   }
 
   int device;
   cublasLtHandle_t handle = nullptr;
-  std::vector<detail::DeviceBuffer> workspaces;  // one per lane
+  detail::DeviceBuffer workspace;
   std::map<Key, std::unique_ptr<Descriptors>> cache;
 };
 
-Matmul::Matmul(int device, int lanes) : impl_(std::make_unique<Impl>(device, lanes)) {}
+Matmul::Matmul(int device) : impl_(std::make_unique<Impl>(device)) {}
 Matmul::~Matmul() = default;
 Matmul::Matmul(Matmul&&) noexcept = default;
 Matmul& Matmul::operator=(Matmul&&) noexcept = default;
@@ -337,12 +335,11 @@ void Matmul::prepare(const MatmulShape& shape) {
   descriptors.tune(
       impl_->handle,
       {.a = a.data(), .b = b.data(), .bias = bias.data(), .addend = addend.data(), .d = d.data()},
-      packed.addend, impl_->workspaces[0].data(), kWorkspaceBytes, stream.get(), device);
+      packed.addend, impl_->workspace.data(), impl_->workspace.bytes(), stream.get(), device);
   MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
 }
 
-void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream_t stream,
-                 int lane) {
+void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream_t stream) {
   const MatmulShape packed = with_packed_pitches(shape);
   validate(packed);
   if (packed.m == 0 || packed.n == 0) return;
@@ -352,13 +349,10 @@ void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream
   MESHLA_CHECK_ARG(!packed.bias || ops.bias, "matmul: the shape asks for a bias but none is given");
   MESHLA_CHECK_ARG(!packed.addend || ops.addend,
                    "matmul: the shape asks for an addend but none is given");
-  const int lanes = static_cast<int>(impl_->workspaces.size());
-  MESHLA_CHECK_ARG(lane >= 0 && lane < lanes,
-                   "matmul: lane=" << lane << " but this Matmul has " << lanes << " lanes");
   detail::DeviceGuard guard(impl_->device);
   impl_->lookup({packed, alignments_of(packed, ops)})
-      .run(impl_->handle, ops, packed.addend,
-           impl_->workspaces[static_cast<std::size_t>(lane)].data(), kWorkspaceBytes, stream);
+      .run(impl_->handle, ops, packed.addend, impl_->workspace.data(), impl_->workspace.bytes(),
+           stream);
 }
 
 }  // namespace meshla

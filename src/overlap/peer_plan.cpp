@@ -1,5 +1,6 @@
 #include "overlap/peer_plan.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 namespace meshla::overlap {
@@ -14,6 +15,20 @@ std::vector<int> arrival_order(int tp, int rank) {
   std::vector<int> sources;
   for (int distance = 1; distance < tp; ++distance) sources.push_back((rank - distance + tp) % tp);
   return sources;
+}
+
+std::vector<std::vector<int>> arrival_batches(int tp, int rank) {
+  const std::vector<int> sources = arrival_order(tp, rank);
+  std::vector<std::vector<int>> batches;
+  for (std::size_t i = 0; i < sources.size();) {
+    const std::size_t count = i == 0 ? 1 : std::min<std::size_t>(2, sources.size() - i);
+    std::vector<int> batch(sources.begin() + static_cast<std::ptrdiff_t>(i),
+                           sources.begin() + static_cast<std::ptrdiff_t>(i + count));
+    std::sort(batch.begin(), batch.end());
+    batches.push_back(std::move(batch));
+    i += count;
+  }
+  return batches;
 }
 
 std::int64_t sub_block_begin(std::int64_t m, int tp, int rounds, int owner, int round) {

@@ -32,6 +32,13 @@ std::vector<int> ring_peers(int tp, int rank);
 // ring_peers in order: rank-1, rank-2, ... (mod tp).
 std::vector<int> arrival_order(int tp, int rank);
 
+// all_gather_matmul's GEMMs over the blocks `rank` receives, in order, each a list of source
+// ranks in ascending order (the GEMM is batched over them, so its batch stride is positive): the
+// first block to arrive alone, as it lands while the own block's GEMM runs, then the others two
+// at a time in arrival order. A block of m/tp rows rarely fills whole waves of tiles; two
+// batched blocks lose half as much to the last, partial wave.
+std::vector<std::vector<int>> arrival_batches(int tp, int rank);
+
 // First row of round `round`'s sub-block of `owner`'s rows, for a reduce-scatter or all-reduce of
 // m rows.
 std::int64_t sub_block_begin(std::int64_t m, int tp, int rounds, int owner, int round);

@@ -11,7 +11,6 @@
 //   reduced[round][q]  q's summed sub-block of `round` has landed here (all-reduce)
 // A flag goes 0 -> 1 -> 0 once per execution, and its next set always follows its clearing in
 // stream order, so repeated executions and CUDA-graph replays never see a stale value.
-#include <cstdlib>
 #include <vector>
 
 #include "comm/peer_memory.hpp"
@@ -36,11 +35,11 @@ class SymmetricExecutor final : public Executor {
         rounds_(config.op == CollectiveOp::kAllGatherMatmul ? 1 : config.chunks),
         element_(static_cast<std::int64_t>(dtype_size(config.dtype))),
         peers_(ring_peers(tp_, rank_)),
-        matmul_(comm.device(), /*lanes=*/2),
+        batches_(config.op == CollectiveOp::kAllGatherMatmul ? arrival_batches(tp_, rank_)
+                                                             : std::vector<std::vector<int>>{}),
+        matmul_(comm.device()),
         push_(comm.device(), 1, /*high_priority=*/true),
-        collect_(comm.device(), 1, /*high_priority=*/true),
-        reduce_(comm.device(), 1, /*high_priority=*/true),
-        second_lane_(comm.device(), 1, /*high_priority=*/false) {
+        collect_(comm.device(), 1, /*high_priority=*/true) {
     const int device = comm.device();
     gemm_sms_ = overlapped_gemm_sms(config, device);
     const std::int64_t m = config.m;
@@ -62,11 +61,8 @@ class SymmetricExecutor final : public Executor {
     for (std::size_t i = 0; i < peers_.size() * static_cast<std::size_t>(rounds_); ++i) {
       product_ready_.emplace_back(device);
     }
-    for (int round = 0; round < rounds_; ++round) {
-      own_ready_.emplace_back(device);
-      reduced_ready_.emplace_back(device);
-    }
-    for (std::size_t i = 0; i < peers_.size(); ++i) arrived_.emplace_back(device);
+    for (int round = 0; round < rounds_; ++round) reduced_ready_.emplace_back(device);
+    for (std::size_t i = 0; i < batches_.size(); ++i) arrived_.emplace_back(device);
     prepare_gemms();
     if (config.op != CollectiveOp::kAllGatherMatmul) load_sum_slots(config.dtype);
     // Last: the exchange is the ranks' final meeting before their first execution, and nothing
@@ -79,8 +75,8 @@ class SymmetricExecutor final : public Executor {
     // This rank's buffers are free again: its previous execution, which read them, is behind us
     // on this stream.
     for (int peer : peers_) detail::write_flag(stream, flag(peer, Flag::kFree, 0, rank_), 1);
-    SideStreams* const sides[] = {&push_, &collect_, &reduce_, &second_lane_};
-    for (SideStreams* side : sides) side->fork(stream);
+    push_.fork(stream);
+    collect_.fork(stream);
     try {
       if (config_.op == CollectiveOp::kAllGatherMatmul) {
         all_gather_matmul(args, stream);
@@ -88,10 +84,12 @@ class SymmetricExecutor final : public Executor {
         reduce_matmul(args, stream);
       }
     } catch (...) {
-      for (SideStreams* side : sides) side->join_after_failure(stream);
+      push_.join_after_failure(stream);
+      collect_.join_after_failure(stream);
       throw;
     }
-    for (SideStreams* side : sides) side->join(stream);
+    push_.join(stream);
+    collect_.join(stream);
   }
 
  private:
@@ -116,46 +114,46 @@ class SymmetricExecutor final : public Executor {
     detail::write_flag(stream, landed, 1);
   }
 
-  MatmulShape shape(std::int64_t rows, bool bias) const {
+  // `batch` products of `rows` rows each, their a and d rows `batch_rows` apart.
+  MatmulShape shape(std::int64_t rows, bool bias, int batch = 1,
+                    std::int64_t batch_rows = 0) const {
     return {.dtype = config_.dtype,
             .m = rows,
             .n = config_.n,
             .k = config_.k,
             .trans_b = config_.trans_b,
+            .batch = batch,
             .lda = config_.k,
             .ldd = config_.n,
+            .batch_stride_a = batch_rows * config_.k,
+            .batch_stride_d = batch_rows * config_.n,
             .bias = bias,
             .sm_count = gemm_sms_};
+  }
+
+  // all_gather_matmul: the GEMM over one of arrival_batches' batches of received blocks.
+  MatmulShape batch_shape(const std::vector<int>& sources) const {
+    const std::int64_t block = config_.m / tp_;
+    const int count = static_cast<int>(sources.size());
+    return shape(block, config_.bias, count, count > 1 ? (sources[1] - sources[0]) * block : 0);
   }
 
   void prepare_gemms() {
     const std::int64_t block = config_.m / tp_;
     if (config_.op == CollectiveOp::kAllGatherMatmul) {
       matmul_.prepare(shape(block, config_.bias));
+      for (const std::vector<int>& batch : batches_) matmul_.prepare(batch_shape(batch));
     } else {
       matmul_.prepare(shape(sub_rows_, /*bias=*/false));
       if (config_.bias) matmul_.prepare(shape(sub_rows_, /*bias=*/true));
     }
   }
 
-  // The stream of the execution's `index`-th GEMM. Consecutive GEMMs alternate between the
-  // caller's stream and a second one, so that the last, partial wave of one GEMM's tiles shares
-  // the SMs with the first wave of the next: a block of m/tp rows rarely fills whole waves.
-  // Each lane has its own cuBLASLt workspace (see Matmul).
-  struct Lane {
-    cudaStream_t stream;
-    int workspace;
-  };
-  Lane lane(cudaStream_t stream, int index) const {
-    if (index % 2 == 0 || experiment_one_lane_) return {stream, 0};
-    return {second_lane_[0], 1};
-  }
-
-  void gemm(const CollectiveMatmulArgs& args, const char* a, std::int64_t rows, void* d, bool bias,
-            Lane on) {
-    matmul_.run(shape(rows, bias),
-                {.a = a, .b = args.b.data, .bias = bias ? args.bias.data : nullptr, .d = d},
-                on.stream, on.workspace);
+  void gemm(const CollectiveMatmulArgs& args, const MatmulShape& shape, const char* a, void* d,
+            cudaStream_t stream) {
+    matmul_.run(shape,
+                {.a = a, .b = args.b.data, .bias = shape.bias ? args.bias.data : nullptr, .d = d},
+                stream);
   }
 
   void all_gather_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
@@ -174,18 +172,18 @@ class SymmetricExecutor final : public Executor {
       MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + rank_ * block_bytes, own, block_bytes,
                                         cudaMemcpyDeviceToDevice, collect_[0]));
     }
-    gemm(args, own, block, out + rank_ * out_block_bytes, config_.bias, lane(stream, 0));
-    const std::vector<int> sources = arrival_order(tp_, rank_);
-    for (std::size_t i = 0; i < sources.size(); ++i) {
-      const int source = sources[i];
-      const Lane on = lane(stream, static_cast<int>(i) + 1);
-      consume(on.stream, flag(rank_, Flag::kArrived, 0, source));
-      const char* received = buffer_.local() + source * block_bytes;
-      gemm(args, received, block, out + source * out_block_bytes, config_.bias, on);
-      if (gathered != nullptr) {
-        MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), on.stream));
-        MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_[i].get(), 0));
-        MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes, received, block_bytes,
+    gemm(args, shape(block, config_.bias), own, out + rank_ * out_block_bytes, stream);
+    for (std::size_t i = 0; i < batches_.size(); ++i) {
+      const std::vector<int>& sources = batches_[i];
+      for (int source : sources) consume(stream, flag(rank_, Flag::kArrived, 0, source));
+      gemm(args, batch_shape(sources), buffer_.local() + sources[0] * block_bytes,
+           out + sources[0] * out_block_bytes, stream);
+      if (gathered == nullptr) continue;
+      MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), stream));
+      MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_[i].get(), 0));
+      for (int source : sources) {
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes,
+                                          buffer_.local() + source * block_bytes, block_bytes,
                                           cudaMemcpyDeviceToDevice, collect_[0]));
       }
     }
@@ -204,54 +202,47 @@ class SymmetricExecutor final : public Executor {
     const auto row_of = [&](int owner, int round) {
       return sub_block_begin(config_.m, tp_, rounds_, owner, round);
     };
-    // The GEMMs run on their lanes; the sums wait for the products on the reduce stream, so
-    // that the next round's GEMMs never wait for this round's arrivals.
-    cudaStream_t reduce = reduce_[0];
-    int gemm_index = 0;
     for (int round = 0; round < rounds_; ++round) {
       for (std::size_t j = 0; j < peers_.size(); ++j) {
         const int peer = peers_[j];
         char* product = static_cast<char*>(staging_.data()) + (round * tp_ + peer) * sub_bytes;
-        const Lane on = lane(stream, gemm_index++);
-        gemm(args, a + row_of(peer, round) * config_.k * element_, sub_rows_, product, false, on);
+        gemm(args, shape(sub_rows_, /*bias=*/false), a + row_of(peer, round) * config_.k * element_,
+             product, stream);
         cudaEvent_t ready = product_ready_[round * peers_.size() + j].get();
-        MESHLA_CHECK_CUDA(cudaEventRecord(ready, on.stream));
+        MESHLA_CHECK_CUDA(cudaEventRecord(ready, stream));
         MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], ready, 0));
         if (round == 0) consume(push_[0], flag(rank_, Flag::kFree, 0, peer));
         push(push_[0], inbox(peer, round, rank_), product, sub_bytes,
              flag(peer, Flag::kArrived, round, rank_));
       }
-      const Lane on = lane(stream, gemm_index++);
-      gemm(args, a + row_of(rank_, round) * config_.k * element_, sub_rows_,
-           inbox(rank_, round, rank_), config_.bias, on);
-      MESHLA_CHECK_CUDA(cudaEventRecord(own_ready_[round].get(), on.stream));
-      MESHLA_CHECK_CUDA(cudaStreamWaitEvent(reduce, own_ready_[round].get(), 0));
-      for (int peer : peers_) consume(reduce, flag(rank_, Flag::kArrived, round, peer));
+      gemm(args, shape(sub_rows_, config_.bias), a + row_of(rank_, round) * config_.k * element_,
+           inbox(rank_, round, rank_), stream);
+      for (int peer : peers_) consume(stream, flag(rank_, Flag::kArrived, round, peer));
       // A reduce-scatter's output holds only this rank's rows; an all-reduce's holds all.
       char* summed = out + (all_reduce ? row_of(rank_, round) : round * sub_rows_) * row_bytes;
       std::vector<void*> sum_targets{summed};
       const auto result_in = [&](int peer) {
         return buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes;
       };
-      // An all-reduce's last round: the GEMMs are done or finishing, so SMs are free, and the sum
-      // stores itself into every peer at once over NVLink, where the copy engine would push it
-      // to one peer after another. Safe to write: every peer's product of this round has
-      // arrived, so each peer has started this execution and has finished reading its results
-      // of the last.
+      // An all-reduce's last round: the GEMMs are done, so the SMs are free, and the sum stores
+      // itself into every peer at once over NVLink, where the copy engine would push it to one
+      // peer after another (measured, M=8192 tp=4: 1.64 against 1.70 ms per call). Safe to
+      // write: every peer's product of this round has arrived, so each peer has started this
+      // execution and has finished reading its results of the last.
       const bool sum_into_peers = all_reduce && round == rounds_ - 1;
       if (sum_into_peers) {
         for (int peer : peers_) sum_targets.push_back(result_in(peer));
       }
       sum_slots(config_.dtype, inbox(rank_, round, 0), sub_count, tp_, sub_count,
-                sum_targets.data(), static_cast<int>(sum_targets.size()), reduce);
+                sum_targets.data(), static_cast<int>(sum_targets.size()), stream);
       if (!all_reduce) continue;
       if (sum_into_peers) {
         // The flag's write follows the kernel's stores on this stream, with a memory barrier.
         for (int peer : peers_) {
-          detail::write_flag(reduce, flag(peer, Flag::kReduced, round, rank_), 1);
+          detail::write_flag(stream, flag(peer, Flag::kReduced, round, rank_), 1);
         }
       } else {
-        MESHLA_CHECK_CUDA(cudaEventRecord(reduced_ready_[round].get(), reduce));
+        MESHLA_CHECK_CUDA(cudaEventRecord(reduced_ready_[round].get(), stream));
         MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], reduced_ready_[round].get(), 0));
         for (int peer : peers_) {
           push(push_[0], result_in(peer), summed, sub_bytes,
@@ -276,26 +267,22 @@ class SymmetricExecutor final : public Executor {
   int rounds_;
   std::int64_t element_;
   std::vector<int> peers_;  // ring order; push_[0] carries everything sent to peers_[j]
+  std::vector<std::vector<int>> batches_;  // all_gather_matmul: arrival_batches
   Matmul matmul_;
   // One stream carries every push, in ring order: a GPU's copy engine runs its pushes one after
   // another anyway (measured), and from several streams it took them in any order, so a rank
   // could wait for the block its peer happened to push last.
   SideStreams push_;
-  SideStreams collect_;      // copies out of this rank's own buffer into the caller's outputs
-  SideStreams reduce_;       // reduce-scatter and all-reduce: waits for the products, sums them
-  SideStreams second_lane_;  // every other GEMM (see lane())
+  SideStreams collect_;  // copies out of this rank's own buffer into the caller's outputs
   detail::PeerBuffer buffer_;
   detail::DeviceBuffer staging_;  // [round][destination] partial products before their push
   std::vector<detail::Event> product_ready_;
-  std::vector<detail::Event> own_ready_;  // [round] this rank's own product is in its inbox
   std::vector<detail::Event> reduced_ready_;
-  std::vector<detail::Event> arrived_;  // all_gather_matmul: the i-th block to arrive is here
+  std::vector<detail::Event> arrived_;  // all_gather_matmul: batches_[i] has arrived
   std::int64_t sub_rows_ = 0;
   std::int64_t results_offset_ = 0;
   std::int64_t flags_offset_ = 0;
   int gemm_sms_ = 0;
-  // EXPERIMENT (to be removed after measuring): every GEMM on the caller's stream, as before.
-  bool experiment_one_lane_ = std::getenv("MESHLA_EXPERIMENT_ONE_LANE") != nullptr;
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 // exactly once, and kAuto falls back to NCCL whenever the symmetric backend cannot run a config.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <set>
 #include <vector>
@@ -22,6 +23,33 @@ TEST(PeerPlan, RingPeersVisitEveryOtherRankOnce) {
       EXPECT_EQ(static_cast<int>(seen.size()), tp - 1);
       EXPECT_EQ(seen.count(rank), 0u);
       if (tp > 1) EXPECT_EQ(peers.front(), (rank + 1) % tp);
+    }
+  }
+}
+
+// The batches cover every received block once, keep the arrival order (a batch waits for its
+// last block, so no block may come before one that arrives earlier), start with the first
+// arrival alone and hold at most two blocks, sorted so that the batch stride is positive.
+TEST(PeerPlan, ArrivalBatchesCoverTheArrivalsInOrder) {
+  for (int tp = 1; tp <= 8; ++tp) {
+    for (int rank = 0; rank < tp; ++rank) {
+      const std::vector<int> sources = arrival_order(tp, rank);
+      const std::vector<std::vector<int>> batches = arrival_batches(tp, rank);
+      std::vector<int> covered;
+      for (const std::vector<int>& batch : batches) {
+        ASSERT_FALSE(batch.empty());
+        EXPECT_LE(batch.size(), 2u);
+        EXPECT_TRUE(std::is_sorted(batch.begin(), batch.end()));
+        // Members of a batch are consecutive arrivals: compare as sets with the next arrivals.
+        std::vector<int> expected(
+            sources.begin() + static_cast<std::ptrdiff_t>(covered.size()),
+            sources.begin() + static_cast<std::ptrdiff_t>(covered.size() + batch.size()));
+        std::sort(expected.begin(), expected.end());
+        EXPECT_EQ(batch, expected) << "tp=" << tp << " rank=" << rank;
+        covered.insert(covered.end(), batch.begin(), batch.end());
+      }
+      EXPECT_EQ(covered.size(), sources.size());
+      if (tp > 1) EXPECT_EQ(batches.front(), std::vector<int>{sources.front()});
     }
   }
 }
