@@ -6,7 +6,6 @@
 #include <map>
 #include <tuple>
 #include <vector>
-#include <cstdlib>
 
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
@@ -19,9 +18,7 @@ namespace {
 // cuBLASLt's recommended workspace for Hopper.
 constexpr std::size_t kWorkspaceBytes = 32u << 20;
 // Heuristic candidates timed by prepare(), and timed runs of each.
-constexpr int kCandidates = 32;
-// EXPERIMENT (to be removed after measuring): candidates actually requested.
-const int kRequested = std::getenv("MESHLA_EXPERIMENT_CANDIDATES") ? std::atoi(std::getenv("MESHLA_EXPERIMENT_CANDIDATES")) : 8;
+constexpr int kCandidates = 8;
 constexpr int kTuneRepeats = 5;
 
 // Two timing events, destroyed with the scope.
@@ -236,7 +233,7 @@ class Descriptors {
     int found = 0;
     MESHLA_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(
         handle, desc_.get(), layout_b_.get(), layout_a_.get(), layout_d_.get(), layout_d_.get(),
-        preference_.get(), kRequested, results.data(), &found));
+        preference_.get(), kCandidates, results.data(), &found));
     const MatmulShape& s = resolved.shape;
     if (found == 0) {
       MESHLA_THROW(kNotImplemented, "matmul: cuBLASLt has no algorithm for "
