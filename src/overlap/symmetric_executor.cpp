@@ -11,7 +11,6 @@
 //   reduced[round][q]  q's summed sub-block of `round` has landed here (all-reduce)
 // A flag goes 0 -> 1 -> 0 once per execution, and its next set always follows its clearing in
 // stream order, so repeated executions and CUDA-graph replays never see a stale value.
-#include <cstdlib>
 #include <vector>
 
 #include "comm/peer_memory.hpp"
@@ -230,8 +229,7 @@ class SymmetricExecutor final : public Executor {
       // peer after another (measured, M=8192 tp=4: 1.64 against 1.70 ms per call). Safe to
       // write: every peer's product of this round has arrived, so each peer has started this
       // execution and has finished reading its results of the last.
-      const bool sum_into_peers =
-          all_reduce && (round == rounds_ - 1 || std::getenv("MESHLA_EXPERIMENT_SUM_ALL_ROUNDS"));
+      const bool sum_into_peers = all_reduce && round == rounds_ - 1;
       if (sum_into_peers) {
         for (int peer : peers_) sum_targets.push_back(result_in(peer));
       }
