@@ -60,16 +60,15 @@ std::string symmetric_unsupported(const CollectiveMatmulConfig& c, int tp) {
 
 int default_rounds(CollectiveOp op, int tp, std::int64_t m) {
   // A reduce-scatter's last sum waits for every rank's last product, whatever the rounds. An
-  // all-reduce ends with pushing its last summed sub-block to every peer, so more rounds shorten
-  // that tail, as long as each GEMM keeps enough rows to fill the GPU (512 rows: one full wave
-  // of 256x128 tiles at n=8192 on 132 SMs).
+  // all-reduce ends with storing its last summed sub-block into every peer, so a second round
+  // shortens that tail, as long as each GEMM keeps at least 512 rows (a full wave of 256x128
+  // tiles at n=8192 on 132 SMs). More rounds lost to their smaller GEMMs and their extra
+  // pushes: 4x H200, same run, 2 rounds against 4 took 1.22 against 1.28x the GEMM alone at
+  // M=8192 tp=4 and 1.05 against 1.10 at M=8192 tp=2 (equal at M=16384 tp=4).
   if (op != CollectiveOp::kMatmulAllReduce) return 1;
   constexpr std::int64_t kMinRows = 512;
   const std::int64_t rows = m / tp;
-  for (int rounds : {4, 2}) {
-    if (rows % rounds == 0 && rows / rounds >= kMinRows) return rounds;
-  }
-  return 1;
+  return rows % 2 == 0 && rows / 2 >= kMinRows ? 2 : 1;
 }
 
 }  // namespace meshla::overlap

@@ -144,10 +144,10 @@ TEST(PeerPlan, AutoPicksSymmetricOnlyWithPeerAccessAndASupportedConfig) {
   EXPECT_EQ(resolve_config(sequential, 4, /*peer_access=*/true).backend, Backend::kNccl);
 }
 
-TEST(PeerPlan, AllReduceRoundsKeepEachGemmAtLeast512Rows) {
-  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 4, 8192), 4);
+TEST(PeerPlan, AllReduceTakesTwoRoundsOfAtLeast512Rows) {
+  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 4, 8192), 2);
   EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 4, 4096), 2);
-  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 2, 4096), 4);
+  EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 2, 16384), 2);
   EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 4, 2048), 1);
   EXPECT_EQ(default_rounds(CollectiveOp::kMatmulAllReduce, 4, 4100), 1);  // 1025 rows per rank
   EXPECT_EQ(default_rounds(CollectiveOp::kMatmulReduceScatter, 4, 8192), 1);
