@@ -48,14 +48,15 @@ def traced(fn, calls: int, path: str) -> list[dict]:
     prof.export_chrome_trace(path)
     with open(path) as f:
         trace = json.load(f)
-    return sorted((e for e in trace["traceEvents"]
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+    gpu = ("kernel", "gpu_memcpy", "gpu_memset")
+    return sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in gpu),
                   key=lambda e: e["ts"])
 
 
 def gemm_kernels(events: list[dict]) -> list[dict]:
     """The GEMMs, on whichever streams they ran; where two overlap, `wait` goes negative."""
-    return [e for e in events if e["cat"] == "kernel" and not any(s in e["name"] for s in NOT_GEMMS)]
+    return [e for e in events
+            if e["cat"] == "kernel" and not any(s in e["name"] for s in NOT_GEMMS)]
 
 
 def call_stats(events: list[dict], calls: int) -> dict:
@@ -64,7 +65,10 @@ def call_stats(events: list[dict], calls: int) -> dict:
     split = [gemms[i * per_call:(i + 1) * per_call] for i in range(calls)]
     # The first call starts from idle GPUs; the steady state is the rest.
     steady = range(1, calls)
-    waits = [[c[j]["ts"] - (c[j - 1]["ts"] + c[j - 1]["dur"]) for j in range(1, per_call)] for c in split]
+    def end(e):
+        return e["ts"] + e["dur"]
+
+    waits = [[c[j]["ts"] - end(c[j - 1]) for j in range(1, per_call)] for c in split]
     copies = [e for e in events if e["cat"] == "gpu_memcpy"]
     return {
         "gemms_per_call": per_call,
@@ -72,7 +76,7 @@ def call_stats(events: list[dict], calls: int) -> dict:
                                      for i in steady) / 1e3,
         "gemm_ms": statistics.mean(sum(e["dur"] for e in split[i]) for i in steady) / 1e3,
         "wait_ms": statistics.mean(sum(waits[i]) for i in steady) / 1e3,
-        "between_ms": statistics.mean(split[i][0]["ts"] - (split[i - 1][-1]["ts"] + split[i - 1][-1]["dur"])
+        "between_ms": statistics.mean(split[i][0]["ts"] - end(split[i - 1][-1])
                                       for i in steady) / 1e3,
         "gemm_us_by_position": [round(statistics.mean(split[i][j]["dur"] for i in steady), 1)
                                 for j in range(per_call)],
@@ -148,9 +152,11 @@ def main():
         host_us, gpu_ms = host_and_gpu(call, args.calls)
         stats = call_stats(traced(call, args.calls, f"{trace_dir}/{op}_{m}_rank{rank}.json"),
                            args.calls)
-        # The same GEMMs alone: meshla's tuned kernel on a one-GPU group, at the block height
-        # that the call multiplies.
-        rows = m // stats["gemms_per_call"]
+        # The same GEMMs alone: meshla's tuned kernel on a one-GPU group, one per block of
+        # rows that the call multiplies (all_gather_matmul batches some blocks, so count blocks,
+        # not kernels).
+        blocks = tp if op == "all_gather_matmul" else stats["gemms_per_call"]
+        rows = m // blocks
         block = randn(rows, k)
         alone = lambda: mt.all_gather_matmul(block, b, alone_group, backend="nccl",  # noqa: E731
                                              algorithm="sequential")
@@ -160,17 +166,19 @@ def main():
         torch_alone_ms = gemm_kernel_ms(lambda: torch.matmul(full_a, b, out=full_out), args.calls,
                                         f"{trace_dir}/torch_rank{rank}.json")
         stats.update(rank=rank, host_us=round(host_us, 1), gpu_ms=round(gpu_ms, 3),
-                     alone_ms=round(alone_ms * stats["gemms_per_call"], 3),
+                     alone_ms=round(alone_ms * blocks, 3),
                      torch_gemm_ms=round(torch_alone_ms, 3), alone_rows=rows)
         everyone = [None] * tp
         dist.all_gather_object(everyone, stats)
         if rank == 0:
             print(f"\n{op} M={m} tp={tp} backend={args.backend} chunks={chunks}: "
-                  f"{stats['gemms_per_call']} GEMMs of {rows} rows per call")
+                  f"{stats['gemms_per_call']} GEMM kernels, {blocks} blocks of {rows} rows "
+                  "per call")
             print("rank host_us gpu_ms period_ms gemm_ms wait_ms between_ms alone_ms torch_gemm_ms "
                   "copies/call copy_us")
             for s in everyone:
-                print(f"{s['rank']:4d} {s['host_us']:7.1f} {s['gpu_ms']:6.3f} {s['period_ms']:9.3f} "
+                print(f"{s['rank']:4d} {s['host_us']:7.1f} {s['gpu_ms']:6.3f} "
+                      f"{s['period_ms']:9.3f} "
                       f"{s['gemm_ms']:7.3f} {s['wait_ms']:7.3f} {s['between_ms']:10.3f} "
                       f"{s['alone_ms']:8.3f} {s['torch_gemm_ms']:13.3f} "
                       f"{s['copies_per_call']:11.1f} {s['copy_us_mean']}")
