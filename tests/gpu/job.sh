@@ -13,6 +13,11 @@ steps=${*:-suite bench}
 OUT=${OUT:-/tmp/meshla-job}
 mkdir -p "$OUT"
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } >"$OUT/machine.txt" 2>&1
+# A carried wheel (scripts/build_wheel.sh) must be of the commit being measured.
+if [ -f .whl/COMMIT ] && [ "$(cat .whl/COMMIT)" != "$commit" ]; then
+  echo "the carried wheel is of $(cat .whl/COMMIT), not $commit: rebuild it or leave .whl out"
+  exit 1
+fi
 tests/gpu/build.sh >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 for step in $steps; do
