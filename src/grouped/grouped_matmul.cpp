@@ -44,7 +44,15 @@ struct GroupedMatmul::Impl {
                                        << reported);
   }
 
+  // Whether `pass` runs on the CUTLASS kernels (bf16, fp16), or on the fp32 path / bias kernel.
+  static bool uses_cutlass(GroupedPass pass, DType dtype) {
+    return pass != GroupedPass::kBiasGrad &&
+           (dtype == DType::kBFloat16 || dtype == DType::kFloat16);
+  }
+
+  // CUTLASS's tables and kernel workspace for the pass; none where it does not use CUTLASS.
   CutlassWorkspace cutlass_workspace(GroupedPass pass, DType dtype, std::int64_t groups) const {
+    if (!uses_cutlass(pass, dtype)) return {};
     switch (pass) {
       case GroupedPass::kForward:
         return grouped::cutlass_forward_workspace(dtype, groups, device, sm_count);
@@ -63,14 +71,12 @@ struct GroupedMatmul::Impl {
     return {};
   }
 
-  std::size_t pass_bytes(GroupedPass pass, DType dtype, std::int64_t groups,
-                         std::int64_t out_features) const {
+  // The pass's part of the workspace: the bias gradient's fp32 sums, or `parts`.
+  static std::size_t pass_bytes(GroupedPass pass, std::int64_t groups, std::int64_t out_features,
+                                const CutlassWorkspace& parts) {
     if (pass == GroupedPass::kBiasGrad) {
       return sizeof(float) * static_cast<std::size_t>(groups * out_features);
     }
-    // fp32 needs no tables; other dtypes are refused by run()'s checks.
-    if (dtype != DType::kBFloat16 && dtype != DType::kFloat16) return 0;
-    const CutlassWorkspace parts = cutlass_workspace(pass, dtype, groups);
     return detail::align_up(parts.tables) + parts.kernel;
   }
 };
@@ -95,8 +101,9 @@ std::size_t GroupedMatmul::workspace_bytes(GroupedPass pass, DType dtype, std::i
                                            std::int64_t out_features) const {
   MESHLA_CHECK_ARG(num_groups >= 1,
                    "grouped_linear: num_groups=" << num_groups << " must be at least 1");
+  const CutlassWorkspace parts = impl_->cutlass_workspace(pass, dtype, num_groups);
   return grouped::workspace_layout(num_groups,
-                                   impl_->pass_bytes(pass, dtype, num_groups, out_features))
+                                   Impl::pass_bytes(pass, num_groups, out_features, parts))
       .total;
 }
 
@@ -112,9 +119,12 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                    "grouped_linear " << grouped_pass_name(pass)
                                      << ": tensors are on cuda:" << args.m_splits.device
                                      << " but this GroupedMatmul is for cuda:" << impl_->device);
-  const std::size_t pass_bytes =
-      impl_->pass_bytes(pass, shape.dtype, shape.groups, shape.out_features);
-  const grouped::WorkspaceLayout layout = grouped::workspace_layout(shape.groups, pass_bytes);
+  // The CUTLASS passes (bf16, fp16) build the index, poison a failed call's output and zero empty
+  // groups' weight gradients in their table kernel; the others launch each.
+  const bool cutlass_pass = Impl::uses_cutlass(pass, shape.dtype);
+  const CutlassWorkspace parts = impl_->cutlass_workspace(pass, shape.dtype, shape.groups);
+  const grouped::WorkspaceLayout layout = grouped::workspace_layout(
+      shape.groups, Impl::pass_bytes(pass, shape.groups, shape.out_features, parts));
   const TensorView& ws = args.workspace;
   MESHLA_CHECK_ARG(ws.ndim >= 1 && ws.device_kind == DeviceKind::kCuda &&
                        ws.device == impl_->device && ws.is_row_major_contiguous() &&
@@ -132,9 +142,6 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                                   reinterpret_cast<std::int64_t*>(base + layout.offsets),
                                   reinterpret_cast<std::int32_t*>(base + layout.invalid),
                                   shape.groups, shape.rows};
-  // The CUTLASS passes (bf16, fp16) build the index, poison a failed call's output and zero empty
-  // groups' weight gradients in their table kernel; the others launch each.
-  const bool cutlass_pass = pass != GroupedPass::kBiasGrad && shape.dtype != DType::kFloat32;
   if (!cutlass_pass) grouped::launch_group_index(index, impl_->status, stream);
 
   if (pass == GroupedPass::kBiasGrad) {
@@ -180,7 +187,6 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
     }
     grouped::launch_poison_if_invalid(index.invalid, out_span, stream);
   } else {
-    const CutlassWorkspace parts = impl_->cutlass_workspace(pass, shape.dtype, shape.groups);
     char* tables = base + layout.pass;
     const grouped::CutlassCall call{index,
                                     impl_->status,
