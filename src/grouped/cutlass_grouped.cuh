@@ -1,6 +1,7 @@
 // One CUTLASS Hopper grouped GEMM per (pass, dtype): the kernel type, the per-group tables it reads
 // (problem sizes, operand pointers, strides), the kernel that fills them from the group index on
-// the device, and the launch. Included only by the cutlass_grouped_*.cu translation units.
+// the device, and the launch. Included by the cutlass_grouped_*.cu translation units and by
+// overlap/gathered_gemm.cu, whose all-gather GEMM is this kernel with its own problem shape.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -69,7 +70,10 @@ struct PassLayouts<GroupedPass::kWgrad> {
   using B = cutlass::layout::RowMajor;
 };
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1>
+// `Problem` is CUTLASS's grouped problem shape, or a type derived from it that selects another
+// tile scheduler (overlap/gathered_gemm.cu).
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1,
+          class Problem = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -92,7 +96,7 @@ struct GroupedGemm {
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using ProblemShape = Problem;
 
   using BiasEvt = cutlass::epilogue::fusion::Sm90EVT<
       cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float,
@@ -176,7 +180,9 @@ struct GroupedGemm {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     // No host copy of the sizes: they exist only on the device.
-    args.problem_shape = {static_cast<int>(groups), tables.shapes, nullptr};
+    args.problem_shape.num_groups = static_cast<int>(groups);
+    args.problem_shape.problem_shapes = tables.shapes;
+    args.problem_shape.host_problem_shapes = nullptr;
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
                               ? nullptr
