@@ -1,7 +1,6 @@
 // One CUTLASS Hopper grouped GEMM per (pass, dtype): the kernel type, the per-group tables it reads
 // (problem sizes, operand pointers, strides), the kernel that fills them from the group index on
-// the device, and the launch. Included by the cutlass_grouped_*.cu translation units and by
-// overlap/gathered_gemm.cu, whose all-gather GEMM is this kernel with its own problem shape.
+// the device, and the launch. Included only by the cutlass_grouped_*.cu translation units.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -70,10 +69,7 @@ struct PassLayouts<GroupedPass::kWgrad> {
   using B = cutlass::layout::RowMajor;
 };
 
-// `Problem` is CUTLASS's grouped problem shape, or a type derived from it that selects another
-// tile scheduler (overlap/gathered_gemm.cu).
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1,
-          class Problem = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -96,7 +92,7 @@ struct GroupedGemm {
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
-  using ProblemShape = Problem;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
 
   using BiasEvt = cutlass::epilogue::fusion::Sm90EVT<
       cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float,
@@ -180,9 +176,7 @@ struct GroupedGemm {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     // No host copy of the sizes: they exist only on the device.
-    args.problem_shape.num_groups = static_cast<int>(groups);
-    args.problem_shape.problem_shapes = tables.shapes;
-    args.problem_shape.host_problem_shapes = nullptr;
+    args.problem_shape = {static_cast<int>(groups), tables.shapes, nullptr};
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
                               ? nullptr

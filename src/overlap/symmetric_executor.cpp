@@ -11,9 +11,6 @@
 //   reduced[round][q]  q's summed sub-block of `round` has landed here (all-reduce)
 // A flag goes 0 -> 1 -> 0 once per execution, and its next set always follows its clearing in
 // stream order, so repeated executions and CUDA-graph replays never see a stale value.
-#include <cstdlib>
-#include <optional>
-#include <string_view>
 #include <vector>
 
 #include "comm/peer_memory.hpp"
@@ -21,7 +18,6 @@
 #include "core/cuda_checks.hpp"
 #include "meshla/matmul.hpp"
 #include "overlap/executor.hpp"
-#include "overlap/gathered_gemm.hpp"
 #include "overlap/peer_plan.hpp"
 #include "overlap/sum_slots.hpp"
 
@@ -41,8 +37,6 @@ class SymmetricExecutor final : public Executor {
         peers_(ring_peers(tp_, rank_)),
         batches_(config.op == CollectiveOp::kAllGatherMatmul ? arrival_batches(tp_, rank_)
                                                              : std::vector<std::vector<int>>{}),
-        arrivals_(arrival_order(tp_, rank_)),
-        timeout_(comm.timeout()),
         matmul_(comm.device()),
         push_(comm.device(), 1, /*high_priority=*/true),
         collect_(comm.device(), 1, /*high_priority=*/true) {
@@ -70,22 +64,7 @@ class SymmetricExecutor final : public Executor {
     for (int round = 0; round < rounds_; ++round) reduced_ready_.emplace_back(device);
     for (std::size_t i = 0; i < batches_.size(); ++i) arrived_.emplace_back(device);
     prepare_gemms();
-    if (config.op == CollectiveOp::kAllGatherMatmul) {
-      const GatheredGemmShape gathered{.dtype = config.dtype,
-                                       .blocks = tp_,
-                                       .block_rows = m / tp_,
-                                       .n = config.n,
-                                       .k = config.k,
-                                       .trans_b = config.trans_b,
-                                       .device = device,
-                                       .sm_count = gemm_sms_};
-      // Experiment switch (bench/NOTES.md 36): MESHLA_GATHERED_GEMM=0 keeps the GEMM per batch.
-      const char* choice = std::getenv("MESHLA_GATHERED_GEMM");
-      const bool wanted = choice == nullptr || std::string_view(choice) != "0";
-      if (wanted && *gathered_gemm_unsupported(gathered) == '\0') gathered_gemm_.emplace(gathered);
-    } else {
-      load_sum_slots(config.dtype);
-    }
+    if (config.op != CollectiveOp::kAllGatherMatmul) load_sum_slots(config.dtype);
     // Last: the exchange is the ranks' final meeting before their first execution, and nothing
     // after it may free device memory (see PeerBuffer).
     buffer_ =
@@ -193,10 +172,6 @@ class SymmetricExecutor final : public Executor {
       MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + rank_ * block_bytes, own, block_bytes,
                                         cudaMemcpyDeviceToDevice, collect_[0]));
     }
-    if (gathered_gemm_ && gathered_gemm_accepts(args)) {
-      gathered_matmul(args, stream);
-      return;
-    }
     gemm(args, shape(block, config_.bias), own, out + rank_ * out_block_bytes, stream);
     for (std::size_t i = 0; i < batches_.size(); ++i) {
       const std::vector<int>& sources = batches_[i];
@@ -212,46 +187,6 @@ class SymmetricExecutor final : public Executor {
                                           cudaMemcpyDeviceToDevice, collect_[0]));
       }
     }
-  }
-
-  // TMA reads and writes 16-byte aligned rows from 16-byte aligned starts; a caller's view at an
-  // odd offset takes the GEMMs per batch instead.
-  bool gathered_gemm_accepts(const CollectiveMatmulArgs& args) const {
-    const auto aligned = [](const void* p) {
-      return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
-    };
-    return aligned(args.a.data) && aligned(args.b.data) && aligned(args.out.data) &&
-           (!config_.bias || aligned(args.bias.data));
-  }
-
-  // The all-gather's GEMM in one launch (GatheredGemm): the own block's tiles first, then each
-  // received block's, in arrival order, each waiting on the device for the block's flag. The
-  // flags are cleared after the kernel, and after the copies into `gathered`, which wait for the
-  // same flags.
-  void gathered_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
-    const std::int64_t block = config_.m / tp_;
-    const std::int64_t block_bytes = block * config_.k * element_;
-    const std::int64_t out_block_bytes = block * config_.n * element_;
-    char* out = static_cast<char*>(args.out.data);
-    char* gathered = static_cast<char*>(args.gathered.data);
-    GatheredBlock blocks[kMaxGatheredBlocks];
-    blocks[0] = {.a = args.a.data, .d = out + rank_ * out_block_bytes, .landed = nullptr};
-    for (std::size_t i = 0; i < arrivals_.size(); ++i) {
-      const int source = arrivals_[i];
-      blocks[i + 1] = {.a = buffer_.local() + source * block_bytes,
-                       .d = out + source * out_block_bytes,
-                       .landed = flag(rank_, Flag::kArrived, 0, source)};
-      if (gathered == nullptr) continue;
-      detail::wait_flag(collect_[0], flag(rank_, Flag::kArrived, 0, source), 1);
-      MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes,
-                                        buffer_.local() + source * block_bytes, block_bytes,
-                                        cudaMemcpyDeviceToDevice, collect_[0]));
-    }
-    gathered_gemm_->run(blocks, args.b.data, config_.bias ? args.bias.data : nullptr, timeout_,
-                        stream);
-    if (gathered != nullptr) collect_.join(stream);
-    for (int source : arrivals_)
-      detail::write_flag(stream, flag(rank_, Flag::kArrived, 0, source), 0);
   }
 
   void reduce_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
@@ -333,8 +268,6 @@ class SymmetricExecutor final : public Executor {
   std::int64_t element_;
   std::vector<int> peers_;  // ring order; push_[0] carries everything sent to peers_[j]
   std::vector<std::vector<int>> batches_;  // all_gather_matmul: arrival_batches
-  std::vector<int> arrivals_;              // arrival_order
-  std::chrono::milliseconds timeout_;
   Matmul matmul_;
   // One stream carries every push, in ring order: a GPU's copy engine runs its pushes one after
   // another anyway (measured), and from several streams it took them in any order, so a rank
@@ -350,7 +283,6 @@ class SymmetricExecutor final : public Executor {
   std::int64_t results_offset_ = 0;
   std::int64_t flags_offset_ = 0;
   int gemm_sms_ = 0;
-  std::optional<GatheredGemm> gathered_gemm_;  // all_gather_matmul in one launch, where it runs
 };
 
 }  // namespace
