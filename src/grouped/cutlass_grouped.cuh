@@ -20,6 +20,7 @@
 
 #include "core/alignment.hpp"
 #include "core/cuda_checks.hpp"
+#include "grouped/claiming_scheduler.cuh"
 #include "grouped/cutlass_grouped.hpp"
 #include "grouped/grouped_device.cuh"
 
@@ -92,7 +93,11 @@ struct GroupedGemm {
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  // The weight gradient's tiles are claimed (claiming_scheduler.cuh); forward and dgrad tiles
+  // all cost the same, and CUTLASS's static deal suits them.
+  using ProblemShape =
+      std::conditional_t<pass == GroupedPass::kWgrad, ClaimedProblemShape,
+                         cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>;
 
   using BiasEvt = cutlass::epilogue::fusion::Sm90EVT<
       cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float,
@@ -140,13 +145,15 @@ struct GroupedGemm {
     StrideB* stride_b;
     StrideC* stride_c;
     StrideD* stride_d;
+    std::uint32_t* claimed;  // the weight gradient's claim counter
   };
 
   static std::size_t tables_bytes(std::int64_t groups) {
     const auto n = static_cast<std::size_t>(groups);
     return detail::align_up(n * sizeof(Shape)) + 5 * detail::align_up(n * sizeof(void*)) +
            detail::align_up(n * sizeof(StrideA)) + detail::align_up(n * sizeof(StrideB)) +
-           detail::align_up(n * sizeof(StrideC)) + detail::align_up(n * sizeof(StrideD));
+           detail::align_up(n * sizeof(StrideC)) + detail::align_up(n * sizeof(StrideD)) +
+           detail::align_up(sizeof(std::uint32_t));
   }
 
   static Tables carve(void* base, std::int64_t groups) {
@@ -168,6 +175,7 @@ struct GroupedGemm {
     tables.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
     tables.stride_c = reinterpret_cast<StrideC*>(take(n * sizeof(StrideC)));
     tables.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
+    tables.claimed = reinterpret_cast<std::uint32_t*>(take(sizeof(std::uint32_t)));
     return tables;
   }
 
@@ -176,7 +184,10 @@ struct GroupedGemm {
     typename Gemm::Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     // No host copy of the sizes: they exist only on the device.
-    args.problem_shape = {static_cast<int>(groups), tables.shapes, nullptr};
+    args.problem_shape.num_groups = static_cast<int>(groups);
+    args.problem_shape.problem_shapes = tables.shapes;
+    args.problem_shape.host_problem_shapes = nullptr;
+    if constexpr (pass == GroupedPass::kWgrad) args.problem_shape.claimed = tables.claimed;
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
                               ? nullptr
@@ -210,9 +221,11 @@ __device__ Stride leading_stride(std::int64_t leading) {
   return stride;
 }
 
+// Group g's entries, at position `slot` of the tables (the order in which the GEMM takes the
+// groups' tiles).
 template <class G, GroupedPass pass>
-__device__ void fill_group(std::int64_t g, const GroupIndex& index, const GroupedOperands& op,
-                           const typename G::Tables& tables) {
+__device__ void fill_group(std::int64_t g, std::int64_t slot, const GroupIndex& index,
+                           const GroupedOperands& op, const typename G::Tables& tables) {
   using Element = typename G::Element;
   const std::int64_t first = index.offsets[g];
   const int rows = static_cast<int>(index.offsets[g + 1] - first);
@@ -222,37 +235,54 @@ __device__ void fill_group(std::int64_t g, const GroupIndex& index, const Groupe
   const auto* dy = static_cast<const Element*>(op.dy);
   const auto* weight = static_cast<const Element*>(op.weight) + g * op.weight_group_stride;
   if constexpr (pass == GroupedPass::kForward) {
-    tables.shapes[g] = {rows, out, in};
-    tables.a[g] = x + first * in;
-    tables.b[g] = weight;
-    tables.d[g] = static_cast<Element*>(op.out) + first * out;
-    tables.bias[g] =
+    tables.shapes[slot] = {rows, out, in};
+    tables.a[slot] = x + first * in;
+    tables.b[slot] = weight;
+    tables.d[slot] = static_cast<Element*>(op.out) + first * out;
+    tables.bias[slot] =
         op.bias ? static_cast<const Element*>(op.bias) + g * op.bias_group_stride : nullptr;
-    tables.stride_a[g] = leading_stride<typename G::StrideA>(in);
-    tables.stride_b[g] = leading_stride<typename G::StrideB>(in);
-    tables.stride_d[g] = leading_stride<typename G::StrideD>(out);
+    tables.stride_a[slot] = leading_stride<typename G::StrideA>(in);
+    tables.stride_b[slot] = leading_stride<typename G::StrideB>(in);
+    tables.stride_d[slot] = leading_stride<typename G::StrideD>(out);
   } else if constexpr (pass == GroupedPass::kDgrad) {
-    tables.shapes[g] = {rows, in, out};
-    tables.a[g] = dy + first * out;
-    tables.b[g] = weight;
-    tables.d[g] = static_cast<Element*>(op.out) + first * in;
-    tables.stride_a[g] = leading_stride<typename G::StrideA>(out);
-    tables.stride_b[g] = leading_stride<typename G::StrideB>(in);
-    tables.stride_d[g] = leading_stride<typename G::StrideD>(in);
+    tables.shapes[slot] = {rows, in, out};
+    tables.a[slot] = dy + first * out;
+    tables.b[slot] = weight;
+    tables.d[slot] = static_cast<Element*>(op.out) + first * in;
+    tables.stride_a[slot] = leading_stride<typename G::StrideA>(out);
+    tables.stride_b[slot] = leading_stride<typename G::StrideB>(in);
+    tables.stride_d[slot] = leading_stride<typename G::StrideD>(in);
   } else {
     // A group without rows has nothing to contract; it gets no tiles (M = 0) and its dW_g is
     // zeroed, or left alone when accumulating, outside the GEMM.
-    tables.shapes[g] = {rows == 0 ? 0 : out, in, rows};
-    tables.a[g] = dy + first * out;
-    tables.b[g] = x + first * in;
+    tables.shapes[slot] = {rows == 0 ? 0 : out, in, rows};
+    tables.a[slot] = dy + first * out;
+    tables.b[slot] = x + first * in;
     auto* d = static_cast<typename G::ElementD*>(op.out) + g * op.out_group_stride;
-    tables.d[g] = d;
-    tables.c[g] = reinterpret_cast<const typename G::StoredC*>(d);
-    tables.stride_a[g] = leading_stride<typename G::StrideA>(out);
-    tables.stride_b[g] = leading_stride<typename G::StrideB>(in);
-    tables.stride_c[g] = leading_stride<typename G::StrideC>(in);
-    tables.stride_d[g] = leading_stride<typename G::StrideD>(in);
+    tables.d[slot] = d;
+    tables.c[slot] = reinterpret_cast<const typename G::StoredC*>(d);
+    tables.stride_a[slot] = leading_stride<typename G::StrideA>(out);
+    tables.stride_b[slot] = leading_stride<typename G::StrideB>(in);
+    tables.stride_c[slot] = leading_stride<typename G::StrideC>(in);
+    tables.stride_d[slot] = leading_stride<typename G::StrideD>(in);
   }
+}
+
+// The weight gradient's tiles cost in proportion to their group's rows, and the GEMM's CTAs claim
+// them in table order (claiming_scheduler.cuh): largest groups first, ties in group order, so
+// that the small tiles even out the CTAs' loads at the end. Counting the larger groups costs
+// groups² steps in one block; past kSortedGroups the groups keep their order.
+constexpr std::int64_t kSortedGroups = 512;
+
+__device__ inline std::int64_t claim_order(const GroupIndex& index, std::int64_t g) {
+  if (index.groups > kSortedGroups) return g;
+  const std::int64_t rows = index.offsets[g + 1] - index.offsets[g];
+  std::int64_t before = 0;
+  for (std::int64_t h = 0; h < index.groups; ++h) {
+    const std::int64_t other = index.offsets[h + 1] - index.offsets[h];
+    before += other > rows || (other == rows && h < g);
+  }
+  return before;
 }
 
 // Everything a call does before its GEMM, in one launch. Block 0 builds the group index, then
@@ -268,8 +298,10 @@ __global__ void __launch_bounds__(kIndexThreads)
   if (blockIdx.x == 0 && blockIdx.y == 0) {
     build_group_index(index, status);
     for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
-      fill_group<G, pass>(g, index, op, tables);
+      const std::int64_t slot = pass == GroupedPass::kWgrad ? claim_order(index, g) : g;
+      fill_group<G, pass>(g, slot, index, op, tables);
     }
+    if (pass == GroupedPass::kWgrad && threadIdx.x == 0) *tables.claimed = 0;
     if (*index.invalid != 0) {
       for (std::int64_t g = 0; g < out.groups; ++g) {
         fill_elements(out, g, Fill::kNaN, threadIdx.x, blockDim.x);

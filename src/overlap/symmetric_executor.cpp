@@ -64,7 +64,10 @@ class SymmetricExecutor final : public Executor {
     for (int round = 0; round < rounds_; ++round) reduced_ready_.emplace_back(device);
     for (std::size_t i = 0; i < batches_.size(); ++i) arrived_.emplace_back(device);
     prepare_gemms();
-    if (config.op != CollectiveOp::kAllGatherMatmul) load_sum_slots(config.dtype);
+    if (config.op != CollectiveOp::kAllGatherMatmul) {
+      load_sum_slots(config.dtype);
+      sum_targets_.reserve(static_cast<std::size_t>(tp_));  // no allocation per call
+    }
     // Last: the exchange is the ranks' final meeting before their first execution, and nothing
     // after it may free device memory (see PeerBuffer).
     buffer_ =
@@ -220,7 +223,7 @@ class SymmetricExecutor final : public Executor {
       for (int peer : peers_) consume(stream, flag(rank_, Flag::kArrived, round, peer));
       // A reduce-scatter's output holds only this rank's rows; an all-reduce's holds all.
       char* summed = out + (all_reduce ? row_of(rank_, round) : round * sub_rows_) * row_bytes;
-      std::vector<void*> sum_targets{summed};
+      sum_targets_.assign(1, summed);
       const auto result_in = [&](int peer) {
         return buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes;
       };
@@ -231,10 +234,10 @@ class SymmetricExecutor final : public Executor {
       // execution and has finished reading its results of the last.
       const bool sum_into_peers = all_reduce && round == rounds_ - 1;
       if (sum_into_peers) {
-        for (int peer : peers_) sum_targets.push_back(result_in(peer));
+        for (int peer : peers_) sum_targets_.push_back(result_in(peer));
       }
       sum_slots(config_.dtype, inbox(rank_, round, 0), sub_count, tp_, sub_count,
-                sum_targets.data(), static_cast<int>(sum_targets.size()), stream);
+                sum_targets_.data(), static_cast<int>(sum_targets_.size()), stream);
       if (!all_reduce) continue;
       if (sum_into_peers) {
         // The flag's write follows the kernel's stores on this stream, with a memory barrier.
@@ -279,6 +282,7 @@ class SymmetricExecutor final : public Executor {
   std::vector<detail::Event> product_ready_;
   std::vector<detail::Event> reduced_ready_;
   std::vector<detail::Event> arrived_;  // all_gather_matmul: batches_[i] has arrived
+  std::vector<void*> sum_targets_;      // a round's sum: this rank's output, and the peers' (tp)
   std::int64_t sub_rows_ = 0;
   std::int64_t results_offset_ = 0;
   std::int64_t flags_offset_ = 0;

@@ -52,6 +52,21 @@ def _engine(index: int) -> _meshla.GroupedMatmul:
     return engine
 
 
+# Workspace bytes per (device index, pass, dtype name, groups, out_features): sizing CUTLASS's
+# workspace is host work that every call would otherwise repeat.
+_workspace_sizes: dict[tuple, int] = {}
+
+
+def _workspace_bytes(index: int, grouped_pass, dtype_name: str, groups: int,
+                     out_features: int) -> int:
+    key = (index, grouped_pass, dtype_name, groups, out_features)
+    size = _workspace_sizes.get(key)
+    if size is None:
+        size = _workspace_sizes[key] = _engine(index).workspace_bytes(
+            grouped_pass, dtype_name, groups, out_features)
+    return size
+
+
 @torch.compiler.assume_constant_result
 def packed_group_stride(out_features: int, in_features: int, dtype: torch.dtype) -> int:
     """Elements between the groups of a packed ``[G, out, in]`` buffer whose groups each start
@@ -88,14 +103,13 @@ def _run(grouped_pass, m_splits, lead, out_features, accumulate=False, **tensors
     on the host, so it keeps to the fastest accessors: the device's index and the raw stream
     (``torch.cuda.current_stream(device)`` alone took 3 us)."""
     index = lead.get_device()
-    engine = _engine(index)
-    size = engine.workspace_bytes(grouped_pass, _dtype_name(lead.dtype), m_splits.shape[0],
-                                  out_features)
+    size = _workspace_bytes(index, grouped_pass, _dtype_name(lead.dtype), m_splits.shape[0],
+                            out_features)
     # int64 words: DLPack hands the extension no uint8, and the size is counted in bytes.
     workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
     stream = torch._C._cuda_getCurrentRawStream(index)
-    engine.run(grouped_pass, _capsule(m_splits), _capsule(workspace), stream,
-               accumulate=accumulate, **{name: _capsule(t) for name, t in tensors.items()})
+    _engine(index).run(grouped_pass, _capsule(m_splits), _capsule(workspace), stream,
+                       accumulate=accumulate, **{name: _capsule(t) for name, t in tensors.items()})
 
 
 # The ops are defined on a torch.library.Library rather than with torch.library.custom_op, whose
