@@ -89,6 +89,16 @@ __device__ inline void build_group_index(const GroupIndex& index, DeviceStatus* 
   __syncthreads();
 }
 
+// This thread's index along x of the grid, and the threads along x: a grid-stride loop's start and
+// step.
+__device__ inline std::int64_t grid_thread() {
+  return blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+}
+
+__device__ inline std::int64_t grid_threads() {
+  return static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+}
+
 enum class Fill { kZero, kNaN };
 
 // Writes `value` over group `group` of `span`: the calling threads take elements first,
@@ -118,9 +128,7 @@ __device__ inline void clear_if_empty(const GroupIndex& index, const GroupedSpan
   const std::int64_t g = blockIdx.y;
   if (index.m_splits[g] != 0) return;  // the same for the whole block
   const bool valid = check_splits(index).valid(index.rows);
-  fill_elements(span, g, valid ? Fill::kZero : Fill::kNaN,
-                blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x,
-                static_cast<std::int64_t>(gridDim.x) * blockDim.x);
+  fill_elements(span, g, valid ? Fill::kZero : Fill::kNaN, grid_thread(), grid_threads());
 }
 
 }  // namespace meshla::grouped

@@ -17,12 +17,6 @@ __global__ void __launch_bounds__(kIndexThreads)
   build_group_index(index, status);
 }
 
-__device__ std::int64_t grid_thread() {
-  return blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-}
-
-__device__ std::int64_t grid_threads() { return static_cast<std::int64_t>(gridDim.x) * blockDim.x; }
-
 __global__ void poison_kernel(const std::int32_t* invalid, GroupedSpan span) {
   if (*invalid == 0) return;
   fill_elements(span, blockIdx.y, Fill::kNaN, grid_thread(), grid_threads());

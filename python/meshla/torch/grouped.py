@@ -254,14 +254,19 @@ def _weight_grad(x, dy, m_splits, num_groups, dtype):
     return _packed(flat, num_groups, out_features, in_features, stride)
 
 
+def _forward_saving_inputs(ctx, x, m_splits, weight, bias):
+    """The forward op of both autograd Functions below, keeping what their backward needs."""
+    ctx.save_for_backward(x, m_splits, weight)
+    ctx.has_bias = bias is not None
+    return torch.ops.meshla.grouped_mm(x, m_splits, weight, bias)
+
+
 class _GroupedMatmulFunction(torch.autograd.Function):
     """Autograd of :func:`grouped_linear`."""
 
     @staticmethod
     def forward(ctx, x, m_splits, weight, bias):
-        ctx.save_for_backward(x, m_splits, weight)
-        ctx.has_bias = bias is not None
-        return torch.ops.meshla.grouped_mm(x, m_splits, weight, bias)
+        return _forward_saving_inputs(ctx, x, m_splits, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -298,10 +303,8 @@ class _DelayedWgrad:
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, m_splits, weight, bias, module, *parameters):
-        ctx.save_for_backward(x, m_splits, weight)
         ctx.module = module
-        ctx.has_bias = bias is not None
-        return torch.ops.meshla.grouped_mm(x, m_splits, weight, bias)
+        return _forward_saving_inputs(ctx, x, m_splits, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
