@@ -1,10 +1,14 @@
-// A tile scheduler for the weight gradient's CUTLASS kernel: CTAs claim tiles from a counter in
-// device memory as they free up, where CUTLASS's group scheduler deals tile i to CTA i mod grid.
-// The weight gradient's tiles are not equal: each one contracts its group's rows, so on a skewed
-// routing the static deal gave some CTAs several times the work of others (16 x 2048 skewed: the
-// slowest CTA's share modelled at 1.59x the mean, the pass measured 1.35x slower than on uniform
-// routing). Claimed in order of decreasing cost (fill_tables sorts the groups), the large tiles go
-// first and the small ones even out the end. Included by cutlass_grouped.cuh.
+// A tile scheduler for meshla's CUTLASS grouped kernels without clusters: CTAs claim tiles from a
+// counter in device memory as they free up, in an order the table kernel writes (TileOrder),
+// where CUTLASS's group scheduler deals tile i to CTA i mod grid in group order, M-tiles fastest.
+// - Claims: the weight gradient's tiles are not equal (each contracts its group's rows), so on a
+//   skewed routing the static deal gave some CTAs several times the work of others (16 x 2048
+//   skewed: the slowest CTA's share modelled at 1.59x the mean; experiment 38). Forward and dgrad
+//   tiles of small groups wait on their weight's HBM reads longer than large groups' tiles.
+// - Order: runs of M-tiles (segments) instead of whole groups, so that a large group's rows are
+//   read once per strip of one wave, not once per N-tile (experiment 39), and the weight
+//   gradient's largest groups go first so that the small ones even out the end.
+// Included by cutlass_grouped.cuh.
 #pragma once
 
 #include <cutlass/gemm/group_array_problem_shape.hpp>
@@ -15,29 +19,56 @@
 
 namespace meshla::grouped {
 
-// CUTLASS's grouped problem shape plus the claim counter. Being its own type, it selects
-// ClaimingScheduler (the TileSchedulerSelector specialization below).
-struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>> {
-  std::uint32_t* claimed = nullptr;  // tiles claimed after each CTA's first; zero at launch
+// Claim indices [first_tile, next segment's first_tile) of one group: M-tiles m_first ..
+// m_first + m_count - 1 of every N-tile, M-tiles fastest.
+struct TileSegment {
+  std::uint32_t first_tile;
+  std::int32_t group;
+  std::int32_t m_first;
+  std::int32_t m_count;
 };
 
-// CUTLASS's group scheduler with claimed tiles. Every warp of a CTA computes its first tile, tile
-// blockIdx, itself (the base's initial_work_tile_info); later tiles are claimed by the scheduler
-// warp, which hands them to the others through a shared-memory pipeline. It claims the next tile
-// only once the CTA has taken the one handed on before (every consumer released its slot), so a
-// CTA holds its running tile and one more, enough for the loads to run ahead, and leaves the rest
-// to whichever CTA frees first.
+// Written by the table kernel before each launch: segments[0, *count) in claim order, then one
+// whose first_tile is the total number of tiles; *claimed zero.
+struct TileOrder {
+  TileSegment* segments = nullptr;
+  std::uint32_t* count = nullptr;
+  std::uint32_t* claimed = nullptr;  // tiles claimed after each CTA's first
+};
+
+// CUTLASS's grouped problem shape plus the tile order. Being its own type, it selects
+// ClaimingScheduler (the TileSchedulerSelector specialization below).
+struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>> {
+  TileOrder order;
+};
+
+// CUTLASS's group scheduler with claimed, ordered tiles. Every warp of a CTA computes its first
+// tile, number `rank` of the order, itself; later tiles are claimed by the scheduler warp, which
+// hands them to the others through a shared-memory pipeline. It claims the next tile only once
+// the CTA has taken the one handed on before (every consumer released its slot), so a CTA holds
+// its running tile and one more, enough for the loads to run ahead, and leaves the rest to
+// whichever CTA frees first.
 template <int Stages>
 class ClaimingScheduler
     : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape,
                                                                              Stages> {
   using Base =
       cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape, Stages>;
+  using WorkTileInfo = typename Base::WorkTileInfo;
 
  public:
   CUTLASS_DEVICE ClaimingScheduler(typename Base::Params const& params,
                                    typename Base::SchedulerResponse* response)
-      : Base(params, response), grid_size_(std::uint64_t(gridDim.x) * gridDim.y * gridDim.z) {}
+      : Base(params, response),
+        order_(params.problem_shapes_.order),
+        grid_size_(gridDim.x * gridDim.y * gridDim.z),
+        count_(*order_.count),
+        total_(order_.segments[count_].first_tile) {}
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    return work_at(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+  }
 
   template <class Pipeline, class PipelineState>
   CUTLASS_DEVICE auto advance_to_next_work(Pipeline& pipeline, PipelineState state,
@@ -49,13 +80,10 @@ class ClaimingScheduler
       pipeline.producer_acquire(reuse);
     }
     std::uint32_t claim = 0;
-    if (cutlass::canonical_lane_idx() == 0) {
-      claim = atomicAdd(this->scheduler_params.problem_shapes_.claimed, 1u);
-    }
+    if (cutlass::canonical_lane_idx() == 0) claim = atomicAdd(order_.claimed, 1u);
     claim = __shfl_sync(0xffffffff, claim, 0);
-    // Indices below the grid size are the CTAs' first tiles; claims go on from there, increasing,
-    // as the base's group search needs.
-    const auto work = this->get_current_work_for_linear_idx(grid_size_ + claim);
+    // Indices below the grid size are the CTAs' first tiles; claims go on from there.
+    const WorkTileInfo work = work_at(grid_size_ + claim);
     pipeline.producer_acquire(state);
     if (cute::elect_one_sync()) {
       this->response_ptr_[state.index()] = work;
@@ -68,7 +96,32 @@ class ClaimingScheduler
   }
 
  private:
-  std::uint64_t grid_size_;
+  // The tile at claim index `tile`; called by whole warps. A warp's indices only grow, so the
+  // search for the segment goes on from the last one found, 32 segments a step.
+  CUTLASS_DEVICE WorkTileInfo work_at(std::uint32_t tile) {
+    if (tile >= total_) return WorkTileInfo::invalid_work_tile();
+    for (;;) {
+      // Lane i asks whether the segment i + 1 past the cursor starts at or before `tile`; those
+      // that do are a prefix of the lanes, since first_tile grows and the last segment's is the
+      // total.
+      const std::uint32_t next = segment_ + 1 + cutlass::canonical_lane_idx();
+      const bool passed = next <= count_ && order_.segments[next].first_tile <= tile;
+      const std::uint32_t lanes = __ballot_sync(0xffffffff, passed);
+      segment_ += __popc(lanes);
+      if (lanes != 0xffffffffu) break;
+    }
+    const TileSegment segment = order_.segments[segment_];
+    const std::uint32_t local = tile - segment.first_tile;
+    const auto m_count = static_cast<std::uint32_t>(segment.m_count);
+    return {segment.m_first + static_cast<std::int32_t>(local % m_count),
+            static_cast<std::int32_t>(local / m_count), segment.group, 1};
+  }
+
+  TileOrder order_;
+  std::uint32_t grid_size_;
+  std::uint32_t count_;
+  std::uint32_t total_;
+  std::uint32_t segment_ = 0;
   typename Base::PipelineState last_handed_{};
   bool handed_on_ = false;
 };

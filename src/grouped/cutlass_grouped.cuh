@@ -16,6 +16,8 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -70,6 +72,30 @@ struct PassLayouts<GroupedPass::kWgrad> {
   using B = cutlass::layout::RowMajor;
 };
 
+// The kernels' tile: 128 rows (M) by 256 columns (N) of the output.
+constexpr std::int64_t kTileM = 128;
+constexpr std::int64_t kTileN = 256;
+
+__host__ __device__ constexpr std::int64_t ceil_tiles(std::int64_t extent, std::int64_t tile) {
+  return (extent + tile - 1) / tile;
+}
+
+// Forward and dgrad cut each group's M-tiles into strips (write_tile_order); the strips widen
+// where needed to keep them within kStripBudget segments beyond one per group.
+constexpr std::int64_t kStripBudget = 4096;
+
+constexpr std::uint32_t segment_capacity(GroupedPass pass, std::int64_t groups) {
+  return static_cast<std::uint32_t>(groups + (pass == GroupedPass::kWgrad ? 0 : kStripBudget));
+}
+
+// How the table kernel orders a call's tiles, from the shapes the host knows.
+struct OrderPlan {
+  std::int32_t n_tiles;    // every group's N-tiles
+  std::int64_t strip;      // M-tiles per segment
+  std::uint32_t capacity;  // segment_capacity
+  bool interleave;         // experiment 39
+};
+
 template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
@@ -88,15 +114,17 @@ struct GroupedGemm {
   // 13% more tiles, more than the multicast bought (experiment 24), so they pair only when the
   // groups are large on average (run_clustered). The weight gradient (M = out_features) never
   // pairs: where its count is even, pairing measured within 1% (experiment 28).
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::Int<cluster_m>, cute::_1, cute::_1>;
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
-  // The weight gradient's tiles are claimed (claiming_scheduler.cuh); forward and dgrad tiles
-  // all cost the same, and CUTLASS's static deal suits them.
+  // Without a cluster the CTAs claim their tiles in the table kernel's order
+  // (claiming_scheduler.cuh); a cluster's CTAs share their loads, so they keep CUTLASS's static
+  // deal.
+  static constexpr bool kClaimed = cluster_m == 1;
   using ProblemShape =
-      std::conditional_t<pass == GroupedPass::kWgrad, ClaimedProblemShape,
+      std::conditional_t<kClaimed, ClaimedProblemShape,
                          cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>;
 
   using BiasEvt = cutlass::epilogue::fusion::Sm90EVT<
@@ -145,15 +173,23 @@ struct GroupedGemm {
     StrideB* stride_b;
     StrideC* stride_c;
     StrideD* stride_d;
-    std::uint32_t* claimed;  // the weight gradient's claim counter
+    TileSegment* segments;  // segment_capacity(pass, groups) + 1
+    TileSegment* scratch;   // 2 x segment_capacity(pass, groups), for the order's merge
+    std::uint32_t* count;
+    std::uint32_t* claimed;
   };
+
+  static std::size_t segments_bytes(std::int64_t groups) {
+    return (segment_capacity(pass, groups) + 1) * sizeof(TileSegment);
+  }
 
   static std::size_t tables_bytes(std::int64_t groups) {
     const auto n = static_cast<std::size_t>(groups);
     return detail::align_up(n * sizeof(Shape)) + 5 * detail::align_up(n * sizeof(void*)) +
            detail::align_up(n * sizeof(StrideA)) + detail::align_up(n * sizeof(StrideB)) +
            detail::align_up(n * sizeof(StrideC)) + detail::align_up(n * sizeof(StrideD)) +
-           detail::align_up(sizeof(std::uint32_t));
+           3 * detail::align_up(segments_bytes(groups)) +
+           2 * detail::align_up(sizeof(std::uint32_t));
   }
 
   static Tables carve(void* base, std::int64_t groups) {
@@ -175,6 +211,9 @@ struct GroupedGemm {
     tables.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
     tables.stride_c = reinterpret_cast<StrideC*>(take(n * sizeof(StrideC)));
     tables.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
+    tables.segments = reinterpret_cast<TileSegment*>(take(segments_bytes(groups)));
+    tables.scratch = reinterpret_cast<TileSegment*>(take(2 * segments_bytes(groups)));
+    tables.count = reinterpret_cast<std::uint32_t*>(take(sizeof(std::uint32_t)));
     tables.claimed = reinterpret_cast<std::uint32_t*>(take(sizeof(std::uint32_t)));
     return tables;
   }
@@ -187,7 +226,9 @@ struct GroupedGemm {
     args.problem_shape.num_groups = static_cast<int>(groups);
     args.problem_shape.problem_shapes = tables.shapes;
     args.problem_shape.host_problem_shapes = nullptr;
-    if constexpr (pass == GroupedPass::kWgrad) args.problem_shape.claimed = tables.claimed;
+    if constexpr (kClaimed) {
+      args.problem_shape.order = {tables.segments, tables.count, tables.claimed};
+    }
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
                               ? nullptr
@@ -221,11 +262,10 @@ __device__ Stride leading_stride(std::int64_t leading) {
   return stride;
 }
 
-// Group g's entries, at position `slot` of the tables (the order in which the GEMM takes the
-// groups' tiles).
+// Group g's entries of the tables.
 template <class G, GroupedPass pass>
-__device__ void fill_group(std::int64_t g, std::int64_t slot, const GroupIndex& index,
-                           const GroupedOperands& op, const typename G::Tables& tables) {
+__device__ void fill_group(std::int64_t g, const GroupIndex& index, const GroupedOperands& op,
+                           const typename G::Tables& tables) {
   using Element = typename G::Element;
   const std::int64_t first = index.offsets[g];
   const int rows = static_cast<int>(index.offsets[g + 1] - first);
@@ -235,47 +275,46 @@ __device__ void fill_group(std::int64_t g, std::int64_t slot, const GroupIndex& 
   const auto* dy = static_cast<const Element*>(op.dy);
   const auto* weight = static_cast<const Element*>(op.weight) + g * op.weight_group_stride;
   if constexpr (pass == GroupedPass::kForward) {
-    tables.shapes[slot] = {rows, out, in};
-    tables.a[slot] = x + first * in;
-    tables.b[slot] = weight;
-    tables.d[slot] = static_cast<Element*>(op.out) + first * out;
-    tables.bias[slot] =
+    tables.shapes[g] = {rows, out, in};
+    tables.a[g] = x + first * in;
+    tables.b[g] = weight;
+    tables.d[g] = static_cast<Element*>(op.out) + first * out;
+    tables.bias[g] =
         op.bias ? static_cast<const Element*>(op.bias) + g * op.bias_group_stride : nullptr;
-    tables.stride_a[slot] = leading_stride<typename G::StrideA>(in);
-    tables.stride_b[slot] = leading_stride<typename G::StrideB>(in);
-    tables.stride_d[slot] = leading_stride<typename G::StrideD>(out);
+    tables.stride_a[g] = leading_stride<typename G::StrideA>(in);
+    tables.stride_b[g] = leading_stride<typename G::StrideB>(in);
+    tables.stride_d[g] = leading_stride<typename G::StrideD>(out);
   } else if constexpr (pass == GroupedPass::kDgrad) {
-    tables.shapes[slot] = {rows, in, out};
-    tables.a[slot] = dy + first * out;
-    tables.b[slot] = weight;
-    tables.d[slot] = static_cast<Element*>(op.out) + first * in;
-    tables.stride_a[slot] = leading_stride<typename G::StrideA>(out);
-    tables.stride_b[slot] = leading_stride<typename G::StrideB>(in);
-    tables.stride_d[slot] = leading_stride<typename G::StrideD>(in);
+    tables.shapes[g] = {rows, in, out};
+    tables.a[g] = dy + first * out;
+    tables.b[g] = weight;
+    tables.d[g] = static_cast<Element*>(op.out) + first * in;
+    tables.stride_a[g] = leading_stride<typename G::StrideA>(out);
+    tables.stride_b[g] = leading_stride<typename G::StrideB>(in);
+    tables.stride_d[g] = leading_stride<typename G::StrideD>(in);
   } else {
     // A group without rows has nothing to contract; it gets no tiles (M = 0) and its dW_g is
     // zeroed, or left alone when accumulating, outside the GEMM.
-    tables.shapes[slot] = {rows == 0 ? 0 : out, in, rows};
-    tables.a[slot] = dy + first * out;
-    tables.b[slot] = x + first * in;
+    tables.shapes[g] = {rows == 0 ? 0 : out, in, rows};
+    tables.a[g] = dy + first * out;
+    tables.b[g] = x + first * in;
     auto* d = static_cast<typename G::ElementD*>(op.out) + g * op.out_group_stride;
-    tables.d[slot] = d;
-    tables.c[slot] = reinterpret_cast<const typename G::StoredC*>(d);
-    tables.stride_a[slot] = leading_stride<typename G::StrideA>(out);
-    tables.stride_b[slot] = leading_stride<typename G::StrideB>(in);
-    tables.stride_c[slot] = leading_stride<typename G::StrideC>(in);
-    tables.stride_d[slot] = leading_stride<typename G::StrideD>(in);
+    tables.d[g] = d;
+    tables.c[g] = reinterpret_cast<const typename G::StoredC*>(d);
+    tables.stride_a[g] = leading_stride<typename G::StrideA>(out);
+    tables.stride_b[g] = leading_stride<typename G::StrideB>(in);
+    tables.stride_c[g] = leading_stride<typename G::StrideC>(in);
+    tables.stride_d[g] = leading_stride<typename G::StrideD>(in);
   }
 }
 
-// The weight gradient's tiles cost in proportion to their group's rows, and the GEMM's CTAs claim
-// them in table order (claiming_scheduler.cuh): largest groups first, ties in group order, so
-// that the small tiles even out the CTAs' loads at the end. Counting the larger groups costs
-// groups² steps in one block; past kSortedGroups the groups keep their order.
+// The weight gradient's tiles cost in proportion to their group's rows: the order puts the
+// largest groups first, ties in group order, so that the small tiles even out the CTAs' loads at
+// the end. Counting the larger groups costs groups² steps in one block; past kSortedGroups the
+// groups keep their order.
 constexpr std::int64_t kSortedGroups = 512;
 
-__device__ inline std::int64_t claim_order(const GroupIndex& index, std::int64_t g) {
-  if (index.groups > kSortedGroups) return g;
+__device__ inline std::int64_t rank_by_rows(const GroupIndex& index, std::int64_t g) {
   const std::int64_t rows = index.offsets[g + 1] - index.offsets[g];
   std::int64_t before = 0;
   for (std::int64_t h = 0; h < index.groups; ++h) {
@@ -285,23 +324,191 @@ __device__ inline std::int64_t claim_order(const GroupIndex& index, std::int64_t
   return before;
 }
 
+// Group g's M-tiles: its rows' (forward, dgrad), or out_features' when it has rows (wgrad).
+template <GroupedPass pass>
+__device__ std::int64_t group_m_tiles(const GroupIndex& index, const GroupedOperands& op,
+                                      std::int64_t g) {
+  const std::int64_t rows = index.offsets[g + 1] - index.offsets[g];
+  if constexpr (pass == GroupedPass::kWgrad) {
+    return rows == 0 ? 0 : ceil_tiles(op.out_features, kTileM);
+  } else {
+    return ceil_tiles(rows, kTileM);
+  }
+}
+
+// Sums of one class's segments and tiles, packed as count << 32 | tiles (the host keeps the
+// tiles below 2^32), for one block scan of both classes.
+struct ClassSums {
+  std::uint64_t heavy;
+  std::uint64_t light;
+};
+
+struct AddClassSums {
+  __device__ ClassSums operator()(const ClassSums& a, const ClassSums& b) const {
+    return {a.heavy + b.heavy, a.light + b.light};
+  }
+};
+
+__device__ inline std::uint32_t packed_count(std::uint64_t packed) {
+  return static_cast<std::uint32_t>(packed >> 32);
+}
+__device__ inline std::uint32_t packed_tiles(std::uint64_t packed) {
+  return static_cast<std::uint32_t>(packed);
+}
+
+// Where a segment falls in its class's run of tiles: the middle of its tiles, as a fraction of the
+// class's tiles. `list` is one class's segments with first_tile counted within the class.
+__device__ inline double class_position(const TileSegment& s, std::int32_t n_tiles,
+                                        std::uint32_t class_tiles) {
+  return (2.0 * s.first_tile + static_cast<double>(s.m_count) * n_tiles) / (2.0 * class_tiles);
+}
+
+// How many of `list`'s `count` segments come before `position` (at or before it when
+// `ties_before`), by binary search: their positions grow along the list.
+__device__ inline std::uint32_t segments_before(const TileSegment* list, std::uint32_t count,
+                                                double position, bool ties_before,
+                                                std::int32_t n_tiles, std::uint32_t class_tiles) {
+  std::uint32_t low = 0, high = count;
+  while (low < high) {
+    const std::uint32_t mid = (low + high) / 2;
+    const double at = class_position(list[mid], n_tiles, class_tiles);
+    if (at < position || (ties_before && at == position)) {
+      low = mid + 1;
+    } else {
+      high = mid;
+    }
+  }
+  return low;
+}
+
+// Experiment 39: spread the segments of groups with fewer M-tiles than the mean (their tiles read
+// more weight per tile than the average) evenly among the others', so that no stretch of the
+// run waits on HBM while another leaves it idle. Each class keeps its group order; the two are
+// merged by the position of each segment within its class. Run by one whole block on the
+// group-ordered segments of write_tile_order; writes them back merged.
+template <GroupedPass pass>
+__device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands& op,
+                                 const TileOrder& order, TileSegment* scratch,
+                                 std::uint32_t capacity, std::int32_t n_tiles) {
+  using Scan = cub::BlockScan<ClassSums, kIndexThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  const std::uint32_t count = *order.count;
+  const std::uint64_t total_m_tiles = order.segments[count].first_tile / n_tiles;
+  TileSegment* lists[2] = {scratch, scratch + capacity};  // heavy, light
+  ClassSums carry{0, 0};
+  for (std::uint32_t base = 0; base < count; base += kIndexThreads) {
+    const std::uint32_t s = base + threadIdx.x;
+    TileSegment segment{};
+    bool heavy = false;
+    ClassSums mine{0, 0};
+    if (s < count) {
+      segment = order.segments[s];
+      const std::uint64_t packed =
+          (std::uint64_t{1} << 32) | static_cast<std::uint32_t>(segment.m_count * n_tiles);
+      heavy = group_m_tiles<pass>(index, op, segment.group) * index.groups <
+              static_cast<std::int64_t>(total_m_tiles);
+      (heavy ? mine.heavy : mine.light) = packed;
+    }
+    ClassSums before, chunk;
+    Scan(storage).ExclusiveScan(mine, before, ClassSums{0, 0}, AddClassSums{}, chunk);
+    __syncthreads();
+    if (s < count) {
+      const std::uint64_t at = heavy ? carry.heavy + before.heavy : carry.light + before.light;
+      segment.first_tile = packed_tiles(at);
+      lists[heavy ? 0 : 1][packed_count(at)] = segment;
+    }
+    carry = AddClassSums{}(carry, chunk);
+  }
+  __syncthreads();
+  const std::uint32_t counts[2] = {packed_count(carry.heavy), packed_count(carry.light)};
+  const std::uint32_t tiles[2] = {packed_tiles(carry.heavy), packed_tiles(carry.light)};
+  for (int c = 0; c < 2; ++c) {
+    const int other = 1 - c;
+    for (std::uint32_t i = threadIdx.x; i < counts[c]; i += kIndexThreads) {
+      TileSegment segment = lists[c][i];
+      const double position = class_position(segment, n_tiles, tiles[c]);
+      // Ties: the heavy segment first.
+      const std::uint32_t j =
+          segments_before(lists[other], counts[other], position, c == 1, n_tiles, tiles[other]);
+      const std::uint32_t other_tiles =
+          j == 0 ? 0
+                 : lists[other][j - 1].first_tile +
+                       static_cast<std::uint32_t>(lists[other][j - 1].m_count * n_tiles);
+      segment.first_tile += other_tiles;
+      order.segments[i + j] = segment;
+    }
+  }
+}
+
+// Writes the order in which the GEMM's CTAs claim their tiles (claiming_scheduler.cuh): the
+// groups in order (the weight gradient's by decreasing rows), each cut into segments of `strip`
+// M-tiles. Run by one whole block, after the group index.
+template <GroupedPass pass>
+__device__ void write_tile_order(const GroupIndex& index, const GroupedOperands& op,
+                                 const TileOrder& order, const OrderPlan& plan,
+                                 TileSegment* scratch) {
+  __shared__ std::int32_t by_rows[kSortedGroups];
+  const bool sorted = pass == GroupedPass::kWgrad && index.groups <= kSortedGroups;
+  if (sorted) {
+    for (std::int64_t g = threadIdx.x; g < index.groups; g += kIndexThreads) {
+      by_rows[rank_by_rows(index, g)] = static_cast<std::int32_t>(g);
+    }
+    __syncthreads();
+  }
+  using Scan = cub::BlockScan<std::uint64_t, kIndexThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  std::uint64_t carry = 0;  // segments << 32 | tiles
+  for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
+    const std::int64_t position = base + threadIdx.x;
+    const std::int64_t g = position >= index.groups ? -1 : sorted ? by_rows[position] : position;
+    const std::int64_t m_tiles = g < 0 ? 0 : group_m_tiles<pass>(index, op, g);
+    const std::int64_t strips = (m_tiles + plan.strip - 1) / plan.strip;
+    const std::uint64_t mine = static_cast<std::uint64_t>(strips) << 32 |
+                               static_cast<std::uint64_t>(m_tiles * plan.n_tiles);
+    std::uint64_t before, chunk;
+    Scan(storage).ExclusiveSum(mine, before, chunk);
+    __syncthreads();
+    const std::uint64_t at = carry + before;
+    for (std::int64_t j = 0; j < strips; ++j) {
+      order.segments[packed_count(at) + j] = {
+          packed_tiles(at) + static_cast<std::uint32_t>(j * plan.strip * plan.n_tiles),
+          static_cast<std::int32_t>(g), static_cast<std::int32_t>(j * plan.strip),
+          static_cast<std::int32_t>(min(plan.strip, m_tiles - j * plan.strip))};
+    }
+    carry += chunk;
+  }
+  if (threadIdx.x == 0) {
+    order.segments[packed_count(carry)] = {packed_tiles(carry), -1, 0, 0};
+    *order.count = packed_count(carry);
+    *order.claimed = 0;
+  }
+  __syncthreads();
+  if (pass != GroupedPass::kWgrad && plan.interleave) {
+    interleave_heavy<pass>(index, op, order, scratch, plan.capacity, plan.n_tiles);
+    __syncthreads();
+  }
+}
+
 // Everything a call does before its GEMM, in one launch. Block 0 builds the group index, then
-// every group's entries of the tables. A call whose m_splits fail the checks gets all-zero offsets,
-// so every group has no rows and the GEMM touches nothing; block 0 then fills the output with NaN
-// (slowly, with one block, but only on that rare path, which spares every valid call a launch).
-// The weight gradient's kernel has a block grid over the groups (span_grid) that zeroes the groups
-// without rows, which get no tiles from the GEMM; the other passes run block 0 alone.
+// every group's entries of the tables and, without a cluster, the tile order. A call whose
+// m_splits fail the checks gets all-zero offsets, so every group has no rows and the GEMM touches
+// nothing; block 0 then fills the output with NaN (slowly, with one block, but only on that rare
+// path, which spares every valid call a launch). The weight gradient's kernel has a block grid
+// over the groups (span_grid) that zeroes the groups without rows, which get no tiles from the
+// GEMM; the other passes run block 0 alone.
 template <class G, GroupedPass pass, bool clear_empty>
 __global__ void __launch_bounds__(kIndexThreads)
     fill_tables(GroupIndex index, DeviceStatus* status, GroupedOperands op, GroupedSpan out,
-                typename G::Tables tables) {
+                typename G::Tables tables, OrderPlan plan) {
   if (blockIdx.x == 0 && blockIdx.y == 0) {
     build_group_index(index, status);
     for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
-      const std::int64_t slot = pass == GroupedPass::kWgrad ? claim_order(index, g) : g;
-      fill_group<G, pass>(g, slot, index, op, tables);
+      fill_group<G, pass>(g, index, op, tables);
     }
-    if (pass == GroupedPass::kWgrad && threadIdx.x == 0) *tables.claimed = 0;
+    if constexpr (G::kClaimed) {
+      write_tile_order<pass>(index, op, {tables.segments, tables.count, tables.claimed}, plan,
+                             tables.scratch);
+    }
     if (*index.invalid != 0) {
       for (std::int64_t g = 0; g < out.groups; ++g) {
         fill_elements(out, g, Fill::kNaN, threadIdx.x, blockDim.x);
@@ -345,6 +552,35 @@ CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
   }
 }
 
+template <GroupedPass pass>
+OrderPlan order_plan(const CutlassCall& call) {
+  const GroupedOperands& op = call.operands;
+  const std::int64_t groups = call.index.groups;
+  const std::int64_t n = pass == GroupedPass::kForward ? op.out_features : op.in_features;
+  OrderPlan plan{static_cast<std::int32_t>(ceil_tiles(n, kTileN)), 0,
+                 segment_capacity(pass, groups), false};
+  std::int64_t m_tiles_bound;  // of all groups
+  if constexpr (pass == GroupedPass::kWgrad) {
+    plan.strip = ceil_tiles(op.out_features, kTileM);  // one segment per group
+    m_tiles_bound = plan.strip * groups;
+  } else {
+    m_tiles_bound = ceil_tiles(call.index.rows, kTileM) + groups;  // >= the sum of ceil(rows_g/128)
+    // A strip of one wave of tiles reads its rows once while its weights' columns stay in L2.
+    plan.strip =
+        std::max(ceil_tiles(call.sm_count, plan.n_tiles), ceil_tiles(m_tiles_bound, kStripBudget));
+    const char* order = std::getenv("MESHLA_GROUPED_ORDER");
+    if (order != nullptr && std::string_view(order) == "groups") plan.strip = m_tiles_bound;
+    plan.interleave = order != nullptr && std::string_view(order) == "interleave";
+  }
+  // Claim indices are 32-bit.
+  MESHLA_CHECK_ARG(m_tiles_bound * plan.n_tiles < (std::int64_t{1} << 32),
+                   "grouped_linear "
+                       << grouped_pass_name(pass) << ": " << call.index.rows << " rows in "
+                       << groups << " groups with in_features=" << op.in_features
+                       << ", out_features=" << op.out_features << " make more than 2^32 tiles");
+  return plan;
+}
+
 template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m>
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   using G = GroupedGemm<pass, dtype, epilogue, cluster_m>;
@@ -354,7 +590,7 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   constexpr bool clear_empty = pass == GroupedPass::kWgrad && epilogue == Epilogue::kStore;
   const dim3 grid = clear_empty ? span_grid(call.out, kIndexThreads) : dim3(1);
   fill_tables<G, pass, clear_empty><<<grid, kIndexThreads, 0, stream>>>(
-      call.index, call.status, call.operands, call.out, tables);
+      call.index, call.status, call.operands, call.out, tables, order_plan<pass>(call));
   MESHLA_CHECK_CUDA(cudaGetLastError());
   typename G::Gemm gemm;
   const auto args =
