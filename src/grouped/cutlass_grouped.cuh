@@ -94,6 +94,8 @@ struct OrderPlan {
   std::int64_t strip;      // M-tiles per segment
   std::uint32_t capacity;  // segment_capacity
   bool interleave;         // experiment 39
+  std::int32_t
+      heavy_m_tiles;  // experiment 39: heavy groups have at most this many; 0: below the mean
 };
 
 template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1>
@@ -389,7 +391,8 @@ __device__ inline std::uint32_t segments_before(const TileSegment* list, std::ui
 template <GroupedPass pass>
 __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands& op,
                                  const TileOrder& order, TileSegment* scratch,
-                                 std::uint32_t capacity, std::int32_t n_tiles) {
+                                 std::uint32_t capacity, std::int32_t n_tiles,
+                                 std::int32_t heavy_m_tiles) {
   using Scan = cub::BlockScan<ClassSums, kIndexThreads>;
   __shared__ typename Scan::TempStorage storage;
   const std::uint32_t count = *order.count;
@@ -405,8 +408,9 @@ __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands&
       segment = order.segments[s];
       const std::uint64_t packed =
           (std::uint64_t{1} << 32) | static_cast<std::uint32_t>(segment.m_count * n_tiles);
-      heavy = group_m_tiles<pass>(index, op, segment.group) * index.groups <
-              static_cast<std::int64_t>(total_m_tiles);
+      const std::int64_t m_tiles = group_m_tiles<pass>(index, op, segment.group);
+      heavy = heavy_m_tiles > 0 ? m_tiles <= heavy_m_tiles
+                                : m_tiles * index.groups < static_cast<std::int64_t>(total_m_tiles);
       (heavy ? mine.heavy : mine.light) = packed;
     }
     ClassSums before, chunk;
@@ -484,7 +488,8 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   }
   __syncthreads();
   if (pass != GroupedPass::kWgrad && plan.interleave) {
-    interleave_heavy<pass>(index, op, order, scratch, plan.capacity, plan.n_tiles);
+    interleave_heavy<pass>(index, op, order, scratch, plan.capacity, plan.n_tiles,
+                           plan.heavy_m_tiles);
     __syncthreads();
   }
 }
@@ -558,7 +563,7 @@ OrderPlan order_plan(const CutlassCall& call) {
   const std::int64_t groups = call.index.groups;
   const std::int64_t n = pass == GroupedPass::kForward ? op.out_features : op.in_features;
   OrderPlan plan{static_cast<std::int32_t>(ceil_tiles(n, kTileN)), 0,
-                 segment_capacity(pass, groups), false};
+                 segment_capacity(pass, groups), false, 0};
   std::int64_t m_tiles_bound;  // of all groups
   if constexpr (pass == GroupedPass::kWgrad) {
     plan.strip = ceil_tiles(op.out_features, kTileM);  // one segment per group
@@ -571,6 +576,8 @@ OrderPlan order_plan(const CutlassCall& call) {
     const char* order = std::getenv("MESHLA_GROUPED_ORDER");
     if (order != nullptr && std::string_view(order) == "groups") plan.strip = m_tiles_bound;
     plan.interleave = order != nullptr && std::string_view(order) == "interleave";
+    const char* heavy = std::getenv("MESHLA_GROUPED_HEAVY");
+    plan.heavy_m_tiles = heavy == nullptr ? 0 : std::atoi(heavy);
   }
   // Claim indices are 32-bit.
   MESHLA_CHECK_ARG(m_tiles_bound * plan.n_tiles < (std::int64_t{1} << 32),
