@@ -40,7 +40,16 @@ struct TileOrder {
 // ClaimingScheduler (the TileSchedulerSelector specialization below).
 struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>> {
   TileOrder order;
+  bool split_halves = true;  // experiment 40: MESHLA_GROUPED_HALF=0 turns it off
 };
+
+// A tile's second consumer warpgroup owns its rows 64-127 (CUTLASS's cooperative tiled MMA stacks
+// the two warpgroups' 64-row atoms along M). When a group's last M-tile has 64 rows or fewer,
+// that warpgroup has nothing to compute: the scheduler marks such tiles (is_valid_tile ==
+// kUpperHalfOnly), and each warp notes its current tile's mark here for HalfTileMainloop.
+constexpr std::int32_t kUpperHalfOnly = 2;
+constexpr int kMaxWarps = 12;
+static __shared__ bool upper_half_only[kMaxWarps];
 
 // CUTLASS's group scheduler with claimed, ordered tiles. Every warp of a CTA computes its first
 // tile, number `rank` of the order, itself; later tiles are claimed by the scheduler warp, which
@@ -48,7 +57,7 @@ struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, i
 // the CTA has taken the one handed on before (every consumer released its slot), so a CTA holds
 // its running tile and one more, enough for the loads to run ahead, and leaves the rest to
 // whichever CTA frees first.
-template <int Stages>
+template <int Stages, int TileM>
 class ClaimingScheduler
     : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape,
                                                                              Stages> {
@@ -62,12 +71,23 @@ class ClaimingScheduler
       : Base(params, response),
         order_(params.problem_shapes_.order),
         grid_size_(gridDim.x * gridDim.y * gridDim.z),
+        split_halves_(params.problem_shapes_.split_halves),
         count_(*order_.count),
         total_(order_.segments[count_].first_tile) {}
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    return work_at(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+    const WorkTileInfo work =
+        work_at(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+    note(work);
+    return work;
+  }
+
+  template <class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo work, Pipeline& pipeline, PipelineState state) {
+    const auto next = Base::fetch_next_work(work, pipeline, state);
+    note(cute::get<0>(next));
+    return next;
   }
 
   template <class Pipeline, class PipelineState>
@@ -113,17 +133,57 @@ class ClaimingScheduler
     const TileSegment segment = order_.segments[segment_];
     const std::uint32_t local = tile - segment.first_tile;
     const auto m_count = static_cast<std::uint32_t>(segment.m_count);
-    return {segment.m_first + static_cast<std::int32_t>(local % m_count),
-            static_cast<std::int32_t>(local / m_count), segment.group, 1};
+    const std::int32_t m = segment.m_first + static_cast<std::int32_t>(local % m_count);
+    const int rows =
+        cute::get<0>(this->scheduler_params.problem_shapes_.get_problem_shape(segment.group));
+    const bool upper_half = split_halves_ && rows - m * TileM <= TileM / 2;
+    return {m, static_cast<std::int32_t>(local / m_count), segment.group,
+            upper_half ? kUpperHalfOnly : 1};
+  }
+
+  CUTLASS_DEVICE static void note(const WorkTileInfo& work) {
+    upper_half_only[cutlass::canonical_warp_idx_sync()] = work.is_valid_tile == kUpperHalfOnly;
   }
 
   TileOrder order_;
   std::uint32_t grid_size_;
+  bool split_halves_;
   std::uint32_t count_;
   std::uint32_t total_;
   std::uint32_t segment_ = 0;
   typename Base::PipelineState last_handed_{};
   bool handed_on_ = false;
+};
+
+// CUTLASS's ptr-array mainloop whose second warpgroup skips the MMAs of a tile marked
+// kUpperHalfOnly: it still waits for each stage and releases it, as the producer counts on, but
+// leaves the tensor cores to the first warpgroup, so such a tile takes about half the time.
+template <class Mainloop>
+struct HalfTileMainloop : Mainloop {
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(typename Mainloop::MainloopPipeline pipeline,
+                          typename Mainloop::PipelineState read, FrgTensorC& accumulators,
+                          int k_tile_count, int thread_idx,
+                          typename Mainloop::TensorStorage& shared_tensors,
+                          typename Mainloop::Params const& params) {
+    const bool second_warpgroup =
+        __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0) == 1;
+    if (!second_warpgroup || !upper_half_only[cutlass::canonical_warp_idx_sync()]) {
+      Mainloop::mma(pipeline, read, accumulators, k_tile_count, thread_idx, shared_tensors, params);
+      return;
+    }
+    cute::clear(accumulators);
+    // Release as Mainloop::mma does, one stage behind; mma_tail releases the last.
+    typename Mainloop::PipelineState release = read;
+    for (int k = 0; k < k_tile_count; ++k) {
+      pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
+      ++read;
+      if (k > 0) {
+        pipeline.consumer_release(release);
+        ++release;
+      }
+    }
+  }
 };
 
 }  // namespace meshla::grouped
@@ -136,7 +196,8 @@ struct TileSchedulerSelector<GroupScheduler, arch::Sm90, TileShape, ClusterShape
   // A claim is one CTA's: a cluster's CTAs would have to claim together.
   static_assert(decltype(cute::size(ClusterShape{}))::value == 1,
                 "ClaimingScheduler runs without clusters");
-  using Scheduler = meshla::grouped::ClaimingScheduler<SchedulerPipelineStageCount>;
+  using Scheduler = meshla::grouped::ClaimingScheduler<SchedulerPipelineStageCount,
+                                                       decltype(cute::size<0>(TileShape{}))::value>;
 };
 
 }  // namespace cutlass::gemm::kernel::detail

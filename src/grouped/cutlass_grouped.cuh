@@ -144,13 +144,15 @@ struct GroupedGemm {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*,
       kAlignmentD, ElementD, LayoutD*, kAlignmentD, EpiSchedule, Fusion>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename PassLayouts<pass>::A*,
       kAlignment, Element, typename PassLayouts<pass>::B*, kAlignment, float, TileShape,
       ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+          sizeof(typename CollectiveEpilogue::SharedStorage) + sizeof(upper_half_only))>,
       MainSchedule>::CollectiveOp;
+  using CollectiveMainloop =
+      std::conditional_t<kClaimed, HalfTileMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
@@ -230,6 +232,8 @@ struct GroupedGemm {
     args.problem_shape.host_problem_shapes = nullptr;
     if constexpr (kClaimed) {
       args.problem_shape.order = {tables.segments, tables.count, tables.claimed};
+      const char* half = std::getenv("MESHLA_GROUPED_HALF");
+      args.problem_shape.split_halves = half == nullptr || std::string_view(half) != "0";
     }
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
