@@ -47,9 +47,10 @@ struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, i
 // the two warpgroups' 64-row atoms along M). When a group's last M-tile has 64 rows or fewer,
 // that warpgroup has nothing to compute: the scheduler marks such tiles (is_valid_tile ==
 // kUpperHalfOnly), and each warp notes its current tile's mark here for HalfTileMainloop.
+// The flags are static shared memory, which comes before CUTLASS's dynamic shared memory: they
+// take 1024 bytes so that its tiles keep the 1024-byte alignment of their swizzle.
 constexpr std::int32_t kUpperHalfOnly = 2;
-constexpr int kMaxWarps = 12;
-static __shared__ bool upper_half_only[kMaxWarps];
+alignas(1024) static __shared__ bool upper_half_only[1024];
 
 // CUTLASS's group scheduler with claimed, ordered tiles. Every warp of a CTA computes its first
 // tile, number `rank` of the order, itself; later tiles are claimed by the scheduler warp, which
