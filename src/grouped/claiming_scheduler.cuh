@@ -173,16 +173,19 @@ struct HalfTileMainloop : Mainloop {
       Mainloop::mma(pipeline, read, accumulators, k_tile_count, thread_idx, shared_tensors, params);
       return;
     }
-    cute::clear(accumulators);
-    // Release as Mainloop::mma does, one stage behind; mma_tail releases the last.
+    // One k-tile's MMAs still run: accumulators that only wgmma writes keep ptxas from serializing
+    // every wgmma of the kernel (warning C7515, about 7% slower), and the epilogue's TMA store
+    // drops these rows anyway, all past the group's last. Then release as Mainloop::mma does, one
+    // stage behind; mma_tail releases the last.
+    Mainloop::mma(pipeline, read, accumulators, 1, thread_idx, shared_tensors, params);
+    cute::warpgroup_wait<0>();
     typename Mainloop::PipelineState release = read;
-    for (int k = 0; k < k_tile_count; ++k) {
+    ++read;
+    for (int k = 1; k < k_tile_count; ++k) {
       pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
       ++read;
-      if (k > 0) {
-        pipeline.consumer_release(release);
-        ++release;
-      }
+      pipeline.consumer_release(release);
+      ++release;
     }
   }
 };
