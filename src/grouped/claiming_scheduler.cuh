@@ -1,13 +1,17 @@
-// A tile scheduler for meshla's CUTLASS grouped kernels without clusters: CTAs claim tiles from a
-// counter in device memory as they free up, in an order the table kernel writes (TileOrder),
-// where CUTLASS's group scheduler deals tile i to CTA i mod grid in group order, M-tiles fastest.
+// A tile scheduler for meshla's CUTLASS grouped kernels without clusters, and the mainloop that
+// goes with it. CUTLASS's group scheduler deals tile i to CTA i mod grid, group by group, M-tiles
+// fastest; here the CTAs claim tiles from a counter in device memory as they free up, in an order
+// the table kernel writes (TileOrder), and a tile whose rows all lie in its first half leaves the
+// second consumer warpgroup idle (HalfTileMainloop).
 // - Claims: the weight gradient's tiles are not equal (each contracts its group's rows), so on a
 //   skewed routing the static deal gave some CTAs several times the work of others (16 x 2048
 //   skewed: the slowest CTA's share modelled at 1.59x the mean; experiment 38). Forward and dgrad
-//   tiles of small groups wait on their weight's HBM reads longer than large groups' tiles.
+//   tiles of small groups wait on HBM for their weights longer than large groups' tiles.
 // - Order: runs of M-tiles (segments) instead of whole groups, so that a large group's rows are
-//   read once per strip of one wave, not once per N-tile (experiment 39), and the weight
-//   gradient's largest groups go first so that the small ones even out the end.
+//   read once per strip of one wave, not once per N-tile, and the small groups spread among the
+//   large ones (experiment 39); the weight gradient's largest groups go first so that the small
+//   ones even out the end.
+// - Half tiles: a group's last M-tile with 64 rows or fewer (experiment 40).
 // Included by cutlass_grouped.cuh.
 #pragma once
 
@@ -40,7 +44,6 @@ struct TileOrder {
 // ClaimingScheduler (the TileSchedulerSelector specialization below).
 struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>> {
   TileOrder order;
-  bool split_halves = true;  // experiment 40: MESHLA_GROUPED_HALF=0 turns it off
 };
 
 // A tile's second consumer warpgroup owns its rows 64-127 (CUTLASS's cooperative tiled MMA stacks
@@ -72,7 +75,6 @@ class ClaimingScheduler
       : Base(params, response),
         order_(params.problem_shapes_.order),
         grid_size_(gridDim.x * gridDim.y * gridDim.z),
-        split_halves_(params.problem_shapes_.split_halves),
         count_(*order_.count),
         total_(order_.segments[count_].first_tile) {}
 
@@ -137,7 +139,7 @@ class ClaimingScheduler
     const std::int32_t m = segment.m_first + static_cast<std::int32_t>(local % m_count);
     const int rows =
         cute::get<0>(this->scheduler_params.problem_shapes_.get_problem_shape(segment.group));
-    const bool upper_half = split_halves_ && rows - m * TileM <= TileM / 2;
+    const bool upper_half = rows - m * TileM <= TileM / 2;
     return {m, static_cast<std::int32_t>(local / m_count), segment.group,
             upper_half ? kUpperHalfOnly : 1};
   }
@@ -148,7 +150,6 @@ class ClaimingScheduler
 
   TileOrder order_;
   std::uint32_t grid_size_;
-  bool split_halves_;
   std::uint32_t count_;
   std::uint32_t total_;
   std::uint32_t segment_ = 0;

@@ -16,8 +16,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string_view>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -93,9 +91,6 @@ struct OrderPlan {
   std::int32_t n_tiles;    // every group's N-tiles
   std::int64_t strip;      // M-tiles per segment
   std::uint32_t capacity;  // segment_capacity
-  bool interleave;         // experiment 39
-  std::int32_t
-      heavy_m_tiles;  // experiment 39: heavy groups have at most this many; 0: below the mean
 };
 
 template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1>
@@ -232,8 +227,6 @@ struct GroupedGemm {
     args.problem_shape.host_problem_shapes = nullptr;
     if constexpr (kClaimed) {
       args.problem_shape.order = {tables.segments, tables.count, tables.claimed};
-      const char* half = std::getenv("MESHLA_GROUPED_HALF");
-      args.problem_shape.split_halves = half == nullptr || std::string_view(half) != "0";
     }
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
@@ -387,20 +380,25 @@ __device__ inline std::uint32_t segments_before(const TileSegment* list, std::ui
   return low;
 }
 
-// Experiment 39: spread the segments of groups with fewer M-tiles than the mean (their tiles read
-// more weight per tile than the average) evenly among the others', so that no stretch of the
-// run waits on HBM while another leaves it idle. Each class keeps its group order; the two are
-// merged by the position of each segment within its class. Run by one whole block on the
-// group-ordered segments of write_tile_order; writes them back merged.
+// Forward and dgrad tiles of a group with m M-tiles read 1/m of its weight's column (256 x K
+// elements) each. On an H100 (3.35 TB/s beside about 990 TFLOP/s) a tile's MMAs last as long as
+// one SM's share of HBM takes to read about 220 x K bytes, so the tiles of groups with at most 2
+// M-tiles wait on HBM, and a stretch of them in a row leaves the tensor cores idle while the
+// large groups' tiles leave HBM idle. interleave_heavy spreads them out. Measured against "fewer
+// M-tiles than the mean" and at most 1 or 4 (experiment 39): 2 and 1 were best, the mean lost up
+// to 2% on 16 x 2048 skewed.
+constexpr std::int64_t kHeavyMTiles = 2;
+
+// Spreads the segments of heavy groups (kHeavyMTiles) evenly among the others'. Each class keeps
+// its group order; the two are merged by the position of each segment within its class. Run by
+// one whole block on the group-ordered segments of write_tile_order; writes them back merged.
 template <GroupedPass pass>
 __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands& op,
                                  const TileOrder& order, TileSegment* scratch,
-                                 std::uint32_t capacity, std::int32_t n_tiles,
-                                 std::int32_t heavy_m_tiles) {
+                                 std::uint32_t capacity, std::int32_t n_tiles) {
   using Scan = cub::BlockScan<ClassSums, kIndexThreads>;
   __shared__ typename Scan::TempStorage storage;
   const std::uint32_t count = *order.count;
-  const std::uint64_t total_m_tiles = order.segments[count].first_tile / n_tiles;
   TileSegment* lists[2] = {scratch, scratch + capacity};  // heavy, light
   ClassSums carry{0, 0};
   for (std::uint32_t base = 0; base < count; base += kIndexThreads) {
@@ -412,9 +410,7 @@ __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands&
       segment = order.segments[s];
       const std::uint64_t packed =
           (std::uint64_t{1} << 32) | static_cast<std::uint32_t>(segment.m_count * n_tiles);
-      const std::int64_t m_tiles = group_m_tiles<pass>(index, op, segment.group);
-      heavy = heavy_m_tiles > 0 ? m_tiles <= heavy_m_tiles
-                                : m_tiles * index.groups < static_cast<std::int64_t>(total_m_tiles);
+      heavy = group_m_tiles<pass>(index, op, segment.group) <= kHeavyMTiles;
       (heavy ? mine.heavy : mine.light) = packed;
     }
     ClassSums before, chunk;
@@ -449,8 +445,9 @@ __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands&
 }
 
 // Writes the order in which the GEMM's CTAs claim their tiles (claiming_scheduler.cuh): the
-// groups in order (the weight gradient's by decreasing rows), each cut into segments of `strip`
-// M-tiles. Run by one whole block, after the group index.
+// groups in order, each cut into segments of `strip` M-tiles, then for forward and dgrad the heavy
+// groups spread among the others (interleave_heavy); the weight gradient's groups by decreasing
+// rows, one segment each. Run by one whole block, after the group index.
 template <GroupedPass pass>
 __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands& op,
                                  const TileOrder& order, const OrderPlan& plan,
@@ -491,9 +488,8 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
     *order.claimed = 0;
   }
   __syncthreads();
-  if (pass != GroupedPass::kWgrad && plan.interleave) {
-    interleave_heavy<pass>(index, op, order, scratch, plan.capacity, plan.n_tiles,
-                           plan.heavy_m_tiles);
+  if constexpr (pass != GroupedPass::kWgrad) {
+    interleave_heavy<pass>(index, op, order, scratch, plan.capacity, plan.n_tiles);
     __syncthreads();
   }
 }
@@ -567,7 +563,7 @@ OrderPlan order_plan(const CutlassCall& call) {
   const std::int64_t groups = call.index.groups;
   const std::int64_t n = pass == GroupedPass::kForward ? op.out_features : op.in_features;
   OrderPlan plan{static_cast<std::int32_t>(ceil_tiles(n, kTileN)), 0,
-                 segment_capacity(pass, groups), false, 0};
+                 segment_capacity(pass, groups)};
   std::int64_t m_tiles_bound;  // of all groups
   if constexpr (pass == GroupedPass::kWgrad) {
     plan.strip = ceil_tiles(op.out_features, kTileM);  // one segment per group
@@ -577,11 +573,6 @@ OrderPlan order_plan(const CutlassCall& call) {
     // A strip of one wave of tiles reads its rows once while its weights' columns stay in L2.
     plan.strip =
         std::max(ceil_tiles(call.sm_count, plan.n_tiles), ceil_tiles(m_tiles_bound, kStripBudget));
-    const char* order = std::getenv("MESHLA_GROUPED_ORDER");
-    if (order != nullptr && std::string_view(order) == "groups") plan.strip = m_tiles_bound;
-    plan.interleave = order != nullptr && std::string_view(order) == "interleave";
-    const char* heavy = std::getenv("MESHLA_GROUPED_HEAVY");
-    plan.heavy_m_tiles = heavy == nullptr ? 0 : std::atoi(heavy);
   }
   // Claim indices are 32-bit.
   MESHLA_CHECK_ARG(m_tiles_bound * plan.n_tiles < (std::int64_t{1} << 32),
