@@ -570,9 +570,16 @@ OrderPlan order_plan(const CutlassCall& call) {
     m_tiles_bound = plan.strip * groups;
   } else {
     m_tiles_bound = ceil_tiles(call.index.rows, kTileM) + groups;  // >= the sum of ceil(rows_g/128)
-    // A strip of one wave of tiles reads its rows once while its weights' columns stay in L2.
-    plan.strip =
-        std::max(ceil_tiles(call.sm_count, plan.n_tiles), ceil_tiles(m_tiles_bound, kStripBudget));
+    // A strip's rows stay in L2 while its N-tiles pass over them: they fill at most half of it,
+    // and the strip is at least a wave of tiles, so that the weight it reads again serves a wave.
+    // Whole groups read their rows once per N-tile when they exceed L2 (the largest skewed Qwen3
+    // group: 72 MB, 6 N-tiles); strips of one wave alone made DeepSeek's dgrad (28 N-tiles, 5
+    // M-tiles a wave) read its weight once per 5 M-tiles (experiment 39).
+    const std::int64_t k = pass == GroupedPass::kForward ? op.in_features : op.out_features;
+    const std::int64_t m_tile_bytes = kTileM * k * 2;  // 16-bit elements
+    plan.strip = std::max({ceil_tiles(call.sm_count, plan.n_tiles),
+                           std::int64_t{call.l2_bytes} / 2 / m_tile_bytes,
+                           ceil_tiles(m_tiles_bound, kStripBudget)});
   }
   // Claim indices are 32-bit.
   MESHLA_CHECK_ARG(m_tiles_bound * plan.n_tiles < (std::int64_t{1} << 32),

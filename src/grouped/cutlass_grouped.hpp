@@ -27,6 +27,7 @@ struct CutlassCall {
   void* kernel_workspace;
   int device;
   int sm_count;
+  int l2_bytes;
 };
 
 CutlassWorkspace cutlass_forward_workspace(DType dtype, std::int64_t groups, int device,

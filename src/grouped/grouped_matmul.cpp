@@ -18,6 +18,7 @@ using grouped::CutlassWorkspace;
 struct GroupedMatmul::Impl {
   int device = 0;
   int sm_count = 0;
+  int l2_bytes = 0;
   grouped::DeviceStatus* status = nullptr;  // host-mapped, written by the device
 
   ~Impl() {
@@ -86,6 +87,7 @@ GroupedMatmul::GroupedMatmul(int device) : impl_(std::make_unique<Impl>()) {
   detail::DeviceGuard guard(device);
   MESHLA_CHECK_CUDA(
       cudaDeviceGetAttribute(&impl_->sm_count, cudaDevAttrMultiProcessorCount, device));
+  MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&impl_->l2_bytes, cudaDevAttrL2CacheSize, device));
   MESHLA_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&impl_->status),
                                   sizeof(grouped::DeviceStatus), cudaHostAllocMapped));
   *impl_->status = {};
@@ -196,7 +198,8 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                                     tables,
                                     tables + detail::align_up(parts.tables),
                                     impl_->device,
-                                    impl_->sm_count};
+                                    impl_->sm_count,
+                                    impl_->l2_bytes};
     switch (pass) {
       case GroupedPass::kForward:
         grouped::cutlass_forward(call, stream);
