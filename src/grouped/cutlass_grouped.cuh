@@ -16,6 +16,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -577,8 +578,10 @@ OrderPlan order_plan(const CutlassCall& call) {
     // M-tiles a wave) read its weight once per 5 M-tiles (experiment 39).
     const std::int64_t k = pass == GroupedPass::kForward ? op.in_features : op.out_features;
     const std::int64_t m_tile_bytes = kTileM * k * 2;  // 16-bit elements
+    const char* divisor_text = std::getenv("MESHLA_GROUPED_STRIP_L2_DIVISOR");
+    const std::int64_t divisor = divisor_text ? std::atoi(divisor_text) : 2;
     plan.strip = std::max({ceil_tiles(call.sm_count, plan.n_tiles),
-                           std::int64_t{call.l2_bytes} / 2 / m_tile_bytes,
+                           divisor == 0 ? 1 : std::int64_t{call.l2_bytes} / divisor / m_tile_bytes,
                            ceil_tiles(m_tiles_bound, kStripBudget)});
   }
   // Claim indices are 32-bit.
