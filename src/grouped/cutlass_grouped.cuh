@@ -16,7 +16,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -571,17 +570,16 @@ OrderPlan order_plan(const CutlassCall& call) {
     m_tiles_bound = plan.strip * groups;
   } else {
     m_tiles_bound = ceil_tiles(call.index.rows, kTileM) + groups;  // >= the sum of ceil(rows_g/128)
-    // A strip's rows stay in L2 while its N-tiles pass over them: they fill at most half of it,
-    // and the strip is at least a wave of tiles, so that the weight it reads again serves a wave.
-    // Whole groups read their rows once per N-tile when they exceed L2 (the largest skewed Qwen3
-    // group: 72 MB, 6 N-tiles); strips of one wave alone made DeepSeek's dgrad (28 N-tiles, 5
-    // M-tiles a wave) read its weight once per 5 M-tiles (experiment 39).
+    // A strip's rows stay in L2 while its N-tiles pass over them: they fill at most a quarter of
+    // it, and the strip is at least a wave of tiles, so that the weight it reads again serves a
+    // wave. Whole groups read their rows once per N-tile when those exceed L2 (the largest
+    // skewed Qwen3 group: 72 MB, 6 N-tiles). Measured in experiment 39: strips of one wave alone
+    // made DeepSeek's dgrad (28 N-tiles, 5 M-tiles a wave) read its weight once per 5 M-tiles,
+    // 2% slower than a quarter or half of L2; half of L2 or more lost 1.5-5% on skewed Qwen3.
     const std::int64_t k = pass == GroupedPass::kForward ? op.in_features : op.out_features;
     const std::int64_t m_tile_bytes = kTileM * k * 2;  // 16-bit elements
-    const char* divisor_text = std::getenv("MESHLA_GROUPED_STRIP_L2_DIVISOR");
-    const std::int64_t divisor = divisor_text ? std::atoi(divisor_text) : 2;
     plan.strip = std::max({ceil_tiles(call.sm_count, plan.n_tiles),
-                           divisor == 0 ? 1 : std::int64_t{call.l2_bytes} / divisor / m_tile_bytes,
+                           std::int64_t{call.l2_bytes} / 4 / m_tile_bytes,
                            ceil_tiles(m_tiles_bound, kStripBudget)});
   }
   // Claim indices are 32-bit.

@@ -23,8 +23,8 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 # (groups, in_features, out_features, rows); 24 x 40 makes out*in*2 bytes a non-multiple of 256;
 # 3 groups of 13000 rows average more than 4096 rows, so forward and dgrad run the paired (2x1
 # cluster) kernel, with odd tile counts in most groups; 24 x 4096 x 4096 cuts its large groups
-# into strips (25 M-tiles, whose rows fill half of a 50 MB L2) and spreads its small ones (at most
-# 2 M-tiles) among them.
+# into strips (12 M-tiles, whose rows fill a quarter of a 50 MB L2) and spreads its small ones
+# (at most 2 M-tiles) among them.
 SHAPES = [(4, 64, 32, 300), (8, 1024, 512, 8192), (3, 40, 24, 100), (1, 256, 128, 77),
           (16, 512, 256, 5000), (3, 256, 384, 13000), (24, 4096, 4096, 32000)]
 PASS = mt.grouped._PASS
