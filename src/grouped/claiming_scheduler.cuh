@@ -8,9 +8,9 @@
 //   skewed: the slowest CTA's share modelled at 1.59x the mean; experiment 38). Forward and dgrad
 //   tiles of small groups wait on HBM for their weights longer than large groups' tiles.
 // - Order: runs of M-tiles (segments) instead of whole groups, so that a large group's rows are
-//   read once per strip of one wave, not once per N-tile, and the small groups spread among the
-//   large ones (experiment 39); the weight gradient's largest groups go first so that the small
-//   ones even out the end.
+//   read once per strip that L2 holds, not once per N-tile, and the small groups spread among
+//   the large ones (experiment 39); the weight gradient's largest groups go first so that the
+//   small ones even out the end.
 // - Half tiles: a group's last M-tile with 64 rows or fewer (experiment 40).
 // Included by cutlass_grouped.cuh.
 #pragma once
@@ -56,11 +56,11 @@ constexpr std::int32_t kUpperHalfOnly = 2;
 alignas(1024) static __shared__ bool upper_half_only[1024];
 
 // CUTLASS's group scheduler with claimed, ordered tiles. Every warp of a CTA computes its first
-// tile, number `rank` of the order, itself; later tiles are claimed by the scheduler warp, which
-// hands them to the others through a shared-memory pipeline. It claims the next tile only once
-// the CTA has taken the one handed on before (every consumer released its slot), so a CTA holds
-// its running tile and one more, enough for the loads to run ahead, and leaves the rest to
-// whichever CTA frees first.
+// tile, the one whose claim index is the CTA's linear block index, itself; later tiles are claimed
+// by the scheduler warp, which hands them to the others through a shared-memory pipeline. It claims
+// the next tile only once the CTA has taken the one handed on before (every consumer released its
+// slot), so a CTA holds its running tile and one more, enough for the loads to run ahead, and
+// leaves the rest to whichever CTA frees first.
 template <int Stages, int TileM>
 class ClaimingScheduler
     : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape,
@@ -170,7 +170,8 @@ struct HalfTileMainloop : Mainloop {
                           typename Mainloop::Params const& params) {
     const bool second_warpgroup =
         __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0) == 1;
-    if (!second_warpgroup || !upper_half_only[cutlass::canonical_warp_idx_sync()]) {
+    if (!second_warpgroup || !upper_half_only[cutlass::canonical_warp_idx_sync()] ||
+        k_tile_count < 1) {
       Mainloop::mma(pipeline, read, accumulators, k_tile_count, thread_idx, shared_tensors, params);
       return;
     }
