@@ -394,11 +394,10 @@ constexpr std::int64_t kHeavyMTiles = 2;
 // one whole block on the group-ordered segments of write_tile_order; writes them back merged.
 template <GroupedPass pass>
 __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands& op,
-                                 const TileOrder& order, TileSegment* scratch,
+                                 const TileOrder& order, std::uint32_t count, TileSegment* scratch,
                                  std::uint32_t capacity, std::int32_t n_tiles) {
   using Scan = cub::BlockScan<ClassSums, kIndexThreads>;
   __shared__ typename Scan::TempStorage storage;
-  const std::uint32_t count = *order.count;
   TileSegment* lists[2] = {scratch, scratch + capacity};  // heavy, light
   ClassSums carry{0, 0};
   for (std::uint32_t base = 0; base < count; base += kIndexThreads) {
@@ -463,6 +462,7 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   using Scan = cub::BlockScan<std::uint64_t, kIndexThreads>;
   __shared__ typename Scan::TempStorage storage;
   std::uint64_t carry = 0;  // segments << 32 | tiles
+  bool any_heavy = false;
   for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
     const std::int64_t position = base + threadIdx.x;
     const std::int64_t g = position >= index.groups ? -1 : sorted ? by_rows[position] : position;
@@ -472,7 +472,7 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
                                static_cast<std::uint64_t>(m_tiles * plan.n_tiles);
     std::uint64_t before, chunk;
     Scan(storage).ExclusiveSum(mine, before, chunk);
-    __syncthreads();
+    any_heavy |= __syncthreads_or(m_tiles > 0 && m_tiles <= kHeavyMTiles) != 0;
     const std::uint64_t at = carry + before;
     for (std::int64_t j = 0; j < strips; ++j) {
       order.segments[packed_count(at) + j] = {
@@ -488,8 +488,11 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
     *order.claimed = 0;
   }
   __syncthreads();
-  if constexpr (pass != GroupedPass::kWgrad) {
-    interleave_heavy<pass>(index, op, order, scratch, plan.capacity, plan.n_tiles);
+  // Without heavy groups the merge would leave the order as it is: the table kernel, which every
+  // call waits for, skips its passes over the segments (about 2 us of its 4).
+  if (pass != GroupedPass::kWgrad && any_heavy) {
+    interleave_heavy<pass>(index, op, order, packed_count(carry), scratch, plan.capacity,
+                           plan.n_tiles);
     __syncthreads();
   }
 }
