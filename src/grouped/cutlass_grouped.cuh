@@ -16,7 +16,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -92,7 +91,6 @@ struct OrderPlan {
   std::int32_t n_tiles;    // every group's N-tiles
   std::int64_t strip;      // M-tiles per segment
   std::uint32_t capacity;  // segment_capacity
-  bool spread_wgrad;       // experiment 41
 };
 
 template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1>
@@ -325,11 +323,6 @@ __device__ inline std::int64_t rank_by_rows(const GroupIndex& index, std::int64_
   return before;
 }
 
-// Group g's rows in 128-row tiles: its M-tiles in forward and dgrad.
-__device__ inline std::int64_t row_tiles(const GroupIndex& index, std::int64_t g) {
-  return ceil_tiles(index.offsets[g + 1] - index.offsets[g], kTileM);
-}
-
 // Group g's M-tiles: its rows' (forward, dgrad), or out_features' when it has rows (wgrad).
 template <GroupedPass pass>
 __device__ std::int64_t group_m_tiles(const GroupIndex& index, const GroupedOperands& op,
@@ -416,7 +409,7 @@ __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands&
       segment = order.segments[s];
       const std::uint64_t packed =
           (std::uint64_t{1} << 32) | static_cast<std::uint32_t>(segment.m_count * n_tiles);
-      heavy = row_tiles(index, segment.group) <= kHeavyMTiles;
+      heavy = group_m_tiles<pass>(index, op, segment.group) <= kHeavyMTiles;
       (heavy ? mine.heavy : mine.light) = packed;
     }
     ClassSums before, chunk;
@@ -479,7 +472,7 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
                                static_cast<std::uint64_t>(m_tiles * plan.n_tiles);
     std::uint64_t before, chunk;
     Scan(storage).ExclusiveSum(mine, before, chunk);
-    any_heavy |= __syncthreads_or(m_tiles > 0 && row_tiles(index, g) <= kHeavyMTiles) != 0;
+    any_heavy |= __syncthreads_or(m_tiles > 0 && m_tiles <= kHeavyMTiles) != 0;
     const std::uint64_t at = carry + before;
     for (std::int64_t j = 0; j < strips; ++j) {
       order.segments[packed_count(at) + j] = {
@@ -497,7 +490,7 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   __syncthreads();
   // Without heavy groups the merge would leave the order as it is: the table kernel, which every
   // call waits for, skips its passes over the segments (16 groups on an H100: 4.3 -> 3.5 us).
-  if ((pass != GroupedPass::kWgrad || plan.spread_wgrad) && any_heavy) {
+  if (pass != GroupedPass::kWgrad && any_heavy) {
     interleave_heavy<pass>(index, op, order, packed_count(carry), scratch, plan.capacity,
                            plan.n_tiles);
     __syncthreads();
@@ -573,9 +566,7 @@ OrderPlan order_plan(const CutlassCall& call) {
   const std::int64_t groups = call.index.groups;
   const std::int64_t n = pass == GroupedPass::kForward ? op.out_features : op.in_features;
   OrderPlan plan{static_cast<std::int32_t>(ceil_tiles(n, kTileN)), 0,
-                 segment_capacity(pass, groups), false};
-  const char* spread = std::getenv("MESHLA_GROUPED_WGRAD_SPREAD");
-  plan.spread_wgrad = spread != nullptr && spread[0] == '1';
+                 segment_capacity(pass, groups)};
   std::int64_t m_tiles_bound;  // of all groups
   if constexpr (pass == GroupedPass::kWgrad) {
     plan.strip = ceil_tiles(op.out_features, kTileM);  // one segment per group
