@@ -61,9 +61,20 @@ alignas(1024) static __shared__ bool upper_half_only[1024];
 // the next tile only once the CTA has taken the one handed on before (every consumer released its
 // slot), so a CTA holds its running tile and one more, enough for the loads to run ahead, and
 // leaves the rest to whichever CTA frees first.
+// Constructed before the scheduler's base, which reads the problem shapes: a GEMM launched as a
+// programmatic dependent of the table kernel waits here for its tables (a no-op otherwise).
+struct AfterTableKernel {
+  CUTLASS_DEVICE AfterTableKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  }
+};
+
 template <int Stages, int TileM>
 class ClaimingScheduler
-    : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape,
+    : private AfterTableKernel,
+      public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape,
                                                                              Stages> {
   using Base =
       cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape, Stages>;
@@ -72,7 +83,8 @@ class ClaimingScheduler
  public:
   CUTLASS_DEVICE ClaimingScheduler(typename Base::Params const& params,
                                    typename Base::SchedulerResponse* response)
-      : Base(params, response),
+      : AfterTableKernel(),
+        Base(params, response),
         order_(params.problem_shapes_.order),
         grid_size_(gridDim.x * gridDim.y * gridDim.z),
         count_(*order_.count),

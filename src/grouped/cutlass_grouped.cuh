@@ -16,6 +16,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -93,7 +94,9 @@ struct OrderPlan {
   std::int64_t strip;    // M-tiles per segment
 };
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1>
+// Experiment 42 (MESHLA_GROUPED_EPI): the epilogue's subtile and store stages. 0: CUTLASS's
+// (128x32, 2 stages), 1: 128x64 subtiles, 2: 4 stages, 3: 8 stages (the whole tile).
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1, int epi_variant = 0>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -134,10 +137,24 @@ struct GroupedGemm {
       std::conditional_t<epilogue == Epilogue::kBias, BiasEvt,
                          cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>>;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*,
       kAlignmentD, ElementD, LayoutD*, kAlignmentD, EpiSchedule, Fusion>::CollectiveOp;
+  using EpiTile = std::conditional_t<epi_variant == 1, cute::Shape<cute::_128, cute::_64>,
+                                     cute::Shape<cute::_128, cute::_32>>;
+  using AutoPolicy = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
+                              TileShape, EpiTile, ElementC, ElementD, EpiSchedule>());
+  static constexpr int kStagesD =
+      epi_variant == 2 ? 4 : (epi_variant == 3 ? 8 : AutoPolicy::StagesD);
+  using EpiPolicy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
+      AutoPolicy::StagesC, kStagesD, AutoPolicy::FragmentSize, AutoPolicy::ReuseSmemC,
+      AutoPolicy::DelayTmaStore, AutoPolicy::NumEpilogueWarpGroups>;
+  using CollectiveEpilogue =
+      std::conditional_t<epi_variant == 0, BuiltEpilogue,
+                         typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+                             TileShape, EpiTile, float, float, ElementC, LayoutD*, kAlignmentD,
+                             ElementD, LayoutD*, kAlignmentD, Fusion, EpiPolicy>::CollectiveOp>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename PassLayouts<pass>::A*,
@@ -513,6 +530,9 @@ template <class G, GroupedPass pass, bool clear_empty>
 __global__ void __launch_bounds__(kIndexThreads)
     fill_tables(GroupIndex index, DeviceStatus* status, GroupedOperands op, GroupedSpan out,
                 typename G::Tables tables, OrderPlan plan) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   if (blockIdx.x == 0 && blockIdx.y == 0) {
     build_group_index(index, status);
     for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
@@ -536,12 +556,19 @@ inline void check_cutlass(cutlass::Status status, const char* what) {
                "CUTLASS grouped GEMM " << what << " failed: " << cutlassGetStatusString(status));
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, int epi_variant = 0>
 CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
-  using G = GroupedGemm<pass, dtype, epilogue, cluster_m>;
+  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, epi_variant>;
   const typename G::Tables none{};
-  return {G::tables_bytes(groups),
-          G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
+  CutlassWorkspace own{G::tables_bytes(groups), G::Gemm::get_workspace_size(G::arguments(
+                                                    none, groups, device, sm_count, false))};
+  if constexpr (cluster_m == 1 && epi_variant < 3 && dtype == DType::kBFloat16 &&
+                epilogue != Epilogue::kAccumulate) {
+    const CutlassWorkspace next =
+        workspace_of<pass, dtype, epilogue, 1, epi_variant + 1>(groups, device, sm_count);
+    own = {std::max(own.tables, next.tables), std::max(own.kernel, next.kernel)};
+  }
+  return own;
 }
 
 constexpr bool pairs_along_m(GroupedPass pass) { return pass != GroupedPass::kWgrad; }
@@ -598,9 +625,16 @@ OrderPlan order_plan(const CutlassCall& call) {
   return plan;
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m>
+// Experiment 43 (MESHLA_GROUPED_PDL=1): the claimed GEMM launches while the table kernel runs
+// and waits for it in the scheduler (programmatic dependent launch).
+inline int experiment_env(const char* name) {
+  const char* value = std::getenv(name);
+  return value ? std::atoi(value) : 0;
+}
+
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, int epi_variant = 0>
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
-  using G = GroupedGemm<pass, dtype, epilogue, cluster_m>;
+  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, epi_variant>;
   const std::int64_t groups = call.index.groups;
   const typename G::Tables tables = G::carve(call.tables, groups);
   // The weight gradient (not accumulated) zeroes empty groups; accumulating leaves them alone.
@@ -613,7 +647,8 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   const auto args =
       G::arguments(tables, groups, call.device, call.sm_count, call.operands.bias != nullptr);
   check_cutlass(gemm.initialize(args, call.kernel_workspace, stream), "initialize");
-  check_cutlass(gemm.run(stream), "launch");
+  const bool pdl = G::kClaimed && experiment_env("MESHLA_GROUPED_PDL") == 1;
+  check_cutlass(gemm.run(stream, nullptr, pdl), "launch");
 }
 
 template <GroupedPass pass, Epilogue epilogue>
@@ -629,6 +664,18 @@ void run_clustered(const CutlassCall& call, cudaStream_t stream) {
   if constexpr (pairs_along_m(pass)) {
     if (call.index.rows >= kPairedMinRowsPerGroup * call.index.groups) {
       return run_grouped<pass, dtype, epilogue, 2>(call, stream);
+    }
+  }
+  if constexpr (dtype == DType::kBFloat16 && epilogue != Epilogue::kAccumulate) {
+    switch (experiment_env("MESHLA_GROUPED_EPI")) {
+      case 1:
+        return run_grouped<pass, dtype, epilogue, 1, 1>(call, stream);
+      case 2:
+        return run_grouped<pass, dtype, epilogue, 1, 2>(call, stream);
+      case 3:
+        return run_grouped<pass, dtype, epilogue, 1, 3>(call, stream);
+      default:
+        break;
     }
   }
   run_grouped<pass, dtype, epilogue, 1>(call, stream);
