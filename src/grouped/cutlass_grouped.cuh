@@ -95,7 +95,8 @@ struct OrderPlan {
 };
 
 // Experiment 42 (MESHLA_GROUPED_EPI): the epilogue's subtile and store stages. 0: CUTLASS's
-// (128x32, 2 stages), 1: 128x64 subtiles, 2: 4 stages, 3: 8 stages (the whole tile).
+// (128x32, 2 stages), 1: 128x64 subtiles, 2: 4 stages, 3: 8 stages (the whole tile), 4: 128x64
+// subtiles in 4 stages.
 template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1, int epi_variant = 0>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
@@ -141,12 +142,13 @@ struct GroupedGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*,
       kAlignmentD, ElementD, LayoutD*, kAlignmentD, EpiSchedule, Fusion>::CollectiveOp;
-  using EpiTile = std::conditional_t<epi_variant == 1, cute::Shape<cute::_128, cute::_64>,
-                                     cute::Shape<cute::_128, cute::_32>>;
+  using EpiTile =
+      std::conditional_t<epi_variant == 1 || epi_variant == 4, cute::Shape<cute::_128, cute::_64>,
+                         cute::Shape<cute::_128, cute::_32>>;
   using AutoPolicy = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
                               TileShape, EpiTile, ElementC, ElementD, EpiSchedule>());
   static constexpr int kStagesD =
-      epi_variant == 2 ? 4 : (epi_variant == 3 ? 8 : AutoPolicy::StagesD);
+      epi_variant == 2 || epi_variant == 4 ? 4 : (epi_variant == 3 ? 8 : AutoPolicy::StagesD);
   using EpiPolicy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
       AutoPolicy::StagesC, kStagesD, AutoPolicy::FragmentSize, AutoPolicy::ReuseSmemC,
       AutoPolicy::DelayTmaStore, AutoPolicy::NumEpilogueWarpGroups>;
@@ -562,7 +564,7 @@ CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
   const typename G::Tables none{};
   CutlassWorkspace own{G::tables_bytes(groups), G::Gemm::get_workspace_size(G::arguments(
                                                     none, groups, device, sm_count, false))};
-  if constexpr (cluster_m == 1 && epi_variant < 3 && dtype == DType::kBFloat16 &&
+  if constexpr (cluster_m == 1 && epi_variant < 4 && dtype == DType::kBFloat16 &&
                 epilogue != Epilogue::kAccumulate) {
     const CutlassWorkspace next =
         workspace_of<pass, dtype, epilogue, 1, epi_variant + 1>(groups, device, sm_count);
@@ -674,6 +676,8 @@ void run_clustered(const CutlassCall& call, cudaStream_t stream) {
         return run_grouped<pass, dtype, epilogue, 1, 2>(call, stream);
       case 3:
         return run_grouped<pass, dtype, epilogue, 1, 3>(call, stream);
+      case 4:
+        return run_grouped<pass, dtype, epilogue, 1, 4>(call, stream);
       default:
         break;
     }
