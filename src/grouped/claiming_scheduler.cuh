@@ -55,14 +55,9 @@ struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, i
 constexpr std::int32_t kUpperHalfOnly = 2;
 alignas(1024) static __shared__ bool upper_half_only[1024];
 
-// CUTLASS's group scheduler with claimed, ordered tiles. Every warp of a CTA computes its first
-// tile, the one whose claim index is the CTA's linear block index, itself; later tiles are claimed
-// by the scheduler warp, which hands them to the others through a shared-memory pipeline. It claims
-// the next tile only once the CTA has taken the one handed on before (every consumer released its
-// slot), so a CTA holds its running tile and one more, enough for the loads to run ahead, and
-// leaves the rest to whichever CTA frees first.
-// Constructed before the scheduler's base, which reads the problem shapes: a GEMM launched as a
-// programmatic dependent of the table kernel waits here for its tables (a no-op otherwise).
+// Constructed before the scheduler's base, which reads the problem shapes. The GEMM launches as a
+// programmatic dependent of the table kernel; here it waits for that kernel to finish and its
+// tables to be visible (at once when launched without the dependency).
 struct AfterTableKernel {
   CUTLASS_DEVICE AfterTableKernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -71,6 +66,12 @@ struct AfterTableKernel {
   }
 };
 
+// CUTLASS's group scheduler with claimed, ordered tiles. Every warp of a CTA computes its first
+// tile, the one whose claim index is the CTA's linear block index, itself; later tiles are claimed
+// by the scheduler warp, which hands them to the others through a shared-memory pipeline. It claims
+// the next tile only once the CTA has taken the one handed on before (every consumer released its
+// slot), so a CTA holds its running tile and one more, enough for the loads to run ahead, and
+// leaves the rest to whichever CTA frees first.
 template <int Stages, int TileM>
 class ClaimingScheduler
     : private AfterTableKernel,

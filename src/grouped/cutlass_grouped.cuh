@@ -16,7 +16,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -94,10 +93,16 @@ struct OrderPlan {
   std::int64_t strip;    // M-tiles per segment
 };
 
-// Experiment 42 (MESHLA_GROUPED_EPI): the epilogue's subtile and store stages. 0: CUTLASS's
-// (128x32, 2 stages), 1: 128x64 subtiles, 2: 4 stages, 3: 8 stages (the whole tile), 4: 128x64
-// subtiles in 4 stages.
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1, int epi_variant = 0>
+// The epilogue writes each tile to shared memory in subtiles of 128 rows, and a TMA store takes
+// each subtile on. Without a cluster it keeps up to 4 stores in flight instead of CUTLASS's 2, so
+// the consumer warpgroups wait less on the stores before their next tile; wide_subtiles makes the
+// subtiles 128 x 64 instead of 128 x 32, half as many rounds, but their larger buffers leave room
+// for 3 mainloop stages instead of 4. Measured in experiment 42 (bench/NOTES.md): 4 stores
+// gained 0.5-2% on forward and dgrad; wide subtiles gained 2-7% on weight gradients and on dgrad
+// of large groups and lost 3-5% where the mainloop waits on each group's weight from HBM
+// (forward, Qwen3's dgrad).
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1,
+          bool wide_subtiles = false>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -138,25 +143,22 @@ struct GroupedGemm {
       std::conditional_t<epilogue == Epilogue::kBias, BiasEvt,
                          cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>>;
 
-  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*,
-      kAlignmentD, ElementD, LayoutD*, kAlignmentD, EpiSchedule, Fusion>::CollectiveOp;
-  using EpiTile =
-      std::conditional_t<epi_variant == 1 || epi_variant == 4, cute::Shape<cute::_128, cute::_64>,
-                         cute::Shape<cute::_128, cute::_32>>;
-  using AutoPolicy = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
-                              TileShape, EpiTile, ElementC, ElementD, EpiSchedule>());
-  static constexpr int kStagesD =
-      epi_variant == 2 || epi_variant == 4 ? 4 : (epi_variant == 3 ? 8 : AutoPolicy::StagesD);
-  using EpiPolicy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
-      AutoPolicy::StagesC, kStagesD, AutoPolicy::FragmentSize, AutoPolicy::ReuseSmemC,
-      AutoPolicy::DelayTmaStore, AutoPolicy::NumEpilogueWarpGroups>;
-  using CollectiveEpilogue =
-      std::conditional_t<epi_variant == 0, BuiltEpilogue,
-                         typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
-                             TileShape, EpiTile, float, float, ElementC, LayoutD*, kAlignmentD,
-                             ElementD, LayoutD*, kAlignmentD, Fusion, EpiPolicy>::CollectiveOp>;
+  using EpilogueTile = cute::Shape<cute::_128, cute::Int<wide_subtiles ? 64 : 32>>;
+  // CUTLASS's choice for this subtile (what its epilogue builder would take), with the stores in
+  // flight raised where measured: not for the accumulating epilogue, whose C subtiles share the
+  // buffers (4 stores would leave 3 mainloop stages), nor for the paired kernel.
+  using BuilderPolicy =
+      decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
+               TileShape, EpilogueTile, ElementC, ElementD, EpiSchedule>());
+  static constexpr int kStoresInFlight =
+      kClaimed && epilogue != Epilogue::kAccumulate ? 4 : BuilderPolicy::StagesD;
+  using EpiloguePolicy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
+      BuilderPolicy::StagesC, kStoresInFlight, BuilderPolicy::FragmentSize,
+      BuilderPolicy::ReuseSmemC, BuilderPolicy::DelayTmaStore,
+      BuilderPolicy::NumEpilogueWarpGroups>;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+      TileShape, EpilogueTile, float, float, ElementC, LayoutD*, kAlignmentD, ElementD, LayoutD*,
+      kAlignmentD, Fusion, EpiloguePolicy>::CollectiveOp;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename PassLayouts<pass>::A*,
@@ -521,6 +523,9 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   }
 }
 
+// Groups whose offsets block 0 of the table kernel keeps in shared memory (4 KiB).
+constexpr std::int64_t kSharedOffsets = 512;
+
 // Everything a call does before its GEMM, in one launch. Block 0 builds the group index, then
 // every group's entries of the tables and, without a cluster, the tile order. A call whose
 // m_splits fail the checks gets all-zero offsets, so every group has no rows and the GEMM touches
@@ -532,19 +537,27 @@ template <class G, GroupedPass pass, bool clear_empty>
 __global__ void __launch_bounds__(kIndexThreads)
     fill_tables(GroupIndex index, DeviceStatus* status, GroupedOperands op, GroupedSpan out,
                 typename G::Tables tables, OrderPlan plan) {
+  // The GEMM, launched as this kernel's programmatic dependent, may start now: it waits for the
+  // tables where it first reads them (ClaimingScheduler).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
   if (blockIdx.x == 0 && blockIdx.y == 0) {
-    build_group_index(index, status);
+    // The tables and the tile order read the offsets several times over: up to kSharedOffsets
+    // groups, from a copy in shared memory rather than through L2 (16 groups: 3.5 -> ? us).
+    __shared__ std::int64_t shared_offsets[kSharedOffsets + 1];
+    GroupIndex block_index = index;
+    if (index.groups <= kSharedOffsets) block_index.offsets = shared_offsets;
+    const bool valid =
+        build_group_index(index, status, index.groups <= kSharedOffsets ? shared_offsets : nullptr);
     for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
-      fill_group<G, pass>(g, index, op, tables);
+      fill_group<G, pass>(g, block_index, op, tables);
     }
     if constexpr (G::kClaimed) {
-      write_tile_order<pass>(index, op, {tables.segments, tables.count, tables.claimed}, plan,
+      write_tile_order<pass>(block_index, op, {tables.segments, tables.count, tables.claimed}, plan,
                              tables.scratch);
     }
-    if (*index.invalid != 0) {
+    if (!valid) {
       for (std::int64_t g = 0; g < out.groups; ++g) {
         fill_elements(out, g, Fill::kNaN, threadIdx.x, blockDim.x);
       }
@@ -558,19 +571,12 @@ inline void check_cutlass(cutlass::Status status, const char* what) {
                "CUTLASS grouped GEMM " << what << " failed: " << cutlassGetStatusString(status));
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, int epi_variant = 0>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles>
 CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
-  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, epi_variant>;
+  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles>;
   const typename G::Tables none{};
-  CutlassWorkspace own{G::tables_bytes(groups), G::Gemm::get_workspace_size(G::arguments(
-                                                    none, groups, device, sm_count, false))};
-  if constexpr (cluster_m == 1 && epi_variant < 4 && dtype == DType::kBFloat16 &&
-                epilogue != Epilogue::kAccumulate) {
-    const CutlassWorkspace next =
-        workspace_of<pass, dtype, epilogue, 1, epi_variant + 1>(groups, device, sm_count);
-    own = {std::max(own.tables, next.tables), std::max(own.kernel, next.kernel)};
-  }
-  return own;
+  return {G::tables_bytes(groups),
+          G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
 }
 
 constexpr bool pairs_along_m(GroupedPass pass) { return pass != GroupedPass::kWgrad; }
@@ -582,16 +588,34 @@ constexpr bool pairs_along_m(GroupedPass pass) { return pass != GroupedPass::kWg
 // about 2%, 16 x 2048 skewed 3-13%).
 constexpr std::int64_t kPairedMinRowsPerGroup = 32 * 128;
 
+// The weight gradient's tiles contract their group's rows, often few, so its epilogue weighs more
+// than its mainloop's fourth stage: it always takes wide subtiles (experiment 42: 2-7% on Qwen3
+// and DeepSeek with 32 experts, even elsewhere). The accumulating epilogue keeps CUTLASS's.
+constexpr bool always_wide(GroupedPass pass, Epilogue epilogue) {
+  return pass == GroupedPass::kWgrad && epilogue == Epilogue::kStore;
+}
+
+// dgrad takes wide subtiles when its groups average at least 8 M-tiles of rows, so that a group's
+// weight serves enough tiles from L2; with fewer (Qwen3: 4) the mainloop waits on HBM for each
+// group's weight and needs its fourth stage (experiment 42: wide subtiles gained 2-4% on
+// DeepSeek with 32 experts and 16 x 2048 rows, and lost 1-3% on Qwen3). The forward pass lost
+// 2-5% with them on Qwen3 and 16 x 2048 rows and keeps narrow ones.
+constexpr std::int64_t kWideDgradMinRowsPerGroup = 8 * 128;
+
 template <GroupedPass pass, DType dtype, Epilogue epilogue>
 CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
-  const CutlassWorkspace single = workspace_of<pass, dtype, epilogue, 1>(groups, device, sm_count);
-  if constexpr (pairs_along_m(pass)) {
-    const CutlassWorkspace paired =
-        workspace_of<pass, dtype, epilogue, 2>(groups, device, sm_count);
-    return {std::max(single.tables, paired.tables), std::max(single.kernel, paired.kernel)};
-  } else {
-    return single;
+  auto widest = [](CutlassWorkspace a, CutlassWorkspace b) {
+    return CutlassWorkspace{std::max(a.tables, b.tables), std::max(a.kernel, b.kernel)};
+  };
+  constexpr bool wide = always_wide(pass, epilogue);
+  CutlassWorkspace all = workspace_of<pass, dtype, epilogue, 1, wide>(groups, device, sm_count);
+  if constexpr (pass == GroupedPass::kDgrad) {
+    all = widest(all, workspace_of<pass, dtype, epilogue, 1, true>(groups, device, sm_count));
   }
+  if constexpr (pairs_along_m(pass)) {
+    all = widest(all, workspace_of<pass, dtype, epilogue, 2, false>(groups, device, sm_count));
+  }
+  return all;
 }
 
 template <GroupedPass pass>
@@ -627,16 +651,9 @@ OrderPlan order_plan(const CutlassCall& call) {
   return plan;
 }
 
-// Experiment 43 (MESHLA_GROUPED_PDL=1): the claimed GEMM launches while the table kernel runs
-// and waits for it in the scheduler (programmatic dependent launch).
-inline int experiment_env(const char* name) {
-  const char* value = std::getenv(name);
-  return value ? std::atoi(value) : 0;
-}
-
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, int epi_variant = 0>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles>
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
-  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, epi_variant>;
+  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles>;
   const std::int64_t groups = call.index.groups;
   const typename G::Tables tables = G::carve(call.tables, groups);
   // The weight gradient (not accumulated) zeroes empty groups; accumulating leaves them alone.
@@ -649,8 +666,10 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   const auto args =
       G::arguments(tables, groups, call.device, call.sm_count, call.operands.bias != nullptr);
   check_cutlass(gemm.initialize(args, call.kernel_workspace, stream), "initialize");
-  const bool pdl = G::kClaimed && experiment_env("MESHLA_GROUPED_PDL") == 1;
-  check_cutlass(gemm.run(stream, nullptr, pdl), "launch");
+  // A claimed GEMM launches as the table kernel's programmatic dependent: its CTAs start while
+  // the table kernel runs and wait for it in ClaimingScheduler (experiment 43: 0.5-1.5% on the
+  // 0.2 ms calls of 16 x 2048 rows). CUTLASS's own scheduler reads the tables without waiting.
+  check_cutlass(gemm.run(stream, nullptr, /*launch_with_pdl=*/G::kClaimed), "launch");
 }
 
 template <GroupedPass pass, Epilogue epilogue>
@@ -665,24 +684,15 @@ template <GroupedPass pass, DType dtype, Epilogue epilogue>
 void run_clustered(const CutlassCall& call, cudaStream_t stream) {
   if constexpr (pairs_along_m(pass)) {
     if (call.index.rows >= kPairedMinRowsPerGroup * call.index.groups) {
-      return run_grouped<pass, dtype, epilogue, 2>(call, stream);
+      return run_grouped<pass, dtype, epilogue, 2, false>(call, stream);
     }
   }
-  if constexpr (dtype == DType::kBFloat16 && epilogue != Epilogue::kAccumulate) {
-    switch (experiment_env("MESHLA_GROUPED_EPI")) {
-      case 1:
-        return run_grouped<pass, dtype, epilogue, 1, 1>(call, stream);
-      case 2:
-        return run_grouped<pass, dtype, epilogue, 1, 2>(call, stream);
-      case 3:
-        return run_grouped<pass, dtype, epilogue, 1, 3>(call, stream);
-      case 4:
-        return run_grouped<pass, dtype, epilogue, 1, 4>(call, stream);
-      default:
-        break;
+  if constexpr (pass == GroupedPass::kDgrad) {
+    if (call.index.rows >= kWideDgradMinRowsPerGroup * call.index.groups) {
+      return run_grouped<pass, dtype, epilogue, 1, true>(call, stream);
     }
   }
-  run_grouped<pass, dtype, epilogue, 1>(call, stream);
+  run_grouped<pass, dtype, epilogue, 1, always_wide(pass, epilogue)>(call, stream);
 }
 
 template <GroupedPass pass, Epilogue epilogue>
