@@ -102,7 +102,7 @@ struct OrderPlan {
 // of large groups and lost 3-5% where the mainloop waits on each group's weight from HBM
 // (forward, Qwen3's dgrad).
 template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1,
-          bool wide_subtiles = false, int stores_override = 0>
+          bool wide_subtiles = false>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -150,10 +150,8 @@ struct GroupedGemm {
   using BuilderPolicy =
       decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
                TileShape, EpilogueTile, ElementC, ElementD, EpiSchedule>());
-  static constexpr int kStoresInFlight = stores_override ? stores_override
-                                         : kClaimed && epilogue != Epilogue::kAccumulate
-                                             ? 4
-                                             : BuilderPolicy::StagesD;
+  static constexpr int kStoresInFlight =
+      kClaimed && epilogue != Epilogue::kAccumulate ? 4 : BuilderPolicy::StagesD;
   using EpiloguePolicy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
       BuilderPolicy::StagesC, kStoresInFlight, BuilderPolicy::FragmentSize,
       BuilderPolicy::ReuseSmemC, BuilderPolicy::DelayTmaStore,
@@ -653,15 +651,9 @@ OrderPlan order_plan(const CutlassCall& call) {
   return plan;
 }
 
-inline int experiment_env(const char* name, int fallback) {
-  const char* value = std::getenv(name);
-  return value ? std::atoi(value) : fallback;
-}
-
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles,
-          int stores = 0>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles>
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
-  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles, stores>;
+  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles>;
   const std::int64_t groups = call.index.groups;
   const typename G::Tables tables = G::carve(call.tables, groups);
   // The weight gradient (not accumulated) zeroes empty groups; accumulating leaves them alone.
@@ -677,9 +669,7 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   // A claimed GEMM launches as the table kernel's programmatic dependent: its CTAs start while
   // the table kernel runs and wait for it in ClaimingScheduler (experiment 43: 0.5-1.5% on the
   // 0.2 ms calls of 16 x 2048 rows). CUTLASS's own scheduler reads the tables without waiting.
-  check_cutlass(gemm.run(stream, nullptr, /*launch_with_pdl=*/G::kClaimed &&
-                                              experiment_env("MESHLA_GROUPED_PDL", 1) == 1),
-                "launch");
+  check_cutlass(gemm.run(stream, nullptr, /*launch_with_pdl=*/G::kClaimed), "launch");
 }
 
 template <GroupedPass pass, Epilogue epilogue>
@@ -692,25 +682,6 @@ CutlassWorkspace workspace_for(DType dtype, std::int64_t groups, int device, int
 
 template <GroupedPass pass, DType dtype, Epilogue epilogue>
 void run_clustered(const CutlassCall& call, cudaStream_t stream) {
-  // Experiment 44: MESHLA_GROUPED_WIDE (0 never, 1 the rule, 2 always), MESHLA_GROUPED_STORES (2,
-  // 4)
-  if constexpr (dtype == DType::kBFloat16 && epilogue != Epilogue::kAccumulate) {
-    const bool paired =
-        pairs_along_m(pass) && call.index.rows >= kPairedMinRowsPerGroup * call.index.groups;
-    const int wide_mode = experiment_env("MESHLA_GROUPED_WIDE", 1);
-    const bool rule = always_wide(pass, epilogue) ||
-                      (pass == GroupedPass::kDgrad &&
-                       call.index.rows >= kWideDgradMinRowsPerGroup * call.index.groups);
-    const bool wide = wide_mode == 2 || (wide_mode == 1 && rule);
-    if (!paired && experiment_env("MESHLA_GROUPED_STORES", 4) == 2) {
-      return wide ? run_grouped<pass, dtype, epilogue, 1, true, 2>(call, stream)
-                  : run_grouped<pass, dtype, epilogue, 1, false, 2>(call, stream);
-    }
-    if (!paired && wide != rule) {
-      return wide ? run_grouped<pass, dtype, epilogue, 1, true>(call, stream)
-                  : run_grouped<pass, dtype, epilogue, 1, false>(call, stream);
-    }
-  }
   if constexpr (pairs_along_m(pass)) {
     if (call.index.rows >= kPairedMinRowsPerGroup * call.index.groups) {
       return run_grouped<pass, dtype, epilogue, 2, false>(call, stream);
