@@ -100,7 +100,8 @@ struct OrderPlan {
 // for 3 mainloop stages instead of 4. Measured in experiment 42 (bench/NOTES.md): 4 stores
 // gained 0.5-2% on forward and dgrad; wide subtiles gained 2-7% on weight gradients and on dgrad
 // of large groups and lost 3-5% where the mainloop waits on each group's weight from HBM
-// (forward, Qwen3's dgrad).
+// (forward, Qwen3's dgrad). In the benchmark's own rotation (experiment 44) the gains held on
+// average and on DeepSeek's long calls; single short calls vary by up to 3% between rotations.
 template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1,
           bool wide_subtiles = false>
 struct GroupedGemm {
