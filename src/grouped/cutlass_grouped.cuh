@@ -548,10 +548,10 @@ __global__ void __launch_bounds__(kIndexThreads)
     // groups, from a copy in shared memory rather than through L2. Measured on 16 groups: 3.7-3.8
     // us against 3.5 us before, on another lease: no gain seen (bench/NOTES.md 44).
     __shared__ std::int64_t shared_offsets[kSharedOffsets + 1];
+    const bool in_shared = index.groups <= kSharedOffsets;
     GroupIndex block_index = index;
-    if (index.groups <= kSharedOffsets) block_index.offsets = shared_offsets;
-    const bool valid =
-        build_group_index(index, status, index.groups <= kSharedOffsets ? shared_offsets : nullptr);
+    if (in_shared) block_index.offsets = shared_offsets;
+    const bool valid = build_group_index(index, status, in_shared ? shared_offsets : nullptr);
     for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
       fill_group<G, pass>(g, block_index, op, tables);
     }
