@@ -58,7 +58,8 @@ def empty(*shape: int) -> torch.Tensor:
 def meshla_variants(meshla_op, a, b, group, out, args) -> dict[str, Callable[[], object]]:
     """meshla_<algorithm> on NCCL at its defaults, meshla_symmetric (the copy-engine backend),
     meshla_cublasmp (cuBLASMp's own overlap), meshla_auto (meshla's own choice), plus the sweeps: meshla_<algorithm>_s<sms>_c<chunks>[_t<ctas>]
-    on NCCL and meshla_symmetric_c<chunks>."""
+    on NCCL and meshla_symmetric_c<chunks>, and all_gather_matmul's GEMM forced into each form
+    (meshla_symmetric_per_batch, meshla_symmetric_one_launch; --gather-forms)."""
     settings = [(backend, algorithm, (-1, 0, 0)) for backend, algorithm in (
         ("nccl", "sequential"), ("nccl", "pipelined"), ("nccl", "ring"), ("symmetric", "ring"),
         ("auto", "auto"))]
@@ -69,6 +70,10 @@ def meshla_variants(meshla_op, a, b, group, out, args) -> dict[str, Callable[[],
     b_t = b.t().contiguous()
     variants = {"meshla_cublasmp": lambda: meshla_op(a, b_t, group, trans_b=True,
                                                      backend="cublasmp", out=out)}
+    if meshla_op.__name__ == "all_gather_matmul":
+        for form, form_group in args.gather_form_groups.items():
+            variants[f"meshla_symmetric_{form}"] = built_with_form(
+                form, lambda g=form_group: meshla_op(a, b, g, backend="symmetric", out=out))
     for backend, algorithm, (sms, chunks, ctas) in settings:
         name = "meshla_" + ("symmetric" if backend == "symmetric" else algorithm)
         if backend == "symmetric" and chunks:
@@ -80,6 +85,25 @@ def meshla_variants(meshla_op, a, b, group, out, args) -> dict[str, Callable[[],
                                                comm_sms=sms, chunks=chunks, comm_ctas=ctas,
                                                out=out))
     return variants
+
+
+def built_with_form(form: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn, whose first call builds its plan with MESHLA_GATHER_GEMM=form: all_gather_matmul's
+    GEMM per batch or in one launch instead of the faster of the two on this GPU. fn runs on a
+    group of its own, so that the plan is not the one meshla_symmetric built."""
+    built = False
+
+    def call():
+        nonlocal built
+        if built:
+            return fn()
+        os.environ["MESHLA_GATHER_GEMM"] = form
+        try:
+            return fn()
+        finally:
+            del os.environ["MESHLA_GATHER_GEMM"]
+            built = True
+    return call
 
 
 def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, args) -> Case:
@@ -285,6 +309,9 @@ def parse_args() -> argparse.Namespace:
                         "(comm_sms:chunks:comm_ctas; -1, 0 and 0 mean the defaults)")
     parser.add_argument("--symmetric-chunks", type=int, nargs="*", default=[], metavar="C",
                         help="extra chunk counts (reduce rounds) to time on the symmetric backend")
+    parser.add_argument("--gather-forms", action="store_true",
+                        help="also time all_gather_matmul's symmetric GEMM in each form, per "
+                        "batch and in one launch (meshla_symmetric_per_batch, _one_launch)")
     args = parser.parse_args()
     try:
         knobs = [[int(v) for v in item.split(":")] for item in args.sweep]
@@ -315,6 +342,9 @@ def main():
     rank, tp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234 + rank)  # ranks hold different shards
     group = mt.group_from_process_group(device=device)
+    # One group per forced form: a group caches one plan per shape.
+    args.gather_form_groups = {form: mt.group_from_process_group(device=device)
+                               for form in ("per_batch", "one_launch")} if args.gather_forms else {}
     group_name = dist.group.WORLD.group_name
     symm_mem_error = enable_symm_mem()
 

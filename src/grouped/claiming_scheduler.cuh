@@ -12,6 +12,8 @@
 //   the large ones (experiment 39); the weight gradient's largest groups go first so that the
 //   small ones even out the end.
 // - Half tiles: a group's last M-tile with 64 rows or fewer (experiment 40).
+// - Arrivals: all_gather_matmul's one-launch GEMM holds each tile until its group has landed
+//   (TileOrder::landed).
 // Included by cutlass_grouped.cuh.
 #pragma once
 
@@ -38,6 +40,12 @@ struct TileOrder {
   TileSegment* segments = nullptr;
   std::uint32_t* count = nullptr;
   std::uint32_t* claimed = nullptr;  // tiles claimed after each CTA's first
+  // all_gather_matmul's one-launch GEMM (overlap/gathered_gemm.cu), whose groups are rank blocks
+  // that land while it runs: per group, a flag that turns nonzero once the group's rows have
+  // landed (nullptr: present from the start), and how long a warp waits for one before it traps.
+  // nullptr for the grouped GEMM.
+  const std::uint32_t* const* landed = nullptr;
+  std::uint64_t landed_timeout_ns = 0;
 };
 
 // CUTLASS's grouped problem shape plus the tile order. Being its own type, it selects
@@ -65,6 +73,30 @@ struct AfterTableKernel {
 #endif
   }
 };
+
+// Called by a whole warp; returns once *flag is nonzero, after which the warp's loads (and the TMA
+// loads it hands the tile to) see the rows the flag announces. Traps after `timeout_ns`, so that a
+// rank that died does not hang its peers forever: the launch then fails and the CUDA context is
+// lost. No printf says so: a call anywhere in the kernel makes ptxas serialize every wgmma
+// (warning C7510).
+CUTLASS_DEVICE void await_landed(const std::uint32_t* flag, std::uint64_t timeout_ns) {
+  if (cutlass::canonical_lane_idx() == 0) {
+    std::uint64_t start = 0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    for (;;) {
+      std::uint32_t value = 0;
+      asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+      if (value != 0) break;
+      std::uint64_t now = 0;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      if (now - start > timeout_ns) __trap();
+      __nanosleep(256);
+    }
+    // TMA reads through the async proxy: order its reads of the rows after the flag's.
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+  __syncwarp();
+}
 
 // CUTLASS's group scheduler with claimed, ordered tiles. Every warp of a CTA computes its first
 // tile, the one whose claim index is the CTA's linear block index, itself; later tiles are claimed
@@ -147,6 +179,12 @@ class ClaimingScheduler
       if (lanes != 0xffffffffu) break;
     }
     const TileSegment segment = order_.segments[segment_];
+    // A warp's groups come in claim order, so it waits at most once for each.
+    if (order_.landed != nullptr && segment.group != awaited_group_) {
+      const std::uint32_t* flag = order_.landed[segment.group];
+      if (flag != nullptr) await_landed(flag, order_.landed_timeout_ns);
+      awaited_group_ = segment.group;
+    }
     const std::uint32_t local = tile - segment.first_tile;
     const auto m_count = static_cast<std::uint32_t>(segment.m_count);
     const std::int32_t m = segment.m_first + static_cast<std::int32_t>(local % m_count);
@@ -166,6 +204,7 @@ class ClaimingScheduler
   std::uint32_t count_;
   std::uint32_t total_;
   std::uint32_t segment_ = 0;
+  std::int32_t awaited_group_ = -1;
   typename Base::PipelineState last_handed_{};
   bool handed_on_ = false;
 };

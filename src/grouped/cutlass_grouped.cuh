@@ -1,6 +1,7 @@
 // One CUTLASS Hopper grouped GEMM per (pass, dtype): the kernel type, the per-group tables it reads
 // (problem sizes, operand pointers, strides), the kernel that fills them from the group index on
-// the device, and the launch. Included only by the cutlass_grouped_*.cu translation units.
+// the device, and the launch. Included by the cutlass_grouped_*.cu translation units and by
+// overlap/gathered_gemm.cu, whose all-gather GEMM is this kernel with its own tables.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -621,6 +622,21 @@ CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
   return all;
 }
 
+// Forward and dgrad: M-tiles per segment of the tile order, for n_tiles N-tiles, a contraction of
+// k, and at most m_tiles_bound M-tiles over all groups. A strip's rows stay in L2 while its
+// N-tiles pass over them: they fill at most a quarter of it, and the strip is at least a wave of
+// tiles, so that the weight it reads again serves a wave. Whole groups read their rows once per
+// N-tile when those exceed L2 (the largest skewed Qwen3 group: 72 MB, 6 N-tiles). Measured in
+// experiment 39: strips of one wave alone made DeepSeek's dgrad (28 N-tiles, 5 M-tiles a wave)
+// read its weight once per 5 M-tiles, 2% slower than a quarter or half of L2; half of L2 or more
+// lost 1.5-5% on skewed Qwen3.
+inline std::int64_t strip_m_tiles(std::int32_t n_tiles, std::int64_t k, std::int64_t m_tiles_bound,
+                                  int sm_count, int l2_bytes) {
+  const std::int64_t m_tile_bytes = kTileM * k * 2;  // 16-bit elements
+  return std::max({ceil_tiles(sm_count, n_tiles), std::int64_t{l2_bytes} / 4 / m_tile_bytes,
+                   ceil_tiles(m_tiles_bound, kStripBudget)});
+}
+
 template <GroupedPass pass>
 OrderPlan order_plan(const CutlassCall& call) {
   const GroupedOperands& op = call.operands;
@@ -633,17 +649,8 @@ OrderPlan order_plan(const CutlassCall& call) {
     m_tiles_bound = plan.strip * groups;
   } else {
     m_tiles_bound = ceil_tiles(call.index.rows, kTileM) + groups;  // >= the sum of ceil(rows_g/128)
-    // A strip's rows stay in L2 while its N-tiles pass over them: they fill at most a quarter of
-    // it, and the strip is at least a wave of tiles, so that the weight it reads again serves a
-    // wave. Whole groups read their rows once per N-tile when those exceed L2 (the largest
-    // skewed Qwen3 group: 72 MB, 6 N-tiles). Measured in experiment 39: strips of one wave alone
-    // made DeepSeek's dgrad (28 N-tiles, 5 M-tiles a wave) read its weight once per 5 M-tiles,
-    // 2% slower than a quarter or half of L2; half of L2 or more lost 1.5-5% on skewed Qwen3.
     const std::int64_t k = pass == GroupedPass::kForward ? op.in_features : op.out_features;
-    const std::int64_t m_tile_bytes = kTileM * k * 2;  // 16-bit elements
-    plan.strip = std::max({ceil_tiles(call.sm_count, plan.n_tiles),
-                           std::int64_t{call.l2_bytes} / 4 / m_tile_bytes,
-                           ceil_tiles(m_tiles_bound, kStripBudget)});
+    plan.strip = strip_m_tiles(plan.n_tiles, k, m_tiles_bound, call.sm_count, call.l2_bytes);
   }
   // Claim indices are 32-bit.
   MESHLA_CHECK_ARG(m_tiles_bound * plan.n_tiles < (std::int64_t{1} << 32),

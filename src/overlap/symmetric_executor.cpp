@@ -11,13 +11,19 @@
 //   reduced[round][q]  q's summed sub-block of `round` has landed here (all-reduce)
 // A flag goes 0 -> 1 -> 0 once per execution, and its next set always follows its clearing in
 // stream order, so repeated executions and CUDA-graph replays never see a stale value.
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 #include "comm/peer_memory.hpp"
 #include "comm/stream_flags.hpp"
 #include "core/cuda_checks.hpp"
+#include "gemm/random_fill.hpp"
 #include "meshla/matmul.hpp"
 #include "overlap/executor.hpp"
+#include "overlap/gathered_gemm.hpp"
 #include "overlap/peer_plan.hpp"
 #include "overlap/sum_slots.hpp"
 
@@ -25,6 +31,19 @@ namespace meshla::overlap {
 namespace {
 
 enum class Flag { kFree, kArrived, kReduced };
+
+// all_gather_matmul's GEMM operands: this rank's block, the slots the peers' blocks land in (slot
+// q at rank q's rows), b, the bias (or nullptr) and the product.
+struct GatherOperands {
+  const char* own;
+  const char* slots;
+  const void* b;
+  const void* bias;
+  char* out;
+};
+
+// Timed runs of each form of all_gather_matmul's GEMM when the plan chooses between them.
+constexpr int kFormRepeats = 5;
 
 class SymmetricExecutor final : public Executor {
  public:
@@ -37,6 +56,8 @@ class SymmetricExecutor final : public Executor {
         peers_(ring_peers(tp_, rank_)),
         batches_(config.op == CollectiveOp::kAllGatherMatmul ? arrival_batches(tp_, rank_)
                                                              : std::vector<std::vector<int>>{}),
+        arrivals_(arrival_order(tp_, rank_)),
+        timeout_(comm.timeout()),
         matmul_(comm.device()),
         push_(comm.device(), 1, /*high_priority=*/true),
         collect_(comm.device(), 1, /*high_priority=*/true) {
@@ -64,6 +85,7 @@ class SymmetricExecutor final : public Executor {
     for (int round = 0; round < rounds_; ++round) reduced_ready_.emplace_back(device);
     for (std::size_t i = 0; i < batches_.size(); ++i) arrived_.emplace_back(device);
     prepare_gemms();
+    if (config.op == CollectiveOp::kAllGatherMatmul) choose_gather_form();
     if (config.op != CollectiveOp::kAllGatherMatmul) {
       load_sum_slots(config.dtype);
       sum_targets_.reserve(static_cast<std::size_t>(tp_));  // no allocation per call
@@ -152,19 +174,138 @@ class SymmetricExecutor final : public Executor {
     }
   }
 
-  void gemm(const CollectiveMatmulArgs& args, const MatmulShape& shape, const char* a, void* d,
+  void gemm(const MatmulShape& shape, const char* a, const void* b, const void* bias, void* d,
             cudaStream_t stream) {
-    matmul_.run(shape,
-                {.a = a, .b = args.b.data, .bias = shape.bias ? args.bias.data : nullptr, .d = d},
-                stream);
+    matmul_.run(shape, {.a = a, .b = b, .bias = shape.bias ? bias : nullptr, .d = d}, stream);
   }
 
-  void all_gather_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
+  // all_gather_matmul's GEMM in one of two forms, whichever ran faster on this GPU when the plan
+  // was built (choose_gather_form):
+  // - per batch: the own block's GEMM, then one per arrival_batches' batch, each on the stream
+  //   after its blocks' flags (cuBLASLt, tuned per shape);
+  // - one launch (GatheredGemm): every block's tiles in one persistent kernel, own block first,
+  //   then in arrival order, each tile waiting on the device for its block's flag.
+  // Each GEMM per batch ends in a partly idle wave, the one launch only once; but the one launch's
+  // CUTLASS kernel is up to 3-5% slower than cuBLAS on the same tiles (bench/NOTES.md 37 and 45).
+  // With `await` false (timing on scratch data) nothing waits for flags.
+  void gather_gemms(const GatherOperands& ops, bool await, char* gathered, cudaStream_t stream) {
     const std::int64_t block = config_.m / tp_;
     const std::int64_t block_bytes = block * config_.k * element_;
     const std::int64_t out_block_bytes = block * config_.n * element_;
+    if (gathered_gemm_ && aligned_for_tma(ops)) {
+      GatheredBlock blocks[kMaxGatheredBlocks];
+      blocks[0] = {.a = ops.own, .d = ops.out + rank_ * out_block_bytes, .landed = nullptr};
+      for (std::size_t i = 0; i < arrivals_.size(); ++i) {
+        const int source = arrivals_[i];
+        std::uint32_t* landed = flag(rank_, Flag::kArrived, 0, source);
+        blocks[i + 1] = {.a = ops.slots + source * block_bytes,
+                         .d = ops.out + source * out_block_bytes,
+                         .landed = await ? landed : nullptr};
+        if (gathered == nullptr) continue;
+        detail::wait_flag(collect_[0], landed, 1);
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes,
+                                          ops.slots + source * block_bytes, block_bytes,
+                                          cudaMemcpyDeviceToDevice, collect_[0]));
+      }
+      gathered_gemm_->run(blocks, ops.b, ops.bias, timeout_, stream);
+      if (!await) return;
+      // Cleared after the kernel and after the copies into `gathered`, which wait for them too.
+      if (gathered != nullptr) collect_.join(stream);
+      for (int source : arrivals_) {
+        detail::write_flag(stream, flag(rank_, Flag::kArrived, 0, source), 0);
+      }
+      return;
+    }
+    gemm(shape(block, config_.bias), ops.own, ops.b, ops.bias, ops.out + rank_ * out_block_bytes,
+         stream);
+    for (std::size_t i = 0; i < batches_.size(); ++i) {
+      const std::vector<int>& sources = batches_[i];
+      if (await) {
+        for (int source : sources) consume(stream, flag(rank_, Flag::kArrived, 0, source));
+      }
+      gemm(batch_shape(sources), ops.slots + sources[0] * block_bytes, ops.b, ops.bias,
+           ops.out + sources[0] * out_block_bytes, stream);
+      if (gathered == nullptr) continue;
+      MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), stream));
+      MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_[i].get(), 0));
+      for (int source : sources) {
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes,
+                                          ops.slots + source * block_bytes, block_bytes,
+                                          cudaMemcpyDeviceToDevice, collect_[0]));
+      }
+    }
+  }
+
+  // TMA reads and writes 16-byte aligned rows from 16-byte aligned starts (n and k are multiples
+  // of 8 where GatheredGemm runs); a caller's view at another offset takes the GEMMs per batch.
+  static bool aligned_for_tma(const GatherOperands& ops) {
+    const auto aligned = [](const void* p) {
+      return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+    };
+    return aligned(ops.own) && aligned(ops.b) && aligned(ops.out) &&
+           (ops.bias == nullptr || aligned(ops.bias));
+  }
+
+  // Times both forms of gather_gemms on scratch operands of the plan's shape and keeps the
+  // faster: which one wins depends on how the blocks' tiles fill the waves and on cuBLAS's tile
+  // for each shape (one H100, tp=1, against torch's GEMM alone: 1.034 against 1.085x at the
+  // blocks of M=4096 tp=4, 1.023 against 0.985x at M=8192; experiment 45). Each rank chooses for
+  // itself: both forms read the same slots and flags.
+  void choose_gather_form() {
+    const GatheredGemmShape one_launch{.dtype = config_.dtype,
+                                       .blocks = tp_,
+                                       .block_rows = config_.m / tp_,
+                                       .n = config_.n,
+                                       .k = config_.k,
+                                       .trans_b = config_.trans_b,
+                                       .device = matmul_.device(),
+                                       .sm_count = gemm_sms_};
+    // MESHLA_GATHER_GEMM=per_batch or one_launch skips the timing and takes that form (where the
+    // one launch can run): for tests of each, and for benchmarks that compare them.
+    const char* forced = std::getenv("MESHLA_GATHER_GEMM");
+    const std::string_view form = forced == nullptr ? "" : forced;
+    MESHLA_CHECK_ARG(form.empty() || form == "per_batch" || form == "one_launch",
+                     "MESHLA_GATHER_GEMM=" << form << " is neither per_batch nor one_launch");
+    if (form == "per_batch" || !gathered_gemm_unsupported(one_launch).empty()) return;
+    if (form == "one_launch") {
+      gathered_gemm_.emplace(one_launch);
+      return;
+    }
+    const int device = matmul_.device();
+    const std::int64_t element = element_;
+    detail::DeviceGuard guard(device);
+    detail::Stream stream(device, /*high_priority=*/false);
+    detail::DeviceBuffer a(device, static_cast<std::size_t>(config_.m * config_.k * element));
+    detail::DeviceBuffer b(device, static_cast<std::size_t>(config_.k * config_.n * element));
+    detail::DeviceBuffer bias(device,
+                              static_cast<std::size_t>(config_.bias ? config_.n * element : 0));
+    detail::DeviceBuffer out(device, static_cast<std::size_t>(config_.m * config_.n * element));
+    for (auto* buffer : {&a, &b, &bias}) {
+      detail::random_fill(buffer->data(), config_.dtype, buffer->bytes() / element, 29,
+                          stream.get());
+    }
+    const char* slots = static_cast<const char*>(a.data());
+    const GatherOperands ops{.own = slots + rank_ * (config_.m / tp_) * config_.k * element,
+                             .slots = slots,
+                             .b = b.data(),
+                             .bias = config_.bias ? bias.data() : nullptr,
+                             .out = static_cast<char*>(out.data())};
+    const auto time = [&] {
+      gather_gemms(ops, /*await=*/false, nullptr, stream.get());  // warm-up
+      detail::TimingEvents events(device);
+      MESHLA_CHECK_CUDA(cudaEventRecord(events.start(), stream.get()));
+      for (int i = 0; i < kFormRepeats; ++i) gather_gemms(ops, false, nullptr, stream.get());
+      MESHLA_CHECK_CUDA(cudaEventRecord(events.stop(), stream.get()));
+      return events.elapsed_ms();
+    };
+    const float per_batch = time();
+    gathered_gemm_.emplace(one_launch);
+    if (time() >= per_batch) gathered_gemm_.reset();
+  }
+
+  void all_gather_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
+    const std::int64_t block_bytes = config_.m / tp_ * config_.k * element_;
     const char* own = static_cast<const char*>(args.a.data);
-    char* out = static_cast<char*>(args.out.data);
     char* gathered = static_cast<char*>(args.gathered.data);
     for (int peer : peers_) {
       consume(push_[0], flag(rank_, Flag::kFree, 0, peer));
@@ -175,21 +316,12 @@ class SymmetricExecutor final : public Executor {
       MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + rank_ * block_bytes, own, block_bytes,
                                         cudaMemcpyDeviceToDevice, collect_[0]));
     }
-    gemm(args, shape(block, config_.bias), own, out + rank_ * out_block_bytes, stream);
-    for (std::size_t i = 0; i < batches_.size(); ++i) {
-      const std::vector<int>& sources = batches_[i];
-      for (int source : sources) consume(stream, flag(rank_, Flag::kArrived, 0, source));
-      gemm(args, batch_shape(sources), buffer_.local() + sources[0] * block_bytes,
-           out + sources[0] * out_block_bytes, stream);
-      if (gathered == nullptr) continue;
-      MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), stream));
-      MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_[i].get(), 0));
-      for (int source : sources) {
-        MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes,
-                                          buffer_.local() + source * block_bytes, block_bytes,
-                                          cudaMemcpyDeviceToDevice, collect_[0]));
-      }
-    }
+    gather_gemms({.own = own,
+                  .slots = buffer_.local(),
+                  .b = args.b.data,
+                  .bias = config_.bias ? args.bias.data : nullptr,
+                  .out = static_cast<char*>(args.out.data)},
+                 /*await=*/true, gathered, stream);
   }
 
   void reduce_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
@@ -209,8 +341,8 @@ class SymmetricExecutor final : public Executor {
       for (std::size_t j = 0; j < peers_.size(); ++j) {
         const int peer = peers_[j];
         char* product = static_cast<char*>(staging_.data()) + (round * tp_ + peer) * sub_bytes;
-        gemm(args, shape(sub_rows_, /*bias=*/false), a + row_of(peer, round) * config_.k * element_,
-             product, stream);
+        gemm(shape(sub_rows_, /*bias=*/false), a + row_of(peer, round) * config_.k * element_,
+             args.b.data, nullptr, product, stream);
         cudaEvent_t ready = product_ready_[round * peers_.size() + j].get();
         MESHLA_CHECK_CUDA(cudaEventRecord(ready, stream));
         MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], ready, 0));
@@ -218,8 +350,8 @@ class SymmetricExecutor final : public Executor {
         push(push_[0], inbox(peer, round, rank_), product, sub_bytes,
              flag(peer, Flag::kArrived, round, rank_));
       }
-      gemm(args, shape(sub_rows_, config_.bias), a + row_of(rank_, round) * config_.k * element_,
-           inbox(rank_, round, rank_), stream);
+      gemm(shape(sub_rows_, config_.bias), a + row_of(rank_, round) * config_.k * element_,
+           args.b.data, args.bias.data, inbox(rank_, round, rank_), stream);
       for (int peer : peers_) consume(stream, flag(rank_, Flag::kArrived, round, peer));
       // A reduce-scatter's output holds only this rank's rows; an all-reduce's holds all.
       char* summed = out + (all_reduce ? row_of(rank_, round) : round * sub_rows_) * row_bytes;
@@ -271,6 +403,8 @@ class SymmetricExecutor final : public Executor {
   std::int64_t element_;
   std::vector<int> peers_;  // ring order; push_[0] carries everything sent to peers_[j]
   std::vector<std::vector<int>> batches_;  // all_gather_matmul: arrival_batches
+  std::vector<int> arrivals_;              // all_gather_matmul: arrival_order
+  std::chrono::milliseconds timeout_;
   Matmul matmul_;
   // One stream carries every push, in ring order: a GPU's copy engine runs its pushes one after
   // another anyway (measured), and from several streams it took them in any order, so a rank
@@ -287,6 +421,7 @@ class SymmetricExecutor final : public Executor {
   std::int64_t results_offset_ = 0;
   std::int64_t flags_offset_ = 0;
   int gemm_sms_ = 0;
+  std::optional<GatheredGemm> gathered_gemm_;  // all_gather_matmul's GEMM in one launch, if faster
 };
 
 }  // namespace

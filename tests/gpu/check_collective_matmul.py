@@ -268,6 +268,56 @@ def check_argument_errors(group, reporter, label):
     reporter.record(name, group.rank, ok, detail)
 
 
+def check_gather_forms(group, reporter, label, seed_base):
+    """all_gather_matmul on the symmetric backend in each form of its GEMM, forced through
+    MESHLA_GATHER_GEMM (the plan otherwise times both and keeps the faster): per batch (cuBLASLt)
+    and one launch (CUTLASS, tiles waiting on the device for their blocks), bf16 and fp16, both
+    layouts of b, with and without bias, blocks of whole and partial 128-row tiles; and the one
+    launch's fallback to per batch for an input whose start is not 16-byte aligned. One process
+    per rank only: the variable is read when a plan is built, and threads share it."""
+    case = 0
+    try:
+        for form in ("per_batch", "one_launch"):
+            os.environ["MESHLA_GATHER_GEMM"] = form
+            group._plans.clear()  # plans read the variable when they are built
+            for dtype, trans_b, (rows, n, k) in itertools.product(
+                    (torch.bfloat16, torch.float16), (False, True), ((200, 384, 256),
+                                                                     (1024, 768, 512))):
+                case += 1
+                bias = case % 2 == 1
+                name = (f"{label}/gather-form/{form}/{str(dtype)[6:]}/trans_b={int(trans_b)}"
+                        f"/bias={int(bias)}/rows={rows}")
+                try:
+                    p = Problem("all_gather_matmul", group, dtype, rows * group.size, n, k,
+                                seed_base + case, trans_b, bias)
+                    out, gathered = run_op("all_gather_matmul", p, group, "ring", trans_b,
+                                           backend="symmetric")
+                    torch.cuda.synchronize(group.device)
+                    err = relative_error(out, p.ref)
+                    exact = torch.equal(gathered, p.x)
+                    ok, detail = err < TOLERANCE[dtype] and exact, (
+                        f"rel_err={err:.2e} gathered_exact={exact}")
+                except Exception as e:
+                    ok, detail = False, f"{type(e).__name__}: {e}"
+                reporter.record(name, group.rank, ok, detail)
+        name = f"{label}/gather-form/one_launch/unaligned-input"
+        try:
+            p = Problem("all_gather_matmul", group, torch.bfloat16, 256 * group.size, 384, 256,
+                        seed_base + 99, True, True)
+            storage = torch.empty(p.a.numel() + 1, dtype=p.a.dtype, device=group.device)
+            p.a = storage[1:].view_as(p.a).copy_(p.a)  # 2 bytes past an aligned start
+            out, _ = run_op("all_gather_matmul", p, group, "ring", True, backend="symmetric")
+            torch.cuda.synchronize(group.device)
+            err = relative_error(out, p.ref)
+            ok, detail = err < TOLERANCE[torch.bfloat16], f"rel_err={err:.2e}"
+        except Exception as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, group.rank, ok, detail)
+    finally:
+        del os.environ["MESHLA_GATHER_GEMM"]
+        group._plans.clear()
+
+
 def run_cublasmp(op, problem, group, algorithm, trans_b):
     return getattr(mt, op)(problem.a, problem.b, group, bias=problem.bias, trans_b=trans_b,
                            algorithm=algorithm, backend="cublasmp", out=problem.out)
@@ -418,6 +468,8 @@ def main_processes(args, reporter):
         dist.destroy_process_group()
         return
     run_all(world, reporter, f"tp{size}", seed[0], args.quick)
+    if not args.quick:
+        check_gather_forms(world, reporter, f"tp{size}", seed[0] + 80_000)
     if size == 4 and not args.quick:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         sub = mt.group_from_process_group(pairs[rank // 2], device=device)

@@ -1,0 +1,141 @@
+// all_gather_matmul's one-launch GEMM (gathered_gemm.hpp): the grouped GEMM's claimed CUTLASS
+// kernel, one group per rank's block, whose scheduler holds each block's tiles until its flag says
+// the block has landed (grouped/claiming_scheduler.cuh, TileOrder::landed).
+#include "overlap/gathered_gemm.hpp"
+
+#include "grouped/cutlass_grouped.cuh"
+
+namespace meshla::overlap {
+namespace {
+
+// The grouped GEMM's layouts name the operands by pass: b stored [n, k] is the forward pass's
+// layout of B, [k, n] the data gradient's. The epilogue adds the bias row, or nothing when the
+// bias pointer is null.
+template <GroupedPass layout, DType dtype>
+using Kernel = grouped::GroupedGemm<layout, dtype, grouped::Epilogue::kBias>;
+
+template <GroupedPass layout_, DType dtype>
+struct Tag {
+  using type = Kernel<layout_, dtype>;
+  static constexpr GroupedPass layout = layout_;
+};
+
+template <class Fn>
+decltype(auto) with_kernel(const GatheredGemmShape& shape, Fn&& fn) {
+  constexpr auto kBf16 = DType::kBFloat16;
+  constexpr auto kFp16 = DType::kFloat16;
+  if (shape.trans_b) {
+    if (shape.dtype == kBf16) return fn(Tag<GroupedPass::kForward, kBf16>{});
+    return fn(Tag<GroupedPass::kForward, kFp16>{});
+  }
+  if (shape.dtype == kBf16) return fn(Tag<GroupedPass::kDgrad, kBf16>{});
+  return fn(Tag<GroupedPass::kDgrad, kFp16>{});
+}
+
+// One launch's operands, passed by value so that a captured graph replays them.
+struct GatheredArgs {
+  GatheredBlock blocks[kMaxGatheredBlocks];
+  const void* b;
+  const void* bias;
+  int count;
+  int rows, n, k;
+  bool trans_b;
+};
+
+// One block of grouped::kIndexThreads threads: the tables, the flags, and the tile order (blocks
+// in the order given, each cut into strips as the grouped GEMM's forward pass cuts its groups).
+template <class G, GroupedPass layout>
+__global__ void __launch_bounds__(grouped::kIndexThreads)
+    fill_gathered_tables(GatheredArgs args, typename G::Tables tables, const std::uint32_t** landed,
+                         grouped::OrderPlan plan) {
+  // The GEMM, launched as this kernel's programmatic dependent, may start now: it waits for the
+  // tables where it first reads them (ClaimingScheduler).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  using Element = typename G::Element;
+  __shared__ std::int64_t offsets[kMaxGatheredBlocks + 1];
+  const int g = static_cast<int>(threadIdx.x);
+  if (g <= args.count) offsets[g] = static_cast<std::int64_t>(g) * args.rows;
+  if (g < args.count) {
+    tables.shapes[g] = {args.rows, args.n, args.k};
+    tables.a[g] = static_cast<const Element*>(args.blocks[g].a);
+    tables.b[g] = static_cast<const Element*>(args.b);
+    tables.d[g] = static_cast<Element*>(args.blocks[g].d);
+    tables.bias[g] = static_cast<const Element*>(args.bias);
+    tables.stride_a[g] = grouped::leading_stride<typename G::StrideA>(args.k);
+    tables.stride_b[g] =
+        grouped::leading_stride<typename G::StrideB>(args.trans_b ? args.k : args.n);
+    tables.stride_d[g] = grouped::leading_stride<typename G::StrideD>(args.n);
+    landed[g] = args.blocks[g].landed;
+  }
+  __syncthreads();
+  // The order reads only the offsets and the group count.
+  const grouped::GroupIndex index{nullptr, offsets, nullptr, args.count, offsets[args.count]};
+  grouped::write_tile_order<layout>(index, grouped::GroupedOperands{},
+                                    {tables.segments, tables.count, tables.claimed}, plan,
+                                    tables.scratch);
+}
+
+}  // namespace
+
+std::string gathered_gemm_unsupported(const GatheredGemmShape& shape) {
+  if (shape.dtype != DType::kBFloat16 && shape.dtype != DType::kFloat16) {
+    return "dtype is neither bfloat16 nor float16";
+  }
+  if (shape.blocks < 1 || shape.blocks > kMaxGatheredBlocks) {
+    return "more than " + std::to_string(kMaxGatheredBlocks) + " blocks";
+  }
+  if (shape.n % 8 != 0 || shape.k % 8 != 0) return "n or k is not a multiple of 8";
+  return "";
+}
+
+GatheredGemm::GatheredGemm(const GatheredGemmShape& shape) : shape_(shape) {
+  MESHLA_ASSERT(gathered_gemm_unsupported(shape).empty());
+  MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&l2_bytes_, cudaDevAttrL2CacheSize, shape_.device));
+  const std::size_t kernel_bytes = with_kernel(shape_, [&](auto tag) {
+    using G = typename decltype(tag)::type;
+    tables_bytes_ = G::tables_bytes(shape_.blocks) +
+                    detail::align_up(static_cast<std::size_t>(shape_.blocks) * sizeof(void*));
+    return G::Gemm::get_workspace_size(
+        G::arguments(typename G::Tables{}, shape_.blocks, shape_.device, shape_.sm_count, false));
+  });
+  workspace_ = detail::DeviceBuffer(shape_.device, tables_bytes_ + kernel_bytes);
+}
+
+void GatheredGemm::run(const GatheredBlock* blocks, const void* b, const void* bias,
+                       std::chrono::milliseconds timeout, cudaStream_t stream) {
+  GatheredArgs args{};
+  for (int g = 0; g < shape_.blocks; ++g) args.blocks[g] = blocks[g];
+  args.b = b;
+  args.bias = bias;
+  args.count = shape_.blocks;
+  args.rows = static_cast<int>(shape_.block_rows);
+  args.n = static_cast<int>(shape_.n);
+  args.k = static_cast<int>(shape_.k);
+  args.trans_b = shape_.trans_b;
+  const std::int64_t m_tiles = grouped::ceil_tiles(shape_.block_rows, grouped::kTileM);
+  grouped::OrderPlan plan{static_cast<std::int32_t>(grouped::ceil_tiles(shape_.n, grouped::kTileN)),
+                          0};
+  plan.strip = grouped::strip_m_tiles(plan.n_tiles, shape_.k, m_tiles * shape_.blocks,
+                                      shape_.sm_count, l2_bytes_);
+  with_kernel(shape_, [&](auto tag) {
+    using G = typename decltype(tag)::type;
+    char* base = static_cast<char*>(workspace_.data());
+    const typename G::Tables tables = G::carve(base, shape_.blocks);
+    auto** landed = reinterpret_cast<const std::uint32_t**>(base + G::tables_bytes(shape_.blocks));
+    fill_gathered_tables<G, decltype(tag)::layout>
+        <<<1, grouped::kIndexThreads, 0, stream>>>(args, tables, landed, plan);
+    MESHLA_CHECK_CUDA(cudaGetLastError());
+    auto gemm_args =
+        G::arguments(tables, shape_.blocks, shape_.device, shape_.sm_count, bias != nullptr);
+    gemm_args.problem_shape.order.landed = landed;
+    gemm_args.problem_shape.order.landed_timeout_ns =
+        static_cast<std::uint64_t>(std::chrono::nanoseconds(timeout).count());
+    typename G::Gemm gemm;
+    grouped::check_cutlass(gemm.initialize(gemm_args, base + tables_bytes_, stream), "initialize");
+    grouped::check_cutlass(gemm.run(stream, nullptr, /*launch_with_pdl=*/true), "launch");
+  });
+}
+
+}  // namespace meshla::overlap

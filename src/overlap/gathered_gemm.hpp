@@ -1,0 +1,65 @@
+// all_gather_matmul's GEMM on the symmetric backend as one persistent launch over every rank's
+// block (bf16 and fp16). Each block's tiles wait on the device for the flag that says the block
+// has landed, so the blocks arrive while the kernel runs and only the kernel's last wave is partly
+// idle, where one GEMM per block (or pair of blocks) leaves a partial wave at the end of each:
+// m/tp rows of 128-row tiles rarely fill whole waves of 132 SMs (bench/NOTES.md, experiments 31
+// and 45). The kernel is the grouped GEMM's (grouped/cutlass_grouped.cuh), its CTAs claiming the
+// tiles block by block in the order given. This header includes no CUTLASS header.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "core/cuda_handles.hpp"
+#include "meshla/tensor.hpp"
+
+namespace meshla::overlap {
+
+// Blocks one launch can take: the ranks of a node.
+constexpr int kMaxGatheredBlocks = 8;
+
+struct GatheredGemmShape {
+  DType dtype = DType::kBFloat16;
+  int blocks = 0;               // ranks of the group
+  std::int64_t block_rows = 0;  // rows of each rank's block: m / tp
+  std::int64_t n = 0, k = 0;
+  bool trans_b = false;  // b is [n, k] (else [k, n]), both row-major
+  int device = 0;
+  int sm_count = 0;  // SMs the kernel may occupy
+};
+
+// Why GatheredGemm cannot run `shape`, or "" when it can: bf16 or fp16, at most
+// kMaxGatheredBlocks blocks, n and k multiples of 8 (TMA moves 16-byte aligned rows).
+std::string gathered_gemm_unsupported(const GatheredGemmShape& shape);
+
+struct GatheredBlock {
+  const void* a = nullptr;  // [block_rows, k]
+  void* d = nullptr;        // [block_rows, n]
+  // Set to nonzero once `a` has landed (by the stream that copies it in); the kernel's tiles of
+  // this block wait for it. nullptr: present before the launch.
+  const std::uint32_t* landed = nullptr;
+};
+
+class GatheredGemm {
+ public:
+  // Allocates the kernel's tables and workspace on shape.device, once.
+  explicit GatheredGemm(const GatheredGemmShape& shape);
+
+  // d = a · b (+ bias) for every block of `blocks` (shape.blocks of them, pointers 16-byte
+  // aligned), tiles taken block by block in that order. A block whose flag stays unset for
+  // `timeout` stops the kernel with a device-side trap (the CUDA context is then lost): a rank
+  // that died must not hang its peers.
+  void run(const GatheredBlock* blocks, const void* b, const void* bias,
+           std::chrono::milliseconds timeout, cudaStream_t stream);
+
+ private:
+  GatheredGemmShape shape_;
+  int l2_bytes_ = 0;
+  std::size_t tables_bytes_ = 0;
+  detail::DeviceBuffer workspace_;  // tables, then CUTLASS's workspace
+};
+
+}  // namespace meshla::overlap
