@@ -197,10 +197,11 @@ class SymmetricExecutor final : public Executor {
       blocks[0] = {.a = ops.own, .d = ops.out + rank_ * out_block_bytes, .landed = nullptr};
       for (std::size_t i = 0; i < arrivals_.size(); ++i) {
         const int source = arrivals_[i];
-        std::uint32_t* landed = flag(rank_, Flag::kArrived, 0, source);
+        // No flags while timing: the plan's peer buffer, which holds them, does not exist yet.
+        std::uint32_t* landed = await ? flag(rank_, Flag::kArrived, 0, source) : nullptr;
         blocks[i + 1] = {.a = ops.slots + source * block_bytes,
                          .d = ops.out + source * out_block_bytes,
-                         .landed = await ? landed : nullptr};
+                         .landed = landed};
         if (gathered == nullptr) continue;
         detail::wait_flag(collect_[0], landed, 1);
         MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered + source * block_bytes,
