@@ -43,27 +43,6 @@ Event::Event(int device) {
   MESHLA_CHECK_CUDA(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
 }
 
-TimingEvents::TimingEvents(int device) {
-  DeviceGuard guard(device);
-  MESHLA_CHECK_CUDA(cudaEventCreate(&start_));
-  if (cudaEventCreate(&stop_) != cudaSuccess) {
-    cudaEventDestroy(start_);
-    MESHLA_THROW(kCuda, "cudaEventCreate failed for a timing event");
-  }
-}
-
-TimingEvents::~TimingEvents() {
-  cudaEventDestroy(start_);
-  cudaEventDestroy(stop_);
-}
-
-float TimingEvents::elapsed_ms() const {
-  MESHLA_CHECK_CUDA(cudaEventSynchronize(stop_));
-  float elapsed = 0;
-  MESHLA_CHECK_CUDA(cudaEventElapsedTime(&elapsed, start_, stop_));
-  return elapsed;
-}
-
 Event::~Event() {
   if (event_ != nullptr) cudaEventDestroy(event_);
 }

@@ -49,23 +49,6 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
-// Two events with timing: record start() and stop() around stream work, then elapsed_ms().
-class TimingEvents {
- public:
-  explicit TimingEvents(int device);
-  ~TimingEvents();
-  TimingEvents(const TimingEvents&) = delete;
-  TimingEvents& operator=(const TimingEvents&) = delete;
-  cudaEvent_t start() const { return start_; }
-  cudaEvent_t stop() const { return stop_; }
-  // Waits for stop() and returns the milliseconds since start().
-  float elapsed_ms() const;
-
- private:
-  cudaEvent_t start_ = nullptr;
-  cudaEvent_t stop_ = nullptr;
-};
-
 // Owns device memory from cudaMalloc.
 class DeviceBuffer {
  public:

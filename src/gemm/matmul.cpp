@@ -21,6 +21,26 @@ constexpr std::size_t kWorkspaceBytes = 32u << 20;
 constexpr int kCandidates = 8;
 constexpr int kTuneRepeats = 5;
 
+// Two timing events, destroyed with the scope.
+struct TimingEvents {
+  explicit TimingEvents(int device) {
+    detail::DeviceGuard guard(device);
+    MESHLA_CHECK_CUDA(cudaEventCreate(&start));
+    if (cudaEventCreate(&stop) != cudaSuccess) {
+      cudaEventDestroy(start);
+      MESHLA_THROW(kCuda, "matmul: cudaEventCreate failed while tuning");
+    }
+  }
+  ~TimingEvents() {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  TimingEvents(const TimingEvents&) = delete;
+  TimingEvents& operator=(const TimingEvents&) = delete;
+  cudaEvent_t start = nullptr;
+  cudaEvent_t stop = nullptr;
+};
+
 // Owns one cuBLASLt object; members of this type free what a throwing constructor made.
 template <typename Handle, cublasStatus_t (*Destroy)(Handle)>
 class LtOwned {
@@ -169,13 +189,15 @@ class Descriptors {
     cublasLtMatmulAlgo_t best_algorithm = candidates_.front();
     for (const cublasLtMatmulAlgo_t& candidate : candidates_) {
       launch(candidate, handle, ops, addend, workspace, workspace_bytes, stream);  // warm-up
-      detail::TimingEvents events(device);
-      MESHLA_CHECK_CUDA(cudaEventRecord(events.start(), stream));
+      TimingEvents events(device);
+      MESHLA_CHECK_CUDA(cudaEventRecord(events.start, stream));
       for (int i = 0; i < kTuneRepeats; ++i) {
         launch(candidate, handle, ops, addend, workspace, workspace_bytes, stream);
       }
-      MESHLA_CHECK_CUDA(cudaEventRecord(events.stop(), stream));
-      const float elapsed = events.elapsed_ms();
+      MESHLA_CHECK_CUDA(cudaEventRecord(events.stop, stream));
+      MESHLA_CHECK_CUDA(cudaEventSynchronize(events.stop));
+      float elapsed = 0;
+      MESHLA_CHECK_CUDA(cudaEventElapsedTime(&elapsed, events.start, events.stop));
       if (elapsed < best) {
         best = elapsed;
         best_algorithm = candidate;

@@ -20,7 +20,6 @@
 #include "comm/peer_memory.hpp"
 #include "comm/stream_flags.hpp"
 #include "core/cuda_checks.hpp"
-#include "gemm/random_fill.hpp"
 #include "meshla/matmul.hpp"
 #include "overlap/executor.hpp"
 #include "overlap/gathered_gemm.hpp"
@@ -42,8 +41,9 @@ struct GatherOperands {
   char* out;
 };
 
-// Timed runs of each form of all_gather_matmul's GEMM when the plan chooses between them.
-constexpr int kFormRepeats = 5;
+// all_gather_matmul runs its GEMM in one launch when each block's GEMM would take fewer waves of
+// tiles than this (choose_gather_form).
+constexpr std::int64_t kOneLaunchBlockWaves = 4;
 
 class SymmetricExecutor final : public Executor {
  public:
@@ -179,16 +179,14 @@ class SymmetricExecutor final : public Executor {
     matmul_.run(shape, {.a = a, .b = b, .bias = shape.bias ? bias : nullptr, .d = d}, stream);
   }
 
-  // all_gather_matmul's GEMM in one of two forms, whichever ran faster on this GPU when the plan
-  // was built (choose_gather_form):
+  // all_gather_matmul's GEMM in one of two forms (choose_gather_form):
   // - per batch: the own block's GEMM, then one per arrival_batches' batch, each on the stream
   //   after its blocks' flags (cuBLASLt, tuned per shape);
   // - one launch (GatheredGemm): every block's tiles in one persistent kernel, own block first,
   //   then in arrival order, each tile waiting on the device for its block's flag.
   // Each GEMM per batch ends in a partly idle wave, the one launch only once; but the one launch's
   // CUTLASS kernel is up to 3-5% slower than cuBLAS on the same tiles (bench/NOTES.md 37 and 45).
-  // With `await` false (timing on scratch data) nothing waits for flags.
-  void gather_gemms(const GatherOperands& ops, bool await, char* gathered, cudaStream_t stream) {
+  void gather_gemms(const GatherOperands& ops, char* gathered, cudaStream_t stream) {
     const std::int64_t block = config_.m / tp_;
     const std::int64_t block_bytes = block * config_.k * element_;
     const std::int64_t out_block_bytes = block * config_.n * element_;
@@ -197,8 +195,7 @@ class SymmetricExecutor final : public Executor {
       blocks[0] = {.a = ops.own, .d = ops.out + rank_ * out_block_bytes, .landed = nullptr};
       for (std::size_t i = 0; i < arrivals_.size(); ++i) {
         const int source = arrivals_[i];
-        // No flags while timing: the plan's peer buffer, which holds them, does not exist yet.
-        std::uint32_t* landed = await ? flag(rank_, Flag::kArrived, 0, source) : nullptr;
+        std::uint32_t* landed = flag(rank_, Flag::kArrived, 0, source);
         blocks[i + 1] = {.a = ops.slots + source * block_bytes,
                          .d = ops.out + source * out_block_bytes,
                          .landed = landed};
@@ -209,7 +206,6 @@ class SymmetricExecutor final : public Executor {
                                           cudaMemcpyDeviceToDevice, collect_[0]));
       }
       gathered_gemm_->run(blocks, ops.b, ops.bias, timeout_, stream);
-      if (!await) return;
       // Cleared after the kernel and after the copies into `gathered`, which wait for them too.
       if (gathered != nullptr) collect_.join(stream);
       for (int source : arrivals_) {
@@ -221,9 +217,7 @@ class SymmetricExecutor final : public Executor {
          stream);
     for (std::size_t i = 0; i < batches_.size(); ++i) {
       const std::vector<int>& sources = batches_[i];
-      if (await) {
-        for (int source : sources) consume(stream, flag(rank_, Flag::kArrived, 0, source));
-      }
+      for (int source : sources) consume(stream, flag(rank_, Flag::kArrived, 0, source));
       gemm(batch_shape(sources), ops.slots + sources[0] * block_bytes, ops.b, ops.bias,
            ops.out + sources[0] * out_block_bytes, stream);
       if (gathered == nullptr) continue;
@@ -247,61 +241,38 @@ class SymmetricExecutor final : public Executor {
            (ops.bias == nullptr || aligned(ops.bias));
   }
 
-  // Times both forms of gather_gemms on scratch operands of the plan's shape and keeps the
-  // faster: which one wins depends on how the blocks' tiles fill the waves and on cuBLAS's tile
-  // for each shape (one H100, tp=1, against torch's GEMM alone: 1.034 against 1.085x at the
-  // blocks of M=4096 tp=4, 1.023 against 0.985x at M=8192; experiment 45). Each rank chooses for
-  // itself: both forms read the same slots and flags.
+  // Takes the one launch where each block's GEMM would be short: fewer than
+  // kOneLaunchBlockWaves waves of 128x256 tiles. Measured on 2x H200 in the benchmark, ratio to
+  // torch's GEMM alone, per batch against one launch (experiment 45): M=2048 (3.4 waves a block)
+  // 1.28 against 1.16; M=4096 (6.8 waves) 1.04 against 1.05, M=8192 1.00 against 1.04. Timed on
+  // one GPU without the transfers, per batch wins at M=2048's blocks (one H100: 0.98 against
+  // 1.03x): the one launch gains while the blocks land, so the plan does not time the two forms.
+  // Each rank chooses for itself; both forms read the same slots and flags.
   void choose_gather_form() {
-    const GatheredGemmShape one_launch{.dtype = config_.dtype,
-                                       .blocks = tp_,
-                                       .block_rows = config_.m / tp_,
-                                       .n = config_.n,
-                                       .k = config_.k,
-                                       .trans_b = config_.trans_b,
-                                       .device = matmul_.device(),
-                                       .sm_count = gemm_sms_};
-    // MESHLA_GATHER_GEMM=per_batch or one_launch skips the timing and takes that form (where the
-    // one launch can run): for tests of each, and for benchmarks that compare them.
+    GatheredGemmShape one_launch{.dtype = config_.dtype,
+                                 .blocks = tp_,
+                                 .block_rows = config_.m / tp_,
+                                 .n = config_.n,
+                                 .k = config_.k,
+                                 .trans_b = config_.trans_b,
+                                 .device = matmul_.device(),
+                                 .sm_count = gemm_sms_};
+    if (one_launch.sm_count == 0) {
+      MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&one_launch.sm_count, cudaDevAttrMultiProcessorCount,
+                                               one_launch.device));
+    }
+    // MESHLA_GATHER_GEMM=per_batch or one_launch overrides the rule (where the one launch can
+    // run): for tests of each form, and for benchmarks that compare them.
     const char* forced = std::getenv("MESHLA_GATHER_GEMM");
     const std::string_view form = forced == nullptr ? "" : forced;
     MESHLA_CHECK_ARG(form.empty() || form == "per_batch" || form == "one_launch",
                      "MESHLA_GATHER_GEMM=" << form << " is neither per_batch nor one_launch");
     if (form == "per_batch" || !gathered_gemm_unsupported(one_launch).empty()) return;
-    if (form == "one_launch") {
+    const std::int64_t block_tiles =
+        (one_launch.block_rows + 127) / 128 * ((one_launch.n + 255) / 256);
+    if (form == "one_launch" || block_tiles < kOneLaunchBlockWaves * one_launch.sm_count) {
       gathered_gemm_.emplace(one_launch);
-      return;
     }
-    const int device = matmul_.device();
-    const std::int64_t element = element_;
-    detail::DeviceGuard guard(device);
-    detail::Stream stream(device, /*high_priority=*/false);
-    detail::DeviceBuffer a(device, static_cast<std::size_t>(config_.m * config_.k * element));
-    detail::DeviceBuffer b(device, static_cast<std::size_t>(config_.k * config_.n * element));
-    detail::DeviceBuffer bias(device,
-                              static_cast<std::size_t>(config_.bias ? config_.n * element : 0));
-    detail::DeviceBuffer out(device, static_cast<std::size_t>(config_.m * config_.n * element));
-    for (auto* buffer : {&a, &b, &bias}) {
-      detail::random_fill(buffer->data(), config_.dtype, buffer->bytes() / element, 29,
-                          stream.get());
-    }
-    const char* slots = static_cast<const char*>(a.data());
-    const GatherOperands ops{.own = slots + rank_ * (config_.m / tp_) * config_.k * element,
-                             .slots = slots,
-                             .b = b.data(),
-                             .bias = config_.bias ? bias.data() : nullptr,
-                             .out = static_cast<char*>(out.data())};
-    const auto time = [&] {
-      gather_gemms(ops, /*await=*/false, nullptr, stream.get());  // warm-up
-      detail::TimingEvents events(device);
-      MESHLA_CHECK_CUDA(cudaEventRecord(events.start(), stream.get()));
-      for (int i = 0; i < kFormRepeats; ++i) gather_gemms(ops, false, nullptr, stream.get());
-      MESHLA_CHECK_CUDA(cudaEventRecord(events.stop(), stream.get()));
-      return events.elapsed_ms();
-    };
-    const float per_batch = time();
-    gathered_gemm_.emplace(one_launch);
-    if (time() >= per_batch) gathered_gemm_.reset();
   }
 
   void all_gather_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
@@ -322,7 +293,7 @@ class SymmetricExecutor final : public Executor {
                   .b = args.b.data,
                   .bias = config_.bias ? args.bias.data : nullptr,
                   .out = static_cast<char*>(args.out.data)},
-                 /*await=*/true, gathered, stream);
+                 gathered, stream);
   }
 
   void reduce_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
