@@ -179,7 +179,7 @@ class ClaimingScheduler
       if (lanes != 0xffffffffu) break;
     }
     const TileSegment segment = order_.segments[segment_];
-    // A warp's groups come in claim order, so it waits at most once for each.
+    // all_gather_matmul's order takes the groups one after another: a warp waits once for each.
     if (order_.landed != nullptr && segment.group != awaited_group_) {
       const std::uint32_t* flag = order_.landed[segment.group];
       if (flag != nullptr) await_landed(flag, order_.landed_timeout_ns);
