@@ -93,8 +93,18 @@ std::string gathered_gemm_unsupported(const GatheredGemmShape& shape) {
 GatheredGemm::GatheredGemm(const GatheredGemmShape& shape) : shape_(shape) {
   MESHLA_ASSERT(gathered_gemm_unsupported(shape).empty());
   MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&l2_bytes_, cudaDevAttrL2CacheSize, shape_.device));
+  detail::DeviceGuard guard(shape_.device);
   const std::size_t kernel_bytes = with_kernel(shape_, [&](auto tag) {
     using G = typename decltype(tag)::type;
+    // Both kernels load now, before the plan's last exchange, not at their first launch: under
+    // lazy module loading that waits for the device's queued work, and with several GPUs driven
+    // from one process, this kernel waiting for a block whose push another thread has yet to
+    // enqueue made such a wait a hang (the threads model, seen; see load_sum_slots).
+    cudaFuncAttributes attributes;
+    MESHLA_CHECK_CUDA(
+        cudaFuncGetAttributes(&attributes, fill_gathered_tables<G, decltype(tag)::layout>));
+    MESHLA_CHECK_CUDA(
+        cudaFuncGetAttributes(&attributes, cutlass::device_kernel<typename G::Kernel>));
     tables_bytes_ = G::tables_bytes(shape_.blocks) +
                     detail::align_up(static_cast<std::size_t>(shape_.blocks) * sizeof(void*));
     return G::Gemm::get_workspace_size(
