@@ -92,7 +92,6 @@ std::string gathered_gemm_unsupported(const GatheredGemmShape& shape) {
 
 GatheredGemm::GatheredGemm(const GatheredGemmShape& shape) : shape_(shape) {
   MESHLA_ASSERT(gathered_gemm_unsupported(shape).empty());
-  MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&l2_bytes_, cudaDevAttrL2CacheSize, shape_.device));
   detail::DeviceGuard guard(shape_.device);
   const std::size_t kernel_bytes = with_kernel(shape_, [&](auto tag) {
     using G = typename decltype(tag)::type;
@@ -111,6 +110,12 @@ GatheredGemm::GatheredGemm(const GatheredGemmShape& shape) : shape_(shape) {
         G::arguments(typename G::Tables{}, shape_.blocks, shape_.device, shape_.sm_count, false));
   });
   workspace_ = detail::DeviceBuffer(shape_.device, tables_bytes_ + kernel_bytes);
+  int l2_bytes = 0;
+  MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, shape_.device));
+  n_tiles_ = static_cast<std::int32_t>(grouped::ceil_tiles(shape_.n, grouped::kTileN));
+  strip_ = grouped::strip_m_tiles(
+      n_tiles_, shape_.k, grouped::ceil_tiles(shape_.block_rows, grouped::kTileM) * shape_.blocks,
+      shape_.sm_count, l2_bytes);
 }
 
 void GatheredGemm::run(const GatheredBlock* blocks, const void* b, const void* bias,
@@ -124,11 +129,7 @@ void GatheredGemm::run(const GatheredBlock* blocks, const void* b, const void* b
   args.n = static_cast<int>(shape_.n);
   args.k = static_cast<int>(shape_.k);
   args.trans_b = shape_.trans_b;
-  const std::int64_t m_tiles = grouped::ceil_tiles(shape_.block_rows, grouped::kTileM);
-  grouped::OrderPlan plan{static_cast<std::int32_t>(grouped::ceil_tiles(shape_.n, grouped::kTileN)),
-                          0};
-  plan.strip = grouped::strip_m_tiles(plan.n_tiles, shape_.k, m_tiles * shape_.blocks,
-                                      shape_.sm_count, l2_bytes_);
+  const grouped::OrderPlan plan{n_tiles_, strip_};
   with_kernel(shape_, [&](auto tag) {
     using G = typename decltype(tag)::type;
     char* base = static_cast<char*>(workspace_.data());

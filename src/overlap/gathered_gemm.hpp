@@ -57,7 +57,8 @@ class GatheredGemm {
 
  private:
   GatheredGemmShape shape_;
-  int l2_bytes_ = 0;
+  std::int32_t n_tiles_ = 0;  // the tile order's plan (grouped::OrderPlan)
+  std::int64_t strip_ = 0;
   std::size_t tables_bytes_ = 0;
   detail::DeviceBuffer workspace_;  // tables, then CUTLASS's workspace
 };
