@@ -14,16 +14,9 @@
 #include <functional>
 #include <vector>
 
-namespace {
+#include "probe_check.hpp"
 
-#define PROBE_CHECK(call)                                                          \
-  do {                                                                             \
-    cudaError_t status_ = (call);                                                  \
-    if (status_ != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(status_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
+namespace {
 
 constexpr std::size_t kBytes = std::size_t{256} << 20;
 constexpr int kGemmM = 8192, kGemmN = 7168, kGemmK = 8192;

@@ -15,16 +15,9 @@
 
 #include "meshla/matmul.hpp"
 
-namespace {
+#include "probe_check.hpp"
 
-#define PROBE_CHECK(call)                                                          \
-  do {                                                                             \
-    cudaError_t status_ = (call);                                                  \
-    if (status_ != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(status_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
+namespace {
 
 __global__ void fill(__nv_bfloat16* data, size_t count, float scale) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
