@@ -525,9 +525,6 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   }
 }
 
-// Groups whose offsets block 0 of the table kernel keeps in shared memory (4 KiB).
-constexpr std::int64_t kSharedOffsets = 512;
-
 // Everything a call does before its GEMM, in one launch. Block 0 builds the group index, then
 // every group's entries of the tables and, without a cluster, the tile order. A call whose
 // m_splits fail the checks gets all-zero offsets, so every group has no rows and the GEMM touches
@@ -545,19 +542,12 @@ __global__ void __launch_bounds__(kIndexThreads)
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
   if (blockIdx.x == 0 && blockIdx.y == 0) {
-    // The tables and the tile order read the offsets several times over: up to kSharedOffsets
-    // groups, from a copy in shared memory rather than through L2. Measured on 16 groups: 3.7-3.8
-    // us against 3.5 us before, on another lease: no gain seen (bench/NOTES.md 44).
-    __shared__ std::int64_t shared_offsets[kSharedOffsets + 1];
-    const bool in_shared = index.groups <= kSharedOffsets;
-    GroupIndex block_index = index;
-    if (in_shared) block_index.offsets = shared_offsets;
-    const bool valid = build_group_index(index, status, in_shared ? shared_offsets : nullptr);
+    const bool valid = build_group_index(index, status);
     for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
-      fill_group<G, pass>(g, block_index, op, tables);
+      fill_group<G, pass>(g, index, op, tables);
     }
     if constexpr (G::kClaimed) {
-      write_tile_order<pass>(block_index, op, {tables.segments, tables.count, tables.claimed}, plan,
+      write_tile_order<pass>(index, op, {tables.segments, tables.count, tables.claimed}, plan,
                              tables.scratch);
     }
     if (!valid) {

@@ -54,11 +54,9 @@ __device__ inline SplitsCheck check_splits(const GroupIndex& index) {
 
 // Run by one whole block of kIndexThreads threads: checks m_splits, reports a failure to `status`,
 // then writes the offsets, all zero when invalid so that no later kernel reads or writes outside
-// the caller's tensors, and also to `block_copy` (groups + 1 entries) unless it is null. The
-// block's offsets are visible to all its threads when it returns; so is the result: whether
-// m_splits passed.
-__device__ inline bool build_group_index(const GroupIndex& index, DeviceStatus* status,
-                                         std::int64_t* block_copy = nullptr) {
+// the caller's tensors. The block's offsets are visible to all its threads when it returns; so is
+// the result: whether m_splits passed.
+__device__ inline bool build_group_index(const GroupIndex& index, DeviceStatus* status) {
   using Scan = cub::BlockScan<std::int64_t, kIndexThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
 
@@ -85,16 +83,10 @@ __device__ inline bool build_group_index(const GroupIndex& index, DeviceStatus* 
     std::int64_t prefix, chunk_total;
     Scan(scan_storage).ExclusiveSum(size, prefix, chunk_total);
     __syncthreads();
-    if (g < index.groups) {
-      index.offsets[g] = carry + prefix;
-      if (block_copy) block_copy[g] = carry + prefix;
-    }
+    if (g < index.groups) index.offsets[g] = carry + prefix;
     carry += chunk_total;
   }
-  if (threadIdx.x == 0) {
-    index.offsets[index.groups] = carry;
-    if (block_copy) block_copy[index.groups] = carry;
-  }
+  if (threadIdx.x == 0) index.offsets[index.groups] = carry;
   __syncthreads();
   return valid;
 }

@@ -90,6 +90,13 @@ std::string gathered_gemm_unsupported(const GatheredGemmShape& shape) {
   return "";
 }
 
+bool gathered_gemm_pays(const GatheredGemmShape& shape) {
+  constexpr std::int64_t kMaxBlockWaves = 4;
+  const std::int64_t block_tiles = grouped::ceil_tiles(shape.block_rows, grouped::kTileM) *
+                                   grouped::ceil_tiles(shape.n, grouped::kTileN);
+  return block_tiles < kMaxBlockWaves * shape.sm_count;
+}
+
 GatheredGemm::GatheredGemm(const GatheredGemmShape& shape) : shape_(shape) {
   MESHLA_ASSERT(gathered_gemm_unsupported(shape).empty());
   detail::DeviceGuard guard(shape_.device);

@@ -35,6 +35,16 @@ struct GatheredGemmShape {
 // kMaxGatheredBlocks blocks, n and k multiples of 8 (TMA moves 16-byte aligned rows).
 std::string gathered_gemm_unsupported(const GatheredGemmShape& shape);
 
+// Whether the one launch should run `shape` rather than a GEMM per batch of blocks: when each
+// block's GEMM would take fewer than 4 waves of the kernel's 128x256 tiles on shape.sm_count SMs,
+// where a GEMM per batch loses most to its partly idle last wave and to waiting for its blocks.
+// Measured on 2x H200 in the benchmark, ratio to torch's GEMM alone, per batch against one launch
+// (bench/NOTES.md 45): M=2048 (3.4 waves a block) 1.28 against 1.16; M=4096 (6.8 waves) 1.04
+// against 1.05, M=8192 1.00 against 1.04. Timed on one GPU without the transfers, per batch wins
+// at M=2048's blocks (one H100: 0.98 against 1.03x): the one launch gains while the blocks land,
+// so plans do not time the two forms.
+bool gathered_gemm_pays(const GatheredGemmShape& shape);
+
 struct GatheredBlock {
   const void* a = nullptr;  // [block_rows, k]
   void* d = nullptr;        // [block_rows, n]

@@ -41,10 +41,6 @@ struct GatherOperands {
   char* out;
 };
 
-// all_gather_matmul runs its GEMM in one launch when each block's GEMM would take fewer waves of
-// tiles than this (choose_gather_form).
-constexpr std::int64_t kOneLaunchBlockWaves = 4;
-
 class SymmetricExecutor final : public Executor {
  public:
   SymmetricExecutor(const Communicator& comm, const CollectiveMatmulConfig& config)
@@ -241,13 +237,8 @@ class SymmetricExecutor final : public Executor {
            (ops.bias == nullptr || aligned(ops.bias));
   }
 
-  // Takes the one launch where each block's GEMM would be short: fewer than
-  // kOneLaunchBlockWaves waves of 128x256 tiles. Measured on 2x H200 in the benchmark, ratio to
-  // torch's GEMM alone, per batch against one launch (experiment 45): M=2048 (3.4 waves a block)
-  // 1.28 against 1.16; M=4096 (6.8 waves) 1.04 against 1.05, M=8192 1.00 against 1.04. Timed on
-  // one GPU without the transfers, per batch wins at M=2048's blocks (one H100: 0.98 against
-  // 1.03x): the one launch gains while the blocks land, so the plan does not time the two forms.
-  // Each rank chooses for itself; both forms read the same slots and flags.
+  // Takes the one launch where it pays (gathered_gemm_pays). Each rank chooses for itself; both
+  // forms read the same slots and flags.
   void choose_gather_form() {
     GatheredGemmShape one_launch{.dtype = config_.dtype,
                                  .blocks = tp_,
@@ -268,9 +259,7 @@ class SymmetricExecutor final : public Executor {
     MESHLA_CHECK_ARG(form.empty() || form == "per_batch" || form == "one_launch",
                      "MESHLA_GATHER_GEMM=" << form << " is neither per_batch nor one_launch");
     if (form == "per_batch" || !gathered_gemm_unsupported(one_launch).empty()) return;
-    const std::int64_t block_tiles =
-        (one_launch.block_rows + 127) / 128 * ((one_launch.n + 255) / 256);
-    if (form == "one_launch" || block_tiles < kOneLaunchBlockWaves * one_launch.sm_count) {
+    if (form == "one_launch" || gathered_gemm_pays(one_launch)) {
       gathered_gemm_.emplace(one_launch);
     }
   }
