@@ -25,21 +25,23 @@
 
 namespace meshla::grouped {
 
-// Claim indices [first_tile, next segment's first_tile) of one group: M-tiles m_first ..
-// m_first + m_count - 1 of every N-tile, M-tiles fastest.
+// Claim indices [first_claim, next segment's first_claim) of one group: M-tiles m_first ..
+// m_first + m_count - 1 of every N-tile, M-tiles fastest, per_claim tiles a claim (the last claim
+// takes what is left).
 struct TileSegment {
-  std::uint32_t first_tile;
+  std::uint32_t first_claim;
   std::int32_t group;
   std::int32_t m_first;
   std::int32_t m_count;
+  std::int32_t per_claim;
 };
 
 // Written by the table kernel before each launch: segments[0, *count) in claim order, then one
-// whose first_tile is the total number of tiles; *claimed zero.
+// whose first_claim is the total number of claims; *claimed zero.
 struct TileOrder {
   TileSegment* segments = nullptr;
   std::uint32_t* count = nullptr;
-  std::uint32_t* claimed = nullptr;  // tiles claimed after each CTA's first
+  std::uint32_t* claimed = nullptr;  // claims taken after each CTA's first
   // all_gather_matmul's one-launch GEMM (overlap/gathered_gemm.cu), whose groups are rank blocks
   // that land while it runs: per group, a flag that turns nonzero once the group's rows have
   // landed (nullptr: present from the start), and how long a warp waits for one before it traps.
@@ -99,12 +101,14 @@ CUTLASS_DEVICE void await_landed(const std::uint32_t* flag, std::uint64_t timeou
 }
 
 // CUTLASS's group scheduler with claimed, ordered tiles. Every warp of a CTA computes its first
-// tile, the one whose claim index is the CTA's linear block index, itself; later tiles are claimed
-// by the scheduler warp, which hands them to the others through a shared-memory pipeline. It claims
-// the next tile only once the CTA has taken the one handed on before (every consumer released its
-// slot), so a CTA holds its running tile and one more, enough for the loads to run ahead, and
-// leaves the rest to whichever CTA frees first.
-template <int Stages, int TileM>
+// tile, the first of the claim whose index is the CTA's linear block index, itself; the scheduler
+// warp hands the others every later tile through a shared-memory pipeline: the rest of the
+// current claim's tiles at once, then the first of a new claim. It claims only once the CTA has
+// taken the tile handed on before (every consumer released its slot), so a CTA holds its running
+// tile and one more, enough for the loads to run ahead, and leaves the rest to whichever CTA
+// frees first. A claim of several tiles (short ones: TileSegment::per_claim) lets the loads run
+// ahead through all of them.
+template <int Stages, int TileM, int TileN>
 class ClaimingScheduler
     : private AfterTableKernel,
       public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape,
@@ -121,12 +125,12 @@ class ClaimingScheduler
         order_(params.problem_shapes_.order),
         grid_size_(gridDim.x * gridDim.y * gridDim.z),
         count_(*order_.count),
-        total_(order_.segments[count_].first_tile) {}
+        total_(order_.segments[count_].first_claim) {}
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
     const WorkTileInfo work =
-        work_at(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+        first_of_claim(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
     note(work);
     return work;
   }
@@ -141,17 +145,22 @@ class ClaimingScheduler
   template <class Pipeline, class PipelineState>
   CUTLASS_DEVICE auto advance_to_next_work(Pipeline& pipeline, PipelineState state,
                                            std::uint32_t /*advance_count*/ = 1) {
-    if (handed_on_) {
-      // The slot of the tile handed on last is free again once every consumer has taken it.
-      PipelineState reuse = last_handed_;
-      reuse.advance(Stages);
-      pipeline.producer_acquire(reuse);
+    WorkTileInfo work;
+    if (next_in_claim_ < claim_end_) {
+      work = tile_at(next_in_claim_++);
+    } else {
+      if (handed_on_) {
+        // The slot of the tile handed on last is free again once every consumer has taken it.
+        PipelineState reuse = last_handed_;
+        reuse.advance(Stages);
+        pipeline.producer_acquire(reuse);
+      }
+      std::uint32_t claim = 0;
+      if (cutlass::canonical_lane_idx() == 0) claim = atomicAdd(order_.claimed, 1u);
+      claim = __shfl_sync(0xffffffff, claim, 0);
+      // Indices below the grid size are the CTAs' first claims; claims go on from there.
+      work = first_of_claim(grid_size_ + claim);
     }
-    std::uint32_t claim = 0;
-    if (cutlass::canonical_lane_idx() == 0) claim = atomicAdd(order_.claimed, 1u);
-    claim = __shfl_sync(0xffffffff, claim, 0);
-    // Indices below the grid size are the CTAs' first tiles; claims go on from there.
-    const WorkTileInfo work = work_at(grid_size_ + claim);
     pipeline.producer_acquire(state);
     if (cute::elect_one_sync()) {
       this->response_ptr_[state.index()] = work;
@@ -164,34 +173,47 @@ class ClaimingScheduler
   }
 
  private:
-  // The tile at claim index `tile`; called by whole warps. A warp's indices only grow, so the
-  // search for the segment goes on from the last one found, 32 segments a step.
-  CUTLASS_DEVICE WorkTileInfo work_at(std::uint32_t tile) {
-    if (tile >= total_) return WorkTileInfo::invalid_work_tile();
+  // The first tile of claim index `claim`, after which [next_in_claim_, claim_end_) are the
+  // claim's other tiles; called by whole warps. A warp's indices only grow, so the search for the
+  // segment goes on from the last one found, 32 segments a step.
+  CUTLASS_DEVICE WorkTileInfo first_of_claim(std::uint32_t claim) {
+    if (claim >= total_) {
+      next_in_claim_ = claim_end_;
+      return WorkTileInfo::invalid_work_tile();
+    }
     for (;;) {
-      // Lane i asks whether the segment i + 1 past the cursor starts at or before `tile`; those
-      // that do are a prefix of the lanes, since first_tile grows and the last segment's is the
+      // Lane i asks whether the segment i + 1 past the cursor starts at or before `claim`; those
+      // that do are a prefix of the lanes, since first_claim grows and the last segment's is the
       // total.
       const std::uint32_t next = segment_ + 1 + cutlass::canonical_lane_idx();
-      const bool passed = next <= count_ && order_.segments[next].first_tile <= tile;
+      const bool passed = next <= count_ && order_.segments[next].first_claim <= claim;
       const std::uint32_t lanes = __ballot_sync(0xffffffff, passed);
       segment_ += __popc(lanes);
       if (lanes != 0xffffffffu) break;
     }
-    const TileSegment segment = order_.segments[segment_];
+    current_ = order_.segments[segment_];
     // all_gather_matmul's order takes the groups one after another: a warp waits once for each.
-    if (order_.landed != nullptr && segment.group != awaited_group_) {
-      const std::uint32_t* flag = order_.landed[segment.group];
+    if (order_.landed != nullptr && current_.group != awaited_group_) {
+      const std::uint32_t* flag = order_.landed[current_.group];
       if (flag != nullptr) await_landed(flag, order_.landed_timeout_ns);
-      awaited_group_ = segment.group;
+      awaited_group_ = current_.group;
     }
-    const std::uint32_t local = tile - segment.first_tile;
-    const auto m_count = static_cast<std::uint32_t>(segment.m_count);
-    const std::int32_t m = segment.m_first + static_cast<std::int32_t>(local % m_count);
-    const int rows =
-        cute::get<0>(this->scheduler_params.problem_shapes_.get_problem_shape(segment.group));
-    const bool upper_half = rows - m * TileM <= TileM / 2;
-    return {m, static_cast<std::int32_t>(local / m_count), segment.group,
+    const auto shape = this->scheduler_params.problem_shapes_.get_problem_shape(current_.group);
+    rows_ = cute::get<0>(shape);
+    const auto n_tiles = static_cast<std::uint32_t>((cute::get<1>(shape) + TileN - 1) / TileN);
+    const auto per_claim = static_cast<std::uint32_t>(current_.per_claim);
+    const std::uint32_t first = (claim - current_.first_claim) * per_claim;
+    next_in_claim_ = first + 1;
+    claim_end_ = min(first + per_claim, static_cast<std::uint32_t>(current_.m_count) * n_tiles);
+    return tile_at(first);
+  }
+
+  // Tile `local` of the current segment, M-tiles fastest.
+  CUTLASS_DEVICE WorkTileInfo tile_at(std::uint32_t local) const {
+    const auto m_count = static_cast<std::uint32_t>(current_.m_count);
+    const std::int32_t m = current_.m_first + static_cast<std::int32_t>(local % m_count);
+    const bool upper_half = rows_ - m * TileM <= TileM / 2;
+    return {m, static_cast<std::int32_t>(local / m_count), current_.group,
             upper_half ? kUpperHalfOnly : 1};
   }
 
@@ -204,6 +226,10 @@ class ClaimingScheduler
   std::uint32_t count_;
   std::uint32_t total_;
   std::uint32_t segment_ = 0;
+  TileSegment current_{};  // segments[segment_]
+  int rows_ = 0;           // of current_'s group
+  std::uint32_t next_in_claim_ = 0;
+  std::uint32_t claim_end_ = 0;
   std::int32_t awaited_group_ = -1;
   typename Base::PipelineState last_handed_{};
   bool handed_on_ = false;
@@ -255,7 +281,8 @@ struct TileSchedulerSelector<GroupScheduler, arch::Sm90, TileShape, ClusterShape
   static_assert(decltype(cute::size(ClusterShape{}))::value == 1,
                 "ClaimingScheduler runs without clusters");
   using Scheduler = meshla::grouped::ClaimingScheduler<SchedulerPipelineStageCount,
-                                                       decltype(cute::size<0>(TileShape{}))::value>;
+                                                       decltype(cute::size<0>(TileShape{}))::value,
+                                                       decltype(cute::size<1>(TileShape{}))::value>;
 };
 
 }  // namespace cutlass::gemm::kernel::detail

@@ -71,9 +71,10 @@ struct PassLayouts<GroupedPass::kWgrad> {
   using B = cutlass::layout::RowMajor;
 };
 
-// The kernels' tile: 128 rows (M) by 256 columns (N) of the output.
+// The kernels' tile: 128 rows (M) by 256 columns (N) of the output, 64 deep (K) a k-step.
 constexpr std::int64_t kTileM = 128;
 constexpr std::int64_t kTileN = 256;
+constexpr std::int64_t kTileK = 64;
 
 __host__ __device__ constexpr std::int64_t ceil_tiles(std::int64_t extent, std::int64_t tile) {
   return (extent + tile - 1) / tile;
@@ -122,7 +123,7 @@ struct GroupedGemm {
   // 13% more tiles, more than the multicast bought (experiment 24), so they pair only when the
   // groups are large on average (run_clustered). The weight gradient (M = out_features) never
   // pairs: where its count is even, pairing measured within 1% (experiment 28).
-  using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::_64>;
+  using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
   using ClusterShape = cute::Shape<cute::Int<cluster_m>, cute::_1, cute::_1>;
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
@@ -376,18 +377,20 @@ struct AddClassSums {
   }
 };
 
+// Segments and claims (or tiles) packed as count << 32 | claims, one 64-bit sum for a block scan.
 __device__ inline std::uint32_t packed_count(std::uint64_t packed) {
   return static_cast<std::uint32_t>(packed >> 32);
 }
-__device__ inline std::uint32_t packed_tiles(std::uint64_t packed) {
+__device__ inline std::uint32_t packed_claims(std::uint64_t packed) {
   return static_cast<std::uint32_t>(packed);
 }
 
 // Where a segment falls in its class's run of tiles: the middle of its tiles, as a fraction of the
-// class's tiles. `list` is one class's segments with first_tile counted within the class.
+// class's tiles. `list` is one class's segments with first_claim counted within the class (forward
+// and dgrad claim one tile at a time).
 __device__ inline double class_position(const TileSegment& s, std::int32_t n_tiles,
                                         std::uint32_t class_tiles) {
-  return (2.0 * s.first_tile + static_cast<double>(s.m_count) * n_tiles) / (2.0 * class_tiles);
+  return (2.0 * s.first_claim + static_cast<double>(s.m_count) * n_tiles) / (2.0 * class_tiles);
 }
 
 // How many of `list`'s `count` segments come before `position` (at or before it when
@@ -446,14 +449,14 @@ __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands&
     __syncthreads();
     if (s < count) {
       const std::uint64_t at = heavy ? carry.heavy + before.heavy : carry.light + before.light;
-      segment.first_tile = packed_tiles(at);
+      segment.first_claim = packed_claims(at);
       lists[heavy ? 0 : 1][packed_count(at)] = segment;
     }
     carry = AddClassSums{}(carry, chunk);
   }
   __syncthreads();
   const std::uint32_t counts[2] = {packed_count(carry.heavy), packed_count(carry.light)};
-  const std::uint32_t tiles[2] = {packed_tiles(carry.heavy), packed_tiles(carry.light)};
+  const std::uint32_t tiles[2] = {packed_claims(carry.heavy), packed_claims(carry.light)};
   for (int c = 0; c < 2; ++c) {
     const int other = 1 - c;
     for (std::uint32_t i = threadIdx.x; i < counts[c]; i += kIndexThreads) {
@@ -464,18 +467,39 @@ __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands&
           segments_before(lists[other], counts[other], position, c == 1, n_tiles, tiles[other]);
       const std::uint32_t other_tiles =
           j == 0 ? 0
-                 : lists[other][j - 1].first_tile +
+                 : lists[other][j - 1].first_claim +
                        static_cast<std::uint32_t>(lists[other][j - 1].m_count * n_tiles);
-      segment.first_tile += other_tiles;
+      segment.first_claim += other_tiles;
       order.segments[i + j] = segment;
     }
+  }
+}
+
+// Tiles of the weight gradient contract their group's rows, in k-steps of 64: a group with few rows
+// has tiles that are mostly their loads' latency and their epilogue. A claim takes enough of them
+// for kClaimKSteps k-steps, so that the loads run ahead through the claim's tiles (of one group:
+// no TMA descriptor changes between them), up to kMaxTilesPerClaim, which bounds what a CTA holds
+// when the others run out. Forward and dgrad tiles contract a whole feature dimension and are
+// claimed one at a time. Experiment 47 (one H100, against claims of one tile in the same run):
+// skewed Qwen3 1.12-1.13 -> 1.15 of torch in two runs; the other shapes moved within noise.
+constexpr std::int64_t kClaimKSteps = 8;
+constexpr std::int64_t kMaxTilesPerClaim = 4;
+
+template <GroupedPass pass>
+__device__ std::int64_t tiles_per_claim(std::int64_t rows) {
+  if constexpr (pass == GroupedPass::kWgrad) {
+    const std::int64_t k_steps = max(ceil_tiles(rows, kTileK), std::int64_t{1});
+    return min(ceil_tiles(kClaimKSteps, k_steps), kMaxTilesPerClaim);
+  } else {
+    return 1;
   }
 }
 
 // Writes the order in which the GEMM's CTAs claim their tiles (claiming_scheduler.cuh): the
 // groups in order, each cut into segments of `strip` M-tiles, then for forward and dgrad the heavy
 // groups spread among the others (interleave_heavy); the weight gradient's groups by decreasing
-// rows, one segment each. Run by one whole block, after the group index.
+// rows, one segment each, several tiles a claim where they are short (tiles_per_claim). Run by
+// one whole block, after the group index.
 template <GroupedPass pass>
 __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands& op,
                                  const TileOrder& order, const OrderPlan& plan,
@@ -490,29 +514,38 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   }
   using Scan = cub::BlockScan<std::uint64_t, kIndexThreads>;
   __shared__ typename Scan::TempStorage storage;
-  std::uint64_t carry = 0;  // segments << 32 | tiles
+  std::uint64_t carry = 0;  // segments << 32 | claims
   bool any_heavy = false;
   for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
     const std::int64_t position = base + threadIdx.x;
     const std::int64_t g = position >= index.groups ? -1 : sorted ? by_rows[position] : position;
     const std::int64_t m_tiles = g < 0 ? 0 : group_m_tiles<pass>(index, op, g);
     const std::int64_t strips = ceil_tiles(m_tiles, plan.strip);
-    const std::uint64_t mine = static_cast<std::uint64_t>(strips) << 32 |
-                               static_cast<std::uint64_t>(m_tiles * plan.n_tiles);
+    const std::int64_t per_claim =
+        g < 0 ? 1 : tiles_per_claim<pass>(index.offsets[g + 1] - index.offsets[g]);
+    // Every strip but the last has plan.strip M-tiles.
+    auto strip_claims = [&](std::int64_t j) {
+      return ceil_tiles(min(plan.strip, m_tiles - j * plan.strip) * plan.n_tiles, per_claim);
+    };
+    const std::int64_t claims =
+        strips == 0 ? 0 : (strips - 1) * strip_claims(0) + strip_claims(strips - 1);
+    const std::uint64_t mine =
+        static_cast<std::uint64_t>(strips) << 32 | static_cast<std::uint64_t>(claims);
     std::uint64_t before, chunk;
     Scan(storage).ExclusiveSum(mine, before, chunk);
     any_heavy |= __syncthreads_or(m_tiles > 0 && m_tiles <= kHeavyMTiles) != 0;
     const std::uint64_t at = carry + before;
     for (std::int64_t j = 0; j < strips; ++j) {
       order.segments[packed_count(at) + j] = {
-          packed_tiles(at) + static_cast<std::uint32_t>(j * plan.strip * plan.n_tiles),
+          packed_claims(at) + static_cast<std::uint32_t>(j * strip_claims(0)),
           static_cast<std::int32_t>(g), static_cast<std::int32_t>(j * plan.strip),
-          static_cast<std::int32_t>(min(plan.strip, m_tiles - j * plan.strip))};
+          static_cast<std::int32_t>(min(plan.strip, m_tiles - j * plan.strip)),
+          static_cast<std::int32_t>(per_claim)};
     }
     carry += chunk;
   }
   if (threadIdx.x == 0) {
-    order.segments[packed_count(carry)] = {packed_tiles(carry), -1, 0, 0};
+    order.segments[packed_count(carry)] = {packed_claims(carry), -1, 0, 0, 1};
     *order.count = packed_count(carry);
     *order.claimed = 0;
   }
