@@ -17,7 +17,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -92,9 +91,8 @@ __host__ __device__ constexpr std::uint32_t segment_capacity(GroupedPass pass,
 
 // How the table kernel orders a call's tiles, from the shapes the host knows.
 struct OrderPlan {
-  std::int32_t n_tiles;    // every group's N-tiles
-  std::int64_t strip;      // M-tiles (of a pair's: cluster_m of them) per segment
-  std::int32_t cluster_m;  // CTAs of a cluster along M, each with one M-tile of a claimed tile
+  std::int32_t n_tiles;  // every group's N-tiles
+  std::int64_t strip;    // M-tiles per segment
 };
 
 // The epilogue writes each tile to shared memory in subtiles of 128 rows, and a TMA store takes
@@ -131,9 +129,9 @@ struct GroupedGemm {
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
   // Without a cluster the CTAs claim their tiles in the table kernel's order
-  // (claiming_scheduler.cuh), and so do the weight gradient's pairs, whose M-tiles split
-  // out_features; forward and dgrad pairs keep CUTLASS's static deal.
-  static constexpr bool kClaimed = cluster_m == 1 || pass == GroupedPass::kWgrad;
+  // (claiming_scheduler.cuh); a cluster's CTAs share their loads, so they keep CUTLASS's static
+  // deal.
+  static constexpr bool kClaimed = cluster_m == 1;
   using ProblemShape =
       std::conditional_t<kClaimed, ClaimedProblemShape,
                          cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>;
@@ -170,7 +168,7 @@ struct GroupedGemm {
       kAlignment, Element, typename PassLayouts<pass>::B*, kAlignment, float, TileShape,
       ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage) + sizeof(ClaimingSharedState))>,
+          sizeof(typename CollectiveEpilogue::SharedStorage) + sizeof(upper_half_only))>,
       MainSchedule>::CollectiveOp;
   using CollectiveMainloop =
       std::conditional_t<kClaimed, HalfTileMainloop<BuiltMainloop>, BuiltMainloop>;
@@ -521,8 +519,7 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
     const std::int64_t position = base + threadIdx.x;
     const std::int64_t g = position >= index.groups ? -1 : sorted ? by_rows[position] : position;
-    const std::int64_t m_tiles =
-        g < 0 ? 0 : ceil_tiles(group_m_tiles<pass>(index, op, g), plan.cluster_m);
+    const std::int64_t m_tiles = g < 0 ? 0 : group_m_tiles<pass>(index, op, g);
     const std::int64_t strips = ceil_tiles(m_tiles, plan.strip);
     const std::int64_t per_claim =
         g < 0 ? 1 : tiles_per_claim<pass>(index.offsets[g + 1] - index.offsets[g]);
@@ -644,8 +641,6 @@ CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
   }
   if constexpr (pairs_along_m(pass)) {
     all = widest(all, workspace_of<pass, dtype, epilogue, 2, false>(groups, device, sm_count));
-  } else {
-    all = widest(all, workspace_of<pass, dtype, epilogue, 2, wide>(groups, device, sm_count));
   }
   return all;
 }
@@ -666,15 +661,14 @@ inline std::int64_t strip_m_tiles(std::int32_t n_tiles, std::int64_t k, std::int
 }
 
 template <GroupedPass pass>
-OrderPlan order_plan(const CutlassCall& call, int cluster_m) {
+OrderPlan order_plan(const CutlassCall& call) {
   const GroupedOperands& op = call.operands;
   const std::int64_t groups = call.index.groups;
   const std::int64_t n = pass == GroupedPass::kForward ? op.out_features : op.in_features;
-  OrderPlan plan{static_cast<std::int32_t>(ceil_tiles(n, kTileN)), 0, cluster_m};
+  OrderPlan plan{static_cast<std::int32_t>(ceil_tiles(n, kTileN)), 0};
   std::int64_t m_tiles_bound;  // of all groups
   if constexpr (pass == GroupedPass::kWgrad) {
-    // One segment per group.
-    plan.strip = ceil_tiles(ceil_tiles(op.out_features, kTileM), cluster_m);
+    plan.strip = ceil_tiles(op.out_features, kTileM);  // one segment per group
     m_tiles_bound = plan.strip * groups;
   } else {
     m_tiles_bound = ceil_tiles(call.index.rows, kTileM) + groups;  // >= the sum of ceil(rows_g/128)
@@ -699,7 +693,7 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   constexpr bool clear_empty = pass == GroupedPass::kWgrad && epilogue == Epilogue::kStore;
   const dim3 grid = clear_empty ? span_grid(call.out, kIndexThreads) : dim3(1);
   fill_tables<G, pass, clear_empty><<<grid, kIndexThreads, 0, stream>>>(
-      call.index, call.status, call.operands, call.out, tables, order_plan<pass>(call, cluster_m));
+      call.index, call.status, call.operands, call.out, tables, order_plan<pass>(call));
   MESHLA_CHECK_CUDA(cudaGetLastError());
   typename G::Gemm gemm;
   const auto args =
@@ -729,13 +723,6 @@ void run_clustered(const CutlassCall& call, cudaStream_t stream) {
   if constexpr (pass == GroupedPass::kDgrad) {
     if (call.index.rows >= kWideDgradMinRowsPerGroup * call.index.groups) {
       return run_grouped<pass, dtype, epilogue, 1, true>(call, stream);
-    }
-  }
-  if constexpr (pass == GroupedPass::kWgrad) {
-    // SCRATCH: A/B switch
-    const char* v = std::getenv("SCRATCH_WGRAD_PAIRS");
-    if (v && v[0] == '1' && ceil_tiles(call.operands.out_features, kTileM) % 2 == 0) {
-      return run_grouped<pass, dtype, epilogue, 2, always_wide(pass, epilogue)>(call, stream);
     }
   }
   run_grouped<pass, dtype, epilogue, 1, always_wide(pass, epilogue)>(call, stream);
