@@ -160,6 +160,12 @@ class ClaimingScheduler
       claim = __shfl_sync(0xffffffff, claim, 0);
       // Indices below the grid size are the CTAs' first claims; claims go on from there.
       work = first_of_claim(grid_size_ + claim);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // Out of tiles: the next kernel on the stream may launch once every CTA has got here or
+      // exited (a grouped GEMM's table kernel, which waits for this one to finish before it
+      // touches memory).
+      if (!work.is_valid()) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     }
     pipeline.producer_acquire(state);
     if (cute::elect_one_sync()) {
