@@ -5,7 +5,8 @@ loop and one dense GEMM of the same total size, in the same run.
 
 TFLOP/s of forward (y = x W_gᵀ), dgrad (dx = dy W_g) and wgrad (dW_g = dy_gᵀ x_g) for each shape
 and routing. Timings: CUDA events around `--iters` back-to-back calls after a warm-up; the median
-of `--repeats` such runs, taken in turns with the peers'. The table is printed last; JSON carries
+of `--repeats` such runs, taken in turns with the peers' in a rotating order (time_ms). The table is
+printed last; JSON carries
 device, date and commit.
 """
 
@@ -45,7 +46,9 @@ def routing(groups: int, tokens: int, skewed: bool, seed: int = 0) -> list[int]:
 def time_ms(fns: dict, iters: int, repeats: int) -> dict:
     """Median ms per call of each of `fns`. The functions take turns (one run of `iters` calls each,
     `repeats` rounds), so a drift of the GPU's clocks during the measurement falls on all of them
-    alike instead of on whichever ran last. A function that raises is recorded by its error."""
+    alike instead of on whichever ran last, and each round starts one function later than the
+    round before, so that none always follows the same one (a dense GEMM leaves the GPU hot and
+    its clocks lower for what runs next). A function that raises is recorded by its error."""
     runs, errors = {label: [] for label in fns}, {}
     for label, fn in fns.items():
         try:
@@ -53,8 +56,11 @@ def time_ms(fns: dict, iters: int, repeats: int) -> dict:
         except Exception as error:  # a peer that refuses a shape is recorded, not fatal
             errors[label] = str(error).splitlines()[0][:160]
     torch.cuda.synchronize()
-    for _ in range(repeats):
-        for label, fn in fns.items():
+    labels = list(fns)
+    for round_index in range(repeats):
+        shift = round_index % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            fn = fns[label]
             if label in errors:
                 continue
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -150,7 +156,7 @@ def main():
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args()
     rows = []
     for shape in SHAPES:
