@@ -5,9 +5,8 @@ loop and one dense GEMM of the same total size, in the same run.
 
 TFLOP/s of forward (y = x W_gᵀ), dgrad (dx = dy W_g) and wgrad (dW_g = dy_gᵀ x_g) for each shape
 and routing. Timings: CUDA events around `--iters` back-to-back calls after a warm-up; the median
-of `--repeats` such runs, taken in turns with the peers' in a rotating order (time_ms). The table is
-printed last; JSON carries
-device, date and commit.
+of `--repeats` such runs, taken in turns with the peers' in a rotating order (time_ms). The table
+is printed last; JSON carries device, date and commit.
 """
 
 import argparse
