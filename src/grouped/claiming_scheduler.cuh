@@ -6,7 +6,8 @@
 // - Claims: the weight gradient's tiles are not equal (each contracts its group's rows), so on a
 //   skewed routing the static deal gave some CTAs several times the work of others (16 x 2048
 //   skewed: the slowest CTA's share modelled at 1.59x the mean; experiment 38). Forward and dgrad
-//   tiles of small groups wait on HBM for their weights longer than large groups' tiles.
+//   tiles of small groups wait on HBM for their weights longer than large groups' tiles. A claim
+//   of the weight gradient takes several tiles of a group with few rows (experiment 47).
 // - Order: runs of M-tiles (segments) instead of whole groups, so that a large group's rows are
 //   read once per strip that L2 holds, not once per N-tile, and the small groups spread among
 //   the large ones (experiment 39); the weight gradient's largest groups go first so that the
@@ -14,6 +15,7 @@
 // - Half tiles: a group's last M-tile with 64 rows or fewer (experiment 40).
 // - Arrivals: all_gather_matmul's one-launch GEMM holds each tile until its group has landed
 //   (TileOrder::landed).
+// - The next kernel: a CTA out of tiles lets it launch (programmatic dependent launch).
 // Included by cutlass_grouped.cuh.
 #pragma once
 
