@@ -486,8 +486,9 @@ constexpr std::int64_t kClaimKSteps = 8;
 constexpr std::int64_t kMaxTilesPerClaim = 4;
 
 template <GroupedPass pass>
-__device__ std::int64_t tiles_per_claim(std::int64_t rows) {
+__device__ std::int64_t tiles_per_claim(const GroupIndex& index, std::int64_t g) {
   if constexpr (pass == GroupedPass::kWgrad) {
+    const std::int64_t rows = index.offsets[g + 1] - index.offsets[g];
     const std::int64_t k_steps = max(ceil_tiles(rows, kTileK), std::int64_t{1});
     return min(ceil_tiles(kClaimKSteps, k_steps), kMaxTilesPerClaim);
   } else {
@@ -521,8 +522,7 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
     const std::int64_t g = position >= index.groups ? -1 : sorted ? by_rows[position] : position;
     const std::int64_t m_tiles = g < 0 ? 0 : group_m_tiles<pass>(index, op, g);
     const std::int64_t strips = ceil_tiles(m_tiles, plan.strip);
-    const std::int64_t per_claim =
-        g < 0 ? 1 : tiles_per_claim<pass>(index.offsets[g + 1] - index.offsets[g]);
+    const std::int64_t per_claim = g < 0 ? 1 : tiles_per_claim<pass>(index, g);
     // Every strip but the last has plan.strip M-tiles.
     auto strip_claims = [&](std::int64_t j) {
       return ceil_tiles(min(plan.strip, m_tiles - j * plan.strip) * plan.n_tiles, per_claim);
