@@ -482,6 +482,9 @@ __device__ void interleave_heavy(const GroupIndex& index, const GroupedOperands&
 // when the others run out. Forward and dgrad tiles contract a whole feature dimension and are
 // claimed one at a time. Experiment 47 (one H100, against claims of one tile in the same run):
 // skewed Qwen3 1.12-1.13 -> 1.15 of torch in two runs; the other shapes moved within noise.
+// Experiment 48 found the gain elsewhere than predicted: the tiles of 1-2 k-steps take as long
+// with any claim size (their epilogue's writes bound them); the groups of 3-7 k-steps, which
+// claim 2-3 tiles, were not measured apart.
 constexpr std::int64_t kClaimKSteps = 8;
 constexpr std::int64_t kMaxTilesPerClaim = 4;
 
