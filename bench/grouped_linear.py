@@ -4,15 +4,19 @@ loop and one dense GEMM of the same total size, in the same run.
   python bench/grouped_linear.py --commit SHA --out results.json
 
 TFLOP/s of forward (y = x W_gᵀ), dgrad (dx = dy W_g) and wgrad (dW_g = dy_gᵀ x_g) for each shape
-and routing. Timings: CUDA events around `--iters` back-to-back calls after a warm-up; the median
-of `--repeats` such runs, taken in turns with the peers' in a rotating order (time_ms). The table
-is printed last; JSON carries device, date and commit.
+and routing. Timings: CUDA events around `--measure-ms` of back-to-back calls after `--warmup-ms` of
+the same calls, the median of `--repeats` such runs taken in turns with the peers' (time_ms), with
+the SM clock and the energy per call (NVML) of each. The table is printed last; JSON carries
+device, date and commit.
 """
 
 import argparse
+import ctypes
 import datetime
 import json
+import math
 import statistics
+import time
 
 import torch
 
@@ -42,41 +46,94 @@ def routing(groups: int, tokens: int, skewed: bool, seed: int = 0) -> list[int]:
     return sizes
 
 
-def time_ms(fns: dict, iters: int, repeats: int) -> dict:
-    """Median ms per call of each of `fns`. The functions take turns (one run of `iters` calls each,
-    `repeats` rounds), so a drift of the GPU's clocks during the measurement falls on all of them
-    alike instead of on whichever ran last, and each round starts one function later than the
-    round before, so that none always follows the same one (a dense GEMM leaves the GPU hot and
-    its clocks lower for what runs next). A function that raises is recorded by its error."""
-    runs, errors = {label: [] for label in fns}, {}
+class Nvml:
+    """The GPU's SM clock and its energy counter through NVML (the driver's library), for the
+    clock each method runs at and its energy per call."""
+
+    def __init__(self, index: int):
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if self.lib.nvmlInit_v2() != 0:
+            raise OSError("nvmlInit_v2 failed")
+        self.handle = ctypes.c_void_p()
+        pci_bus_id = torch.cuda.get_device_properties(index).pci_bus_id.encode()
+        if self.lib.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id, ctypes.byref(self.handle)) != 0:
+            raise OSError(f"no NVML device at {pci_bus_id}")
+
+    def sm_clock_mhz(self) -> int:
+        clock = ctypes.c_uint()
+        self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock))  # 1: NVML_CLOCK_SM
+        return clock.value
+
+    def energy_mj(self) -> int:
+        energy = ctypes.c_ulonglong()
+        self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(energy))
+        return energy.value
+
+
+def open_nvml():
+    """NVML for the current GPU, or None where the driver's library cannot be loaded."""
+    try:
+        return Nvml(torch.cuda.current_device())
+    except (OSError, AttributeError):
+        return None
+
+
+def run_for(fn, ms: float, per_call_ms: float) -> int:
+    calls = max(3, math.ceil(ms / per_call_ms))
+    for _ in range(calls):
+        fn()
+    return calls
+
+
+def time_ms(fns: dict, warmup_ms: float, measure_ms: float, repeats: int, nvml) -> tuple:
+    """Median ms per call of each of `fns`, and the median SM clock (MHz) and energy per call (J)
+    while it ran. A GEMM at full speed draws the GPU's power limit, and the clocks follow the
+    power draw within about 0.1 s, so a short run measures the clocks that the function before
+    it left (NOTES 49): each function runs alone for `warmup_ms` before each timed stretch of
+    `measure_ms`, so each is measured at the clocks of its own steady state. The functions take
+    turns (`repeats` rounds, each starting one function later) so that a drift of the machine
+    falls on all alike. A function that raises is recorded by its error."""
+    runs = {label: {"ms": [], "mhz": [], "joules": []} for label in fns}
+    per_call, errors = {}, {}
     for label, fn in fns.items():
         try:
             fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            per_call[label] = max((time.perf_counter() - start) * 1e3, 1e-3)
         except Exception as error:  # a peer that refuses a shape is recorded, not fatal
             errors[label] = str(error).splitlines()[0][:160]
-    torch.cuda.synchronize()
-    labels = list(fns)
+    labels = [label for label in fns if label not in errors]
     for round_index in range(repeats):
         shift = round_index % len(labels)
         for label in labels[shift:] + labels[:shift]:
             fn = fns[label]
-            if label in errors:
-                continue
+            run_for(fn, warmup_ms, per_call[label])
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            energy_before = nvml.energy_mj() if nvml else None
             start.record()
-            for _ in range(iters):
-                fn()
+            calls = run_for(fn, measure_ms, per_call[label])
             stop.record()
+            mhz = nvml.sm_clock_mhz() if nvml else None
             stop.synchronize()
-            runs[label].append(start.elapsed_time(stop) / iters)
-    return {label: statistics.median(r) for label, r in runs.items() if r}, errors
+            ms = start.elapsed_time(stop) / calls
+            per_call[label] = ms
+            runs[label]["ms"].append(ms)
+            if nvml:
+                runs[label]["mhz"].append(mhz)
+                runs[label]["joules"].append((nvml.energy_mj() - energy_before) / 1e3 / calls)
+    return {label: {key: statistics.median(values) for key, values in run.items() if values}
+            for label, run in runs.items() if run["ms"]}, errors
 
 
 def torch_grouped_mm():
     return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def bench_shape(name, groups, k, n, tokens, skewed, args):
+def bench_shape(name, groups, k, n, tokens, skewed, args, nvml):
     dev, dtype = torch.device("cuda"), torch.bfloat16
     sizes = routing(groups, tokens, skewed)
     m_splits = torch.tensor(sizes, device=dev)
@@ -121,12 +178,15 @@ def bench_shape(name, groups, k, n, tokens, skewed, args):
                "largest_group": max(sizes), "empty_groups": sizes.count(0)}
         fns = {"meshla": fn}
         fns.update({peer: peer_fns[pass_name] for peer, peer_fns in peers.items() if peer_fns})
-        times, errors = time_ms(fns, args.iters, args.repeats)
+        times, errors = time_ms(fns, args.warmup_ms, args.measure_ms, args.repeats, nvml)
         if "meshla" in errors:
             raise RuntimeError(f"meshla {pass_name} on {name}: {errors['meshla']}")
-        for label, ms in times.items():
-            row[f"{label}_ms"] = ms
-            row[f"{label}_tflops"] = flop / ms / 1e9
+        for label, measured in times.items():
+            row[f"{label}_ms"] = measured["ms"]
+            row[f"{label}_tflops"] = flop / measured["ms"] / 1e9
+            if "mhz" in measured:
+                row[f"{label}_sm_mhz"] = measured["mhz"]
+                row[f"{label}_joules"] = measured["joules"]
         for label, error in errors.items():
             row[f"{label}_error"] = error
         rows.append(row)
@@ -136,17 +196,21 @@ def bench_shape(name, groups, k, n, tokens, skewed, args):
 
 def table(rows):
     lines = ["| shape | routing | pass | meshla TFLOP/s | torch grouped_mm | loop | dense | "
-             "meshla/dense | meshla/grouped_mm |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "meshla/dense | meshla/grouped_mm | SM MHz meshla / grouped_mm | "
+             "J a call meshla / grouped_mm |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = r["meshla_tflops"]
         gmm = r.get("torch grouped_mm_tflops")
         gmm_text = f"{gmm:.0f}" if gmm else r.get("torch grouped_mm_error", "-")
         ratio_text = f"{ours / gmm:.2f}" if gmm else "-"
+        mhz_text = f"{r.get('meshla_sm_mhz', '-')} / {r.get('torch grouped_mm_sm_mhz', '-')}"
+        joules = [r.get(f"{label}_joules") for label in ("meshla", "torch grouped_mm")]
+        joules_text = " / ".join(f"{j:.3f}" if j is not None else "-" for j in joules)
         lines.append(
             f"| {r['shape']} | {r['routing']} | {r['pass']} | {ours:.0f} | {gmm_text} | "
             f"{r['torch loop_tflops']:.0f} | {r['dense_tflops']:.0f} | "
-            f"{ours / r['dense_tflops']:.2f} | {ratio_text} |")
+            f"{ours / r['dense_tflops']:.2f} | {ratio_text} | {mhz_text} | {joules_text} |")
     return "\n".join(lines)
 
 
@@ -154,16 +218,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--warmup-ms", type=float, default=300.0)
+    parser.add_argument("--measure-ms", type=float, default=100.0)
+    parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
+    nvml = open_nvml()
     rows = []
     for shape in SHAPES:
         for skewed in (False, True):
-            rows += bench_shape(*shape, skewed, args)
+            rows += bench_shape(*shape, skewed, args, nvml)
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "commit": args.commit, "torch": torch.__version__, "dtype": "bfloat16",
-            "iters": args.iters, "repeats": args.repeats}
+            "warmup_ms": args.warmup_ms, "measure_ms": args.measure_ms, "repeats": args.repeats}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(json.dumps(meta))
