@@ -16,6 +16,7 @@ import datetime
 import json
 import math
 import statistics
+import sys
 import time
 
 import torch
@@ -55,7 +56,9 @@ class Nvml:
         if self.lib.nvmlInit_v2() != 0:
             raise OSError("nvmlInit_v2 failed")
         self.handle = ctypes.c_void_p()
-        pci_bus_id = torch.cuda.get_device_properties(index).pci_bus_id.encode()
+        props = torch.cuda.get_device_properties(index)
+        pci_bus_id = (f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:"
+                      f"{props.pci_device_id:02x}.0").encode()
         if self.lib.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id, ctypes.byref(self.handle)) != 0:
             raise OSError(f"no NVML device at {pci_bus_id}")
 
@@ -74,7 +77,8 @@ def open_nvml():
     """NVML for the current GPU, or None where the driver's library cannot be loaded."""
     try:
         return Nvml(torch.cuda.current_device())
-    except (OSError, AttributeError):
+    except (OSError, AttributeError) as error:
+        print(f"no SM clocks or energy: NVML unavailable ({error})", file=sys.stderr)
         return None
 
 
@@ -88,11 +92,11 @@ def run_for(fn, ms: float, per_call_ms: float) -> int:
 def time_ms(fns: dict, warmup_ms: float, measure_ms: float, repeats: int, nvml) -> tuple:
     """Median ms per call of each of `fns`, and the median SM clock (MHz) and energy per call (J)
     while it ran. A GEMM at full speed draws the GPU's power limit, and the clocks follow the
-    power draw within about 0.1 s, so a short run measures the clocks that the function before
-    it left (NOTES 49): each function runs alone for `warmup_ms` before each timed stretch of
-    `measure_ms`, so each is measured at the clocks of its own steady state. The functions take
-    turns (`repeats` rounds, each starting one function later) so that a drift of the machine
-    falls on all alike. A function that raises is recorded by its error."""
+    power draw within a few tenths of a second, so a short run measures the clocks that the
+    function before it left (NOTES 49): each function runs alone for `warmup_ms` before each timed
+    stretch of `measure_ms`, so each is measured at the clocks of its own steady state. The
+    functions take turns (`repeats` rounds, each starting one function later) so that a drift of
+    the machine falls on all alike. A function that raises is recorded by its error."""
     runs = {label: {"ms": [], "mhz": [], "joules": []} for label in fns}
     per_call, errors = {}, {}
     for label, fn in fns.items():
@@ -218,7 +222,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--commit", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--warmup-ms", type=float, default=300.0)
+    parser.add_argument("--warmup-ms", type=float, default=500.0)
     parser.add_argument("--measure-ms", type=float, default=100.0)
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args()
