@@ -6,8 +6,7 @@ loop and one dense GEMM of the same total size, in the same run.
 TFLOP/s of forward (y = x W_gᵀ), dgrad (dx = dy W_g) and wgrad (dW_g = dy_gᵀ x_g) for each shape
 and routing. Timings: CUDA events around `--measure-ms` of back-to-back calls after `--warmup-ms` of
 the same calls, the median of `--repeats` such runs taken in turns with the peers' (time_ms), with
-the SM clock and the energy per call (NVML) of each. The table is printed last; JSON carries
-device, date and commit.
+the SM clock (NVML) of each. The table is printed last; JSON carries device, date and commit.
 """
 
 import argparse
@@ -48,8 +47,7 @@ def routing(groups: int, tokens: int, skewed: bool, seed: int = 0) -> list[int]:
 
 
 class Nvml:
-    """The GPU's SM clock and its energy counter through NVML (the driver's library), for the
-    clock each method runs at and its energy per call."""
+    """The GPU's SM clock through NVML (the driver's library): the clock each method runs at."""
 
     def __init__(self, index: int):
         self.lib = ctypes.CDLL("libnvidia-ml.so.1")
@@ -67,18 +65,13 @@ class Nvml:
         self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock))  # 1: NVML_CLOCK_SM
         return clock.value
 
-    def energy_mj(self) -> int:
-        energy = ctypes.c_ulonglong()
-        self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(energy))
-        return energy.value
-
 
 def open_nvml():
     """NVML for the current GPU, or None where the driver's library cannot be loaded."""
     try:
         return Nvml(torch.cuda.current_device())
     except (OSError, AttributeError) as error:
-        print(f"no SM clocks or energy: NVML unavailable ({error})", file=sys.stderr)
+        print(f"no SM clocks: NVML unavailable ({error})", file=sys.stderr)
         return None
 
 
@@ -90,14 +83,14 @@ def run_for(fn, ms: float, per_call_ms: float) -> int:
 
 
 def time_ms(fns: dict, warmup_ms: float, measure_ms: float, repeats: int, nvml) -> tuple:
-    """Median ms per call of each of `fns`, and the median SM clock (MHz) and energy per call (J)
-    while it ran. A GEMM at full speed draws the GPU's power limit, and the clocks follow the
-    power draw within a few tenths of a second, so a short run measures the clocks that the
-    function before it left (NOTES 49): each function runs alone for `warmup_ms` before each timed
-    stretch of `measure_ms`, so each is measured at the clocks of its own steady state. The
-    functions take turns (`repeats` rounds, each starting one function later) so that a drift of
-    the machine falls on all alike. A function that raises is recorded by its error."""
-    runs = {label: {"ms": [], "mhz": [], "joules": []} for label in fns}
+    """Median ms per call of each of `fns`, and the median SM clock (MHz) while it ran. A GEMM at
+    full speed draws the GPU's power limit, and the clocks follow the power draw within a few
+    tenths of a second, so a short run measures the clocks that the function before it left
+    (NOTES 49): each function runs alone for `warmup_ms` before each timed stretch of
+    `measure_ms`, so each is measured at the clocks of its own steady state. The functions take
+    turns (`repeats` rounds, each starting one function later) so that a drift of the machine
+    falls on all alike. A function that raises is recorded by its error."""
+    runs = {label: {"ms": [], "mhz": []} for label in fns}
     per_call, errors = {}, {}
     for label, fn in fns.items():
         try:
@@ -116,8 +109,6 @@ def time_ms(fns: dict, warmup_ms: float, measure_ms: float, repeats: int, nvml) 
             fn = fns[label]
             run_for(fn, warmup_ms, per_call[label])
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            energy_before = nvml.energy_mj() if nvml else None
             start.record()
             calls = run_for(fn, measure_ms, per_call[label])
             stop.record()
@@ -128,7 +119,6 @@ def time_ms(fns: dict, warmup_ms: float, measure_ms: float, repeats: int, nvml) 
             runs[label]["ms"].append(ms)
             if nvml:
                 runs[label]["mhz"].append(mhz)
-                runs[label]["joules"].append((nvml.energy_mj() - energy_before) / 1e3 / calls)
     return {label: {key: statistics.median(values) for key, values in run.items() if values}
             for label, run in runs.items() if run["ms"]}, errors
 
@@ -190,7 +180,6 @@ def bench_shape(name, groups, k, n, tokens, skewed, args, nvml):
             row[f"{label}_tflops"] = flop / measured["ms"] / 1e9
             if "mhz" in measured:
                 row[f"{label}_sm_mhz"] = measured["mhz"]
-                row[f"{label}_joules"] = measured["joules"]
         for label, error in errors.items():
             row[f"{label}_error"] = error
         rows.append(row)
@@ -200,21 +189,19 @@ def bench_shape(name, groups, k, n, tokens, skewed, args, nvml):
 
 def table(rows):
     lines = ["| shape | routing | pass | meshla TFLOP/s | torch grouped_mm | loop | dense | "
-             "meshla/dense | meshla/grouped_mm | SM MHz meshla / grouped_mm | "
-             "J a call meshla / grouped_mm |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "meshla/dense | meshla/grouped_mm | SM MHz meshla / grouped_mm |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = r["meshla_tflops"]
         gmm = r.get("torch grouped_mm_tflops")
         gmm_text = f"{gmm:.0f}" if gmm else r.get("torch grouped_mm_error", "-")
         ratio_text = f"{ours / gmm:.2f}" if gmm else "-"
-        mhz_text = f"{r.get('meshla_sm_mhz', '-')} / {r.get('torch grouped_mm_sm_mhz', '-')}"
-        joules = [r.get(f"{label}_joules") for label in ("meshla", "torch grouped_mm")]
-        joules_text = " / ".join(f"{j:.3f}" if j is not None else "-" for j in joules)
+        mhz = [r.get(f"{label}_sm_mhz") for label in ("meshla", "torch grouped_mm")]
+        mhz_text = " / ".join(f"{m:.0f}" if m is not None else "-" for m in mhz)
         lines.append(
             f"| {r['shape']} | {r['routing']} | {r['pass']} | {ours:.0f} | {gmm_text} | "
             f"{r['torch loop_tflops']:.0f} | {r['dense_tflops']:.0f} | "
-            f"{ours / r['dense_tflops']:.2f} | {ratio_text} | {mhz_text} | {joules_text} |")
+            f"{ours / r['dense_tflops']:.2f} | {ratio_text} | {mhz_text} |")
     return "\n".join(lines)
 
 
