@@ -60,9 +60,12 @@ class Nvml:
         if self.lib.nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id, ctypes.byref(self.handle)) != 0:
             raise OSError(f"no NVML device at {pci_bus_id}")
 
-    def sm_clock_mhz(self) -> int:
+    def sm_clock_mhz(self):
+        """The SM clock now, or None where NVML cannot read it."""
         clock = ctypes.c_uint()
-        self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock))  # 1: NVML_CLOCK_SM
+        # 1: NVML_CLOCK_SM
+        if self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(clock)) != 0:
+            return None
         return clock.value
 
 
@@ -75,21 +78,23 @@ def open_nvml():
         return None
 
 
-def run_for(fn, ms: float, per_call_ms: float) -> int:
-    calls = max(3, math.ceil(ms / per_call_ms))
+def calls_for(ms: float, per_call_ms: float) -> int:
+    return max(4, math.ceil(ms / per_call_ms))
+
+
+def enqueue(fn, calls: int):
     for _ in range(calls):
         fn()
-    return calls
 
 
 def time_ms(fns: dict, warmup_ms: float, measure_ms: float, repeats: int, nvml) -> tuple:
-    """Median ms per call of each of `fns`, and the median SM clock (MHz) while it ran. A GEMM at
-    full speed draws the GPU's power limit, and the clocks follow the power draw within a few
-    tenths of a second, so a short run measures the clocks that the function before it left
-    (NOTES 49): each function runs alone for `warmup_ms` before each timed stretch of
-    `measure_ms`, so each is measured at the clocks of its own steady state. The functions take
-    turns (`repeats` rounds, each starting one function later) so that a drift of the machine
-    falls on all alike. A function that raises is recorded by its error."""
+    """Median ms per call of each of `fns`, and the median SM clock (MHz) halfway through its
+    timed stretches. A GEMM at full speed draws the GPU's power limit, and the clocks follow the
+    power draw within a few tenths of a second, so a short run measures the clocks that the
+    function before it left (NOTES 49): each function runs alone for `warmup_ms` before each timed
+    stretch of `measure_ms`, so each is measured at the clocks of its own steady state. The
+    functions take turns (`repeats` rounds, each starting one function later) so that a drift of
+    the machine falls on all alike. A function that raises is recorded by its error."""
     runs = {label: {"ms": [], "mhz": []} for label in fns}
     per_call, errors = {}, {}
     for label, fn in fns.items():
@@ -103,21 +108,29 @@ def time_ms(fns: dict, warmup_ms: float, measure_ms: float, repeats: int, nvml) 
         except Exception as error:  # a peer that refuses a shape is recorded, not fatal
             errors[label] = str(error).splitlines()[0][:160]
     labels = [label for label in fns if label not in errors]
+    if not labels:
+        return {}, errors
     for round_index in range(repeats):
         shift = round_index % len(labels)
         for label in labels[shift:] + labels[:shift]:
             fn = fns[label]
-            run_for(fn, warmup_ms, per_call[label])
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            enqueue(fn, calls_for(warmup_ms, per_call[label]))
+            start, middle, stop = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            calls = calls_for(measure_ms, per_call[label])
             start.record()
-            calls = run_for(fn, measure_ms, per_call[label])
+            enqueue(fn, calls // 2)
+            middle.record()
+            enqueue(fn, calls - calls // 2)
             stop.record()
+            # The clock halfway through the timed calls: the host may have queued all of them
+            # while the warm-up still ran.
+            middle.synchronize()
             mhz = nvml.sm_clock_mhz() if nvml else None
             stop.synchronize()
             ms = start.elapsed_time(stop) / calls
             per_call[label] = ms
             runs[label]["ms"].append(ms)
-            if nvml:
+            if mhz is not None:
                 runs[label]["mhz"].append(mhz)
     return {label: {key: statistics.median(values) for key, values in run.items() if values}
             for label, run in runs.items() if run["ms"]}, errors
