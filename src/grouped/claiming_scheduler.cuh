@@ -19,8 +19,6 @@
 // Included by cutlass_grouped.cuh.
 #pragma once
 
-#include <cutlass/arch/barrier.h>
-#include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/sm90_tile_scheduler_group.hpp>
 #include <cutlass/gemm/kernel/tile_scheduler.hpp>
@@ -63,22 +61,11 @@ struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, i
 // A tile's second consumer warpgroup owns its rows 64-127 (CUTLASS's cooperative tiled MMA stacks
 // the two warpgroups' 64-row atoms along M). When a group's last M-tile has 64 rows or fewer,
 // that warpgroup has nothing to compute: the scheduler marks such tiles (is_valid_tile ==
-// kUpperHalfOnly), and each warp notes its current tile's mark in upper_half_only for
-// HalfTileMainloop.
+// kUpperHalfOnly), and each warp notes its current tile's mark here for HalfTileMainloop.
+// The flags are static shared memory, which comes before CUTLASS's dynamic shared memory: they
+// take 1024 bytes so that its tiles keep the 1024-byte alignment of their swizzle.
 constexpr std::int32_t kUpperHalfOnly = 2;
-
-// The claimed kernels' static shared memory, which comes before CUTLASS's dynamic shared memory:
-// it takes 1024 bytes so that CUTLASS's tiles keep the 1024-byte alignment of their swizzle.
-struct alignas(1024) ClaimingSharedState {
-  bool upper_half_only[32];  // per warp
-  // A CTA pair's claims (ClaimingScheduler with ClusterM = 2): the first CTA's scheduler warp
-  // claims, writes the claim into the second's `claim` and arrives on its claim_sent; the second
-  // reads it and arrives on the first's claim_taken, which the first waits for before the next.
-  std::uint64_t claim_sent;
-  std::uint64_t claim_taken;
-  std::uint32_t claim;
-};
-static __shared__ ClaimingSharedState claiming_state;
+alignas(1024) static __shared__ bool upper_half_only[1024];
 
 // Constructed before the scheduler's base, which reads the problem shapes. The GEMM launches as a
 // programmatic dependent of the table kernel; here it waits for that kernel to finish and its
@@ -115,43 +102,15 @@ CUTLASS_DEVICE void await_landed(const std::uint32_t* flag, std::uint64_t timeou
   __syncwarp();
 }
 
-// Waits, spinning, for the phase of the mbarrier at `bar` (this CTA's shared memory) with parity
-// `parity` to complete; what the arrivals released, across the cluster, is then visible.
-CUTLASS_DEVICE void wait_cluster_phase(std::uint64_t* bar, std::uint32_t parity) {
-  const std::uint32_t address = cute::cast_smem_ptr_to_uint(bar);
-  std::uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(address), "r"(parity)
-        : "memory");
-  }
-}
-
-// Arrives, with release semantics across the cluster, on the mbarrier at `bar` in CTA `rank`'s
-// shared memory (`bar` is the address of the same variable in this CTA).
-CUTLASS_DEVICE void arrive_remote(std::uint64_t* bar, std::uint32_t rank) {
-  const std::uint32_t address = cute::set_block_rank(cute::cast_smem_ptr_to_uint(bar), rank);
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(address)
-               : "memory");
-}
-
 // CUTLASS's group scheduler with claimed, ordered tiles. Every warp of a CTA computes its first
-// tile, the first of the claim whose index is the cluster's linear index, itself; the scheduler
+// tile, the first of the claim whose index is the CTA's linear block index, itself; the scheduler
 // warp hands the others every later tile through a shared-memory pipeline: the rest of the
 // current claim's tiles at once, then the first of a new claim. It claims only once the CTA has
 // taken the tile handed on before (every consumer released its slot), so a CTA holds its running
 // tile and one more, enough for the loads to run ahead, and leaves the rest to whichever CTA
 // frees first. A claim of several tiles (short ones: TileSegment::per_claim) lets the loads run
 // ahead through all of them.
-// With ClusterM = 2 a claim is a CTA pair's: its tiles are pairs of M-tiles, (2p, 2p + 1) for
-// the segments' M-tile pair p, one for each CTA, and the pair multicasts each B tile to both.
-// The first CTA claims and passes each claim to the second (ClaimingSharedState), which never
-// waits for anything else of the first: the two run the same tiles' k-steps in step anyway.
-template <int Stages, int TileM, int TileN, int ClusterM, int ClusterN>
+template <int Stages, int TileM, int TileN>
 class ClaimingScheduler
     : private AfterTableKernel,
       public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape,
@@ -166,26 +125,14 @@ class ClaimingScheduler
       : AfterTableKernel(),
         Base(params, response),
         order_(params.problem_shapes_.order),
-        clusters_(cluster_count()),
-        rank_(cute::block_rank_in_cluster()),
+        grid_size_(gridDim.x * gridDim.y * gridDim.z),
         count_(*order_.count),
-        total_(order_.segments[count_].first_claim) {
-    if constexpr (kPair) {
-      // Made visible to the pair by the cluster barrier that follows the kernel's pipeline setup.
-      if (threadIdx.x == 0) {
-        cutlass::arch::ClusterBarrier::init(&claiming_state.claim_sent, 1);
-        cutlass::arch::ClusterBarrier::init(&claiming_state.claim_taken, 1);
-        cutlass::arch::fence_barrier_init();
-      }
-    }
-  }
+        total_(order_.segments[count_].first_claim) {}
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    const dim3 cluster = cute::cluster_id_in_grid();
-    const dim3 clusters = cute::cluster_grid_dims();
     const WorkTileInfo work =
-        first_of_claim(cluster.x + clusters.x * (cluster.y + clusters.y * cluster.z));
+        first_of_claim(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
     note(work);
     return work;
   }
@@ -210,8 +157,11 @@ class ClaimingScheduler
         reuse.advance(Stages);
         pipeline.producer_acquire(reuse);
       }
-      // Indices below the cluster count are the clusters' first claims; claims go on from there.
-      work = first_of_claim(clusters_ + next_claim());
+      std::uint32_t claim = 0;
+      if (cutlass::canonical_lane_idx() == 0) claim = atomicAdd(order_.claimed, 1u);
+      claim = __shfl_sync(0xffffffff, claim, 0);
+      // Indices below the grid size are the CTAs' first claims; claims go on from there.
+      work = first_of_claim(grid_size_ + claim);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       // Out of tiles: the next kernel on the stream may launch once every CTA has got here or
       // exited (a grouped GEMM's table kernel, which waits for this one to finish before it
@@ -231,37 +181,6 @@ class ClaimingScheduler
   }
 
  private:
-  static constexpr bool kPair = ClusterM * ClusterN == 2;
-
-  CUTLASS_DEVICE static std::uint32_t cluster_count() {
-    const dim3 clusters = cute::cluster_grid_dims();
-    return clusters.x * clusters.y * clusters.z;
-  }
-
-  // The cluster's next claim counted from the clusters' first ones; called by the scheduler warp.
-  CUTLASS_DEVICE std::uint32_t next_claim() {
-    std::uint32_t claim = 0;
-    if (cutlass::canonical_lane_idx() == 0) {
-      if constexpr (!kPair) {
-        claim = atomicAdd(order_.claimed, 1u);
-      } else if (rank_ == 0) {
-        if (passed_ > 0) wait_cluster_phase(&claiming_state.claim_taken, (passed_ - 1) & 1);
-        claim = atomicAdd(order_.claimed, 1u);
-        const std::uint32_t slot =
-            cute::set_block_rank(cute::cast_smem_ptr_to_uint(&claiming_state.claim), 1);
-        asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(slot), "r"(claim) : "memory");
-        arrive_remote(&claiming_state.claim_sent, 1);
-      } else {
-        wait_cluster_phase(&claiming_state.claim_sent, passed_ & 1);
-        claim = *static_cast<volatile std::uint32_t*>(&claiming_state.claim);
-        // The last claim, past the end, is not acknowledged: the first CTA may have exited.
-        if (clusters_ + claim < total_) arrive_remote(&claiming_state.claim_taken, 0);
-      }
-    }
-    ++passed_;
-    return __shfl_sync(0xffffffff, claim, 0);
-  }
-
   // The first tile of claim index `claim`, after which [next_in_claim_, claim_end_) are the
   // claim's other tiles; called by whole warps. A warp's indices only grow, so the search for the
   // segment goes on from the last one found, 32 segments a step.
@@ -289,8 +208,7 @@ class ClaimingScheduler
     }
     const auto shape = this->scheduler_params.problem_shapes_.get_problem_shape(current_.group);
     rows_ = cute::get<0>(shape);
-    const auto n_tiles = static_cast<std::uint32_t>((cute::get<1>(shape) + TileN * ClusterN - 1) /
-                                                    (TileN * ClusterN));
+    const auto n_tiles = static_cast<std::uint32_t>((cute::get<1>(shape) + TileN - 1) / TileN);
     const auto per_claim = static_cast<std::uint32_t>(current_.per_claim);
     const std::uint32_t first = (claim - current_.first_claim) * per_claim;
     next_in_claim_ = first + 1;
@@ -298,26 +216,21 @@ class ClaimingScheduler
     return tile_at(first);
   }
 
-  // Tile `local` of the current segment, M-tiles (pairs of them with ClusterM = 2) fastest.
+  // Tile `local` of the current segment, M-tiles fastest.
   CUTLASS_DEVICE WorkTileInfo tile_at(std::uint32_t local) const {
     const auto m_count = static_cast<std::uint32_t>(current_.m_count);
-    const std::int32_t m =
-        (current_.m_first + static_cast<std::int32_t>(local % m_count)) * ClusterM +
-        (ClusterM > 1 ? static_cast<std::int32_t>(rank_) : 0);
-    const std::int32_t n = static_cast<std::int32_t>(local / m_count) * ClusterN +
-                           (ClusterN > 1 ? static_cast<std::int32_t>(rank_) : 0);
+    const std::int32_t m = current_.m_first + static_cast<std::int32_t>(local % m_count);
     const bool upper_half = rows_ - m * TileM <= TileM / 2;
-    return {m, n, current_.group, upper_half ? kUpperHalfOnly : 1};
+    return {m, static_cast<std::int32_t>(local / m_count), current_.group,
+            upper_half ? kUpperHalfOnly : 1};
   }
 
   CUTLASS_DEVICE static void note(const WorkTileInfo& work) {
-    claiming_state.upper_half_only[cutlass::canonical_warp_idx_sync()] =
-        work.is_valid_tile == kUpperHalfOnly;
+    upper_half_only[cutlass::canonical_warp_idx_sync()] = work.is_valid_tile == kUpperHalfOnly;
   }
 
   TileOrder order_;
-  std::uint32_t clusters_;
-  std::uint32_t rank_;  // in the cluster
+  std::uint32_t grid_size_;
   std::uint32_t count_;
   std::uint32_t total_;
   std::uint32_t segment_ = 0;
@@ -328,7 +241,6 @@ class ClaimingScheduler
   std::int32_t awaited_group_ = -1;
   typename Base::PipelineState last_handed_{};
   bool handed_on_ = false;
-  std::uint32_t passed_ = 0;  // claims passed from the first CTA of a pair to the second
 };
 
 // CUTLASS's ptr-array mainloop whose second warpgroup skips the MMAs of a tile marked
@@ -344,7 +256,7 @@ struct HalfTileMainloop : Mainloop {
                           typename Mainloop::Params const& params) {
     const bool second_warpgroup =
         __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0) == 1;
-    if (!second_warpgroup || !claiming_state.upper_half_only[cutlass::canonical_warp_idx_sync()] ||
+    if (!second_warpgroup || !upper_half_only[cutlass::canonical_warp_idx_sync()] ||
         k_tile_count < 1) {
       Mainloop::mma(pipeline, read, accumulators, k_tile_count, thread_idx, shared_tensors, params);
       return;
@@ -373,15 +285,12 @@ namespace cutlass::gemm::kernel::detail {
 template <class TileShape, class ClusterShape, uint32_t SchedulerPipelineStageCount>
 struct TileSchedulerSelector<GroupScheduler, arch::Sm90, TileShape, ClusterShape,
                              SchedulerPipelineStageCount, meshla::grouped::ClaimedProblemShape> {
-  // A claim is one CTA's, or a pair's along M or along N.
-  static constexpr int kClusterM = decltype(cute::size<0>(ClusterShape{}))::value;
-  static constexpr int kClusterN = decltype(cute::size<1>(ClusterShape{}))::value;
-  static_assert(decltype(cute::size(ClusterShape{}))::value == kClusterM * kClusterN &&
-                    kClusterM * kClusterN <= 2,
-                "ClaimingScheduler runs without clusters or with pairs along M or N");
-  using Scheduler = meshla::grouped::ClaimingScheduler<
-      SchedulerPipelineStageCount, decltype(cute::size<0>(TileShape{}))::value,
-      decltype(cute::size<1>(TileShape{}))::value, kClusterM, kClusterN>;
+  // A claim is one CTA's: a cluster's CTAs would have to claim together.
+  static_assert(decltype(cute::size(ClusterShape{}))::value == 1,
+                "ClaimingScheduler runs without clusters");
+  using Scheduler = meshla::grouped::ClaimingScheduler<SchedulerPipelineStageCount,
+                                                       decltype(cute::size<0>(TileShape{}))::value,
+                                                       decltype(cute::size<1>(TileShape{}))::value>;
 };
 
 }  // namespace cutlass::gemm::kernel::detail

@@ -17,7 +17,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -92,9 +91,8 @@ __host__ __device__ constexpr std::uint32_t segment_capacity(GroupedPass pass,
 
 // How the table kernel orders a call's tiles, from the shapes the host knows.
 struct OrderPlan {
-  std::int32_t n_tiles;    // every group's N-tiles
-  std::int64_t strip;      // M-tiles (of a pair's: cluster_m of them) per segment
-  std::int32_t cluster_m;  // CTAs of a cluster along M, each with one M-tile of a claimed tile
+  std::int32_t n_tiles;  // every group's N-tiles
+  std::int64_t strip;    // M-tiles per segment
 };
 
 // The epilogue writes each tile to shared memory in subtiles of 128 rows, and a TMA store takes
@@ -107,7 +105,7 @@ struct OrderPlan {
 // (forward, Qwen3's dgrad). In the benchmark's own rotation (experiment 44) the gains held on
 // average and on DeepSeek's long calls; single short calls vary by up to 3% between rotations.
 template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1,
-          bool wide_subtiles = false, int cluster_n = 1>
+          bool wide_subtiles = false>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -126,15 +124,14 @@ struct GroupedGemm {
   // groups are large on average (run_clustered). The weight gradient (M = out_features) never
   // pairs: where its count is even, pairing measured within 1% (experiment 28).
   using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
-  using ClusterShape = cute::Shape<cute::Int<cluster_m>, cute::Int<cluster_n>, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<cluster_m>, cute::_1, cute::_1>;
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 
   // Without a cluster the CTAs claim their tiles in the table kernel's order
-  // (claiming_scheduler.cuh), and so do the weight gradient's pairs, whose M-tiles split
-  // out_features; forward and dgrad pairs keep CUTLASS's static deal.
-  static constexpr bool kClaimed = cluster_m == 1 || pass == GroupedPass::kWgrad;
-  static_assert(cluster_m * cluster_n <= 2);
+  // (claiming_scheduler.cuh); a cluster's CTAs share their loads, so they keep CUTLASS's static
+  // deal.
+  static constexpr bool kClaimed = cluster_m == 1;
   using ProblemShape =
       std::conditional_t<kClaimed, ClaimedProblemShape,
                          cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>;
@@ -171,7 +168,7 @@ struct GroupedGemm {
       kAlignment, Element, typename PassLayouts<pass>::B*, kAlignment, float, TileShape,
       ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage) + sizeof(ClaimingSharedState))>,
+          sizeof(typename CollectiveEpilogue::SharedStorage) + sizeof(upper_half_only))>,
       MainSchedule>::CollectiveOp;
   using CollectiveMainloop =
       std::conditional_t<kClaimed, HalfTileMainloop<BuiltMainloop>, BuiltMainloop>;
@@ -526,8 +523,7 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
     const std::int64_t position = base + threadIdx.x;
     const std::int64_t g = position >= index.groups ? -1 : sorted ? by_rows[position] : position;
-    const std::int64_t m_tiles =
-        g < 0 ? 0 : ceil_tiles(group_m_tiles<pass>(index, op, g), plan.cluster_m);
+    const std::int64_t m_tiles = g < 0 ? 0 : group_m_tiles<pass>(index, op, g);
     const std::int64_t strips = ceil_tiles(m_tiles, plan.strip);
     const std::int64_t per_claim = g < 0 ? 1 : tiles_per_claim<pass>(index, g);
     // Every strip but the last has plan.strip M-tiles.
@@ -608,10 +604,9 @@ inline void check_cutlass(cutlass::Status status, const char* what) {
                "CUTLASS grouped GEMM " << what << " failed: " << cutlassGetStatusString(status));
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles,
-          int cluster_n = 1>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles>
 CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
-  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles, cluster_n>;
+  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles>;
   const typename G::Tables none{};
   return {G::tables_bytes(groups),
           G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
@@ -641,15 +636,6 @@ constexpr bool always_wide(GroupedPass pass, Epilogue epilogue) {
 // 2-5% with them on Qwen3 and 16 x 2048 rows and keeps narrow ones.
 constexpr std::int64_t kWideDgradMinRowsPerGroup = 8 * 128;
 
-// SCRATCH: claimed pairs (1x2 forward/dgrad, 2x1 wgrad), bf16 without accumulation only.
-template <GroupedPass pass, DType dtype, Epilogue epilogue>
-constexpr bool kScratchPairs = dtype == DType::kBFloat16&& epilogue != Epilogue::kAccumulate;
-
-inline bool scratch_pairs() {
-  const char* v = std::getenv("SCRATCH_PAIRS");
-  return v && v[0] == '1';
-}
-
 template <GroupedPass pass, DType dtype, Epilogue epilogue>
 CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
   auto widest = [](CutlassWorkspace a, CutlassWorkspace b) {
@@ -662,14 +648,6 @@ CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
   }
   if constexpr (pairs_along_m(pass)) {
     all = widest(all, workspace_of<pass, dtype, epilogue, 2, false>(groups, device, sm_count));
-  }
-  if constexpr (kScratchPairs<pass, dtype, epilogue>) {
-    if constexpr (pass == GroupedPass::kWgrad) {
-      all = widest(all, workspace_of<pass, dtype, epilogue, 2, wide>(groups, device, sm_count));
-    } else {
-      all = widest(all, workspace_of<pass, dtype, epilogue, 1, false, 2>(groups, device, sm_count));
-      all = widest(all, workspace_of<pass, dtype, epilogue, 1, true, 2>(groups, device, sm_count));
-    }
   }
   return all;
 }
@@ -690,22 +668,20 @@ inline std::int64_t strip_m_tiles(std::int32_t n_tiles, std::int64_t k, std::int
 }
 
 template <GroupedPass pass>
-OrderPlan order_plan(const CutlassCall& call, int cluster_m, int cluster_n) {
+OrderPlan order_plan(const CutlassCall& call) {
   const GroupedOperands& op = call.operands;
   const std::int64_t groups = call.index.groups;
   const std::int64_t n = pass == GroupedPass::kForward ? op.out_features : op.in_features;
-  OrderPlan plan{static_cast<std::int32_t>(ceil_tiles(n, kTileN)), 0, cluster_m};
+  OrderPlan plan{static_cast<std::int32_t>(ceil_tiles(n, kTileN)), 0};
   std::int64_t m_tiles_bound;  // of all groups
   if constexpr (pass == GroupedPass::kWgrad) {
-    // One segment per group.
-    plan.strip = ceil_tiles(ceil_tiles(op.out_features, kTileM), cluster_m);
+    plan.strip = ceil_tiles(op.out_features, kTileM);  // one segment per group
     m_tiles_bound = plan.strip * groups;
   } else {
     m_tiles_bound = ceil_tiles(call.index.rows, kTileM) + groups;  // >= the sum of ceil(rows_g/128)
     const std::int64_t k = pass == GroupedPass::kForward ? op.in_features : op.out_features;
     plan.strip = strip_m_tiles(plan.n_tiles, k, m_tiles_bound, call.sm_count, call.l2_bytes);
   }
-  plan.n_tiles = static_cast<std::int32_t>(ceil_tiles(plan.n_tiles, cluster_n));
   // Claim indices are 32-bit.
   MESHLA_CHECK_ARG(m_tiles_bound * plan.n_tiles < (std::int64_t{1} << 32),
                    "grouped_linear "
@@ -715,10 +691,9 @@ OrderPlan order_plan(const CutlassCall& call, int cluster_m, int cluster_n) {
   return plan;
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles,
-          int cluster_n = 1>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles>
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
-  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles, cluster_n>;
+  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles>;
   const std::int64_t groups = call.index.groups;
   const typename G::Tables tables = G::carve(call.tables, groups);
   // The weight gradient (not accumulated) zeroes empty groups; accumulating leaves them alone.
@@ -736,7 +711,7 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   config.numAttrs = 1;
   MESHLA_CHECK_CUDA(cudaLaunchKernelEx(&config, fill_tables<G, pass, clear_empty>, call.index,
                                        call.status, call.operands, call.out, tables,
-                                       order_plan<pass>(call, cluster_m, cluster_n)));
+                                       order_plan<pass>(call)));
   typename G::Gemm gemm;
   const auto args =
       G::arguments(tables, groups, call.device, call.sm_count, call.operands.bias != nullptr);
@@ -760,25 +735,6 @@ void run_clustered(const CutlassCall& call, cudaStream_t stream) {
   if constexpr (pairs_along_m(pass)) {
     if (call.index.rows >= kPairedMinRowsPerGroup * call.index.groups) {
       return run_grouped<pass, dtype, epilogue, 2, false>(call, stream);
-    }
-  }
-  if constexpr (kScratchPairs<pass, dtype, epilogue>) {
-    if (scratch_pairs()) {
-      if constexpr (pass == GroupedPass::kWgrad) {
-        if (ceil_tiles(call.operands.out_features, kTileM) % 2 == 0) {
-          return run_grouped<pass, dtype, epilogue, 2, always_wide(pass, epilogue)>(call, stream);
-        }
-      } else {
-        const std::int64_t n =
-            pass == GroupedPass::kForward ? call.operands.out_features : call.operands.in_features;
-        if (ceil_tiles(n, kTileN) % 2 == 0) {
-          if (pass == GroupedPass::kDgrad &&
-              call.index.rows >= kWideDgradMinRowsPerGroup * call.index.groups) {
-            return run_grouped<pass, dtype, epilogue, 1, true, 2>(call, stream);
-          }
-          return run_grouped<pass, dtype, epilogue, 1, false, 2>(call, stream);
-        }
-      }
     }
   }
   if constexpr (pass == GroupedPass::kDgrad) {

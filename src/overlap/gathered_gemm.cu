@@ -136,7 +136,7 @@ void GatheredGemm::run(const GatheredBlock* blocks, const void* b, const void* b
   args.n = static_cast<int>(shape_.n);
   args.k = static_cast<int>(shape_.k);
   args.trans_b = shape_.trans_b;
-  const grouped::OrderPlan plan{n_tiles_, strip_, 1};
+  const grouped::OrderPlan plan{n_tiles_, strip_};
   with_kernel(shape_, [&](auto tag) {
     using G = typename decltype(tag)::type;
     char* base = static_cast<char*>(workspace_.data());
