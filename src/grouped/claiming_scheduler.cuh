@@ -2,7 +2,8 @@
 // goes with it. CUTLASS's group scheduler deals tile i to CTA i mod grid, group by group, M-tiles
 // fastest; here the CTAs claim tiles from a counter in device memory as they free up, in an order
 // the table kernel writes (TileOrder), and a tile whose rows all lie in its first half leaves the
-// second consumer warpgroup idle (HalfTileMainloop).
+// second consumer warpgroup idle, and the weight gradient's MMAs stop at its group's last row
+// (TrimmedTileMainloop).
 // - Claims: the weight gradient's tiles are not equal (each contracts its group's rows), so on a
 //   skewed routing the static deal gave some CTAs several times the work of others (16 x 2048
 //   skewed: the slowest CTA's share modelled at 1.59x the mean; experiment 38). Forward and dgrad
@@ -13,6 +14,8 @@
 //   the large ones (experiment 39); the weight gradient's largest groups go first so that the
 //   small ones even out the end.
 // - Half tiles: a group's last M-tile with 64 rows or fewer (experiment 40).
+// - Trimmed k-tails: the weight gradient contracts its group's rows, and the last k-tile's MMAs
+//   past them would multiply TMA's zero fill (experiment 51).
 // - Arrivals: all_gather_matmul's one-launch GEMM holds each tile until its group has landed
 //   (TileOrder::landed).
 // - The next kernel: a CTA out of tiles lets it launch (programmatic dependent launch).
@@ -50,6 +53,7 @@ struct TileOrder {
   // nullptr for the grouped GEMM.
   const std::uint32_t* const* landed = nullptr;
   std::uint64_t landed_timeout_ns = 0;
+  bool scratch_no_trim = false;  // SCRATCH
 };
 
 // CUTLASS's grouped problem shape plus the tile order. Being its own type, it selects
@@ -58,14 +62,31 @@ struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, i
   TileOrder order;
 };
 
-// A tile's second consumer warpgroup owns its rows 64-127 (CUTLASS's cooperative tiled MMA stacks
-// the two warpgroups' 64-row atoms along M). When a group's last M-tile has 64 rows or fewer,
-// that warpgroup has nothing to compute: the scheduler marks such tiles (is_valid_tile ==
-// kUpperHalfOnly), and each warp notes its current tile's mark here for HalfTileMainloop.
-// The flags are static shared memory, which comes before CUTLASS's dynamic shared memory: they
-// take 1024 bytes so that its tiles keep the 1024-byte alignment of their swizzle.
-constexpr std::int32_t kUpperHalfOnly = 2;
-alignas(1024) static __shared__ bool upper_half_only[1024];
+// What the mainloop may leave out of a claimed tile, marked in its is_valid_tile (TileMark):
+// - A tile's second consumer warpgroup owns its rows 64-127 (CUTLASS's cooperative tiled MMA
+//   stacks the two warpgroups' 64-row atoms along M). When a group's last M-tile has 64 rows or
+//   fewer, that warpgroup has nothing to compute.
+// - When a tile's contraction (K) is not a whole number of k-tiles, TMA fills its last k-tile
+//   past K with zeros; the MMAs of the k-blocks that hold only zeros need not run.
+// Each warp notes its current tile's mark in tile_marks for TrimmedTileMainloop. The marks are
+// static shared memory, which comes before CUTLASS's dynamic shared memory: they take 1024 bytes
+// so that its tiles keep the 1024-byte alignment of their swizzle.
+struct TileMark {
+  static constexpr std::int32_t kValid = 1;
+  static constexpr std::int32_t kUpperHalfOnly = 2;
+  static constexpr int kResidueShift = 2;  // then K mod the k-tile, 0 for a whole k-tile
+
+  __host__ __device__ static constexpr std::int32_t of(bool upper_half_only, int k_residue) {
+    return kValid | (upper_half_only ? kUpperHalfOnly : 0) | k_residue << kResidueShift;
+  }
+  __host__ __device__ static constexpr bool upper_half_only(std::int32_t mark) {
+    return (mark & kUpperHalfOnly) != 0;
+  }
+  __host__ __device__ static constexpr int k_residue(std::int32_t mark) {
+    return mark >> kResidueShift;
+  }
+};
+alignas(1024) static __shared__ std::int32_t tile_marks[256];
 
 // Constructed before the scheduler's base, which reads the problem shapes. The GEMM launches as a
 // programmatic dependent of the table kernel; here it waits for that kernel to finish and its
@@ -110,7 +131,7 @@ CUTLASS_DEVICE void await_landed(const std::uint32_t* flag, std::uint64_t timeou
 // tile and one more, enough for the loads to run ahead, and leaves the rest to whichever CTA
 // frees first. A claim of several tiles (short ones: TileSegment::per_claim) lets the loads run
 // ahead through all of them.
-template <int Stages, int TileM, int TileN>
+template <int Stages, int TileM, int TileN, int TileK>
 class ClaimingScheduler
     : private AfterTableKernel,
       public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90Group<ClaimedProblemShape,
@@ -208,6 +229,7 @@ class ClaimingScheduler
     }
     const auto shape = this->scheduler_params.problem_shapes_.get_problem_shape(current_.group);
     rows_ = cute::get<0>(shape);
+    k_residue_ = order_.scratch_no_trim ? 0 : cute::get<2>(shape) % TileK;
     const auto n_tiles = static_cast<std::uint32_t>((cute::get<1>(shape) + TileN - 1) / TileN);
     const auto per_claim = static_cast<std::uint32_t>(current_.per_claim);
     const std::uint32_t first = (claim - current_.first_claim) * per_claim;
@@ -222,11 +244,11 @@ class ClaimingScheduler
     const std::int32_t m = current_.m_first + static_cast<std::int32_t>(local % m_count);
     const bool upper_half = rows_ - m * TileM <= TileM / 2;
     return {m, static_cast<std::int32_t>(local / m_count), current_.group,
-            upper_half ? kUpperHalfOnly : 1};
+            TileMark::of(upper_half, k_residue_)};
   }
 
   CUTLASS_DEVICE static void note(const WorkTileInfo& work) {
-    upper_half_only[cutlass::canonical_warp_idx_sync()] = work.is_valid_tile == kUpperHalfOnly;
+    tile_marks[cutlass::canonical_warp_idx_sync()] = work.is_valid_tile;
   }
 
   TileOrder order_;
@@ -236,6 +258,7 @@ class ClaimingScheduler
   std::uint32_t segment_ = 0;
   TileSegment current_{};  // segments[segment_]
   int rows_ = 0;           // of current_'s group
+  int k_residue_ = 0;      // its K mod TileK
   std::uint32_t next_in_claim_ = 0;
   std::uint32_t claim_end_ = 0;
   std::int32_t awaited_group_ = -1;
@@ -243,31 +266,65 @@ class ClaimingScheduler
   bool handed_on_ = false;
 };
 
-// CUTLASS's ptr-array mainloop whose second warpgroup skips the MMAs of a tile marked
-// kUpperHalfOnly: it still waits for each stage and releases it, as the producer counts on, but
-// leaves the tensor cores to the first warpgroup, so such a tile takes about half the time.
-template <class Mainloop>
-struct HalfTileMainloop : Mainloop {
+// CUTLASS's ptr-array mainloop that leaves out what a claimed tile's mark (TileMark) allows:
+// - Upper half only: the second warpgroup skips the MMAs; it still waits for each stage and
+//   releases it, as the producer counts on, but leaves the tensor cores to the first warpgroup, so
+//   such a tile takes about half the time.
+// - With trim_k_tail, a K residue: the last k-tile runs only the k-blocks that hold some of K.
+//   At the power limit a call's time follows its MMAs, zeros included (experiment 51).
+template <class Mainloop, bool trim_k_tail>
+struct TrimmedTileMainloop : Mainloop {
+  using PipelineState = typename Mainloop::PipelineState;
+
   template <class FrgTensorC>
-  CUTLASS_DEVICE void mma(typename Mainloop::MainloopPipeline pipeline,
-                          typename Mainloop::PipelineState read, FrgTensorC& accumulators,
-                          int k_tile_count, int thread_idx,
+  CUTLASS_DEVICE void mma(typename Mainloop::MainloopPipeline pipeline, PipelineState read,
+                          FrgTensorC& accumulators, int k_tile_count, int thread_idx,
                           typename Mainloop::TensorStorage& shared_tensors,
                           typename Mainloop::Params const& params) {
-    const bool second_warpgroup =
-        __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0) == 1;
-    if (!second_warpgroup || !upper_half_only[cutlass::canonical_warp_idx_sync()] ||
-        k_tile_count < 1) {
-      Mainloop::mma(pipeline, read, accumulators, k_tile_count, thread_idx, shared_tensors, params);
+    const std::int32_t mark = tile_marks[cutlass::canonical_warp_idx_sync()];
+    const int warp_group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    if (k_tile_count >= 1 && warp_group == 1 && TileMark::upper_half_only(mark)) {
+      skip_upper_half(pipeline, read, accumulators, k_tile_count, thread_idx, shared_tensors,
+                      params);
       return;
     }
+    const int k_residue = trim_k_tail ? TileMark::k_residue(mark) : 0;
+    // With a residue, the whole k-tiles as CUTLASS runs them (their last stage left unreleased,
+    // its MMAs perhaps in flight), then the last one.
+    const bool trimmed = k_tile_count >= 1 && k_residue != 0;
+    const int whole = trimmed ? k_tile_count - 1 : k_tile_count;
+    Mainloop::mma(pipeline, read, accumulators, whole, thread_idx, shared_tensors, params);
+    if (!trimmed) return;
+    PipelineState last = read;
+    last.advance(whole);
+    mma_last_k_tile(pipeline, last, accumulators, k_residue, whole == 0, warp_group,
+                    shared_tensors);
+    if (whole > 0) {
+      // The k-tile before the last is done once at most the last one's MMAs are in flight; its
+      // stage goes back to the producer, as Mainloop::mma would have released it. mma_tail
+      // releases the last.
+      cute::warpgroup_wait<1>();
+      cute::warpgroup_fence_operand(accumulators);
+      PipelineState previous = read;
+      previous.advance(whole - 1);
+      pipeline.consumer_release(previous);
+    }
+  }
+
+ private:
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void skip_upper_half(typename Mainloop::MainloopPipeline pipeline,
+                                      PipelineState read, FrgTensorC& accumulators,
+                                      int k_tile_count, int thread_idx,
+                                      typename Mainloop::TensorStorage& shared_tensors,
+                                      typename Mainloop::Params const& params) {
     // One k-tile's MMAs still run: accumulators that only wgmma writes keep ptxas from serializing
     // every wgmma of the kernel (warning C7515, about 7% slower), and the epilogue's TMA store
     // drops these rows anyway, all past the group's last. Then release as Mainloop::mma does, one
     // stage behind; mma_tail releases the last.
     Mainloop::mma(pipeline, read, accumulators, 1, thread_idx, shared_tensors, params);
     cute::warpgroup_wait<0>();
-    typename Mainloop::PipelineState release = read;
+    PipelineState release = read;
     ++read;
     for (int k = 1; k < k_tile_count; ++k) {
       pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
@@ -275,6 +332,63 @@ struct HalfTileMainloop : Mainloop {
       pipeline.consumer_release(release);
       ++release;
     }
+  }
+
+  // The MMAs of the k-blocks of stage `last` that hold any of the first k_residue elements of
+  // the k-tile, as Mainloop::mma runs a k-tile's (zeroing the accumulators first where `first`).
+  // Each count of k-blocks has its own unrolled run: a wgmma under a branch of its own, or in a
+  // loop, makes ptxas serialize every wgmma of the kernel (C7515).
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma_last_k_tile(typename Mainloop::MainloopPipeline pipeline,
+                                      PipelineState last, FrgTensorC& accumulators, int k_residue,
+                                      bool first, int warp_group,
+                                      typename Mainloop::TensorStorage& shared_tensors) {
+    using namespace cute;
+    using TiledMma = typename Mainloop::TiledMma;
+    Tensor sA =
+        make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Mainloop::SmemLayoutA{});
+    Tensor sB =
+        make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Mainloop::SmemLayoutB{});
+    constexpr int kWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    const auto warp_groups =
+        make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(warp_groups(warp_group));
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,M,K,PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA,N,K,PIPE)
+    constexpr int kBlocks = decltype(size<2>(tCrA))::value;
+    constexpr int kBlockK = decltype(size<1>(sA))::value / kBlocks;  // (BLK_M, BLK_K, PIPE)
+    static_assert(kBlocks == 4, "a k-tile of 4 k-blocks");
+    const int blocks = (k_residue + kBlockK - 1) / kBlockK;
+
+    pipeline.consumer_wait(last, pipeline.consumer_try_wait(last));
+    const int stage = last.index();
+    tiled_mma.accumulate_ = first ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+    warpgroup_fence_operand(accumulators);
+    auto run = [&](auto count) {
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < decltype(count)::value; ++k_block) {
+        cute::gemm(tiled_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), accumulators);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+    };
+    switch (blocks) {
+      case 1:
+        run(Int<1>{});
+        break;
+      case 2:
+        run(Int<2>{});
+        break;
+      case 3:
+        run(Int<3>{});
+        break;
+      default:
+        run(Int<4>{});
+        break;
+    }
+    warpgroup_fence_operand(accumulators);
   }
 };
 
@@ -288,9 +402,9 @@ struct TileSchedulerSelector<GroupScheduler, arch::Sm90, TileShape, ClusterShape
   // A claim is one CTA's: a cluster's CTAs would have to claim together.
   static_assert(decltype(cute::size(ClusterShape{}))::value == 1,
                 "ClaimingScheduler runs without clusters");
-  using Scheduler = meshla::grouped::ClaimingScheduler<SchedulerPipelineStageCount,
-                                                       decltype(cute::size<0>(TileShape{}))::value,
-                                                       decltype(cute::size<1>(TileShape{}))::value>;
+  using Scheduler = meshla::grouped::ClaimingScheduler<
+      SchedulerPipelineStageCount, decltype(cute::size<0>(TileShape{}))::value,
+      decltype(cute::size<1>(TileShape{}))::value, decltype(cute::size<2>(TileShape{}))::value>;
 };
 
 }  // namespace cutlass::gemm::kernel::detail

@@ -17,6 +17,7 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -168,10 +169,11 @@ struct GroupedGemm {
       kAlignment, Element, typename PassLayouts<pass>::B*, kAlignment, float, TileShape,
       ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage) + sizeof(upper_half_only))>,
+          sizeof(typename CollectiveEpilogue::SharedStorage) + sizeof(tile_marks))>,
       MainSchedule>::CollectiveOp;
   using CollectiveMainloop =
-      std::conditional_t<kClaimed, HalfTileMainloop<BuiltMainloop>, BuiltMainloop>;
+      std::conditional_t<kClaimed, TrimmedTileMainloop<BuiltMainloop, pass == GroupedPass::kWgrad>,
+                         BuiltMainloop>;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
@@ -256,6 +258,8 @@ struct GroupedGemm {
     args.problem_shape.host_problem_shapes = nullptr;
     if constexpr (kClaimed) {
       args.problem_shape.order = {tables.segments, tables.count, tables.claimed};
+      const char* scratch = std::getenv("SCRATCH_NO_TRIM");  // SCRATCH
+      args.problem_shape.order.scratch_no_trim = scratch && scratch[0] == '1';
     }
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
