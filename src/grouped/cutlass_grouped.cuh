@@ -17,7 +17,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/alignment.hpp"
@@ -258,8 +257,6 @@ struct GroupedGemm {
     args.problem_shape.host_problem_shapes = nullptr;
     if constexpr (kClaimed) {
       args.problem_shape.order = {tables.segments, tables.count, tables.claimed};
-      const char* scratch = std::getenv("SCRATCH_NO_TRIM");  // SCRATCH
-      args.problem_shape.order.scratch_no_trim = scratch && scratch[0] == '1';
     }
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
