@@ -28,6 +28,11 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 SHAPES = [(4, 64, 32, 300), (8, 1024, 512, 8192), (3, 40, 24, 100), (1, 256, 128, 77),
           (16, 512, 256, 5000), (3, 256, 384, 13000), (24, 4096, 4096, 32000)]
 PASS = mt.grouped._PASS
+# Group sizes whose rows end at every point of a 64-row k-tile of the weight gradient (1-4 of its
+# 16-row k-blocks hold rows, or all of them), with an empty group; 184 output features make the
+# last M-tile an upper-half one (56 rows), so the trimmed k-tail also runs beside the half tile.
+K_TAIL_SIZES = [1, 16, 17, 32, 33, 48, 49, 63, 64, 65, 0, 130, 191]
+K_TAIL_SHAPE = (len(K_TAIL_SIZES), 256, 184, sum(K_TAIL_SIZES))
 
 
 def random_splits(groups: int, rows: int, generator: torch.Generator) -> torch.Tensor:
@@ -59,11 +64,12 @@ def reference(pass_name, x, dy, weight, bias, sizes):
     return torch.cat(outs)
 
 
-def check_passes(report, dtype, shape, seed):
+def check_passes(report, dtype, shape, seed, sizes=None):
+    """Every pass on `shape` against the float64 reference, with random splits unless `sizes`."""
     groups, in_features, out_features, rows = shape
     gen = torch.Generator().manual_seed(seed)
     dev = torch.device("cuda")
-    sizes = random_splits(groups, rows, gen)
+    sizes = random_splits(groups, rows, gen) if sizes is None else torch.tensor(sizes)
     m_splits = sizes.to(dev)
     x = torch.randn(rows, in_features, generator=gen).to(dev, dtype)
     dy = torch.randn(rows, out_features, generator=gen).to(dev, dtype)
@@ -310,6 +316,9 @@ def main():
     report = Reporter(args.results, args.model)
     checks = [(f"passes/{dtype}/{shape}", lambda d=dtype, s=shape, i=i: check_passes(report, d, s, i))
               for i, (dtype, shape) in enumerate((d, s) for d in TOLERANCE for s in SHAPES)]
+    checks += [(f"passes-k-tails/{d}",
+                lambda d=d: check_passes(report, d, K_TAIL_SHAPE, 17, sizes=K_TAIL_SIZES))
+               for d in TOLERANCE]
     checks += [(f"module/{d}", lambda d=d: check_module_autograd(report, d, 3)) for d in TOLERANCE]
     checks += [("bad-splits", lambda: check_bad_splits(report))]
     checks += [(f"graph/{d}", lambda d=d: check_graph_capture(report, d))
