@@ -6,7 +6,8 @@ One process per GPU; the whole world is the tensor-parallel group:
 Shapes are a Llama-70B MLP in bf16 (hidden 8192, intermediate 28672): all_gather_matmul is the
 column-parallel up projection, matmul_reduce_scatter and matmul_all_reduce the row-parallel down
 projection. Every variant of one (op, M) runs on the same inputs. A time is the median over
-repetitions of `iters` back-to-back calls, taken on the slowest rank. Rank 0 appends the run to
+repetitions of `iters` back-to-back calls, after `--warmup-ms` of the variant alone, taken on the
+slowest rank. Rank 0 appends the run to
 the JSON file at --out and prints a table last.
 """
 
@@ -20,6 +21,7 @@ for _name, _value in MULTICAST_OFF.items():
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -200,11 +202,22 @@ def slowest_rank(value: float) -> float:
     return t.item()
 
 
-def time_ms(fn: Callable[[], object], iters: int, warmup: int, reps: int) -> float:
-    """Milliseconds per call: median over reps of `iters` back-to-back calls, slowest rank."""
-    for _ in range(warmup):
-        fn()
+def time_ms(fn: Callable[[], object], iters: int, warmup_ms: float, reps: int) -> float:
+    """Milliseconds per call: median over reps of `iters` back-to-back calls, slowest rank. These
+    GEMMs run the GPUs at their power limit, and the clocks follow the power draw within a few
+    tenths of a second (bench/NOTES.md, experiment 49): each variant first runs alone for
+    `warmup_ms`, so that it is timed at the clocks of its own steady state (a variant that also
+    drives NVLink draws more) rather than at those the variant before it left."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dist.barrier()
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    # Every rank makes as many calls: the collectives in them pair up.
+    for _ in range(math.ceil(warmup_ms / max(slowest_rank(start.elapsed_time(end)), 1e-3))):
+        fn()
     samples = []
     for _ in range(reps):
         # Start every repetition from idle GPUs and aligned ranks, so no rank times a wait for
@@ -244,7 +257,7 @@ def bench_case(op: str, m: int, tp: int, case: Case, symm_mem_error, args) -> li
         if not error < CHECK_TOLERANCE and dist.get_rank() == 0:  # NaN fails too
             print(f"WARNING: {op} M={m}: {checked} differs from torch_sequential, relative "
                   f"error {error:.2e} >= {CHECK_TOLERANCE}", flush=True)
-    times = {name: time_ms(fn, args.iters, args.warmup, args.reps)
+    times = {name: time_ms(fn, args.iters, args.warmup_ms, args.reps)
              for name, fn in case.variants.items() if name not in unavailable}
     limits = [times[name] for name in ("gemm", "collective") if name in times]
     limit = max(limits) if len(limits) == 2 else None
@@ -300,7 +313,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", dest="m", type=int, nargs="+", default=[4096, 8192, 16384],
                         help="token counts M (rows of the full product); divisible by tp")
     parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    parser.add_argument("--warmup-ms", type=float, default=500.0,
+                        help="untimed calls of each variant before its timings, in ms")
     parser.add_argument("--reps", type=int, default=5, help="timings; the median is reported")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), metavar="OP",
                         help=f"ops to time, of: {', '.join(OPS)} (default: all)")
@@ -325,8 +339,8 @@ def parse_args() -> argparse.Namespace:
     tp = int(os.environ["WORLD_SIZE"])
     if INTERMEDIATE % tp or any(m % tp for m in args.m):
         parser.error(f"the world size {tp} must divide {INTERMEDIATE} and every --m")
-    if min(args.iters, args.reps) < 1 or args.warmup < 0:
-        parser.error("--iters and --reps must be at least 1, --warmup at least 0")
+    if min(args.iters, args.reps) < 1 or args.warmup_ms < 0:
+        parser.error("--iters and --reps must be at least 1, --warmup-ms at least 0")
     return args
 
 
@@ -370,7 +384,7 @@ def main():
             "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),
             "env": {name: os.environ.get(name) for name in MULTICAST_OFF},
-            "dtype": "bfloat16", "iters": args.iters, "warmup": args.warmup, "reps": args.reps,
+            "dtype": "bfloat16", "iters": args.iters, "warmup_ms": args.warmup_ms, "reps": args.reps,
             "tp": tp,
             "rows": rows,
         })
