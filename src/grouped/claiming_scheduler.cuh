@@ -75,8 +75,8 @@ struct TileMark {
   static constexpr std::int32_t kUpperHalfOnly = 2;
   static constexpr int kResidueShift = 2;  // then K mod the k-tile, 0 for a whole k-tile
 
-  __host__ __device__ static constexpr std::int32_t of(bool upper_half_only, int k_residue) {
-    return kValid | (upper_half_only ? kUpperHalfOnly : 0) | k_residue << kResidueShift;
+  __host__ __device__ static constexpr std::int32_t of(bool upper_half, int k_residue) {
+    return kValid | (upper_half ? kUpperHalfOnly : 0) | k_residue << kResidueShift;
   }
   __host__ __device__ static constexpr bool upper_half_only(std::int32_t mark) {
     return (mark & kUpperHalfOnly) != 0;
