@@ -7,8 +7,7 @@ Shapes are a Llama-70B MLP in bf16 (hidden 8192, intermediate 28672): all_gather
 column-parallel up projection, matmul_reduce_scatter and matmul_all_reduce the row-parallel down
 projection. Every variant of one (op, M) runs on the same inputs. A time is the median over
 repetitions of `iters` back-to-back calls, after `--warmup-ms` of the variant alone, taken on the
-slowest rank. Rank 0 appends the run to
-the JSON file at --out and prints a table last.
+slowest rank. Rank 0 appends the run to the JSON file at --out and prints a table last.
 """
 
 import os
