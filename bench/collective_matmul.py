@@ -5,9 +5,12 @@ One process per GPU; the whole world is the tensor-parallel group:
 
 Shapes are a Llama-70B MLP in bf16 (hidden 8192, intermediate 28672): all_gather_matmul is the
 column-parallel up projection, matmul_reduce_scatter and matmul_all_reduce the row-parallel down
-projection. Every variant of one (op, M) runs on the same inputs. A time is the median over
-repetitions of `iters` back-to-back calls, after `--warmup-ms` of the variant alone, taken on the
-slowest rank. Rank 0 appends the run to the JSON file at --out and prints a table last.
+projection. Every variant of one (op, M) runs on the same inputs. For all_gather_matmul,
+gemm_blocks and gemm_blocks_pushing time the GEMM work of the copy-engine all-gather without and
+with its concurrent pushes (PyTorch's symmetric memory, no meshla): the floor of that design. A
+time is the median over repetitions of `iters` back-to-back calls, after `--warmup-ms` of the
+variant alone, taken on the slowest rank. Rank 0 appends the run to the JSON file at --out and
+prints a table last.
 """
 
 import os
@@ -107,13 +110,21 @@ def built_with_form(form: str, fn: Callable[[], object]) -> Callable[[], object]
     return call
 
 
-def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, args) -> Case:
+def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, symm_mem_error,
+                           args) -> Case:
     k, n = HIDDEN, INTERMEDIATE // tp
-    a, b = randn(m // tp, k), randn(k, n)
+    block = m // tp
+    a, b = randn(block, k), randn(k, n)
     gathered, torch_out, meshla_out = empty(m, k), empty(m, n), empty(m, n)
 
     def gemm():
         torch.matmul(gathered, b, out=torch_out)
+
+    def gemm_blocks():
+        # The GEMM work of the copy-engine all-gather: one GEMM per rank's block.
+        for q in range(tp):
+            rows = slice(q * block, (q + 1) * block)
+            torch.matmul(gathered[rows], b, out=torch_out[rows])
 
     def collective():
         dist.all_gather_into_tensor(gathered, a)
@@ -127,9 +138,39 @@ def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, a
         torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=group_name)
 
     variants = {"gemm": gemm, "collective": collective, "torch_sequential": torch_sequential,
-                "torch_symm_mem": torch_symm_mem,
-                **meshla_variants(meshla_op, a, b, group, meshla_out, args)}
+                "torch_symm_mem": torch_symm_mem}
+    if not symm_mem_error:
+        variants["gemm_blocks"] = gemm_blocks
+        variants["gemm_blocks_pushing"] = gemm_blocks_pushing(a, gemm_blocks, group_name)
+    variants.update(meshla_variants(meshla_op, a, b, group, meshla_out, args))
     return Case(n, k, variants, torch_out, meshla_out)
+
+
+def gemm_blocks_pushing(a: torch.Tensor, gemm_blocks: Callable[[], None], group_name: str):
+    """gemm_blocks while the copy engine pushes this rank's block `a` into every peer's
+    symmetric buffer (PyTorch's), one push after another on a side stream, as meshla's symmetric
+    backend does. The pushes take no SM: gemm_blocks_pushing / gemm_blocks is what the concurrent
+    copies cost the GEMMs through memory and power, the floor of any copy-engine overlap."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    slots = symm_mem.empty(tp * a.numel(), dtype=a.dtype, device=a.device)
+    handle = symm_mem.rendezvous(slots, group_name)
+    # This rank's slot in each peer's buffer, in ring order.
+    targets = [handle.get_buffer(peer, (tp, *a.shape), a.dtype)[rank]
+               for peer in ((rank + step) % tp for step in range(1, tp))]
+    side = torch.cuda.Stream(priority=-1)
+
+    def call():
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for target in targets:
+                target.copy_(a)
+        gemm_blocks()
+        main.wait_stream(side)
+    call.buffers = (slots, handle)  # alive as long as the variant
+    return call
 
 
 def row_parallel_case(op: str, m: int, tp: int, meshla_op, group, group_name: str,
@@ -366,7 +407,8 @@ def main():
         for m in args.m:
             meshla_op = getattr(mt, op)
             if op == "all_gather_matmul":
-                case = all_gather_matmul_case(m, tp, meshla_op, group, group_name, args)
+                case = all_gather_matmul_case(m, tp, meshla_op, group, group_name,
+                                              symm_mem_error, args)
             else:
                 case = row_parallel_case(op, m, tp, meshla_op, group, group_name, args)
             rows += bench_case(op, m, tp, case, symm_mem_error, args)

@@ -40,8 +40,9 @@ def render(run) -> str:
         lines.append(f"| {op} | {m} | {n} | {k} | " + " | ".join(cells) + " |")
     extra = sorted({row["variant"] for row in run["rows"]} - set(COLUMNS))
     if extra:
-        lines += ["", "Other settings timed in the same run (comm_sms and chunks, "
-                  "`_s<comm_sms>_c<chunks>`):", "",
+        lines += ["", "Other variants timed in the same run (`_s<comm_sms>_c<chunks>`: swept "
+                  "settings; gemm_blocks, gemm_blocks_pushing: the copy-engine all-gather's GEMMs "
+                  "alone and during its pushes):", "",
                   "| op | M | " + " | ".join(extra) + " |", "|---|---|" + "---|" * len(extra)]
         for (op, m, _, _), variants in cases.items():
             lines.append(f"| {op} | {m} | " +
