@@ -13,6 +13,17 @@ export CUTLASS_INCLUDE_DIR=${CUTLASS_INCLUDE_DIR:-$PWD/.deps/cutlass/include}
 cusolvermg=$(ls "${CUDA_HOME:-/usr/local/cuda}"/lib*/libcusolverMg.so 2>/dev/null | head -1)
 export CMAKE_ARGS="${CMAKE_ARGS:-} ${cusolvermg:+-DCUSOLVERMG_LIBRARY=$cusolvermg}"
 rm -rf .whl/meshla-*.whl
+# An object whose entry in ninja's log lists no headers is never rebuilt when they change (one
+# such entry kept a stale forward pass in the wheels of a whole session: bench/NOTES.md 54):
+# removed here, so that this build compiles it again.
+for dir in build/cp312-*/; do
+  [ -f "$dir/build.ninja" ] || continue
+  ninja -C "$dir" -t deps 2>/dev/null | awk '/: #deps 0,/ { sub(":", "", $1); print $1 }' |
+    while read -r object; do
+      echo "no dependencies recorded for $dir$object: rebuilding it"
+      rm -f "$dir$object"
+    done
+done
 "$python" -m pip wheel --no-build-isolation --no-deps -q -w .whl .
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.whl' || echo -dirty)" >.whl/COMMIT
 echo "built .whl/$(cd .whl && ls meshla-*.whl) at $(cat .whl/COMMIT)"

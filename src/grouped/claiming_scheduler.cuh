@@ -16,6 +16,8 @@
 // - Half tiles: a group's last M-tile with 64 rows or fewer (experiment 40).
 // - Trimmed k-tails: the weight gradient contracts its group's rows; the last k-tile's MMAs past
 //   them would multiply TMA's zero fill (experiment 51).
+// - Split last tiles: forward and dgrad claim the order's last tiles in two halves of their
+//   k-tiles each, so that a nearly empty last wave ends half a tile sooner (experiment 54).
 // - Arrivals: all_gather_matmul's one-launch GEMM holds each tile until its group has landed
 //   (TileOrder::landed).
 // - The next kernel: a CTA out of tiles lets it launch (programmatic dependent launch).
@@ -53,7 +55,19 @@ struct TileOrder {
   // nullptr for the grouped GEMM.
   const std::uint32_t* const* landed = nullptr;
   std::uint64_t landed_timeout_ns = 0;
+  // Forward and dgrad (nullptr elsewhere): the order's last *split_tiles tiles are each claimed
+  // twice, first for the first half of their k-tiles, then for the rest. The first half leaves
+  // its accumulators in its slot of `partials` (one tile's, TileM x TileN floats, per slot; a
+  // slot per split tile, in order) and sets the slot's flags (one per consumer warp) in
+  // partial_ready, which the table kernel clears before each launch; the second half adds them
+  // and stores the tile.
+  std::uint32_t* split_tiles = nullptr;
+  float* partials = nullptr;
+  std::uint32_t* partial_ready = nullptr;
 };
+
+// A split tile's slot has a flag per consumer warp: each warp hands its own accumulators on.
+constexpr int kConsumerWarps = 8;
 
 // CUTLASS's grouped problem shape plus the tile order. Being its own type, it selects
 // ClaimingScheduler (the TileSchedulerSelector specialization below).
@@ -70,19 +84,47 @@ struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, i
 // Each warp notes its current tile's mark in tile_marks for TrimmedTileMainloop. The marks are
 // static shared memory, which comes before CUTLASS's dynamic shared memory: they take 1024 bytes
 // so that its tiles keep the 1024-byte alignment of their swizzle.
+// A split tile's half (TileOrder::split_tiles) is marked too: which half, the k-tile where the
+// second half starts, and the tile's slot.
 struct TileMark {
   static constexpr std::int32_t kValid = 1;
   static constexpr std::int32_t kUpperHalfOnly = 2;
-  static constexpr int kResidueShift = 2;  // then K mod the k-tile, 0 for a whole k-tile
+  static constexpr int kResidueShift = 2;  // 6 bits: K mod the k-tile, 0 for a whole k-tile
+  static constexpr std::int32_t kSplit = 1 << 8;
+  static constexpr std::int32_t kSecondHalf = 1 << 9;
+  static constexpr int kKSplitShift = 10;  // 11 bits
+  static constexpr int kSlotShift = 21;    // 10 bits
+  static constexpr std::int32_t kMaxKSplit = (1 << (kSlotShift - kKSplitShift)) - 1;
+  static constexpr std::int32_t kMaxSlots = 1 << (31 - kSlotShift);
 
   __host__ __device__ static constexpr std::int32_t of(bool upper_half, int k_residue) {
     return kValid | (upper_half ? kUpperHalfOnly : 0) | k_residue << kResidueShift;
+  }
+  // A whole tile's mark as the half of a split tile: the first (k-tiles [0, k_split)) or the
+  // second (the rest, and the K residue, which lies in the last k-tile).
+  __host__ __device__ static constexpr std::int32_t halved(std::int32_t mark, bool second,
+                                                           int k_split, std::uint32_t slot) {
+    const std::int32_t kept = second ? mark : mark & (kValid | kUpperHalfOnly);
+    return kept | kSplit | (second ? kSecondHalf : 0) | k_split << kKSplitShift |
+           static_cast<std::int32_t>(slot) << kSlotShift;
   }
   __host__ __device__ static constexpr bool upper_half_only(std::int32_t mark) {
     return (mark & kUpperHalfOnly) != 0;
   }
   __host__ __device__ static constexpr int k_residue(std::int32_t mark) {
-    return mark >> kResidueShift;
+    return (mark >> kResidueShift) & 63;
+  }
+  __host__ __device__ static constexpr bool split(std::int32_t mark) {
+    return (mark & kSplit) != 0;
+  }
+  __host__ __device__ static constexpr bool second_half(std::int32_t mark) {
+    return (mark & kSecondHalf) != 0;
+  }
+  __host__ __device__ static constexpr int k_split(std::int32_t mark) {
+    return (mark >> kKSplitShift) & kMaxKSplit;
+  }
+  __host__ __device__ static constexpr std::uint32_t slot(std::int32_t mark) {
+    return static_cast<std::uint32_t>(mark) >> kSlotShift;
   }
 };
 alignas(1024) static __shared__ std::int32_t tile_marks[256];
@@ -140,14 +182,95 @@ class ClaimingScheduler
   using WorkTileInfo = typename Base::WorkTileInfo;
 
  public:
-  CUTLASS_DEVICE ClaimingScheduler(typename Base::Params const& params,
-                                   typename Base::SchedulerResponse* response)
+  using Params = typename Base::Params;
+
+  CUTLASS_DEVICE ClaimingScheduler(Params const& params, typename Base::SchedulerResponse* response)
       : AfterTableKernel(),
         Base(params, response),
         order_(params.problem_shapes_.order),
         grid_size_(gridDim.x * gridDim.y * gridDim.z),
         count_(*order_.count),
-        total_(order_.segments[count_].first_claim) {}
+        total_(order_.segments[count_].first_claim),
+        split_(order_.split_tiles == nullptr ? 0 : *order_.split_tiles) {}
+
+  // The k-tiles of a split tile's half (TileMark::halved); a whole tile's otherwise.
+  template <class ProblemShapeMNKL, class TileShape>
+  CUTLASS_HOST_DEVICE static int get_work_k_tile_count(WorkTileInfo const& work,
+                                                       ProblemShapeMNKL problem_shape,
+                                                       TileShape tile_shape) {
+    const int k_tiles = Base::get_work_k_tile_count(work, problem_shape, tile_shape);
+    if (!TileMark::split(work.is_valid_tile)) return k_tiles;
+    const int k_split = TileMark::k_split(work.is_valid_tile);
+    return TileMark::second_half(work.is_valid_tile) ? k_tiles - k_split : k_split;
+  }
+
+  CUTLASS_HOST_DEVICE static std::uint32_t get_work_k_tile_start(WorkTileInfo const& work) {
+    return TileMark::second_half(work.is_valid_tile)
+               ? static_cast<std::uint32_t>(TileMark::k_split(work.is_valid_tile))
+               : 0u;
+  }
+
+  // A split tile's first half stores nothing: its second half stores the sum.
+  CUTLASS_HOST_DEVICE static bool compute_epilogue(WorkTileInfo const& work, Params const&) {
+    return !TileMark::split(work.is_valid_tile) || TileMark::second_half(work.is_valid_tile);
+  }
+
+  // Called by every consumer thread once its tile's MMAs are done. A split tile's first half
+  // hands its accumulators on through its slot, warp by warp; the second half waits for each of
+  // its warps' share and adds it. The first half was claimed before the second, by a CTA that
+  // runs (CTAs claim only while they run), and every such wait is for an earlier claim, so the
+  // waits end. The halves add in the same order on every call: results repeat bit for bit.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE static void fixup(Params const& params, WorkTileInfo const& work,
+                                   FrgTensorC& accumulators, std::uint32_t /*warp_groups*/,
+                                   std::uint32_t warp_group) {
+    const std::int32_t mark = work.is_valid_tile;
+    if (!TileMark::split(mark)) return;
+    constexpr int kValues = decltype(cute::size(accumulators))::value;
+    static_assert(kValues % 4 == 0 && kValues * 32 * kConsumerWarps == TileM * TileN,
+                  "each consumer warp holds an equal share of the tile's accumulators");
+    const TileOrder& order = params.problem_shapes_.order;
+    const std::uint32_t warp = warp_group * 4 + cutlass::canonical_warp_idx_sync() % 4;
+    const std::uint32_t flag = TileMark::slot(mark) * kConsumerWarps + warp;
+    const int lane = cutlass::canonical_lane_idx();
+    // The warp's share, float4 by float4, each lane's interleaved with the others' (coalesced).
+    auto* share = reinterpret_cast<float4*>(order.partials) + flag * (kValues / 4 * 32) + lane;
+    if (!TileMark::second_half(mark)) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kValues / 4; ++i) {
+        __stcg(share + i * 32, make_float4(accumulators(4 * i), accumulators(4 * i + 1),
+                                           accumulators(4 * i + 2), accumulators(4 * i + 3)));
+      }
+      __threadfence();
+      __syncwarp();
+      if (lane == 0) {
+        asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(order.partial_ready + flag),
+                     "r"(1u)
+                     : "memory");
+      }
+      return;
+    }
+    if (lane == 0) {
+      for (;;) {
+        std::uint32_t ready = 0;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"
+                     : "=r"(ready)
+                     : "l"(order.partial_ready + flag)
+                     : "memory");
+        if (ready != 0) break;
+        __nanosleep(64);
+      }
+    }
+    __syncwarp();
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kValues / 4; ++i) {
+      const float4 part = __ldcg(share + i * 32);
+      accumulators(4 * i) += part.x;
+      accumulators(4 * i + 1) += part.y;
+      accumulators(4 * i + 2) += part.z;
+      accumulators(4 * i + 3) += part.w;
+    }
+  }
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
@@ -205,10 +328,17 @@ class ClaimingScheduler
   // claim's other tiles; called by whole warps. A warp's indices only grow, so the search for the
   // segment goes on from the last one found, 32 segments a step.
   CUTLASS_DEVICE WorkTileInfo first_of_claim(std::uint32_t claim) {
-    if (claim >= total_) {
+    if (claim >= total_ + split_) {
       next_in_claim_ = claim_end_;
       return WorkTileInfo::invalid_work_tile();
     }
+    // Claims past the order's unsplit tiles take the split tiles' halves in turn; their claims
+    // hold one tile each (forward and dgrad).
+    const std::uint32_t first_split = total_ - split_;
+    const bool halved = claim >= first_split;
+    const std::uint32_t slot = halved ? (claim - first_split) / 2 : 0;
+    const bool second = halved && (claim - first_split) % 2 == 1;
+    if (halved) claim = first_split + slot;
     for (;;) {
       // Lane i asks whether the segment i + 1 past the cursor starts at or before `claim`; those
       // that do are a prefix of the lanes, since first_claim grows and the last segment's is the
@@ -234,7 +364,12 @@ class ClaimingScheduler
     const std::uint32_t first = (claim - current_.first_claim) * per_claim;
     next_in_claim_ = first + 1;
     claim_end_ = min(first + per_claim, static_cast<std::uint32_t>(current_.m_count) * n_tiles);
-    return tile_at(first);
+    WorkTileInfo work = tile_at(first);
+    if (halved) {
+      const int k_tiles = static_cast<int>((cute::get<2>(shape) + TileK - 1) / TileK);
+      work.is_valid_tile = TileMark::halved(work.is_valid_tile, second, k_tiles / 2, slot);
+    }
+    return work;
   }
 
   // Tile `local` of the current segment, M-tiles fastest.
@@ -254,6 +389,7 @@ class ClaimingScheduler
   std::uint32_t grid_size_;
   std::uint32_t count_;
   std::uint32_t total_;
+  std::uint32_t split_;  // the order's last split_ tiles are claimed in halves
   std::uint32_t segment_ = 0;
   TileSegment current_{};  // segments[segment_]
   int rows_ = 0;           // of current_'s group

@@ -93,7 +93,35 @@ __host__ __device__ constexpr std::uint32_t segment_capacity(GroupedPass pass,
 struct OrderPlan {
   std::int32_t n_tiles;  // every group's N-tiles
   std::int64_t strip;    // M-tiles per segment
+  // Forward and dgrad of a claimed launch: its CTAs, for split_tail_tiles (0: no tile split).
+  std::uint32_t split_sms = 0;
+  std::int64_t k_tiles = 0;  // every group's k-tiles (forward and dgrad)
 };
+
+// A split tile's halves each run at least this many k-tiles.
+constexpr std::int64_t kMinSplitKTiles = 4;
+
+// How many of the tile order's last tiles a launch on `sms` CTAs may split: an eighth of a wave.
+__host__ __device__ constexpr std::uint32_t split_capacity(std::uint32_t sms) { return sms / 8; }
+
+// How many of the tile order's last tiles to claim in two halves of their k-tiles (TileOrder::
+// split_tiles), for `tiles` tiles of `k_tiles` k-tiles each, `half_tiles` when counted in halves
+// (a group's last M-tile of at most 64 rows is one half, others two), on `sms` CTAs. The CTAs
+// take the tiles in waves. Where the last wave holds 2r half tiles, splitting the order's 2r last
+// tiles lets the CTAs that take the unsplit tiles and the first halves take the second halves
+// too, and the call ends half a tile sooner. Measured on DeepSeek-like shapes (K = 7168) at the
+// power limit (bench/NOTES.md, experiment 54): 1.3% faster where 8 tiles were split, 0.7-0.8%
+// slower where 72 and 128 were (last waves a quarter and a half full), so only a last wave at
+// most an eighth full is split (split_capacity).
+__host__ __device__ constexpr std::uint32_t split_tail_tiles(std::uint64_t tiles,
+                                                             std::uint64_t half_tiles,
+                                                             std::uint32_t sms,
+                                                             std::int64_t k_tiles) {
+  if (sms == 0 || k_tiles < 2 * kMinSplitKTiles || k_tiles / 2 > TileMark::kMaxKSplit) return 0;
+  const std::uint64_t last = half_tiles % (2 * std::uint64_t{sms});
+  if (last == 0 || last > split_capacity(sms)) return 0;
+  return static_cast<std::uint32_t>(last < tiles ? last : tiles);
+}
 
 // The epilogue writes each tile to shared memory in subtiles of 128 rows, and a TMA store takes
 // each subtile on. Without a cluster it keeps up to 4 stores in flight instead of CUTLASS's 2, so
@@ -201,6 +229,21 @@ struct GroupedGemm {
     TileSegment* scratch;   // forward and dgrad: 2 x segment_capacity, for the order's merge
     std::uint32_t* count;
     std::uint32_t* claimed;
+    // Split tiles (TileOrder::split_tiles), where the launch has split slots; nullptr otherwise.
+    std::uint32_t* split_tiles;
+    float* partials;
+    std::uint32_t* partial_ready;
+
+    __host__ __device__ TileOrder order() const {
+      TileOrder order;
+      order.segments = segments;
+      order.count = count;
+      order.claimed = claimed;
+      order.split_tiles = split_tiles;
+      order.partials = partials;
+      order.partial_ready = partial_ready;
+      return order;
+    }
   };
 
   static std::size_t segments_bytes(std::int64_t groups) {
@@ -212,16 +255,39 @@ struct GroupedGemm {
     return pass == GroupedPass::kWgrad ? 0 : 2 * segments_bytes(groups);
   }
 
-  static std::size_t tables_bytes(std::int64_t groups) {
+  // The CTAs of a launch that may split its last tiles (split_tail_tiles): forward and dgrad,
+  // claimed. 0 elsewhere.
+  static std::uint32_t split_sms(int sm_count) {
+    if constexpr (kClaimed && pass != GroupedPass::kWgrad) {
+      MESHLA_ASSERT(sm_count > 0 && split_capacity(sm_count) <= TileMark::kMaxSlots);
+      return static_cast<std::uint32_t>(sm_count);
+    } else {
+      return 0;
+    }
+  }
+
+  static std::size_t partials_bytes(std::uint32_t split_slots) {
+    return static_cast<std::size_t>(split_slots) * kTileM * kTileN * sizeof(float);
+  }
+  static std::size_t ready_bytes(std::uint32_t split_slots) {
+    return static_cast<std::size_t>(split_slots) * kConsumerWarps * sizeof(std::uint32_t);
+  }
+
+  // split_slots: the split tiles a launch may have (split_capacity).
+  static std::size_t tables_bytes(std::int64_t groups, std::uint32_t split_slots = 0) {
     const auto n = static_cast<std::size_t>(groups);
+    const std::size_t split = split_slots == 0 ? 0
+                                               : detail::align_up(sizeof(std::uint32_t)) +
+                                                     detail::align_up(partials_bytes(split_slots)) +
+                                                     detail::align_up(ready_bytes(split_slots));
     return detail::align_up(n * sizeof(Shape)) + 5 * detail::align_up(n * sizeof(void*)) +
            detail::align_up(n * sizeof(StrideA)) + detail::align_up(n * sizeof(StrideB)) +
            detail::align_up(n * sizeof(StrideC)) + detail::align_up(n * sizeof(StrideD)) +
            detail::align_up(segments_bytes(groups)) + detail::align_up(scratch_bytes(groups)) +
-           2 * detail::align_up(sizeof(std::uint32_t));
+           2 * detail::align_up(sizeof(std::uint32_t)) + split;
   }
 
-  static Tables carve(void* base, std::int64_t groups) {
+  static Tables carve(void* base, std::int64_t groups, std::uint32_t split_slots = 0) {
     auto* cursor = static_cast<char*>(base);
     const auto n = static_cast<std::size_t>(groups);
     auto take = [&](std::size_t bytes) {
@@ -244,6 +310,14 @@ struct GroupedGemm {
     tables.scratch = reinterpret_cast<TileSegment*>(take(scratch_bytes(groups)));
     tables.count = reinterpret_cast<std::uint32_t*>(take(sizeof(std::uint32_t)));
     tables.claimed = reinterpret_cast<std::uint32_t*>(take(sizeof(std::uint32_t)));
+    tables.split_tiles = nullptr;
+    tables.partials = nullptr;
+    tables.partial_ready = nullptr;
+    if (split_slots != 0) {
+      tables.split_tiles = reinterpret_cast<std::uint32_t*>(take(sizeof(std::uint32_t)));
+      tables.partials = reinterpret_cast<float*>(take(partials_bytes(split_slots)));
+      tables.partial_ready = reinterpret_cast<std::uint32_t*>(take(ready_bytes(split_slots)));
+    }
     return tables;
   }
 
@@ -256,7 +330,7 @@ struct GroupedGemm {
     args.problem_shape.problem_shapes = tables.shapes;
     args.problem_shape.host_problem_shapes = nullptr;
     if constexpr (kClaimed) {
-      args.problem_shape.order = {tables.segments, tables.count, tables.claimed};
+      args.problem_shape.order = tables.order();
     }
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
@@ -500,6 +574,32 @@ __device__ std::int64_t tiles_per_claim(const GroupIndex& index, std::int64_t g)
   }
 }
 
+// Forward and dgrad: how many of the order's last `tiles` tiles are split (split_tail_tiles), and
+// their slots' flags cleared. Run by one whole block.
+__device__ inline void write_split_tiles(const GroupIndex& index, const TileOrder& order,
+                                         const OrderPlan& plan, std::uint32_t tiles) {
+  __shared__ unsigned long long half_tiles;
+  __shared__ std::uint32_t split;
+  if (threadIdx.x == 0) half_tiles = 0;
+  __syncthreads();
+  unsigned long long mine = 0;
+  for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
+    const std::int64_t rows = index.offsets[g + 1] - index.offsets[g];
+    const std::int64_t rest = rows % kTileM;
+    mine += (2 * (rows / kTileM) + (rest == 0 ? 0 : rest <= kTileM / 2 ? 1 : 2)) * plan.n_tiles;
+  }
+  atomicAdd(&half_tiles, mine);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    split = split_tail_tiles(tiles, half_tiles, plan.split_sms, plan.k_tiles);
+    *order.split_tiles = split;
+  }
+  __syncthreads();
+  for (std::uint32_t i = threadIdx.x; i < split * kConsumerWarps; i += blockDim.x) {
+    order.partial_ready[i] = 0;
+  }
+}
+
 // Writes the order in which the GEMM's CTAs claim their tiles (claiming_scheduler.cuh): the
 // groups in order, each cut into segments of `strip` M-tiles, then for forward and dgrad the heavy
 // groups spread among the others (interleave_heavy); the weight gradient's groups by decreasing
@@ -560,6 +660,9 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
     interleave_heavy<pass>(index, op, order, packed_count(carry), scratch, plan.n_tiles);
     __syncthreads();
   }
+  if (pass != GroupedPass::kWgrad && order.split_tiles != nullptr) {
+    write_split_tiles(index, order, plan, packed_claims(carry));
+  }
 }
 
 // Everything a call does before its GEMM, in one launch. Block 0 builds the group index, then
@@ -588,8 +691,7 @@ __global__ void __launch_bounds__(kIndexThreads)
       fill_group<G, pass>(g, index, op, tables);
     }
     if constexpr (G::kClaimed) {
-      write_tile_order<pass>(index, op, {tables.segments, tables.count, tables.claimed}, plan,
-                             tables.scratch);
+      write_tile_order<pass>(index, op, tables.order(), plan, tables.scratch);
     }
     if (!valid) {
       for (std::int64_t g = 0; g < out.groups; ++g) {
@@ -609,7 +711,7 @@ template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool 
 CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
   using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles>;
   const typename G::Tables none{};
-  return {G::tables_bytes(groups),
+  return {G::tables_bytes(groups, split_capacity(G::split_sms(sm_count))),
           G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
 }
 
@@ -682,6 +784,7 @@ OrderPlan order_plan(const CutlassCall& call) {
     m_tiles_bound = ceil_tiles(call.index.rows, kTileM) + groups;  // >= the sum of ceil(rows_g/128)
     const std::int64_t k = pass == GroupedPass::kForward ? op.in_features : op.out_features;
     plan.strip = strip_m_tiles(plan.n_tiles, k, m_tiles_bound, call.sm_count, call.l2_bytes);
+    plan.k_tiles = ceil_tiles(k, kTileK);
   }
   // Claim indices are 32-bit.
   MESHLA_CHECK_ARG(m_tiles_bound * plan.n_tiles < (std::int64_t{1} << 32),
@@ -696,7 +799,9 @@ template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool 
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles>;
   const std::int64_t groups = call.index.groups;
-  const typename G::Tables tables = G::carve(call.tables, groups);
+  OrderPlan plan = order_plan<pass>(call);
+  plan.split_sms = G::split_sms(call.sm_count);
+  const typename G::Tables tables = G::carve(call.tables, groups, split_capacity(plan.split_sms));
   // The weight gradient (not accumulated) zeroes empty groups; accumulating leaves them alone.
   constexpr bool clear_empty = pass == GroupedPass::kWgrad && epilogue == Epilogue::kStore;
   cudaLaunchConfig_t config{};
@@ -711,8 +816,7 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   config.attrs = &after_previous;
   config.numAttrs = 1;
   MESHLA_CHECK_CUDA(cudaLaunchKernelEx(&config, fill_tables<G, pass, clear_empty>, call.index,
-                                       call.status, call.operands, call.out, tables,
-                                       order_plan<pass>(call)));
+                                       call.status, call.operands, call.out, tables, plan));
   typename G::Gemm gemm;
   const auto args =
       G::arguments(tables, groups, call.device, call.sm_count, call.operands.bias != nullptr);

@@ -72,8 +72,7 @@ __global__ void __launch_bounds__(grouped::kIndexThreads)
   __syncthreads();
   // The order reads only the offsets and the group count.
   const grouped::GroupIndex index{nullptr, offsets, nullptr, args.count, offsets[args.count]};
-  grouped::write_tile_order<layout>(index, grouped::GroupedOperands{},
-                                    {tables.segments, tables.count, tables.claimed}, plan,
+  grouped::write_tile_order<layout>(index, grouped::GroupedOperands{}, tables.order(), plan,
                                     tables.scratch);
 }
 

@@ -4,10 +4,11 @@
 
 Every check draws fresh random inputs and splits (skewed, with empty groups), poisons the outputs
 with NaN, runs the pass and compares with a float64 per-group loop over the same (rounded)
-inputs: ||out - ref|| / ||ref|| under a per-dtype threshold. Also: the module's autograd and its
-packed, aligned gradients; device-side rejection of bad m_splits; CUDA-graph capture with
-m_splits changing between replays; delayed weight gradients on a side stream under allocator
-pressure; torch.compile.
+inputs: ||out - ref|| / ||ref|| under a per-dtype threshold; among the shapes, one whose last
+tiles are split in two halves of their k-tiles, which must be split there and repeat bitwise.
+Also: the module's autograd and its packed, aligned gradients; device-side rejection of bad
+m_splits; CUDA-graph capture with m_splits changing between replays; delayed weight gradients on
+a side stream under allocator pressure; torch.compile.
 """
 
 import argparse
@@ -33,6 +34,33 @@ PASS = mt.grouped._PASS
 # last M-tile an upper-half one (56 rows), so the trimmed k-tail also runs beside the half tile.
 K_TAIL_SIZES = [1, 16, 17, 32, 33, 48, 49, 63, 64, 65, 0, 130, 191]
 K_TAIL_SHAPE = (len(K_TAIL_SIZES), 256, 184, sum(K_TAIL_SIZES))
+
+
+def split_tail_sizes(sms: int) -> list[int]:
+    """Group sizes (in_features 1024, out_features 512) whose forward and dgrad tiles overflow
+    full waves of `sms` CTAs by a few half tiles, so that the order's last tiles are claimed in
+    two halves of their k-tiles (grouped/cutlass_grouped.cuh, split_tail_tiles): sms // 2 + 1
+    full M-tiles and a 40-row one (an upper-half tile), on 2 N-tiles forward and 4 dgrad, leave
+    at most 12 half tiles in the last wave. An empty group too."""
+    full = sms // 2 + 1
+    return [128 * (full - full // 2 - full // 4), 0, 128 * (full // 2), 40, 128 * (full // 4)]
+
+
+# What a split tile's cancelling sum comes to (check_split_tails).
+SPLIT_MARK = 2.0 ** -14
+
+
+def cancelling(k: int) -> torch.Tensor:
+    """A length-k vector whose float32 sum in order is 0, and SPLIT_MARK when summed from k-tile
+    k_tiles // 2 on and then added to the sum before it: SPLIT_MARK first, then +2048 and -2048 at
+    the starts of the two k-tiles from there (2048 + 2^-14 rounds to 2048 in float32; all three
+    values are exact in bfloat16 and float16)."""
+    split = (k // 64) // 2 * 64
+    v = torch.zeros(k)
+    v[0] = SPLIT_MARK
+    v[split] = 2048.0
+    v[split + 64] = -2048.0
+    return v
 
 
 def random_splits(groups: int, rows: int, generator: torch.Generator) -> torch.Tensor:
@@ -122,6 +150,51 @@ def check_passes(report, dtype, shape, seed, sizes=None):
     dbias = torch.full((groups, out_features), nan, device=dev, dtype=dtype)
     grouped._run(PASS.bias_grad, m_splits, dy, out_features, dy=dy, dbias=dbias)
     compare("bias_grad", dbias, reference("bias_grad", None, dy, None, None, sizes))
+
+
+def check_split_tails(report, dtype):
+    """On split_tail_sizes, the last tiles are split, and their results repeat bitwise. Split or
+    not shows in the sum of `cancelling` rows (SPLIT_MARK split, 0 whole): some outputs, at most
+    split_capacity tiles' worth, are SPLIT_MARK, the rest 0. Then two calls with random inputs
+    give the same bits: the halves add in the same order on every call."""
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sizes = split_tail_sizes(sms)
+    rows, in_features, out_features = sum(sizes), 1024, 512
+    m_splits = torch.tensor(sizes, device=dev)
+    ones_x = torch.ones(rows, in_features, device=dev, dtype=dtype)
+    ones_dy = torch.ones(rows, out_features, device=dev, dtype=dtype)
+    forward_w = cancelling(in_features).expand(len(sizes), out_features, in_features)
+    dgrad_w = cancelling(out_features)[:, None].expand(len(sizes), out_features, in_features)
+    gen = torch.Generator().manual_seed(29)
+    x = torch.randn(rows, in_features, generator=gen).to(dev, dtype)
+    dy = torch.randn(rows, out_features, generator=gen).to(dev, dtype)
+    weight = torch.randn(len(sizes), out_features, in_features, generator=gen).to(dev, dtype)
+
+    def forward(x, w, out):
+        grouped._run(PASS.forward, m_splits, x, out_features, x=x, weight=w, bias=None, y=out)
+
+    def dgrad(dy, w, out):
+        grouped._run(PASS.dgrad, m_splits, dy, out_features, dy=dy, weight=w, dx=out)
+
+    for name, run, ones, probe, operand, columns in (
+            ("forward", forward, ones_x, forward_w, x, out_features),
+            ("dgrad", dgrad, ones_dy, dgrad_w, dy, in_features)):
+        tag = f"{name}/{str(dtype)[6:]}"
+        out = torch.full((rows, columns), float("nan"), device=dev, dtype=dtype)
+        run(ones, probe.to(dev, dtype).contiguous(), out)
+        halves = out == SPLIT_MARK
+        tiles = int(halves.sum()) / (128 * 256)
+        ok = bool(((out == 0) | halves).all()) and 0 < tiles <= sms // 8
+        report.record(f"split-tails-taken/{tag}", 0, ok,
+                      f"{tiles:.2f} tiles' outputs from split tiles (at most {sms // 8})")
+        outs = [torch.full((rows, columns), float("nan"), device=dev, dtype=dtype)
+                for _ in range(2)]
+        for out in outs:
+            run(operand, weight, out)
+        report.record(f"split-tails-repeat/{tag}", 0,
+                      bool(torch.equal(outs[0], outs[1])) and not outs[0].isnan().any().item(),
+                      "two calls, bitwise")
 
 
 def check_module_autograd(report, dtype, seed):
@@ -319,6 +392,14 @@ def main():
     checks += [(f"passes-k-tails/{d}",
                 lambda d=d: check_passes(report, d, K_TAIL_SHAPE, 17, sizes=K_TAIL_SIZES))
                for d in TOLERANCE]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    split_sizes = split_tail_sizes(sms)
+    checks += [(f"passes-split-tails/{d}",
+                lambda d=d: check_passes(report, d, (len(split_sizes), 1024, 512, sum(split_sizes)),
+                                         23, sizes=split_sizes))
+               for d in TOLERANCE]
+    checks += [(f"split-tails/{d}", lambda d=d: check_split_tails(report, d))
+               for d in (torch.bfloat16, torch.float16)]
     checks += [(f"module/{d}", lambda d=d: check_module_autograd(report, d, 3)) for d in TOLERANCE]
     checks += [("bad-splits", lambda: check_bad_splits(report))]
     checks += [(f"graph/{d}", lambda d=d: check_graph_capture(report, d))
