@@ -250,18 +250,18 @@ class ClaimingScheduler
       }
       return;
     }
-    if (lane == 0) {
-      for (;;) {
-        std::uint32_t ready = 0;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];"
-                     : "=r"(ready)
-                     : "l"(order.partial_ready + flag)
-                     : "memory");
-        if (ready != 0) break;
-        __nanosleep(64);
-      }
-    }
-    __syncwarp();
+    // The whole wait in one asm statement: as a C++ loop around the accumulators, ptxas spilled
+    // registers of every tile's path (8 bytes; 2% slower on Qwen3-sized tiles, measured).
+    asm volatile(
+        "{\n"
+        ".reg .pred ready;\n"
+        ".reg .u32 value;\n"
+        "WAIT_%=:\n"
+        "ld.acquire.gpu.global.u32 value, [%0];\n"
+        "setp.ne.u32 ready, value, 0;\n"
+        "@!ready bra WAIT_%=;\n"
+        "}\n" ::"l"(order.partial_ready + flag)
+        : "memory");
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kValues / 4; ++i) {
       const float4 part = __ldcg(share + i * 32);

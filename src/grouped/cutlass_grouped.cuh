@@ -574,28 +574,17 @@ __device__ std::int64_t tiles_per_claim(const GroupIndex& index, std::int64_t g)
   }
 }
 
-// Forward and dgrad: how many of the order's last `tiles` tiles are split (split_tail_tiles), and
-// their slots' flags cleared. Run by one whole block.
-__device__ inline void write_split_tiles(const GroupIndex& index, const TileOrder& order,
-                                         const OrderPlan& plan, std::uint32_t tiles) {
-  __shared__ unsigned long long half_tiles;
-  __shared__ std::uint32_t split;
-  if (threadIdx.x == 0) half_tiles = 0;
-  __syncthreads();
-  unsigned long long mine = 0;
-  for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
-    const std::int64_t rows = index.offsets[g + 1] - index.offsets[g];
-    const std::int64_t rest = rows % kTileM;
-    mine += (2 * (rows / kTileM) + (rest == 0 ? 0 : rest <= kTileM / 2 ? 1 : 2)) * plan.n_tiles;
-  }
-  atomicAdd(&half_tiles, mine);
-  __syncthreads();
+// Forward and dgrad: how many of the order's last `tiles` tiles are split (split_tail_tiles), of
+// `half_tiles` in halves, and every slot's flags cleared. Run by one whole block. Every call
+// waits for the table kernel, so the half tiles are counted in write_tile_order's pass over the
+// groups: a pass of its own, with a block-wide sum, cost 16 x 2048 rows about 2%.
+__device__ inline void write_split_tiles(const TileOrder& order, const OrderPlan& plan,
+                                         std::uint32_t tiles, std::uint64_t half_tiles) {
   if (threadIdx.x == 0) {
-    split = split_tail_tiles(tiles, half_tiles, plan.split_sms, plan.k_tiles);
-    *order.split_tiles = split;
+    *order.split_tiles = split_tail_tiles(tiles, half_tiles, plan.split_sms, plan.k_tiles);
   }
-  __syncthreads();
-  for (std::uint32_t i = threadIdx.x; i < split * kConsumerWarps; i += blockDim.x) {
+  for (std::uint32_t i = threadIdx.x; i < split_capacity(plan.split_sms) * kConsumerWarps;
+       i += blockDim.x) {
     order.partial_ready[i] = 0;
   }
 }
@@ -621,6 +610,7 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   __shared__ typename Scan::TempStorage storage;
   std::uint64_t carry = 0;  // segments << 32 | claims
   bool any_heavy = false;
+  std::uint32_t half_tile_groups = 0;  // forward and dgrad: groups whose last M-tile is a half
   for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
     const std::int64_t position = base + threadIdx.x;
     const std::int64_t g = position >= index.groups ? -1 : sorted ? by_rows[position] : position;
@@ -638,6 +628,10 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
     std::uint64_t before, chunk;
     Scan(storage).ExclusiveSum(mine, before, chunk);
     any_heavy |= __syncthreads_or(m_tiles > 0 && m_tiles <= kHeavyMTiles) != 0;
+    if (pass != GroupedPass::kWgrad && order.split_tiles != nullptr) {
+      const std::int64_t rest = g < 0 ? 0 : (index.offsets[g + 1] - index.offsets[g]) % kTileM;
+      half_tile_groups += __syncthreads_count(rest != 0 && rest <= kTileM / 2);
+    }
     const std::uint64_t at = carry + before;
     for (std::int64_t j = 0; j < strips; ++j) {
       order.segments[packed_count(at) + j] = {
@@ -661,7 +655,10 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
     __syncthreads();
   }
   if (pass != GroupedPass::kWgrad && order.split_tiles != nullptr) {
-    write_split_tiles(index, order, plan, packed_claims(carry));
+    // Forward and dgrad claim one tile at a time: claims are tiles.
+    const std::uint32_t tiles = packed_claims(carry);
+    write_split_tiles(order, plan, tiles,
+                      2 * std::uint64_t{tiles} - std::uint64_t{half_tile_groups} * plan.n_tiles);
   }
 }
 
