@@ -577,7 +577,7 @@ __device__ std::int64_t tiles_per_claim(const GroupIndex& index, std::int64_t g)
 // Forward and dgrad: how many of the order's last `tiles` tiles are split (split_tail_tiles), of
 // `half_tiles` in halves, and every slot's flags cleared. Run by one whole block. Every call
 // waits for the table kernel, so the half tiles are counted in write_tile_order's pass over the
-// groups: a pass of its own, with a block-wide sum, cost 16 x 2048 rows about 2%.
+// groups: a pass of its own, with a block-wide sum, cost Qwen3's 128 groups about 0.8%.
 __device__ inline void write_split_tiles(const TileOrder& order, const OrderPlan& plan,
                                          std::uint32_t tiles, std::uint64_t half_tiles) {
   if (threadIdx.x == 0) {
