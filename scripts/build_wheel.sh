@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3.12}
 "$python" -c "import sys; assert sys.version_info[:2] == (3, 12), sys.version" ||
   { echo "the GPU machines run Python 3.12: set PYTHON to one"; exit 1; }
+# Without jax the build leaves out the JAX solvers' handlers (XLA's FFI headers come with jaxlib),
+# and the GPU suite's JAX solver checks fail on such a wheel.
+"$python" -c "import jax.ffi" 2>/dev/null ||
+  { echo "$python cannot import jax.ffi: pip install 'jax[cpu]' for it first"; exit 1; }
 export CUTLASS_INCLUDE_DIR=${CUTLASS_INCLUDE_DIR:-$PWD/.deps/cutlass/include}
 # A pip-installed CMake may not look in the toolkit's lib/ for cusolverMg.
 cusolvermg=$(ls "${CUDA_HOME:-/usr/local/cuda}"/lib*/libcusolverMg.so 2>/dev/null | head -1)
