@@ -411,14 +411,10 @@ __device__ void fill_group(std::int64_t g, const GroupIndex& index, const Groupe
   }
 }
 
-// Every pass's order puts the largest groups first, ties in group order, so that the small groups'
-// tiles even out the CTAs' loads at the end. The weight gradient's tiles cost in proportion to
-// their group's rows (experiment 38). Forward and dgrad tiles cost the same whatever the group,
-// but the groups' partial last M-tiles (half tiles among them) come at the end: on skewed
-// DeepSeek-32 the forward was 3.6-4.1% faster with the groups by decreasing rows than in the
-// routing's random order, 5% slower in increasing order, and no other benchmarked cell moved by
-// more than 1% (experiment 55). Counting the larger groups costs groups² steps in one block; past
-// kSortedGroups the groups keep their order.
+// The weight gradient's tiles cost in proportion to their group's rows: the order puts the
+// largest groups first, ties in group order, so that the small tiles even out the CTAs' loads at
+// the end. Counting the larger groups costs groups² steps in one block; past kSortedGroups the
+// groups keep their order.
 constexpr std::int64_t kSortedGroups = 512;
 
 __device__ inline std::int64_t rank_by_rows(const GroupIndex& index, std::int64_t g) {
@@ -594,16 +590,16 @@ __device__ inline void write_split_tiles(const TileOrder& order, const OrderPlan
 }
 
 // Writes the order in which the GEMM's CTAs claim their tiles (claiming_scheduler.cuh): the
-// groups by decreasing rows (rank_by_rows), each cut into segments of `strip` M-tiles, then for
-// forward and dgrad the heavy groups spread among the others (interleave_heavy); the weight
-// gradient's groups one segment each, several tiles a claim where they are short
-// (tiles_per_claim). Run by one whole block, after the group index.
+// groups in order, each cut into segments of `strip` M-tiles, then for forward and dgrad the heavy
+// groups spread among the others (interleave_heavy); the weight gradient's groups by decreasing
+// rows, one segment each, several tiles a claim where they are short (tiles_per_claim). Run by
+// one whole block, after the group index.
 template <GroupedPass pass>
 __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands& op,
                                  const TileOrder& order, const OrderPlan& plan,
                                  TileSegment* scratch) {
   __shared__ std::int32_t by_rows[kSortedGroups];
-  const bool sorted = index.groups <= kSortedGroups;
+  const bool sorted = pass == GroupedPass::kWgrad && index.groups <= kSortedGroups;
   if (sorted) {
     for (std::int64_t g = threadIdx.x; g < index.groups; g += kIndexThreads) {
       by_rows[rank_by_rows(index, g)] = static_cast<std::int32_t>(g);
