@@ -12,10 +12,15 @@ python=${PYTHON:-python3.12}
 # and the GPU suite's JAX solver checks fail on such a wheel.
 "$python" -c "import jax.ffi" 2>/dev/null ||
   { echo "$python cannot import jax.ffi: pip install 'jax[cpu]' for it first"; exit 1; }
+# Without cuBLASMp's header the build leaves out that backend, and the suite's cublasmp model
+# fails (a new machine's first wheel did). Asked for explicitly below, so that a build directory
+# configured without it turns it on.
+"$python" -c "import nvidia.cublasmp.cu13" 2>/dev/null ||
+  { echo "$python cannot import nvidia.cublasmp.cu13: pip install --no-deps 'nvidia-cublasmp-cu13==0.7.*' for it first"; exit 1; }
 export CUTLASS_INCLUDE_DIR=${CUTLASS_INCLUDE_DIR:-$PWD/.deps/cutlass/include}
 # A pip-installed CMake may not look in the toolkit's lib/ for cusolverMg.
 cusolvermg=$(ls "${CUDA_HOME:-/usr/local/cuda}"/lib*/libcusolverMg.so 2>/dev/null | head -1)
-export CMAKE_ARGS="${CMAKE_ARGS:-} ${cusolvermg:+-DCUSOLVERMG_LIBRARY=$cusolvermg}"
+export CMAKE_ARGS="${CMAKE_ARGS:-} -DMESHLA_WITH_CUBLASMP=ON ${cusolvermg:+-DCUSOLVERMG_LIBRARY=$cusolvermg}"
 rm -rf .whl/meshla-*.whl
 # An object whose entry in ninja's log lists no headers is never rebuilt when they change (one
 # such entry kept a stale forward pass in the wheels of a whole session: bench/NOTES.md 54):
