@@ -30,6 +30,8 @@
 
 #include <cstdint>
 
+#include "grouped/tile_marks.hpp"
+
 namespace meshla::grouped {
 
 // Claim indices [first_claim, next segment's first_claim) of one group: M-tiles m_first ..
@@ -75,58 +77,9 @@ struct ClaimedProblemShape : cutlass::gemm::GroupProblemShape<cute::Shape<int, i
   TileOrder order;
 };
 
-// What the mainloop may leave out of a claimed tile, marked in its is_valid_tile (TileMark):
-// - A tile's second consumer warpgroup owns its rows 64-127 (CUTLASS's cooperative tiled MMA
-//   stacks the two warpgroups' 64-row atoms along M). When a group's last M-tile has 64 rows or
-//   fewer, that warpgroup has nothing to compute.
-// - When a tile's contraction (K) is not a whole number of k-tiles, TMA fills its last k-tile
-//   past K with zeros; the MMAs of the k-blocks that hold only zeros need not run.
-// Each warp notes its current tile's mark in tile_marks for TrimmedTileMainloop. The marks are
-// static shared memory, which comes before CUTLASS's dynamic shared memory: they take 1024 bytes
-// so that its tiles keep the 1024-byte alignment of their swizzle.
-// A split tile's half (TileOrder::split_tiles) is marked too: which half, the k-tile where the
-// second half starts, and the tile's slot.
-struct TileMark {
-  static constexpr std::int32_t kValid = 1;
-  static constexpr std::int32_t kUpperHalfOnly = 2;
-  static constexpr int kResidueShift = 2;  // 6 bits: K mod the k-tile, 0 for a whole k-tile
-  static constexpr std::int32_t kSplit = 1 << 8;
-  static constexpr std::int32_t kSecondHalf = 1 << 9;
-  static constexpr int kKSplitShift = 10;  // 11 bits
-  static constexpr int kSlotShift = 21;    // 10 bits
-  static constexpr std::int32_t kMaxKSplit = (1 << (kSlotShift - kKSplitShift)) - 1;
-  static constexpr std::int32_t kMaxSlots = 1 << (31 - kSlotShift);
-
-  __host__ __device__ static constexpr std::int32_t of(bool upper_half, int k_residue) {
-    return kValid | (upper_half ? kUpperHalfOnly : 0) | k_residue << kResidueShift;
-  }
-  // A whole tile's mark as the half of a split tile: the first (k-tiles [0, k_split)) or the
-  // second (the rest, and the K residue, which lies in the last k-tile).
-  __host__ __device__ static constexpr std::int32_t halved(std::int32_t mark, bool second,
-                                                           int k_split, std::uint32_t slot) {
-    const std::int32_t kept = second ? mark : mark & (kValid | kUpperHalfOnly);
-    return kept | kSplit | (second ? kSecondHalf : 0) | k_split << kKSplitShift |
-           static_cast<std::int32_t>(slot) << kSlotShift;
-  }
-  __host__ __device__ static constexpr bool upper_half_only(std::int32_t mark) {
-    return (mark & kUpperHalfOnly) != 0;
-  }
-  __host__ __device__ static constexpr int k_residue(std::int32_t mark) {
-    return (mark >> kResidueShift) & 63;
-  }
-  __host__ __device__ static constexpr bool split(std::int32_t mark) {
-    return (mark & kSplit) != 0;
-  }
-  __host__ __device__ static constexpr bool second_half(std::int32_t mark) {
-    return (mark & kSecondHalf) != 0;
-  }
-  __host__ __device__ static constexpr int k_split(std::int32_t mark) {
-    return (mark >> kKSplitShift) & kMaxKSplit;
-  }
-  __host__ __device__ static constexpr std::uint32_t slot(std::int32_t mark) {
-    return static_cast<std::uint32_t>(mark) >> kSlotShift;
-  }
-};
+// Each warp notes its current tile's mark (TileMark) in tile_marks for TrimmedTileMainloop. The
+// marks are static shared memory, which comes before CUTLASS's dynamic shared memory: they take
+// 1024 bytes so that its tiles keep the 1024-byte alignment of their swizzle.
 alignas(1024) static __shared__ std::int32_t tile_marks[256];
 
 // Constructed before the scheduler's base, which reads the problem shapes. The GEMM launches as a

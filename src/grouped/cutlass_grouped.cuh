@@ -24,6 +24,7 @@
 #include "grouped/claiming_scheduler.cuh"
 #include "grouped/cutlass_grouped.hpp"
 #include "grouped/grouped_device.cuh"
+#include "grouped/tile_marks.hpp"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
 #error "meshla's grouped GEMM needs CUTLASS's SM90 ptr-array support (CUDA 12.3+ and sm_90a)"
@@ -97,31 +98,6 @@ struct OrderPlan {
   std::uint32_t split_sms = 0;
   std::int64_t k_tiles = 0;  // every group's k-tiles (forward and dgrad)
 };
-
-// A split tile's halves each run at least this many k-tiles.
-constexpr std::int64_t kMinSplitKTiles = 4;
-
-// How many of the tile order's last tiles a launch on `sms` CTAs may split: an eighth of a wave.
-__host__ __device__ constexpr std::uint32_t split_capacity(std::uint32_t sms) { return sms / 8; }
-
-// How many of the tile order's last tiles to claim in two halves of their k-tiles (TileOrder::
-// split_tiles), for `tiles` tiles of `k_tiles` k-tiles each, `half_tiles` when counted in halves
-// (a group's last M-tile of at most 64 rows is one half, others two), on `sms` CTAs. The CTAs
-// take the tiles in waves. Where the last wave holds 2r half tiles, splitting the order's 2r last
-// tiles lets the CTAs that take the unsplit tiles and the first halves take the second halves
-// too, and the call ends half a tile sooner. Measured on DeepSeek-like shapes (K = 7168) at the
-// power limit (bench/NOTES.md, experiment 54): 1.3% faster where 8 tiles were split, 0.7-0.8%
-// slower where 72 and 128 were (last waves a quarter and a half full), so only a last wave at
-// most an eighth full is split (split_capacity).
-__host__ __device__ constexpr std::uint32_t split_tail_tiles(std::uint64_t tiles,
-                                                             std::uint64_t half_tiles,
-                                                             std::uint32_t sms,
-                                                             std::int64_t k_tiles) {
-  if (sms == 0 || k_tiles < 2 * kMinSplitKTiles || k_tiles / 2 > TileMark::kMaxKSplit) return 0;
-  const std::uint64_t last = half_tiles % (2 * std::uint64_t{sms});
-  if (last == 0 || last > split_capacity(sms)) return 0;
-  return static_cast<std::uint32_t>(last < tiles ? last : tiles);
-}
 
 // The epilogue writes each tile to shared memory in subtiles of 128 rows, and a TMA store takes
 // each subtile on. Without a cluster it keeps up to 4 stores in flight instead of CUTLASS's 2, so

@@ -20,11 +20,7 @@
 
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define MESHLA_HOST_DEVICE __host__ __device__
-#else
-#define MESHLA_HOST_DEVICE
-#endif
+#include "core/host_device.hpp"
 
 namespace meshla::solver {
 
