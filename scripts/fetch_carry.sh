@@ -9,11 +9,12 @@ python=${PYTHON:-python3.12}
 # The GPU machines run jax 0.11.2; cuBLASMp 0.7 is the last release that runs on their NCCL 2.28.
 "$python" -m pip install -q --disable-pip-version-check "jax[cpu]==0.11.2" nanobind \
   scikit-build-core nvidia-cutlass
-"$python" -m pip install -q --disable-pip-version-check --no-deps "nvidia-cublasmp-cu13==0.7.*"
+# cuBLASMp's wheel, downloaded once: carried as it is, and installed here for build_wheel.sh.
+"$python" -m pip download -q --disable-pip-version-check --no-deps -d .deps \
+  "nvidia-cublasmp-cu13==0.7.*"
+"$python" -m pip install -q --disable-pip-version-check --no-deps .deps/nvidia_cublasmp_cu13-*.whl
 cutlass=$("$python" -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")
 mkdir -p .deps/cutlass
 rm -rf .deps/cutlass/include
 cp -r "$cutlass/source/include" .deps/cutlass/include
-"$python" -m pip download -q --disable-pip-version-check --no-deps -d .deps \
-  "nvidia-cublasmp-cu13==0.7.*"
 echo "carry: .deps/cutlass/include ($(du -sh .deps/cutlass | cut -f1)), $(cd .deps && ls nvidia_cublasmp_cu13-*.whl)"
