@@ -11,8 +11,8 @@
 //   of the weight gradient takes several tiles of a group with few rows (experiment 47).
 // - Order: runs of M-tiles (segments) instead of whole groups, so that a large group's rows are
 //   read once per strip that L2 holds, not once per N-tile, and the small groups spread among
-//   the large ones (experiment 39); the weight gradient's largest groups go first so that the
-//   small ones even out the end.
+//   the large ones (experiment 39); the largest groups go first so that the small ones even out
+//   the end (experiments 38 and 55).
 // - Half tiles: a group's last M-tile with 64 rows or fewer (experiment 40).
 // - Trimmed k-tails: the weight gradient contracts its group's rows; the last k-tile's MMAs past
 //   them would multiply TMA's zero fill (experiment 51).

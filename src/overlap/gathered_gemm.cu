@@ -43,7 +43,8 @@ struct GatheredArgs {
 };
 
 // One block of grouped::kIndexThreads threads: the tables, the flags, and the tile order (blocks
-// in the order given, each cut into strips as the grouped GEMM's forward pass cuts its groups).
+// in the order given: write_tile_order puts groups of equal rows in group order; each cut into
+// strips as the grouped GEMM's forward pass cuts its groups).
 template <class G, GroupedPass layout>
 __global__ void __launch_bounds__(grouped::kIndexThreads)
     fill_gathered_tables(GatheredArgs args, typename G::Tables tables, const std::uint32_t** landed,
