@@ -1,9 +1,8 @@
 // A tile scheduler for meshla's CUTLASS grouped kernels without clusters, and the mainloop that
 // goes with it. CUTLASS's group scheduler deals tile i to CTA i mod grid, group by group, M-tiles
 // fastest; here the CTAs claim tiles from a counter in device memory as they free up, in an order
-// the table kernel writes (TileOrder), and a tile whose rows all lie in its first half leaves the
-// second consumer warpgroup idle, and the weight gradient's last k-tile runs only the k-blocks that
-// hold its group's rows (TrimmedTileMainloop).
+// the table kernel writes (TileOrder), and the weight gradient's last k-tile runs only the
+// k-blocks that hold its group's rows (TrimmedTileMainloop).
 // - Claims: the weight gradient's tiles are not equal (each contracts its group's rows), so on a
 //   skewed routing the static deal gave some CTAs several times the work of others (16 x 2048
 //   skewed: the slowest CTA's share modelled at 1.59x the mean; experiment 38). Forward and dgrad
@@ -13,7 +12,9 @@
 //   read once per strip that L2 holds, not once per N-tile, and the small groups spread among
 //   the large ones (experiment 39); the largest groups go first so that the small ones even out
 //   the end (experiments 38 and 55).
-// - Half tiles: a group's last M-tile with 64 rows or fewer (experiment 40).
+// - No half tiles: a group's last M-tile of at most 64 rows runs whole. With the second consumer
+//   warpgroup idle on such tiles (experiment 40) the forward at K = 7168 ran 7-9% slower than
+//   with them whole, and gained nowhere at the power limit (experiment 57).
 // - Trimmed k-tails: the weight gradient contracts its group's rows; the last k-tile's MMAs past
 //   them would multiply TMA's zero fill (experiment 51).
 // - Split last tiles: forward and dgrad claim the order's last tiles in two halves of their
@@ -310,7 +311,6 @@ class ClaimingScheduler
       awaited_group_ = current_.group;
     }
     const auto shape = this->scheduler_params.problem_shapes_.get_problem_shape(current_.group);
-    rows_ = cute::get<0>(shape);
     k_residue_ = cute::get<2>(shape) % TileK;
     const auto n_tiles = static_cast<std::uint32_t>((cute::get<1>(shape) + TileN - 1) / TileN);
     const auto per_claim = static_cast<std::uint32_t>(current_.per_claim);
@@ -329,9 +329,8 @@ class ClaimingScheduler
   CUTLASS_DEVICE WorkTileInfo tile_at(std::uint32_t local) const {
     const auto m_count = static_cast<std::uint32_t>(current_.m_count);
     const std::int32_t m = current_.m_first + static_cast<std::int32_t>(local % m_count);
-    const bool upper_half = rows_ - m * TileM <= TileM / 2;
     return {m, static_cast<std::int32_t>(local / m_count), current_.group,
-            TileMark::of(upper_half, k_residue_)};
+            TileMark::of(k_residue_)};
   }
 
   CUTLASS_DEVICE static void note(const WorkTileInfo& work) {
@@ -345,8 +344,7 @@ class ClaimingScheduler
   std::uint32_t split_;  // the order's last split_ tiles are claimed in halves
   std::uint32_t segment_ = 0;
   TileSegment current_{};  // segments[segment_]
-  int rows_ = 0;           // of current_'s group
-  int k_residue_ = 0;      // its K mod TileK
+  int k_residue_ = 0;      // current_'s group's K mod TileK
   std::uint32_t next_in_claim_ = 0;
   std::uint32_t claim_end_ = 0;
   std::int32_t awaited_group_ = -1;
@@ -354,14 +352,12 @@ class ClaimingScheduler
   bool handed_on_ = false;
 };
 
-// CUTLASS's ptr-array mainloop that leaves out what a claimed tile's mark (TileMark) allows:
-// - Upper half only: the second warpgroup skips the MMAs; it still waits for each stage and
-//   releases it, as the producer counts on, but leaves the tensor cores to the first warpgroup, so
-//   such a tile takes about half the time.
-// - With trim_k_tail, a K residue: the last k-tile runs only the k-blocks that hold some of K.
-//   Skewed Qwen3's weight gradient runs 4.4% fewer MMAs so, and gains 0.7-1.1% at the power
-//   limit (experiment 51): MMAs of zeros cost less energy than others, but not none.
-template <class Mainloop, bool trim_k_tail>
+// CUTLASS's ptr-array mainloop for the weight gradient, whose tiles contract their group's rows:
+// where a tile's mark (TileMark) has a K residue, the last k-tile runs only the k-blocks that hold
+// some of K, not the MMAs of TMA's zero fill past them. Skewed Qwen3's weight gradient runs 4.4%
+// fewer MMAs so, and gains 0.7-1.1% at the power limit (experiment 51): MMAs of zeros cost less
+// energy than others, but not none.
+template <class Mainloop>
 struct TrimmedTileMainloop : Mainloop {
   using PipelineState = typename Mainloop::PipelineState;
 
@@ -370,20 +366,14 @@ struct TrimmedTileMainloop : Mainloop {
                           FrgTensorC& accumulators, int k_tile_count, int thread_idx,
                           typename Mainloop::TensorStorage& shared_tensors,
                           typename Mainloop::Params const& params) {
-    const std::int32_t mark = tile_marks[cutlass::canonical_warp_idx_sync()];
-    const int warp_group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-    if (k_tile_count >= 1 && warp_group == 1 && TileMark::upper_half_only(mark)) {
-      skip_upper_half(pipeline, read, accumulators, k_tile_count, thread_idx, shared_tensors,
-                      params);
-      return;
-    }
-    const int k_residue = trim_k_tail ? TileMark::k_residue(mark) : 0;
+    const int k_residue = TileMark::k_residue(tile_marks[cutlass::canonical_warp_idx_sync()]);
     // With a residue, the whole k-tiles as CUTLASS runs them (their last stage left unreleased,
     // its MMAs perhaps in flight), then the last one.
     const bool trimmed = k_tile_count >= 1 && k_residue != 0;
     const int whole = trimmed ? k_tile_count - 1 : k_tile_count;
     Mainloop::mma(pipeline, read, accumulators, whole, thread_idx, shared_tensors, params);
     if (!trimmed) return;
+    const int warp_group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
     PipelineState last = read;
     last.advance(whole);
     mma_last_k_tile(pipeline, last, accumulators, k_residue, whole == 0, warp_group,
@@ -401,28 +391,6 @@ struct TrimmedTileMainloop : Mainloop {
   }
 
  private:
-  template <class FrgTensorC>
-  CUTLASS_DEVICE void skip_upper_half(typename Mainloop::MainloopPipeline pipeline,
-                                      PipelineState read, FrgTensorC& accumulators,
-                                      int k_tile_count, int thread_idx,
-                                      typename Mainloop::TensorStorage& shared_tensors,
-                                      typename Mainloop::Params const& params) {
-    // One k-tile's MMAs still run: accumulators that only wgmma writes keep ptxas from serializing
-    // every wgmma of the kernel (warning C7515, about 7% slower), and the epilogue's TMA store
-    // drops these rows anyway, all past the group's last. Then release as Mainloop::mma does, one
-    // stage behind; mma_tail releases the last.
-    Mainloop::mma(pipeline, read, accumulators, 1, thread_idx, shared_tensors, params);
-    cute::warpgroup_wait<0>();
-    PipelineState release = read;
-    ++read;
-    for (int k = 1; k < k_tile_count; ++k) {
-      pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
-      ++read;
-      pipeline.consumer_release(release);
-      ++release;
-    }
-  }
-
   // The MMAs of the k-blocks of stage `last` that hold any of the first k_residue elements of
   // the k-tile, as Mainloop::mma runs a k-tile's (zeroing the accumulators first where `first`).
   // Each count of k-blocks has its own unrolled run: a wgmma under a branch of its own, or in a

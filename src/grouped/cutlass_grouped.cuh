@@ -94,13 +94,13 @@ __host__ __device__ constexpr std::uint32_t segment_capacity(GroupedPass pass,
 struct OrderPlan {
   std::int32_t n_tiles;  // every group's N-tiles
   std::int64_t strip;    // M-tiles per segment
-  // Forward and dgrad of a claimed launch: its CTAs, for split_tail_tiles (0: no tile split).
+  // Forward and dgrad: the launch's CTAs, for split_tail_tiles (0: no tile split).
   std::uint32_t split_sms = 0;
   std::int64_t k_tiles = 0;  // every group's k-tiles (forward and dgrad)
 };
 
 // The epilogue writes each tile to shared memory in subtiles of 128 rows, and a TMA store takes
-// each subtile on. Without a cluster it keeps up to 4 stores in flight instead of CUTLASS's 2, so
+// each subtile on. It keeps up to 4 stores in flight instead of CUTLASS's 2, so
 // the consumer warpgroups wait less on the stores before their next tile; wide_subtiles makes the
 // subtiles 128 x 64 instead of 128 x 32, half as many rounds, but their larger buffers leave room
 // for 3 mainloop stages instead of 4. Measured in experiment 42 (bench/NOTES.md): 4 stores
@@ -108,8 +108,7 @@ struct OrderPlan {
 // of large groups and lost 3-5% where the mainloop waits on each group's weight from HBM
 // (forward, Qwen3's dgrad). In the benchmark's own rotation (experiment 44) the gains held on
 // average and on DeepSeek's long calls; single short calls vary by up to 3% between rotations.
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m = 1,
-          bool wide_subtiles = false>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, bool wide_subtiles = false>
 struct GroupedGemm {
   using Element = typename CutlassElement<dtype>::type;
   using ElementD = std::conditional_t<epilogue == Epilogue::kAccumulate, float, Element>;
@@ -121,24 +120,16 @@ struct GroupedGemm {
   // Cooperative 128x256 tiles: both consumer warpgroups share each tile and the persistent
   // scheduler walks all groups' tiles in one launch. Measured against pingpong 64x256 and 128x128
   // (bench/NOTES.md, experiment 12), it wins or ties on every benchmarked shape.
-  // cluster_m = 2 pairs M-tiles, which then share each B tile through multicast, but CUTLASS
-  // rounds each group's M-tile count up to the pair and runs the extra tile in full. Forward and
-  // dgrad tile the rows, known only on the device: on the skewed Qwen3 routing the rounding cost
-  // 13% more tiles, more than the multicast bought (experiment 24), so they pair only when the
-  // groups are large on average (run_clustered). The weight gradient (M = out_features) never
-  // pairs: where its count is even, pairing measured within 1% (experiment 28).
+  // No clusters: the CTAs claim their tiles one by one in the table kernel's order
+  // (claiming_scheduler.cuh). Clusters of two CTAs share each weight tile through multicast, but
+  // CUTLASS's deal then rounds each group's M-tiles up to the pair, and the claimed kernel beat
+  // them even where the groups are large: DeepSeek-V3 with 8 experts, forward and dgrad, 3-7%
+  // faster at the power limit (experiment 57); claimed pairs gained nothing (experiment 50).
   using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>;
-  using ClusterShape = cute::Shape<cute::Int<cluster_m>, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using MainSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using EpiSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-
-  // Without a cluster the CTAs claim their tiles in the table kernel's order
-  // (claiming_scheduler.cuh); a cluster's CTAs share their loads, so they keep CUTLASS's static
-  // deal.
-  static constexpr bool kClaimed = cluster_m == 1;
-  using ProblemShape =
-      std::conditional_t<kClaimed, ClaimedProblemShape,
-                         cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>;
+  using ProblemShape = ClaimedProblemShape;
 
   using BiasEvt = cutlass::epilogue::fusion::Sm90EVT<
       cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float,
@@ -153,12 +144,12 @@ struct GroupedGemm {
   using EpilogueTile = cute::Shape<cute::_128, cute::Int<wide_subtiles ? 64 : 32>>;
   // CUTLASS's choice for this subtile (what its epilogue builder would take), with the stores in
   // flight raised where measured: not for the accumulating epilogue, whose C subtiles share the
-  // buffers (4 stores would leave 3 mainloop stages), nor for the paired kernel.
+  // buffers (4 stores would leave 3 mainloop stages).
   using BuilderPolicy =
       decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
                TileShape, EpilogueTile, ElementC, ElementD, EpiSchedule>());
   static constexpr int kStoresInFlight =
-      kClaimed && epilogue != Epilogue::kAccumulate ? 4 : BuilderPolicy::StagesD;
+      epilogue != Epilogue::kAccumulate ? 4 : BuilderPolicy::StagesD;
   using EpiloguePolicy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
       BuilderPolicy::StagesC, kStoresInFlight, BuilderPolicy::FragmentSize,
       BuilderPolicy::ReuseSmemC, BuilderPolicy::DelayTmaStore,
@@ -174,9 +165,8 @@ struct GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage) + sizeof(tile_marks))>,
       MainSchedule>::CollectiveOp;
-  using CollectiveMainloop =
-      std::conditional_t<kClaimed, TrimmedTileMainloop<BuiltMainloop, pass == GroupedPass::kWgrad>,
-                         BuiltMainloop>;
+  using CollectiveMainloop = std::conditional_t<pass == GroupedPass::kWgrad,
+                                                TrimmedTileMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
@@ -231,10 +221,10 @@ struct GroupedGemm {
     return pass == GroupedPass::kWgrad ? 0 : 2 * segments_bytes(groups);
   }
 
-  // The CTAs of a launch that may split its last tiles (split_tail_tiles): forward and dgrad,
-  // claimed. 0 elsewhere.
+  // The CTAs of a launch that may split its last tiles (split_tail_tiles): forward and dgrad.
+  // 0 for the weight gradient.
   static std::uint32_t split_sms(int sm_count) {
-    if constexpr (kClaimed && pass != GroupedPass::kWgrad) {
+    if constexpr (pass != GroupedPass::kWgrad) {
       MESHLA_ASSERT(sm_count > 0 && split_capacity(sm_count) <= TileMark::kMaxSlots);
       return static_cast<std::uint32_t>(sm_count);
     } else {
@@ -305,9 +295,7 @@ struct GroupedGemm {
     args.problem_shape.num_groups = static_cast<int>(groups);
     args.problem_shape.problem_shapes = tables.shapes;
     args.problem_shape.host_problem_shapes = nullptr;
-    if constexpr (kClaimed) {
-      args.problem_shape.order = tables.order();
-    }
+    args.problem_shape.order = tables.order();
     args.mainloop = {tables.a, tables.stride_a, tables.b, tables.stride_b};
     args.epilogue.ptr_C = std::is_void_v<ElementC>
                               ? nullptr
@@ -390,7 +378,7 @@ __device__ void fill_group(std::int64_t g, const GroupIndex& index, const Groupe
 // Every pass's order puts the largest groups first, ties in group order, so that the small groups'
 // tiles even out the CTAs' loads at the end. The weight gradient's tiles cost in proportion to
 // their group's rows (experiment 38). Forward and dgrad tiles cost the same whatever the group,
-// but the groups' partial last M-tiles (half tiles among them) come at the end: on skewed
+// but the groups' partial last M-tiles come at the end: on skewed
 // DeepSeek-32 the forward was 3.6-4.1% faster with the groups by decreasing rows than in the
 // routing's random order, 5% slower in increasing order, and no other benchmarked cell moved by
 // more than 1% (experiment 55). Past kSortedGroups the groups keep their order.
@@ -565,14 +553,12 @@ __device__ std::int64_t tiles_per_claim(const GroupIndex& index, std::int64_t g)
   }
 }
 
-// Forward and dgrad: how many of the order's last `tiles` tiles are split (split_tail_tiles), of
-// `half_tiles` in halves, and every slot's flags cleared. Run by one whole block. Every call
-// waits for the table kernel, so the half tiles are counted in write_tile_order's pass over the
-// groups: a pass of its own, with a block-wide sum, cost Qwen3's 128 groups about 0.8%.
+// Forward and dgrad: how many of the order's last `tiles` tiles are split (split_tail_tiles), and
+// every slot's flags cleared. Run by one whole block.
 __device__ inline void write_split_tiles(const TileOrder& order, const OrderPlan& plan,
-                                         std::uint32_t tiles, std::uint64_t half_tiles) {
+                                         std::uint32_t tiles) {
   if (threadIdx.x == 0) {
-    *order.split_tiles = split_tail_tiles(tiles, half_tiles, plan.split_sms, plan.k_tiles);
+    *order.split_tiles = split_tail_tiles(tiles, plan.split_sms, plan.k_tiles);
   }
   for (std::uint32_t i = threadIdx.x; i < split_capacity(plan.split_sms) * kConsumerWarps;
        i += blockDim.x) {
@@ -596,7 +582,6 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   __shared__ typename Scan::TempStorage storage;
   std::uint64_t carry = 0;  // segments << 32 | claims
   bool any_heavy = false;
-  std::uint32_t half_tile_groups = 0;  // forward and dgrad: groups whose last M-tile is a half
   for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
     const std::int64_t position = base + threadIdx.x;
     const std::int64_t g = position >= index.groups ? -1 : sorted ? by_rows[position] : position;
@@ -614,10 +599,6 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
     std::uint64_t before, chunk;
     Scan(storage).ExclusiveSum(mine, before, chunk);
     any_heavy |= __syncthreads_or(m_tiles > 0 && m_tiles <= kHeavyMTiles) != 0;
-    if (pass != GroupedPass::kWgrad && order.split_tiles != nullptr) {
-      const std::int64_t rest = g < 0 ? 0 : (index.offsets[g + 1] - index.offsets[g]) % kTileM;
-      half_tile_groups += __syncthreads_count(rest != 0 && rest <= kTileM / 2);
-    }
     const std::uint64_t at = carry + before;
     for (std::int64_t j = 0; j < strips; ++j) {
       order.segments[packed_count(at) + j] = {
@@ -642,14 +623,12 @@ __device__ void write_tile_order(const GroupIndex& index, const GroupedOperands&
   }
   if (pass != GroupedPass::kWgrad && order.split_tiles != nullptr) {
     // Forward and dgrad claim one tile at a time: claims are tiles.
-    const std::uint32_t tiles = packed_claims(carry);
-    write_split_tiles(order, plan, tiles,
-                      2 * std::uint64_t{tiles} - std::uint64_t{half_tile_groups} * plan.n_tiles);
+    write_split_tiles(order, plan, packed_claims(carry));
   }
 }
 
 // Everything a call does before its GEMM, in one launch. Block 0 builds the group index, then
-// every group's entries of the tables and, without a cluster, the tile order. A call whose
+// every group's entries of the tables and the tile order. A call whose
 // m_splits fail the checks gets all-zero offsets, so every group has no rows and the GEMM touches
 // nothing; block 0 then fills the output with NaN (slowly, with one block, but only on that rare
 // path, which spares every valid call a launch). The weight gradient's kernel has a block grid
@@ -673,9 +652,7 @@ __global__ void __launch_bounds__(kIndexThreads)
     for (std::int64_t g = threadIdx.x; g < index.groups; g += blockDim.x) {
       fill_group<G, pass>(g, index, op, tables);
     }
-    if constexpr (G::kClaimed) {
-      write_tile_order<pass>(index, op, tables.order(), plan, tables.scratch);
-    }
+    write_tile_order<pass>(index, op, tables.order(), plan, tables.scratch);
     if (!valid) {
       for (std::int64_t g = 0; g < out.groups; ++g) {
         fill_elements(out, g, Fill::kNaN, threadIdx.x, blockDim.x);
@@ -690,22 +667,13 @@ inline void check_cutlass(cutlass::Status status, const char* what) {
                "CUTLASS grouped GEMM " << what << " failed: " << cutlassGetStatusString(status));
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, bool wide_subtiles>
 CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
-  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles>;
+  using G = GroupedGemm<pass, dtype, epilogue, wide_subtiles>;
   const typename G::Tables none{};
   return {G::tables_bytes(groups, split_capacity(G::split_sms(sm_count))),
           G::Gemm::get_workspace_size(G::arguments(none, groups, device, sm_count, false))};
 }
-
-constexpr bool pairs_along_m(GroupedPass pass) { return pass != GroupedPass::kWgrad; }
-
-// Forward and dgrad pair M-tiles when the groups average at least 32 tiles of rows: the rounding
-// then adds at most one tile per group to each N-tile column (1/32 of the tiles at worst, half
-// that on average), and the multicast of the weight tile gains more (experiment 30, DeepSeek-V3
-// with 8 experts: 1-3%). At 16 tiles per group the rounding already loses (32 experts skewed
-// about 2%, 16 x 2048 skewed 3-13%).
-constexpr std::int64_t kPairedMinRowsPerGroup = 32 * 128;
 
 // The weight gradient's tiles contract their group's rows, often few, so its epilogue weighs more
 // than its mainloop's fourth stage: it always takes wide subtiles (experiment 42: 2-7% on Qwen3
@@ -728,12 +696,9 @@ CutlassWorkspace workspace_of(std::int64_t groups, int device, int sm_count) {
     return CutlassWorkspace{std::max(a.tables, b.tables), std::max(a.kernel, b.kernel)};
   };
   constexpr bool wide = always_wide(pass, epilogue);
-  CutlassWorkspace all = workspace_of<pass, dtype, epilogue, 1, wide>(groups, device, sm_count);
+  CutlassWorkspace all = workspace_of<pass, dtype, epilogue, wide>(groups, device, sm_count);
   if constexpr (pass == GroupedPass::kDgrad) {
-    all = widest(all, workspace_of<pass, dtype, epilogue, 1, true>(groups, device, sm_count));
-  }
-  if constexpr (pairs_along_m(pass)) {
-    all = widest(all, workspace_of<pass, dtype, epilogue, 2, false>(groups, device, sm_count));
+    all = widest(all, workspace_of<pass, dtype, epilogue, true>(groups, device, sm_count));
   }
   return all;
 }
@@ -778,9 +743,9 @@ OrderPlan order_plan(const CutlassCall& call) {
   return plan;
 }
 
-template <GroupedPass pass, DType dtype, Epilogue epilogue, int cluster_m, bool wide_subtiles>
+template <GroupedPass pass, DType dtype, Epilogue epilogue, bool wide_subtiles>
 void run_grouped(const CutlassCall& call, cudaStream_t stream) {
-  using G = GroupedGemm<pass, dtype, epilogue, cluster_m, wide_subtiles>;
+  using G = GroupedGemm<pass, dtype, epilogue, wide_subtiles>;
   const std::int64_t groups = call.index.groups;
   OrderPlan plan = order_plan<pass>(call);
   plan.split_sms = G::split_sms(call.sm_count);
@@ -804,10 +769,10 @@ void run_grouped(const CutlassCall& call, cudaStream_t stream) {
   const auto args =
       G::arguments(tables, groups, call.device, call.sm_count, call.operands.bias != nullptr);
   check_cutlass(gemm.initialize(args, call.kernel_workspace, stream), "initialize");
-  // A claimed GEMM launches as the table kernel's programmatic dependent: its CTAs start while
-  // the table kernel runs and wait for it in ClaimingScheduler (experiment 43: 0.5-1.5% on the
-  // 0.2 ms calls of 16 x 2048 rows). CUTLASS's own scheduler reads the tables without waiting.
-  check_cutlass(gemm.run(stream, nullptr, /*launch_with_pdl=*/G::kClaimed), "launch");
+  // The GEMM launches as the table kernel's programmatic dependent: its CTAs start while the
+  // table kernel runs and wait for it in ClaimingScheduler (experiment 43: 0.5-1.5% on the
+  // 0.2 ms calls of 16 x 2048 rows).
+  check_cutlass(gemm.run(stream, nullptr, /*launch_with_pdl=*/true), "launch");
 }
 
 template <GroupedPass pass, Epilogue epilogue>
@@ -819,26 +784,21 @@ CutlassWorkspace workspace_for(DType dtype, std::int64_t groups, int device, int
 }
 
 template <GroupedPass pass, DType dtype, Epilogue epilogue>
-void run_clustered(const CutlassCall& call, cudaStream_t stream) {
-  if constexpr (pairs_along_m(pass)) {
-    if (call.index.rows >= kPairedMinRowsPerGroup * call.index.groups) {
-      return run_grouped<pass, dtype, epilogue, 2, false>(call, stream);
-    }
-  }
+void run_subtiled(const CutlassCall& call, cudaStream_t stream) {
   if constexpr (pass == GroupedPass::kDgrad) {
     if (call.index.rows >= kWideDgradMinRowsPerGroup * call.index.groups) {
-      return run_grouped<pass, dtype, epilogue, 1, true>(call, stream);
+      return run_grouped<pass, dtype, epilogue, true>(call, stream);
     }
   }
-  run_grouped<pass, dtype, epilogue, 1, always_wide(pass, epilogue)>(call, stream);
+  run_grouped<pass, dtype, epilogue, always_wide(pass, epilogue)>(call, stream);
 }
 
 template <GroupedPass pass, Epilogue epilogue>
 void run_for(const CutlassCall& call, cudaStream_t stream) {
   if (call.dtype == DType::kBFloat16)
-    return run_clustered<pass, DType::kBFloat16, epilogue>(call, stream);
+    return run_subtiled<pass, DType::kBFloat16, epilogue>(call, stream);
   MESHLA_ASSERT(call.dtype == DType::kFloat16);
-  run_clustered<pass, DType::kFloat16, epilogue>(call, stream);
+  run_subtiled<pass, DType::kFloat16, epilogue>(call, stream);
 }
 
 }  // namespace meshla::grouped

@@ -22,8 +22,7 @@ from reporting import Reporter, relative_error
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 # (groups, in_features, out_features, rows); 24 x 40 makes out*in*2 bytes a non-multiple of 256;
-# 3 groups of 13000 rows average more than 4096 rows, so forward and dgrad run the paired (2x1
-# cluster) kernel, with odd tile counts in most groups; 24 x 4096 x 4096 cuts its large groups
+# 3 groups of 13000 rows have odd tile counts in most groups; 24 x 4096 x 4096 cuts its large groups
 # into strips (12 M-tiles, whose rows fill a quarter of a 50 MB L2) and spreads its small ones
 # (at most 2 M-tiles) among them.
 SHAPES = [(4, 64, 32, 300), (8, 1024, 512, 8192), (3, 40, 24, 100), (1, 256, 128, 77),
@@ -31,17 +30,17 @@ SHAPES = [(4, 64, 32, 300), (8, 1024, 512, 8192), (3, 40, 24, 100), (1, 256, 128
 PASS = mt.grouped._PASS
 # Group sizes whose rows end at every point of a 64-row k-tile of the weight gradient (1-4 of its
 # 16-row k-blocks hold rows, or all of them), with an empty group; 184 output features make the
-# last M-tile an upper-half one (56 rows), so the trimmed k-tail also runs beside the half tile.
+# last M-tile a partial one (56 rows), so the trimmed k-tail also runs on it.
 K_TAIL_SIZES = [1, 16, 17, 32, 33, 48, 49, 63, 64, 65, 0, 130, 191]
 K_TAIL_SHAPE = (len(K_TAIL_SIZES), 256, 184, sum(K_TAIL_SIZES))
 
 
 def split_tail_sizes(sms: int) -> list[int]:
     """Group sizes (in_features 1024, out_features 512) whose forward and dgrad tiles overflow
-    full waves of `sms` CTAs by a few half tiles, so that the order's last tiles are claimed in
-    two halves of their k-tiles (grouped/cutlass_grouped.cuh, split_tail_tiles): sms // 2 + 1
-    full M-tiles and a 40-row one (an upper-half tile), on 2 N-tiles forward and 4 dgrad, leave
-    at most 12 half tiles in the last wave. An empty group too."""
+    full waves of `sms` CTAs by a few tiles, so that the order's last tiles are claimed in two
+    halves of their k-tiles (grouped/tile_marks.hpp, split_tail_tiles): sms // 2 + 1 full M-tiles
+    and a 40-row one, on 2 N-tiles forward and 4 dgrad, leave 4 and 8 tiles in the last wave of
+    an even `sms`. An empty group too."""
     full = sms // 2 + 1
     return [128 * (full - full // 2 - full // 4), 0, 128 * (full // 2), 40, 128 * (full // 4)]
 
