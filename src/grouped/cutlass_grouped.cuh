@@ -100,8 +100,8 @@ struct OrderPlan {
 };
 
 // The epilogue writes each tile to shared memory in subtiles of 128 rows, and a TMA store takes
-// each subtile on. It keeps up to 4 stores in flight instead of CUTLASS's 2, so
-// the consumer warpgroups wait less on the stores before their next tile; wide_subtiles makes the
+// each subtile on. It keeps up to 4 stores in flight instead of CUTLASS's 2, so the consumer
+// warpgroups wait less on the stores before their next tile; wide_subtiles makes the
 // subtiles 128 x 64 instead of 128 x 32, half as many rounds, but their larger buffers leave room
 // for 3 mainloop stages instead of 4. Measured in experiment 42 (bench/NOTES.md): 4 stores
 // gained 0.5-2% on forward and dgrad; wide subtiles gained 2-7% on weight gradients and on dgrad
@@ -378,17 +378,17 @@ __device__ void fill_group(std::int64_t g, const GroupIndex& index, const Groupe
 // Every pass's order puts the largest groups first, ties in group order, so that the small groups'
 // tiles even out the CTAs' loads at the end. The weight gradient's tiles cost in proportion to
 // their group's rows (experiment 38). Forward and dgrad tiles cost the same whatever the group,
-// but the groups' partial last M-tiles come at the end: on skewed
-// DeepSeek-32 the forward was 3.6-4.1% faster with the groups by decreasing rows than in the
-// routing's random order, 5% slower in increasing order, and no other benchmarked cell moved by
-// more than 1% (experiment 55). Past kSortedGroups the groups keep their order.
+// but the groups' partial last M-tiles come at the end: on skewed DeepSeek-32 the forward was
+// 3.6-4.1% faster with the groups by decreasing rows than in the routing's random order, 5% slower
+// in increasing order (experiment 55), and 3.7% faster with this order than without (experiment
+// 56); skewed Qwen3 moved by at most 1%. Past kSortedGroups the groups keep their order.
 constexpr std::int64_t kSortedGroups = 512;
 
 // Writes by_rows[rank] = group, the groups by decreasing rows, ties in group order. Each thread
 // counts the groups before its own among the rows staged in shared memory: groups² /
-// kIndexThreads steps of shared reads that every thread of a warp takes at the same address (on
-// the forward's critical path; from global memory they cost several times more). Run by one whole
-// block, with index.groups <= kSortedGroups.
+// kIndexThreads steps on the forward's critical path, shared reads that every thread of a warp
+// takes at the same address (one broadcast each). Run by one whole block, with index.groups <=
+// kSortedGroups.
 __device__ inline void order_by_rows(const GroupIndex& index, std::int32_t* by_rows) {
   __shared__ std::int64_t rows[kSortedGroups];
   for (std::int64_t g = threadIdx.x; g < index.groups; g += kIndexThreads) {
