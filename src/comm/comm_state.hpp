@@ -4,10 +4,12 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nccl.h>
@@ -60,6 +62,16 @@ std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_
 // plan-time exchanges (peer-memory handles). Collective; a rank that does not take part within
 // the communicator's timeout makes it throw kTimeout.
 std::vector<std::byte> all_gather_host(const CommState& state, const void* data, std::size_t bytes);
+
+// Every rank's `mine`, in rank order (all_gather_host of a trivially copyable record). Collective.
+template <typename Record>
+std::vector<Record> all_gather_records(const CommState& state, const Record& mine) {
+  static_assert(std::is_trivially_copyable_v<Record>);
+  const std::vector<std::byte> bytes = all_gather_host(state, &mine, sizeof(Record));
+  std::vector<Record> all(static_cast<std::size_t>(state.size));
+  std::memcpy(all.data(), bytes.data(), bytes.size());
+  return all;
+}
 
 // An NCCL group, ended on every path: NCCL's group depth is per thread, and a group left open by
 // an exception would defer (and so hang) every later NCCL call of the thread, torch's included.

@@ -56,14 +56,6 @@ PeerIdentity identity_of(int device) {
   return me;
 }
 
-template <typename Entry>
-std::vector<Entry> gather(const CommState& state, const Entry& mine) {
-  const std::vector<std::byte> bytes = all_gather_host(state, &mine, sizeof(Entry));
-  std::vector<Entry> all(static_cast<std::size_t>(state.size));
-  std::memcpy(all.data(), bytes.data(), bytes.size());
-  return all;
-}
-
 // Empty when this rank can map every peer's memory, else the reason it cannot.
 std::string why_unreachable(const CommState& state, const std::vector<PeerIdentity>& everyone) {
   const PeerIdentity& me = everyone[static_cast<std::size_t>(state.rank)];
@@ -94,10 +86,10 @@ namespace {
 
 // Asks the group (collective) and enables peer access on success; "" or why not.
 std::string ask_for_peer_access(const CommState& state) {
-  const std::vector<PeerIdentity> everyone = gather(state, identity_of(state.device));
+  const std::vector<PeerIdentity> everyone = all_gather_records(state, identity_of(state.device));
   const std::string mine = why_unreachable(state, everyone);
   const std::vector<std::int32_t> reaches =
-      gather(state, static_cast<std::int32_t>(mine.empty() ? 1 : 0));
+      all_gather_records(state, static_cast<std::int32_t>(mine.empty() ? 1 : 0));
   for (int rank = 0; rank < state.size; ++rank) {
     if (reaches[static_cast<std::size_t>(rank)] != 0) continue;
     return !mine.empty() ? mine : "rank " + std::to_string(rank) + " cannot map all of its peers";
@@ -152,7 +144,7 @@ PeerBuffer::PeerBuffer(const CommState& state, std::size_t bytes)
   mine.address = reinterpret_cast<std::uint64_t>(memory_.data());
   mine.device = device_;
   // Gathering also orders every rank's zeroing before any rank's first write into a peer.
-  const std::vector<ExportedPart> parts = gather(state, mine);
+  const std::vector<ExportedPart> parts = all_gather_records(state, mine);
   try {
     for (int rank = 0; rank < state.size; ++rank) {
       const ExportedPart& part = parts[static_cast<std::size_t>(rank)];

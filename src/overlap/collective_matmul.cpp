@@ -149,10 +149,15 @@ std::unique_ptr<overlap::Executor> make_executor(const Communicator& comm,
   }
 }
 
-// Resolves the config, asking the group whether its ranks map each other's memory when the
-// backend may be symmetric. Collective: every rank asks, or none does.
+// Resolves the config, once every rank of the group has given the same one, asking the group
+// whether its ranks map each other's memory when the backend may be symmetric. Collective: every
+// rank asks, or none does.
 CollectiveMatmulConfig resolve_for_group(const Communicator& comm,
                                          const CollectiveMatmulConfig& requested) {
+  if (comm.size() > 1) {
+    overlap::require_same_config(
+        detail::all_gather_records(*comm.state(), overlap::config_record(requested)), comm.rank());
+  }
   if (requested.backend == Backend::kCublasMp) {
     CollectiveMatmulConfig resolved = overlap::resolve_config(requested, comm.size());
     require_on_every_rank(comm, requested);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "core/checks.hpp"
 #include "overlap/peer_plan.hpp"
@@ -209,6 +210,69 @@ void validate_args(const CollectiveMatmulConfig& c, int tp, int device,
   }
   MESHLA_CHECK_ARG(!overlaps(args.out, args.gathered),
                    op << ": out and gathered share memory; outputs must not alias");
+}
+
+namespace {
+
+constexpr std::array<const char*, kConfigFields> kConfigFieldNames = {
+    "op",      "algorithm", "backend",         "dtype",  "m",        "n",        "k",
+    "trans_b", "bias",      "return_gathered", "chunks", "comm_sms", "comm_ctas"};
+
+std::string field_string(std::size_t field, std::int64_t value) {
+  std::string name = std::string(kConfigFieldNames[field]) + "=";
+  switch (field) {
+    case kFieldOp:
+      return name + std::string(collective_op_name(static_cast<CollectiveOp>(value)));
+    case kFieldAlgorithm:
+      return name + std::string(algorithm_name(static_cast<Algorithm>(value)));
+    case kFieldBackend:
+      return name + std::string(backend_name(static_cast<Backend>(value)));
+    case kFieldDtype:
+      return name + std::string(dtype_name(static_cast<DType>(value)));
+    default:
+      return name + std::to_string(value);
+  }
+}
+
+}  // namespace
+
+ConfigRecord config_record(const CollectiveMatmulConfig& config) {
+  ConfigRecord record{};
+  record[kFieldOp] = static_cast<std::int64_t>(config.op);
+  record[kFieldAlgorithm] = static_cast<std::int64_t>(config.algorithm);
+  record[kFieldBackend] = static_cast<std::int64_t>(config.backend);
+  record[kFieldDtype] = static_cast<std::int64_t>(config.dtype);
+  record[kFieldM] = config.m;
+  record[kFieldN] = config.n;
+  record[kFieldK] = config.k;
+  record[kFieldTransB] = config.trans_b;
+  record[kFieldBias] = config.bias;
+  record[kFieldReturnGathered] = config.return_gathered;
+  record[kFieldChunks] = config.chunks;
+  record[kFieldCommSms] = config.comm_sms;
+  record[kFieldCommCtas] = config.comm_ctas;
+  return record;
+}
+
+void require_same_config(const std::vector<ConfigRecord>& records, int rank) {
+  MESHLA_ASSERT(rank >= 0 && static_cast<std::size_t>(rank) < records.size());
+  const ConfigRecord& first = records.front();
+  for (std::size_t other = 1; other < records.size(); ++other) {
+    if (records[other] == first) continue;
+    std::string theirs, first_ones;
+    for (std::size_t field = 0; field < kConfigFields; ++field) {
+      if (records[other][field] == first[field]) continue;
+      const char* separator = theirs.empty() ? "" : ", ";
+      theirs += separator + field_string(field, records[other][field]);
+      first_ones += separator + field_string(field, first[field]);
+    }
+    const auto op = static_cast<CollectiveOp>(records[static_cast<std::size_t>(rank)][kFieldOp]);
+    MESHLA_THROW(kInvalidArgument, collective_op_name(op)
+                                       << ": the ranks of the group built different plans: rank "
+                                       << other << " has " << theirs << " where rank 0 has "
+                                       << first_ones
+                                       << "; every rank must build the plan with the same config");
+  }
 }
 
 }  // namespace meshla::overlap

@@ -2,6 +2,11 @@
 // every message on the CPU.
 #pragma once
 
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
 #include "meshla/collective_matmul.hpp"
 
 namespace meshla::overlap {
@@ -16,5 +21,32 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
 // Checks one call's arrays against a resolved config on the plan's device.
 void validate_args(const CollectiveMatmulConfig& config, int tp, int device,
                    const CollectiveMatmulArgs& args);
+
+// A config as the group's ranks exchange it to check that they agree: every field, in a record
+// without padding bytes (a struct's padding would differ between ranks that agree).
+enum ConfigField : std::size_t {
+  kFieldOp,
+  kFieldAlgorithm,
+  kFieldBackend,
+  kFieldDtype,
+  kFieldM,
+  kFieldN,
+  kFieldK,
+  kFieldTransB,
+  kFieldBias,
+  kFieldReturnGathered,
+  kFieldChunks,
+  kFieldCommSms,
+  kFieldCommCtas,
+  kConfigFields
+};
+using ConfigRecord = std::array<std::int64_t, kConfigFields>;
+ConfigRecord config_record(const CollectiveMatmulConfig& config);
+
+// Throws kInvalidArgument, naming the ranks and the fields that differ, unless every rank's
+// record (records[rank], gathered from the whole group) equals this rank's. A group whose ranks
+// build different plans would write at offsets their peers do not expect, or wait forever for
+// data that never comes; every rank gets the same records, so every rank throws.
+void require_same_config(const std::vector<ConfigRecord>& records, int rank);
 
 }  // namespace meshla::overlap

@@ -304,6 +304,51 @@ TEST(Validation, CublasMpBlocksAreMeshlasArrays) {
   }
 }
 
+TEST(Validation, RanksMustBuildTheSamePlan) {
+  const CollectiveMatmulConfig config = all_gather_case(2).config;
+  const ConfigRecord record = config_record(config);
+  // Agreeing ranks pass, from every rank's side.
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_NO_THROW(require_same_config({record, record, record, record}, rank));
+  }
+  // Every field takes part: a change to any one of them is a disagreement.
+  for (std::size_t field = 0; field < kConfigFields; ++field) {
+    ConfigRecord other = record;
+    other[field] += 1;
+    EXPECT_THROW(require_same_config({record, other}, 0), Error) << "field " << field;
+  }
+  // Rank 2 was given fewer rows and no bias: every rank names rank 2 and both values.
+  CollectiveMatmulConfig fewer = config;
+  fewer.m = 32;
+  fewer.bias = true;
+  const ConfigRecord theirs = config_record(fewer);
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string message = message_of(
+        [&] {
+          require_same_config({record, record, theirs}, rank);
+        },
+        ErrorCode::kInvalidArgument);
+    EXPECT_NE(message.find("all_gather_matmul: the ranks of the group built different plans: "
+                           "rank 2 has m=32, bias=1 where rank 0 has m=64, bias=0"),
+              std::string::npos)
+        << message;
+  }
+  // Enumerations are named.
+  CollectiveMatmulConfig other = config;
+  other.backend = config.backend == Backend::kNccl ? Backend::kSymmetric : Backend::kNccl;
+  other.dtype = DType::kFloat32;
+  const std::string message = message_of(
+      [&] {
+        require_same_config({config_record(other), record}, 1);
+      },
+      ErrorCode::kInvalidArgument);
+  EXPECT_NE(message.find("rank 1 has backend=" + std::string(backend_name(config.backend)) +
+                         ", dtype=bfloat16 where rank 0 has backend=" +
+                         std::string(backend_name(other.backend)) + ", dtype=float32"),
+            std::string::npos)
+      << message;
+}
+
 TEST(Backends, OnlyCublasMpCanBeMissing) {
   EXPECT_EQ(backend_unavailable_reason(Backend::kNccl), "");
   EXPECT_EQ(backend_unavailable_reason(Backend::kSymmetric), "");

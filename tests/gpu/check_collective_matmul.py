@@ -268,6 +268,28 @@ def check_argument_errors(group, reporter, label):
     reporter.record(name, group.rank, ok, detail)
 
 
+def check_plans_must_agree(group, reporter, label, seed):
+    """Ranks that call with different shapes (the last rank's a has more rows) get a ValueError on
+    every rank, naming the rank and both shapes, instead of writes at offsets their peers do not
+    expect; the group then still computes correctly."""
+    name = f"{label}/plans-must-agree"
+    last = group.rank == group.size - 1
+    a = torch.randn(16 if last else 8, 24, device=group.device, dtype=torch.bfloat16)
+    b = torch.randn(24, 40, device=group.device, dtype=torch.bfloat16)
+    expected = f"rank {group.size - 1} has m={16 * group.size} where rank 0 has m={8 * group.size}"
+    try:
+        mt.all_gather_matmul(a, b, group)
+        ok, detail = False, "no error for ranks with different shapes"
+    except ValueError as e:
+        ok, detail = "built different plans" in str(e) and expected in str(e), str(e)
+    p = Problem("all_gather_matmul", group, torch.bfloat16, 8 * group.size, 40, 24, seed, False,
+                False)
+    out, _ = run_op("all_gather_matmul", p, group, "auto", False)
+    err = relative_error(out, p.ref)
+    reporter.record(name, group.rank, ok and err < TOLERANCE[torch.bfloat16],
+                    f"{detail}; then rel_err={err:.2e}")
+
+
 def check_gather_forms(group, reporter, label, seed_base):
     """all_gather_matmul on the symmetric backend in each form of its GEMM, forced through
     MESHLA_GATHER_GEMM (the plan otherwise times both and keeps the faster): per batch (cuBLASLt)
@@ -450,6 +472,7 @@ def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
     check_graph_sequence(group, reporter, label, seed_base + 60_000)
     check_stress(group, reporter, label, seed_base + 70_000, stress_calls)
     check_argument_errors(group, reporter, label)
+    check_plans_must_agree(group, reporter, label, seed_base + 90_000)
 
 
 def main_processes(args, reporter):
