@@ -53,6 +53,9 @@ std::int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_row_major_contiguous() const {
+  // An empty array has no element to misplace, whatever its strides: torch's .contiguous() hands
+  // an expanded empty gradient (strides 0) back unchanged.
+  if (numel() == 0) return true;
   std::int64_t expected = 1;
   for (int i = ndim - 1; i >= 0; --i) {
     // Extent-1 dimensions may carry any stride (DLPack producers differ here).

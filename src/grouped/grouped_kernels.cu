@@ -69,23 +69,26 @@ template <typename T>
 __global__ void bias_grad_kernel(GroupIndex index, const T* dy, std::int64_t out,
                                  float* accumulator) {
   const std::int64_t column = blockIdx.x * static_cast<std::int64_t>(kBiasThreads) + threadIdx.x;
-  const std::int64_t begin = blockIdx.y * static_cast<std::int64_t>(kBiasRows);
   const std::int64_t rows = index.offsets[index.groups];
-  if (column >= out || begin >= rows) return;
-  const std::int64_t end = begin + kBiasRows < rows ? begin + kBiasRows : rows;
-  std::int64_t group = group_of_row(index, begin);
-  std::int64_t group_end = index.offsets[group + 1];
-  float sum = 0.0f;
-  for (std::int64_t row = begin; row < end; ++row) {
-    while (row >= group_end) {
-      atomicAdd(&accumulator[group * out + column], sum);
-      sum = 0.0f;
-      ++group;
-      group_end = index.offsets[group + 1];
+  if (column >= out) return;
+  // The grid's y extent is capped (65535): its blocks take every gridDim.y-th run of rows.
+  for (std::int64_t begin = blockIdx.y * static_cast<std::int64_t>(kBiasRows); begin < rows;
+       begin += gridDim.y * static_cast<std::int64_t>(kBiasRows)) {
+    const std::int64_t end = begin + kBiasRows < rows ? begin + kBiasRows : rows;
+    std::int64_t group = group_of_row(index, begin);
+    std::int64_t group_end = index.offsets[group + 1];
+    float sum = 0.0f;
+    for (std::int64_t row = begin; row < end; ++row) {
+      while (row >= group_end) {
+        atomicAdd(&accumulator[group * out + column], sum);
+        sum = 0.0f;
+        ++group;
+        group_end = index.offsets[group + 1];
+      }
+      sum += static_cast<float>(dy[row * out + column]);
     }
-    sum += static_cast<float>(dy[row * out + column]);
+    atomicAdd(&accumulator[group * out + column], sum);
   }
-  atomicAdd(&accumulator[group * out + column], sum);
 }
 
 template <typename T>
@@ -242,12 +245,9 @@ void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std:
                       cudaStream_t stream) {
   MESHLA_CHECK_CUDA(cudaMemsetAsync(
       accumulator, 0, sizeof(float) * static_cast<std::size_t>(index.groups * out), stream));
-  const std::int64_t row_blocks =
-      std::max<std::int64_t>((index.rows + kBiasRows - 1) / kBiasRows, 1);
-  MESHLA_CHECK_ARG(row_blocks <= 65535, "bias_grad: " << index.rows << " rows exceed the limit of "
-                                                      << 65535 * kBiasRows);
+  const std::int64_t row_blocks = (index.rows + kBiasRows - 1) / kBiasRows;
   const dim3 grid(static_cast<unsigned>((out + kBiasThreads - 1) / kBiasThreads),
-                  static_cast<unsigned>(row_blocks));
+                  static_cast<unsigned>(std::clamp<std::int64_t>(row_blocks, 1, 65535)));
   launch_by_dtype<BiasGrad>(dtype, grid, kBiasThreads, stream, index, dy, out, accumulator, dbias,
                             dbias_group_stride);
 }

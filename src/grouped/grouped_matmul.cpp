@@ -88,8 +88,15 @@ GroupedMatmul::GroupedMatmul(int device) : impl_(std::make_unique<Impl>()) {
   MESHLA_CHECK_CUDA(
       cudaDeviceGetAttribute(&impl_->sm_count, cudaDevAttrMultiProcessorCount, device));
   MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&impl_->l2_bytes, cudaDevAttrL2CacheSize, device));
-  MESHLA_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&impl_->status),
-                                  sizeof(grouped::DeviceStatus), cudaHostAllocMapped));
+  // The engine is often made at its first call, which may come inside a CUDA graph capture
+  // (torch.cuda.graph): there an allocation invalidates the capture unless this thread's capture
+  // mode is relaxed. The status word outlives every call and is not part of any graph.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  MESHLA_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
+  const cudaError_t allocated = cudaHostAlloc(reinterpret_cast<void**>(&impl_->status),
+                                              sizeof(grouped::DeviceStatus), cudaHostAllocMapped);
+  MESHLA_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
+  MESHLA_CHECK_CUDA(allocated);
   *impl_->status = {};
 }
 

@@ -175,6 +175,18 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
       shape.out_features = lead.shape[1];
       break;
   }
+  // An empty feature dimension has no tiles to cut: refused, as nn.Linear's sizes are.
+  const bool has_in = pass != GroupedPass::kBiasGrad;
+  MESHLA_CHECK_ARG(
+      shape.out_features >= 1 && (!has_in || shape.in_features >= 1),
+      where << ": out_features=" << shape.out_features
+            << (has_in ? " and in_features=" + std::to_string(shape.in_features) : "") << " (from "
+            << (pass == GroupedPass::kForward || pass == GroupedPass::kDgrad
+                    ? "weight.shape=" + args.weight.shape_string()
+                : pass == GroupedPass::kWgrad
+                    ? "x.shape=" + lead.shape_string() + ", dy.shape=" + args.dy.shape_string()
+                    : "dy.shape=" + lead.shape_string())
+            << ") must be at least 1");
 
   switch (pass) {
     case GroupedPass::kForward:

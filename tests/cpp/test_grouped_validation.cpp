@@ -123,6 +123,39 @@ TEST(GroupedValidation, WgradOutputDtypeFollowsAccumulate) {
             "grouped_linear wgrad: dy.shape=[99, 32] must be [rows, out] (rows of x) = [100, 32]");
 }
 
+TEST(GroupedValidation, FeaturesMustNotBeEmpty) {
+  Forward f;
+  f.out = 0;
+  EXPECT_EQ(error_of(GroupedPass::kForward, f.args()),
+            "grouped_linear forward: out_features=0 and in_features=64 (from weight.shape=[4, 0, "
+            "64]) must be at least 1");
+  GroupedMatmulArgs args;
+  args.m_splits = view(0x1000, DType::kInt64, {4});
+  args.x = view(0x10000, DType::kBFloat16, {100, 0});
+  args.dy = view(0x20000, DType::kBFloat16, {100, 32});
+  args.dweight = view(0x30000, DType::kBFloat16, {4, 32, 0});
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, args),
+            "grouped_linear wgrad: out_features=32 and in_features=0 (from x.shape=[100, 0], "
+            "dy.shape=[100, 32]) must be at least 1");
+  args = {};
+  args.m_splits = view(0x1000, DType::kInt64, {4});
+  args.dy = view(0x20000, DType::kBFloat16, {100, 0});
+  args.dbias = view(0x30000, DType::kBFloat16, {4, 0});
+  EXPECT_EQ(error_of(GroupedPass::kBiasGrad, args),
+            "grouped_linear bias_grad: out_features=0 (from dy.shape=[100, 0]) must be at least 1");
+}
+
+TEST(GroupedValidation, EmptyBatchTakesAnyStrides) {
+  // No rows (an expert-parallel rank that got no tokens): torch hands an expanded empty gradient,
+  // strides 0, through .contiguous() unchanged.
+  Forward f;
+  f.rows = 0;
+  GroupedMatmulArgs args = f.args();
+  args.x.strides[0] = args.x.strides[1] = 0;
+  args.y.strides[0] = args.y.strides[1] = 0;
+  EXPECT_EQ(error_of(GroupedPass::kForward, args), "");
+}
+
 TEST(GroupedValidation, MissingOperandsAreNamed) {
   GroupedMatmulArgs args = Forward{}.args();
   args.y = {};

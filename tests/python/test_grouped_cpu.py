@@ -179,3 +179,47 @@ def test_argument_errors():
         layer(torch.randn(6, 5), splits([3, 3]))
     with pytest.raises(ValueError, match=r"m_splits.shape=\[3\] must be \[num_groups=2\]"):
         layer(x, splits([1, 2, 3]))
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_frozen_experts_get_no_gradients(delay):
+    torch.manual_seed(4)
+    layer = mt.GroupedLinear(3, 4, 8, fuse_wgrad_accumulation=True, delay_wgrad_compute=delay)
+    for p in layer.parameters():
+        p.requires_grad_(False)  # no main_grad either: nothing may be accumulated
+    x = torch.randn(6, 4, requires_grad=True)
+    layer(x, splits([2, 0, 4])).sum().backward()
+    assert x.grad is not None
+    assert layer._delayed.pending == []
+    assert all(p.grad is None for p in layer.parameters())
+
+    # One expert trains: only it gets a gradient, here through .grad (no fused accumulation).
+    layer = mt.GroupedLinear(2, 4, 8, delay_wgrad_compute=delay, dtype=torch.float64)
+    layer.weights()[0].requires_grad_(False)
+    layer.biases()[1].requires_grad_(False)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    layer(x, splits([3, 4])).sum().backward()
+    layer.backward_dw()
+    assert layer.weights()[0].grad is None and layer.biases()[1].grad is None
+    torch.testing.assert_close(layer.weights()[1].grad,
+                               torch.ones(4, 8, dtype=torch.float64).T @ x[3:])
+    torch.testing.assert_close(layer.biases()[0].grad, torch.full((8,), 3.0, dtype=torch.float64))
+
+
+def test_double_backward_raises():
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    (dx,) = torch.autograd.grad(mt.grouped_linear(x, splits([2, 3]), w).sum(), x,
+                                create_graph=True)
+    with pytest.raises(RuntimeError):
+        dx.sum().backward()
+
+
+def test_empty_batch_backward():
+    # An expert-parallel rank that got no tokens: every group empty.
+    layer = mt.GroupedLinear(2, 8, 16, dtype=torch.float64)
+    x = torch.randn(0, 8, dtype=torch.float64, requires_grad=True)
+    layer(x, splits([0, 0])).sum().backward()
+    assert x.grad.shape == (0, 8)
+    assert all(torch.count_nonzero(w.grad) == 0 for w in layer.weights())
+    assert all(torch.count_nonzero(b.grad) == 0 for b in layer.biases())

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils.dlpack import to_dlpack
 
 from meshla import _meshla
@@ -269,6 +270,7 @@ class _GroupedMatmulFunction(torch.autograd.Function):
         return _forward_saving_inputs(ctx, x, m_splits, weight, bias)
 
     @staticmethod
+    @once_differentiable  # the backward ops have no autograd: a double backward raises
     def backward(ctx, dy):
         x, m_splits, weight = ctx.saved_tensors
         dy = dy.contiguous()
@@ -288,8 +290,10 @@ def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor
 
     ``x`` is ``[rows, in]``, ``weight`` ``[G, out, in]`` (contiguous rows, any group stride),
     ``bias`` ``[G, out]``, ``m_splits`` int64 ``[G]`` on x's device summing to ``rows``.
-    Differentiable in x, weight and bias; the weight gradient is a ``[G, out, in]`` view of one
-    packed buffer whose groups start on 256-byte boundaries."""
+    Differentiable in x, weight and bias (once: the backward is not itself differentiable). The
+    weight gradient is computed into one packed buffer whose groups start on 256-byte boundaries
+    and handed to autograd as a ``[G, out, in]`` view of it; autograd copies it into the weight's
+    own layout where it accumulates the ``.grad`` of a leaf whose strides differ."""
     return _GroupedMatmulFunction.apply(x.contiguous(), m_splits, weight, bias)
 
 
@@ -307,24 +311,31 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return _forward_saving_inputs(ctx, x, m_splits, weight, bias)
 
     @staticmethod
+    @once_differentiable  # the backward ops have no autograd: a double backward raises
     def backward(ctx, dy):
         x, m_splits, weight = ctx.saved_tensors
         module = ctx.module
         num_groups = weight.shape[0]
         dy = dy.contiguous()
         dx = torch.ops.meshla.grouped_mm_dgrad(dy, m_splits, weight) if ctx.needs_input_grad[0] else None
+        # forward's inputs: x, m_splits, weight, bias, module, then the weights and the biases.
+        wants_weight = ctx.needs_input_grad[5:5 + num_groups]
+        wants_bias = ctx.needs_input_grad[5 + num_groups:]
         weight_grads = [None] * num_groups
-        if module.delay_wgrad_compute:
+        # Frozen experts (requires_grad=False) get no gradient, nor a main_grad accumulation.
+        if any(wants_weight) and module.delay_wgrad_compute:
             event = torch.cuda.Event() if dy.is_cuda else None
             if event is not None:
                 event.record(torch.cuda.current_stream(dy.device))
             module._delayed.pending.append((x, dy, m_splits, event))
-        else:
-            weight_grads = module._weight_grads(x, dy, m_splits)
+        elif any(wants_weight):
+            weight_grads = [grad if wanted else None for grad, wanted in
+                            zip(module._weight_grads(x, dy, m_splits), wants_weight)]
         bias_grads = [None] * num_groups
-        if ctx.has_bias:
+        if ctx.has_bias and any(wants_bias):
             dbias = torch.ops.meshla.grouped_bias_grad(dy, m_splits, num_groups)
-            bias_grads = list(dbias.unbind(0))
+            bias_grads = [grad if wanted else None
+                          for grad, wanted in zip(dbias.unbind(0), wants_bias)]
         return (dx, None, None, None, None, *weight_grads, *bias_grads)
 
 
@@ -476,7 +487,7 @@ class GroupedLinear(torch.nn.Module):
                     t.record_stream(stream)
             grads = self._weight_grads(x, dy, m_splits)
             for weight, grad in zip(self.weights(), grads):
-                if grad is None:
+                if grad is None or not weight.requires_grad:
                     continue
                 if weight.grad is None:
                     weight.grad = grad
