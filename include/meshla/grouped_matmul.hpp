@@ -9,7 +9,8 @@
 //
 // W and dW have contiguous rows and any group stride, so a packed buffer whose groups start on
 // 256-byte boundaries (packed_group_stride) is used as is. Groups with no rows are allowed: their
-// dW_g and db_g are zero (left untouched when accumulating).
+// dW_g and db_g are zero (left untouched when accumulating). Accumulated weight gradients may
+// also sit anywhere, each at its own address (dweight_addresses).
 //
 // bf16 and fp16 accumulate in fp32 on CUTLASS's Hopper grouped GEMM (TMA + WGMMA, problem sizes
 // read on the device); fp32 is computed in full fp32 by a meshla kernel. 16-bit operands need
@@ -37,15 +38,19 @@ enum class GroupedPass { kForward, kDgrad, kWgrad, kBiasGrad };
 // for this call (stream-ordered: two calls in flight at once must not share one). Unused fields
 // stay empty (data == nullptr).
 struct GroupedMatmulArgs {
-  TensorView m_splits;      // int64 [G], on the device
-  TensorView x;             // [rows, in]: forward, wgrad
-  TensorView dy;            // [rows, out]: dgrad, wgrad, bias_grad
-  TensorView weight;        // [G, out, in]: forward, dgrad
-  TensorView bias;          // [G, out]: forward, optional
-  TensorView y;             // [rows, out]: forward output
-  TensorView dx;            // [rows, in]: dgrad output
-  TensorView dweight;       // [G, out, in]: wgrad output (fp32 when accumulate)
-  TensorView dbias;         // [G, out]: bias_grad output
+  TensorView m_splits;  // int64 [G], on the device
+  TensorView x;         // [rows, in]: forward, wgrad
+  TensorView dy;        // [rows, out]: dgrad, wgrad, bias_grad
+  TensorView weight;    // [G, out, in]: forward, dgrad
+  TensorView bias;      // [G, out]: forward, optional
+  TensorView y;         // [rows, out]: forward output
+  TensorView dx;        // [rows, in]: dgrad output
+  TensorView dweight;   // [G, out, in]: wgrad output (fp32 when accumulate)
+  TensorView dbias;     // [G, out]: bias_grad output
+  // wgrad with accumulate, instead of dweight: int64 [G] on the device, the address of each
+  // group's fp32 [out, in] matrix (contiguous, 16-byte aligned, not overlapping another), for
+  // gradients that do not lie at equal spacing in one buffer (a framework's grad buffer).
+  TensorView dweight_addresses;
   bool accumulate = false;  // wgrad: dweight += dy_gᵀ · x_g
   TensorView workspace;     // uint8-sized bytes on the device
 };

@@ -261,18 +261,20 @@ NB_MODULE(_meshla, m) {
              const std::optional<Array>& weight, const std::optional<Array>& bias,
              const std::optional<Array>& y, const std::optional<Array>& dx,
              const std::optional<Array>& dweight, const std::optional<Array>& dbias,
-             bool accumulate) {
-            GroupedMatmulArgs args{.m_splits = view_of(m_splits, "m_splits"),
-                                   .x = view_of(x, "x"),
-                                   .dy = view_of(dy, "dy"),
-                                   .weight = view_of(weight, "weight"),
-                                   .bias = view_of(bias, "bias"),
-                                   .y = view_of(y, "y"),
-                                   .dx = view_of(dx, "dx"),
-                                   .dweight = view_of(dweight, "dweight"),
-                                   .dbias = view_of(dbias, "dbias"),
-                                   .accumulate = accumulate,
-                                   .workspace = view_of(workspace, "workspace")};
+             bool accumulate, const std::optional<Array>& dweight_addresses) {
+            GroupedMatmulArgs args{
+                .m_splits = view_of(m_splits, "m_splits"),
+                .x = view_of(x, "x"),
+                .dy = view_of(dy, "dy"),
+                .weight = view_of(weight, "weight"),
+                .bias = view_of(bias, "bias"),
+                .y = view_of(y, "y"),
+                .dx = view_of(dx, "dx"),
+                .dweight = view_of(dweight, "dweight"),
+                .dbias = view_of(dbias, "dbias"),
+                .dweight_addresses = view_of(dweight_addresses, "dweight_addresses"),
+                .accumulate = accumulate,
+                .workspace = view_of(workspace, "workspace")};
             nb::gil_scoped_release release;
             self.run(pass, args, to_stream(stream));
           },
@@ -280,6 +282,7 @@ NB_MODULE(_meshla, m) {
           "dy"_a.none() = nb::none(), "weight"_a.none() = nb::none(), "bias"_a.none() = nb::none(),
           "y"_a.none() = nb::none(), "dx"_a.none() = nb::none(), "dweight"_a.none() = nb::none(),
           "dbias"_a.none() = nb::none(), "accumulate"_a = false,
+          "dweight_addresses"_a.none() = nb::none(),
           "Enqueues one pass on `stream` (a cudaStream_t as an integer).")
       .def(
           "check_device_errors",

@@ -365,7 +365,7 @@ __device__ void fill_group(std::int64_t g, const GroupIndex& index, const Groupe
     tables.shapes[g] = {rows == 0 ? 0 : out, in, rows};
     tables.a[g] = dy + first * out;
     tables.b[g] = x + first * in;
-    auto* d = static_cast<typename G::ElementD*>(op.out) + g * op.out_group_stride;
+    auto* d = group_dweight<typename G::ElementD>(op, g);
     tables.d[g] = d;
     tables.c[g] = reinterpret_cast<const typename G::StoredC*>(d);
     tables.stride_a[g] = leading_stride<typename G::StrideA>(out);

@@ -103,12 +103,21 @@ __device__ inline std::int64_t grid_threads() {
 
 enum class Fill { kZero, kNaN };
 
+// Group g's weight gradient: at op.out_addresses[g] where the caller gave one address a group,
+// else g group strides into op.out.
+template <typename T>
+__device__ T* group_dweight(const GroupedOperands& op, std::int64_t g) {
+  return op.out_addresses != nullptr ? reinterpret_cast<T*>(op.out_addresses[g])
+                                     : static_cast<T*>(op.out) + g * op.out_group_stride;
+}
+
 // Writes `value` over group `group` of `span`: the calling threads take elements first,
 // first + step, ... The bit patterns come from span.dtype, so one function serves every dtype.
 __device__ inline void fill_elements(const GroupedSpan& span, std::int64_t group, Fill value,
                                      std::int64_t first, std::int64_t step) {
   auto fill = [&](auto* data, auto bits) {
-    data += group * span.group_stride;
+    data = span.addresses != nullptr ? reinterpret_cast<decltype(data)>(span.addresses[group])
+                                     : data + group * span.group_stride;
     for (std::int64_t i = first; i < span.group_elements; i += step) data[i] = bits;
   };
   const bool nan = value == Fill::kNaN;

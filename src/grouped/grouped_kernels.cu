@@ -151,7 +151,7 @@ __device__ GroupGemm group_gemm(const GroupIndex& index, const GroupedOperands& 
     default:  // kWgrad
       return {
           rows == 0 ? 0 : out,         in, rows,   dy + first * out, 1, out, x + first * in, in, 1,
-          d + g * op.out_group_stride, in, nullptr};
+          group_dweight<float>(op, g), in, nullptr};
   }
 }
 

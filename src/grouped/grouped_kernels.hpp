@@ -42,6 +42,8 @@ struct GroupedSpan {
   std::int64_t groups;
   std::int64_t group_elements;
   std::int64_t group_stride;
+  // Where set, group g starts at addresses[g] instead (dweight_addresses).
+  const std::int64_t* addresses = nullptr;
 };
 
 // The grid of a kernel over every group of `span` (y: the groups, x: blocks sharing a group), about
@@ -76,6 +78,7 @@ struct GroupedOperands {
   void* out;                      // y, dx or dweight
   std::int64_t out_group_stride;  // dweight only
   bool accumulate;
+  const std::int64_t* out_addresses;  // dweight only, where set: group g's at out_addresses[g]
 };
 
 // fp32 grouped GEMM of any pass but kBiasGrad, in full fp32.

@@ -168,25 +168,35 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                           : pass == GroupedPass::kDgrad ? args.dx
                                                         : args.dweight;
   const bool has_weight = pass != GroupedPass::kWgrad;
+  // Accumulated weight gradients given one address a group (dweight_addresses), not as dweight.
+  const auto* addresses = pass == GroupedPass::kWgrad
+                              ? static_cast<const std::int64_t*>(args.dweight_addresses.data)
+                              : nullptr;
   const bool has_bias = pass == GroupedPass::kForward && args.bias.ndim > 0;
-  const grouped::GroupedOperands operands{pass,
-                                          shape.in_features,
-                                          shape.out_features,
-                                          args.x.data,
-                                          args.dy.data,
-                                          has_weight ? args.weight.data : nullptr,
-                                          has_weight ? args.weight.strides[0] : 0,
-                                          has_bias ? args.bias.data : nullptr,
-                                          has_bias ? args.bias.strides[0] : 0,
-                                          out.data,
-                                          pass == GroupedPass::kWgrad ? out.strides[0] : 0,
-                                          pass == GroupedPass::kWgrad && args.accumulate};
+  const grouped::GroupedOperands operands{
+      pass,
+      shape.in_features,
+      shape.out_features,
+      args.x.data,
+      args.dy.data,
+      has_weight ? args.weight.data : nullptr,
+      has_weight ? args.weight.strides[0] : 0,
+      has_bias ? args.bias.data : nullptr,
+      has_bias ? args.bias.strides[0] : 0,
+      out.data,
+      pass == GroupedPass::kWgrad && addresses == nullptr ? out.strides[0] : 0,
+      pass == GroupedPass::kWgrad && args.accumulate,
+      addresses};
 
   // The output as groups of elements: the whole [rows, features] matrix, or dW's G matrices.
   const grouped::GroupedSpan out_span =
       pass == GroupedPass::kWgrad
-          ? grouped::GroupedSpan{out.data, out.dtype, shape.groups,
-                                 shape.out_features * shape.in_features, out.strides[0]}
+          ? grouped::GroupedSpan{out.data,
+                                 args.accumulate ? DType::kFloat32 : out.dtype,
+                                 shape.groups,
+                                 shape.out_features * shape.in_features,
+                                 addresses != nullptr ? 0 : out.strides[0],
+                                 addresses}
           : grouped::GroupedSpan{out.data, out.dtype, 1, out.numel(), out.numel()};
 
   if (!cutlass_pass) {

@@ -87,6 +87,19 @@ class Checker {
                                  "may not overlap");
   }
 
+  // One fp32 matrix's address a group (GroupedMatmulArgs::dweight_addresses): only in place of
+  // dweight, when accumulating.
+  void addresses(const TensorView& view, const char* name, const GroupedShape& shape) const {
+    MESHLA_CHECK_ARG(args_.accumulate && !present(args_.dweight),
+                     prefix() << ": " << name << " replaces dweight, and only when accumulating");
+    on_device(view, name);
+    MESHLA_CHECK_ARG(view.dtype == DType::kInt64 && view.ndim == 1 &&
+                         view.shape[0] == shape.groups && view.is_row_major_contiguous(),
+                     prefix() << ": " << name << " is " << dtype_name(view.dtype) << " "
+                              << view.shape_string() << "; expected a contiguous int64 ["
+                              << shape.groups << "]");
+  }
+
   void bias_like(const TensorView& view, const char* name, const GroupedShape& shape) const {
     on_device(view, name);
     MESHLA_CHECK_ARG(
@@ -164,7 +177,7 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
       break;
     case GroupedPass::kWgrad:
       check.require(args.dy, "dy");
-      check.require(args.dweight, "dweight");
+      if (!present(args.dweight_addresses)) check.require(args.dweight, "dweight");
       MESHLA_CHECK_ARG(args.dy.ndim == 2,
                        where << ": dy.shape=" << args.dy.shape_string() << " must be 2-D");
       shape.out_features = args.dy.shape[1];
@@ -213,8 +226,12 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
       check.matrix(args.x, "x", shape.rows, shape.in_features, "[rows, in]");
       check.matrix(args.dy, "dy", shape.rows, shape.out_features, "[rows, out] (rows of x)");
       check.dtype(args.dy, "dy", dtype);
-      check.grouped_weights(args.dweight, "dweight", shape);
-      check.dtype(args.dweight, "dweight", args.accumulate ? DType::kFloat32 : dtype);
+      if (present(args.dweight_addresses)) {
+        check.addresses(args.dweight_addresses, "dweight_addresses", shape);
+      } else {
+        check.grouped_weights(args.dweight, "dweight", shape);
+        check.dtype(args.dweight, "dweight", args.accumulate ? DType::kFloat32 : dtype);
+      }
       break;
     case GroupedPass::kBiasGrad:
       check.matrix(args.dy, "dy", shape.rows, shape.out_features, "[rows, out]");

@@ -156,6 +156,32 @@ TEST(GroupedValidation, EmptyBatchTakesAnyStrides) {
   EXPECT_EQ(error_of(GroupedPass::kForward, args), "");
 }
 
+TEST(GroupedValidation, AccumulatedGradientsByAddress) {
+  GroupedMatmulArgs args;
+  args.m_splits = view(0x1000, DType::kInt64, {4});
+  args.x = view(0x10000, DType::kBFloat16, {100, 64});
+  args.dy = view(0x20000, DType::kBFloat16, {100, 32});
+  args.dweight_addresses = view(0x30000, DType::kInt64, {4});
+  args.accumulate = true;
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, args), "");
+  args.dweight_addresses.shape[0] = 3;
+  EXPECT_EQ(
+      error_of(GroupedPass::kWgrad, args),
+      "grouped_linear wgrad: dweight_addresses is int64 [3]; expected a contiguous int64 [4]");
+  args.dweight_addresses = view(0x30000, DType::kInt32, {4});
+  EXPECT_EQ(
+      error_of(GroupedPass::kWgrad, args),
+      "grouped_linear wgrad: dweight_addresses is int32 [4]; expected a contiguous int64 [4]");
+  args.dweight_addresses = view(0x30000, DType::kInt64, {4});
+  args.accumulate = false;
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, args),
+            "grouped_linear wgrad: dweight_addresses replaces dweight, and only when accumulating");
+  args.accumulate = true;
+  args.dweight = view(0x40000, DType::kFloat32, {4, 32, 64});
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, args),
+            "grouped_linear wgrad: dweight_addresses replaces dweight, and only when accumulating");
+}
+
 TEST(GroupedValidation, MissingOperandsAreNamed) {
   GroupedMatmulArgs args = Forward{}.args();
   args.y = {};

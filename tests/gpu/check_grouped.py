@@ -276,13 +276,16 @@ def check_bad_splits(report):
     bad = torch.tensor([10, 10, 10], device=dev)
     dy = torch.randn(64, 16, device=dev, dtype=torch.bfloat16)
     stride = mt.packed_group_stride(16, 32, torch.bfloat16)
+    # The accumulated gradients by address (the op's form): three matrices of one buffer, the
+    # poison must reach each of them.
     main_grad = torch.randn(3, 16, 32, device=dev)
     passes = {
         "forward-fp32": lambda: torch.ops.meshla.grouped_mm(x.float(), bad, w.float(), None),
         "dgrad": lambda: torch.ops.meshla.grouped_mm_dgrad(dy, bad, w),
         "wgrad": lambda: torch.ops.meshla.grouped_mm_wgrad(x, dy, bad, stride),
         "wgrad-accumulate": lambda: (
-            torch.ops.meshla.grouped_mm_wgrad_accumulate_(x, dy, bad, main_grad), main_grad)[1],
+            torch.ops.meshla.grouped_mm_wgrad_accumulate_(x, dy, bad, list(main_grad.unbind(0))),
+            main_grad)[1],
         "bias-grad": lambda: torch.ops.meshla.grouped_bias_grad(dy, bad, 3),
     }
     for name, run in passes.items():
@@ -296,6 +299,68 @@ def check_bad_splits(report):
             raised = str(error)
         report.record(f"bad-splits-poison/{name}", 0, poisoned and "sums to 30" in raised,
                       f"output all NaN: {poisoned}; check_device_errors: {raised}")
+
+
+def check_main_grads_anywhere(report, dtype):
+    """Weight gradients accumulated into main_grad tensors laid out as Megatron's gradient buffer
+    lays out a module's parameters: in reverse order, each with its bias between, at uneven gaps
+    (a bucket's padding); then the module's backward with Megatron's grad_added_to_main_grad mark,
+    and a CUDA graph of it after a warm-up step."""
+    groups, in_features, out_features, rows = 6, 256, 128, 3000
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(19)
+    sizes = random_splits(groups, rows, gen)
+    m_splits = sizes.to(dev)
+    x = torch.randn(rows, in_features, generator=gen).to(dev, dtype)
+    dy = torch.randn(rows, out_features, generator=gen).to(dev, dtype)
+    matrix = out_features * in_features
+    gaps = [out_features + 4 * (g % 3) for g in range(groups)]  # the bias, then 0-8 more floats
+    buffer = torch.randn(sum(gaps) + groups * matrix, generator=gen).to(dev)
+    offsets, at = [], buffer.numel()
+    for g in range(groups):  # group 0 last, as a reversed parameter list puts it
+        at -= matrix + gaps[g]
+        offsets.append(at)
+    main_grads = [buffer[o:o + matrix].view(out_features, in_features) for o in offsets]
+    start = buffer.clone()
+    torch.ops.meshla.grouped_mm_wgrad_accumulate_(x, dy, m_splits, main_grads)
+    want = reference("wgrad", x, dy, None, None, sizes)
+    err = max(relative_error(main_grads[g], start[o:o + matrix].view_as(main_grads[g]).double()
+                             + want[g]) for g, o in enumerate(offsets))
+    outside = torch.ones_like(buffer, dtype=torch.bool)
+    for o in offsets:
+        outside[o:o + matrix] = False
+    untouched = bool(torch.equal(buffer[outside], start[outside]))
+    tag = str(dtype)[6:]
+    report.record(f"main-grads-anywhere/{tag}", 0, err <= TOLERANCE[dtype] and untouched,
+                  f"worst group's relative error {err:.2e}; gaps untouched: {untouched}")
+
+    layer = mt.GroupedLinear(groups, in_features, out_features, device=dev, dtype=dtype,
+                             fuse_wgrad_accumulation=True)
+    for weight, grad in zip(layer.weights(), main_grads):
+        weight.main_grad = grad
+        weight.grad_added_to_main_grad = False  # as Megatron's DDP marks its parameters
+    xl = x.detach().requires_grad_()
+
+    def step():
+        layer(xl, m_splits).backward(dy)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # the warm-up: the main_grad addresses reach the device here
+    torch.cuda.current_stream().wait_stream(side)
+    marked = all(w.grad_added_to_main_grad and w.grad is not None for w in layer.weights())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    before = buffer.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    err = max(relative_error(main_grads[g], before[o:o + matrix].view_as(main_grads[g]).double()
+                             + want[g]) for g, o in enumerate(offsets))
+    report.record(f"main-grads-anywhere-module-graph/{tag}", 0,
+                  marked and err <= TOLERANCE[dtype],
+                  f"marked with placeholder grads: {marked}; replay's worst group error {err:.2e}")
 
 
 def check_graph_capture(report, dtype):
@@ -477,6 +542,8 @@ def main():
     checks += [(f"module/{d}", lambda d=d: check_module_autograd(report, d, 3)) for d in TOLERANCE]
     checks += [("bad-splits", lambda: check_bad_splits(report))]
     checks += [(f"graph/{d}", lambda d=d: check_graph_capture(report, d))
+               for d in (torch.bfloat16, torch.float32)]
+    checks += [(f"main-grads-anywhere/{d}", lambda d=d: check_main_grads_anywhere(report, d))
                for d in (torch.bfloat16, torch.float32)]
     checks += [("edge-shapes", lambda: check_edge_shapes(report)),
                ("delayed-wgrad", lambda: check_delayed_wgrad_side_stream(report)),

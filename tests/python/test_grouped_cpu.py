@@ -51,12 +51,12 @@ def test_ops_pass_opcheck():
     stride = mt.packed_group_stride(8, 8, torch.float32)
     assert stride == 64
     w = torch.randn(4, 8, 8)
-    main_grad = torch.zeros(4, 8, 8)
+    main_grads = [torch.zeros(8, 8) for _ in range(4)]
     cases = [
         (torch.ops.meshla.grouped_mm.default, (x, sizes, w, torch.randn(4, 8))),
         (torch.ops.meshla.grouped_mm_dgrad.default, (dy, sizes, w)),
         (torch.ops.meshla.grouped_mm_wgrad.default, (x, dy, sizes, stride)),
-        (torch.ops.meshla.grouped_mm_wgrad_accumulate_.default, (x, dy, sizes, main_grad)),
+        (torch.ops.meshla.grouped_mm_wgrad_accumulate_.default, (x, dy, sizes, main_grads)),
         (torch.ops.meshla.grouped_bias_grad.default, (dy, sizes, 4)),
     ]
     for op, args in cases:
@@ -149,19 +149,30 @@ def test_delayed_weight_gradients():
 def test_main_grad_accumulation():
     torch.manual_seed(3)
     layer = mt.GroupedLinear(3, 4, 8, bias=False, fuse_wgrad_accumulation=True)
-    buffer = torch.ones(3 * 40)  # 40 elements apart: more than out * in = 32
+    # As Megatron's gradient buffer: the parameters in reverse order, at uneven gaps.
+    buffer = torch.ones(3 * 40 + 6)
+    offsets = [86, 44, 0]
     for g, w in enumerate(layer.weights()):
-        w.main_grad = buffer[g * 40:g * 40 + 32].view(8, 4)
+        w.main_grad = buffer[offsets[g]:offsets[g] + 32].view(8, 4)
     x = torch.randn(6, 4)
     layer(x, splits([2, 0, 4])).sum().backward()
     assert all(w.grad is None for w in layer.weights())
-    torch.testing.assert_close(layer.weights()[0].main_grad,
-                               1 + torch.ones(2, 8).T @ x[:2])
+    torch.testing.assert_close(layer.weights()[0].main_grad, 1 + torch.ones(2, 8).T @ x[:2])
     torch.testing.assert_close(layer.weights()[1].main_grad, torch.ones(8, 4))
-    assert torch.all(buffer[32:40] == 1)  # padding between groups untouched
+    torch.testing.assert_close(layer.weights()[2].main_grad, 1 + torch.ones(4, 8).T @ x[2:])
+    assert torch.all(buffer[32:44] == 1) and torch.all(buffer[76:86] == 1)  # gaps untouched
 
-    layer.weights()[2].main_grad = torch.zeros(8, 4)
-    with pytest.raises(ValueError, match="equal, increasing spacing"):
+    # Megatron's mark: set, with a placeholder .grad for its DDP to drop.
+    for w in layer.weights():
+        w.grad_added_to_main_grad = False
+    layer(x, splits([2, 0, 4])).sum().backward()
+    assert all(w.grad_added_to_main_grad and w.grad is not None for w in layer.weights())
+
+    layer.weights()[2].main_grad = torch.zeros(8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"main_grads\[2\] is torch.float64 \[8, 4\]"):
+        layer(x, splits([2, 0, 4])).sum().backward()
+    del layer.weights()[1].main_grad
+    with pytest.raises(ValueError, match="every weight needs a float32 .main_grad"):
         layer(x, splits([2, 0, 4])).sum().backward()
 
 

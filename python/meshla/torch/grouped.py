@@ -13,8 +13,8 @@ them):
 - ``grouped_mm_dgrad(dy, m_splits, weight)``: ``dx_g = dy_g @ weight[g]``
 - ``grouped_mm_wgrad(x, dy, m_splits, group_stride)``: every ``dW_g = dy_g.T @ x_g`` in one
   packed flat buffer, group ``g`` at element ``g * group_stride``
-- ``grouped_mm_wgrad_accumulate_(x, dy, m_splits, main_grad)``: ``main_grad[g] += dy_g.T @ x_g``
-  (fp32)
+- ``grouped_mm_wgrad_accumulate_(x, dy, m_splits, main_grads)``: ``main_grads[g] += dy_g.T @ x_g``
+  for a list of G fp32 ``[out, in]`` tensors, each anywhere (a framework's gradient buffer)
 - ``grouped_bias_grad(dy, m_splits, num_groups)``: ``db_g`` = the sum of dy_g's rows
 
 Errors that need ``m_splits`` (a negative size, sizes not summing to the rows of ``x``) are found
@@ -213,19 +213,58 @@ def _(x, dy, m_splits, group_stride):
     return x.new_empty(m_splits.shape[0] * group_stride)
 
 
-@_op("grouped_mm_wgrad_accumulate_(Tensor x, Tensor dy, Tensor m_splits, Tensor(a!) main_grad) "
-     "-> ()")
-def _grouped_mm_wgrad_accumulate(x, dy, m_splits, main_grad):
+def _check_main_grads(main_grads, m_splits, x, dy):
+    shape = (dy.shape[1], x.shape[1])
+    if len(main_grads) != m_splits.shape[0]:
+        raise ValueError(f"grouped_linear wgrad: {len(main_grads)} main_grads for "
+                         f"{m_splits.shape[0]} groups")
+    for g, grad in enumerate(main_grads):
+        if (grad.dtype != torch.float32 or tuple(grad.shape) != shape or not grad.is_contiguous()
+                or grad.device != x.device or (grad.is_cuda and grad.data_ptr() % 16)):
+            raise ValueError(
+                f"grouped_linear wgrad: main_grads[{g}] is {grad.dtype} {list(grad.shape)} on "
+                f"{grad.device} (contiguous: {grad.is_contiguous()}, address % 16 = "
+                f"{grad.data_ptr() % 16}); expected a contiguous float32 {list(shape)} on "
+                f"{x.device} starting on a 16-byte boundary")
+
+
+# The device tables of main_grad addresses by (device index, addresses): a framework's gradient
+# buffer stays put, so each set is copied to the device once. Bounded, oldest out first.
+_address_tables: dict[tuple, torch.Tensor] = {}
+_MAX_ADDRESS_TABLES = 256
+
+
+def _address_table(tensors, device) -> torch.Tensor:
+    addresses = tuple(t.data_ptr() for t in tensors)
+    key = (device.index, addresses)
+    table = _address_tables.get(key)
+    if table is None:
+        if torch.cuda.is_current_stream_capturing():
+            # A table made here would hold its addresses only once the graph replays.
+            raise ValueError("grouped_linear wgrad: these main_grad tensors were never used "
+                             "outside a CUDA graph capture; run one step eagerly first (a "
+                             "warm-up) so that their addresses reach the device")
+        if len(_address_tables) >= _MAX_ADDRESS_TABLES:
+            del _address_tables[next(iter(_address_tables))]
+        table = _address_tables[key] = torch.tensor(addresses, dtype=torch.int64, device=device)
+    return table
+
+
+@_op("grouped_mm_wgrad_accumulate_(Tensor x, Tensor dy, Tensor m_splits, "
+     "Tensor(a!)[] main_grads) -> ()")
+def _grouped_mm_wgrad_accumulate(x, dy, m_splits, main_grads):
     _check_splits(m_splits, x)
+    _check_main_grads(main_grads, m_splits, x, dy)
     if x.device.type == "cpu":
         for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
-            main_grad[g] += (dy[start:start + size].T @ x[start:start + size]).float()
+            main_grads[g] += (dy[start:start + size].T @ x[start:start + size]).float()
         return
-    _run(_PASS.wgrad, m_splits, x, dy.shape[1], x=x, dy=dy, dweight=main_grad, accumulate=True)
+    _run(_PASS.wgrad, m_splits, x, dy.shape[1], x=x, dy=dy,
+         dweight_addresses=_address_table(main_grads, x.device), accumulate=True)
 
 
 @torch.library.register_fake("meshla::grouped_mm_wgrad_accumulate_")
-def _(x, dy, m_splits, main_grad):
+def _(x, dy, m_splits, main_grads):
     return None
 
 
@@ -329,8 +368,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 event.record(torch.cuda.current_stream(dy.device))
             module._delayed.pending.append((x, dy, m_splits, event))
         elif any(wants_weight):
-            weight_grads = [grad if wanted else None for grad, wanted in
-                            zip(module._weight_grads(x, dy, m_splits), wants_weight)]
+            weight_grads = module._weight_grads(x, dy, m_splits)
+            if module.fuse_wgrad_accumulation:
+                weight_grads = module._mark_added_to_main_grad(placeholders=True)
+            weight_grads = [grad if wanted else None
+                            for grad, wanted in zip(weight_grads, wants_weight)]
         bias_grads = [None] * num_groups
         if ctx.has_bias and any(wants_bias):
             dbias = torch.ops.meshla.grouped_bias_grad(dy, m_splits, num_groups)
@@ -346,8 +388,11 @@ class GroupedLinear(torch.nn.Module):
     The weights live in one buffer, group ``g`` at a 256-byte boundary; their gradients are views
     of one packed buffer from the caching allocator with the same layout.
 
-    - ``fuse_wgrad_accumulation``: each ``weight{g}.main_grad`` (fp32, allocated by the caller,
-      all in one buffer at equal spacing) gets ``+= dW_g`` and no ``.grad`` is produced.
+    - ``fuse_wgrad_accumulation``: each ``weight{g}.main_grad`` (fp32 ``[out, in]``, contiguous,
+      allocated by the caller anywhere, e.g. in Megatron's gradient buffer) gets ``+= dW_g`` and no
+      ``.grad`` is produced; every weight needs one while any expert trains. A weight that carries
+      Megatron's ``grad_added_to_main_grad`` mark gets it set, and an uninitialized placeholder
+      ``.grad`` that Megatron's DDP drops (as TransformerEngine's layers do).
     - ``delay_wgrad_compute``: backward computes only input and bias gradients; call
       :meth:`backward_dw` later (on any stream) for the weight gradients.
     """
@@ -442,37 +487,31 @@ class GroupedLinear(torch.nn.Module):
         return _GroupedLinearFunction.apply(x.contiguous(), m_splits, weight, bias, self,
                                             *self.weights(), *self.biases())
 
-    def _main_grad(self):
-        """The weights' main_grad tensors as one [G, out, in] fp32 view: they must sit in one
-        buffer at equal, increasing spacing (as a contiguous gradient buffer lays them out)."""
-        grads = [getattr(w, "main_grad", None) for w in self.weights()]
-        if any(g is None for g in grads):
-            raise ValueError("GroupedLinear(fuse_wgrad_accumulation=True): every weight needs a "
-                             "float32 .main_grad of shape [out_features, in_features]")
-        first = grads[0]
-        shape = (self.out_features, self.in_features)
-        if any(g.dtype != torch.float32 or tuple(g.shape) != shape or not g.is_contiguous()
-               for g in grads):
-            raise ValueError(f"GroupedLinear: every main_grad must be a contiguous float32 "
-                             f"tensor of shape {list(shape)}")
-        if len(grads) == 1:
-            return first.unsqueeze(0)
-        step = grads[1].data_ptr() - first.data_ptr()
-        if step < first.numel() * 4 or step % 4 or any(
-                g.data_ptr() != first.data_ptr() + i * step for i, g in enumerate(grads)):
-            raise ValueError("GroupedLinear: the main_grad tensors must lie in one buffer at "
-                             "equal, increasing spacing of at least out*in elements")
-        return torch.as_strided(first, (self.num_groups, *shape), (step // 4, shape[1], 1))
-
     def _weight_grads(self, x, dy, m_splits):
         """Weight gradients as views of one packed buffer, or None per weight after
         accumulating into main_grad."""
         if self.fuse_wgrad_accumulation:
-            torch.ops.meshla.grouped_mm_wgrad_accumulate_(x, dy, m_splits, self._main_grad())
-            for weight in self.weights():
-                weight.grad_added_to_main_grad = True
+            main_grads = [getattr(w, "main_grad", None) for w in self.weights()]
+            if any(g is None for g in main_grads):
+                raise ValueError("GroupedLinear(fuse_wgrad_accumulation=True): every weight needs "
+                                 "a float32 .main_grad of shape [out_features, in_features]")
+            torch.ops.meshla.grouped_mm_wgrad_accumulate_(x, dy, m_splits, main_grads)
             return [None] * self.num_groups
         return list(_weight_grad(x, dy, m_splits, self.num_groups, x.dtype).unbind(0))
+
+    def _mark_added_to_main_grad(self, placeholders: bool):
+        """Megatron's DDP marks its parameters with grad_added_to_main_grad (False before each
+        step) and, when it overlaps the gradient reduction, asserts that every backward gives a
+        .grad, which it drops unread once the mark is set. Weights so marked get the mark set and,
+        with `placeholders`, an uninitialized placeholder gradient (as TransformerEngine's layers
+        give it); the others None."""
+        grads = []
+        for weight in self.weights():
+            marked = hasattr(weight, "grad_added_to_main_grad")
+            if marked:
+                weight.grad_added_to_main_grad = True
+            grads.append(torch.empty_like(weight) if marked and placeholders else None)
+        return grads
 
     def backward_dw(self) -> None:
         """Computes the weight gradients that backward delayed, on the current stream: it waits
@@ -486,6 +525,8 @@ class GroupedLinear(torch.nn.Module):
                 for t in (x, dy, m_splits):
                     t.record_stream(stream)
             grads = self._weight_grads(x, dy, m_splits)
+            if self.fuse_wgrad_accumulation:
+                self._mark_added_to_main_grad(placeholders=False)
             for weight, grad in zip(self.weights(), grads):
                 if grad is None or not weight.requires_grad:
                     continue
