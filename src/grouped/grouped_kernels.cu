@@ -71,7 +71,7 @@ __global__ void bias_grad_kernel(GroupIndex index, const T* dy, std::int64_t out
   const std::int64_t column = blockIdx.x * static_cast<std::int64_t>(kBiasThreads) + threadIdx.x;
   const std::int64_t rows = index.offsets[index.groups];
   if (column >= out) return;
-  // The grid's y extent is capped (65535): its blocks take every gridDim.y-th run of rows.
+  // The grid's y extent is capped (kMaxGridY): its blocks take every gridDim.y-th run of rows.
   for (std::int64_t begin = blockIdx.y * static_cast<std::int64_t>(kBiasRows); begin < rows;
        begin += gridDim.y * static_cast<std::int64_t>(kBiasRows)) {
     const std::int64_t end = begin + kBiasRows < rows ? begin + kBiasRows : rows;
@@ -216,8 +216,7 @@ constexpr std::int64_t kSpanBlocks = 1024;
 
 dim3 span_grid(const GroupedSpan& span, int threads) {
   const std::int64_t per_group = (span.group_elements + threads - 1) / threads;
-  MESHLA_CHECK_ARG(span.groups <= 65535,
-                   "grouped GEMM: " << span.groups << " groups exceed the limit of 65535");
+  MESHLA_ASSERT(span.groups <= kMaxGridY);  // validate_grouped_args refuses more groups
   const std::int64_t cap = std::max<std::int64_t>(kSpanBlocks / span.groups, 1);
   return dim3(static_cast<unsigned>(std::clamp<std::int64_t>(per_group, 1, cap)),
               static_cast<unsigned>(span.groups));
@@ -247,22 +246,21 @@ void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std:
       accumulator, 0, sizeof(float) * static_cast<std::size_t>(index.groups * out), stream));
   const std::int64_t row_blocks = (index.rows + kBiasRows - 1) / kBiasRows;
   const dim3 grid(static_cast<unsigned>((out + kBiasThreads - 1) / kBiasThreads),
-                  static_cast<unsigned>(std::clamp<std::int64_t>(row_blocks, 1, 65535)));
+                  static_cast<unsigned>(std::clamp<std::int64_t>(row_blocks, 1, kMaxGridY)));
   launch_by_dtype<BiasGrad>(dtype, grid, kBiasThreads, stream, index, dy, out, accumulator, dbias,
                             dbias_group_stride);
 }
 
 void launch_grouped_fp32(const GroupIndex& index, const GroupedOperands& operands,
                          cudaStream_t stream) {
-  MESHLA_CHECK_ARG(index.groups <= 65535,
-                   "grouped GEMM: " << index.groups << " groups exceed the limit of 65535");
+  MESHLA_ASSERT(index.groups <= kMaxGridY);  // validate_grouped_args refuses more groups
   const std::int64_t n =
       operands.pass == GroupedPass::kForward ? operands.out_features : operands.in_features;
   const std::int64_t m_tiles = operands.pass == GroupedPass::kWgrad
                                    ? (operands.out_features + kTile - 1) / kTile
                                    : (index.rows + kTile - 1) / kTile;
   const dim3 grid(static_cast<unsigned>((n + kTile - 1) / kTile),
-                  static_cast<unsigned>(std::clamp<std::int64_t>(m_tiles, 1, 65535)),
+                  static_cast<unsigned>(std::clamp<std::int64_t>(m_tiles, 1, kMaxGridY)),
                   static_cast<unsigned>(index.groups));
   grouped_fp32_kernel<<<grid, kSimtThreads, 0, stream>>>(index, operands);
   MESHLA_CHECK_CUDA(cudaGetLastError());

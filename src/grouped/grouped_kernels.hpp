@@ -12,6 +12,10 @@
 
 namespace meshla::grouped {
 
+// A launch grid's largest y extent: the kernels over groups put them there, so this is also the
+// most groups a call may have.
+constexpr std::int64_t kMaxGridY = 65535;
+
 // What a failed device-side check leaves in host-mapped memory. Written by the device with
 // volatile stores, read by the host without synchronizing: a stale read only delays the report to
 // a later call.

@@ -4,6 +4,7 @@
 
 #include "core/alignment.hpp"
 #include "core/checks.hpp"
+#include "grouped/grouped_kernels.hpp"
 
 namespace meshla {
 
@@ -148,8 +149,8 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
   MESHLA_CHECK_ARG(splits.ndim == 1 && splits.shape[0] >= 1 && splits.is_row_major_contiguous(),
                    where << ": m_splits.shape=" << splits.shape_string()
                          << " must be a contiguous [G] with G >= 1");
-  MESHLA_CHECK_ARG(splits.shape[0] <= 65535,
-                   where << ": m_splits has " << splits.shape[0] << " groups, more than 65535");
+  MESHLA_CHECK_ARG(splits.shape[0] <= kMaxGridY, where << ": m_splits has " << splits.shape[0]
+                                                       << " groups, more than " << kMaxGridY);
 
   // The operand that fixes the rows and the dtype: x, or dy where the pass has no x.
   const bool has_x = pass == GroupedPass::kForward || pass == GroupedPass::kWgrad;

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.utils.dlpack import to_dlpack
 
 from meshla import _meshla
+from meshla.torch._dtypes import DTYPE_NAMES
 
 __all__ = [
     "GroupedLinear",
@@ -39,8 +40,6 @@ __all__ = [
     "matmul_reduce_scatter",
     "packed_group_stride",
 ]
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class TPGroup:
         plan = self._plans.get(key)
         if plan is None:
             plan = _meshla.CollectiveMatmul(
-                self.comm, op, _DTYPE_NAMES[dtype], m, n, k, tuning.algorithm,
+                self.comm, op, DTYPE_NAMES[dtype], m, n, k, tuning.algorithm,
                 backend=tuning.backend, trans_b=trans_b, bias=bias, return_gathered=return_gathered,
                 chunks=tuning.chunks, comm_sms=tuning.comm_sms, comm_ctas=tuning.comm_ctas,
             )
@@ -184,7 +183,7 @@ def _check_operands(op: str, a, b, bias, trans_b: bool, group: TPGroup):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             shape = _shape(t) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{op}: {name} must be a 2-D tensor, got {shape}")
-    if a.dtype not in _DTYPE_NAMES:
+    if a.dtype not in DTYPE_NAMES:
         raise ValueError(f"{op}: a.dtype={a.dtype} is not supported; use bfloat16, float16 or float32")
     for name, t in (("b", b), ("bias", bias)):
         if t is not None and (t.dtype != a.dtype or t.device != a.device):

@@ -33,10 +33,10 @@ from torch.autograd.function import once_differentiable
 from torch.utils.dlpack import to_dlpack
 
 from meshla import _meshla
+from meshla.torch._dtypes import DTYPE_NAMES
 
 __all__ = ["GroupedLinear", "check_device_errors", "grouped_linear", "packed_group_stride"]
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _PASS = _meshla.GroupedPass
 
 # One GroupedMatmul per CUDA device index: it holds the host-mapped record that the device-side
@@ -72,7 +72,7 @@ def _workspace_bytes(index: int, grouped_pass, dtype_name: str, groups: int,
 def packed_group_stride(out_features: int, in_features: int, dtype: torch.dtype) -> int:
     """Elements between the groups of a packed ``[G, out, in]`` buffer whose groups each start
     on a 256-byte boundary."""
-    name = _DTYPE_NAMES.get(dtype) or {torch.float64: "float64"}.get(dtype)
+    name = DTYPE_NAMES.get(dtype) or {torch.float64: "float64"}.get(dtype)
     if name is None:
         raise ValueError(f"packed_group_stride: dtype {dtype} is not supported")
     return _meshla.packed_group_stride(out_features, in_features, name)
@@ -87,7 +87,7 @@ def check_device_errors(device=None) -> None:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
+    name = DTYPE_NAMES.get(dtype)
     if name is None:
         raise ValueError(f"grouped_linear: dtype {dtype} is not supported; "
                          "use bfloat16, float16 or float32")
