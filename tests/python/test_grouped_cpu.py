@@ -234,3 +234,13 @@ def test_empty_batch_backward():
     assert x.grad.shape == (0, 8)
     assert all(torch.count_nonzero(w.grad) == 0 for w in layer.weights())
     assert all(torch.count_nonzero(b.grad) == 0 for b in layer.biases())
+
+
+def test_dtype_mismatch_names_autocast():
+    layer = mt.GroupedLinear(2, 4, 8)  # float32 weights
+    x = torch.randn(5, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="x is torch.bfloat16 but the weights are torch.float32"):
+        layer(x, splits([2, 3]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="torch.autocast is on"):
+            layer(x, splits([2, 3]))

@@ -323,6 +323,17 @@ class _GroupedMatmulFunction(torch.autograd.Function):
         return dx, None, dweight, dbias
 
 
+def _check_same_dtype(where, x, weight):
+    """The kernels take one dtype for x and the weights. Under torch.autocast the usual mismatch
+    is bf16 activations beside fp32 weights: autocast does not cast these ops' inputs."""
+    if x.dtype != weight.dtype:
+        hint = (" (torch.autocast is on, and it does not cast grouped_linear's inputs: keep the "
+                "weights in the activations' dtype)" if torch.is_autocast_enabled(x.device.type)
+                else "")
+        raise ValueError(f"{where}: x is {x.dtype} but the weights are {weight.dtype}; they must "
+                         f"match{hint}")
+
+
 def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor,
                    bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y[rows of group g] = x[rows of group g] @ weight[g].T (+ bias[g])``.
@@ -333,6 +344,7 @@ def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor
     weight gradient is computed into one packed buffer whose groups start on 256-byte boundaries
     and handed to autograd as a ``[G, out, in]`` view of it; autograd copies it into the weight's
     own layout where it accumulates the ``.grad`` of a leaf whose strides differ."""
+    _check_same_dtype("grouped_linear", x, weight)
     return _GroupedMatmulFunction.apply(x.contiguous(), m_splits, weight, bias)
 
 
@@ -484,6 +496,7 @@ class GroupedLinear(torch.nn.Module):
             raise ValueError(f"GroupedLinear: m_splits.shape={list(m_splits.shape)} must be "
                              f"[num_groups={self.num_groups}]")
         weight, bias = self._packed_views()
+        _check_same_dtype("GroupedLinear", x, weight)
         return _GroupedLinearFunction.apply(x.contiguous(), m_splits, weight, bias, self,
                                             *self.weights(), *self.biases())
 
