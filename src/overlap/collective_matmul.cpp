@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -185,7 +186,8 @@ struct CollectiveMatmul::Impl {
       : comm(std::move(comm_)),
         config(resolve_for_group(comm, requested)),
         executor(make_executor(comm, config)),
-        done(comm.device()) {}
+        done(comm.device()),
+        captured_done(comm.device()) {}
 
   ~Impl() {
     if (!executed) return;
@@ -204,22 +206,30 @@ struct CollectiveMatmul::Impl {
     overlap::validate_args(config, comm.size(), comm.device(), args);
     detail::DeviceGuard guard(comm.device());
     // One execution of a plan at a time: its buffers and events are shared by all of them, so a
-    // run on another stream first waits for the previous run (stream-ordered, no host wait). Not
-    // while capturing: a graph's replays are ordered by the caller.
+    // run on another stream first waits for the previous run (stream-ordered, no host wait).
+    // Within one capture likewise, through an event of that capture: the graph may hold several
+    // runs of the plan on different streams (two micro-batches of one layer). Between a graph's
+    // replays and other work the caller orders, as for any captured buffer.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    MESHLA_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
+    unsigned long long capture_id = 0;
+    MESHLA_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &capture, &capture_id));
     const bool eager = capture == cudaStreamCaptureStatusNone;
     if (eager && executed) MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, done.get(), 0));
+    if (!eager && captured_in == capture_id) {
+      MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, captured_done.get(), 0));
+    }
     executed = executed || eager;
+    // An event recorded inside a capture cannot be waited on outside it: eager runs mark `done`,
+    // captured ones `captured_done`.
+    detail::Event& finished = eager ? done : captured_done;
     try {
       executor->enqueue(args, stream);
     } catch (...) {
-      if (eager) cudaEventRecord(done.get(), stream);
+      cudaEventRecord(finished.get(), stream);
       throw;
     }
-    // Only eager runs mark `done`: an event recorded inside a capture cannot be waited on
-    // outside it.
-    if (eager) MESHLA_CHECK_CUDA(cudaEventRecord(done.get(), stream));
+    MESHLA_CHECK_CUDA(cudaEventRecord(finished.get(), stream));
+    if (!eager) captured_in = capture_id;
   }
 
   Communicator comm;
@@ -227,6 +237,8 @@ struct CollectiveMatmul::Impl {
   std::unique_ptr<overlap::Executor> executor;
   detail::Event done;  // recorded on the caller's stream when an execution has finished there
   bool executed = false;
+  detail::Event captured_done;  // `done` of the last run captured, in capture captured_in
+  std::optional<unsigned long long> captured_in;
 };
 
 CollectiveMatmul::CollectiveMatmul(Communicator comm, const CollectiveMatmulConfig& config)

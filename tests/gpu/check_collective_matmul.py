@@ -205,6 +205,47 @@ def check_graph_replay(group, reporter, label, seed_base, replays=20):
         reporter.record(name, group.rank, ok, detail)
 
 
+def check_graph_two_streams(group, reporter, label, seed_base, replays=20):
+    """One plan run twice in one CUDA graph, the second run on a stream forked inside the capture
+    (two micro-batches of one layer): the plan orders its runs within the capture, so both
+    results are right after every replay."""
+    for index, (op, backend) in enumerate((op, b) for op in OPS for b in ("nccl", "symmetric")):
+        name = f"{label}/graph-two-streams/{op}/{backend}/ring/bfloat16"
+        try:
+            dtype, m, n, k = torch.bfloat16, 128 * group.size, 256, 192
+            seeds = [seed_base + 1000 * index, seed_base + 1000 * index + 500]
+            problems = [Problem(op, group, dtype, m, n, k, s, False, True) for s in seeds]
+            for p in problems:  # eager first: builds the plan outside capture
+                run_op(op, p, group, "ring", False, backend=backend)
+            torch.cuda.synchronize(group.device)
+            graph = torch.cuda.CUDAGraph()
+            main = torch.cuda.Stream(group.device)
+            side = torch.cuda.Stream(group.device)
+            main.wait_stream(torch.cuda.current_stream(group.device))
+            with torch.cuda.graph(graph, stream=main, capture_error_mode="thread_local"):
+                side.wait_stream(main)
+                run_op(op, problems[0], group, "ring", False, backend=backend)
+                with torch.cuda.stream(side):
+                    run_op(op, problems[1], group, "ring", False, backend=backend)
+                main.wait_stream(side)
+            torch.cuda.current_stream(group.device).wait_stream(main)
+            worst = 0.0
+            for replay in range(replays):
+                fresh = [Problem(op, group, dtype, m, n, k, s + replay + 1, False, True)
+                         for s in seeds]
+                for p, new in zip(problems, fresh):
+                    refill(p, new)
+                graph.replay()
+                torch.cuda.synchronize(group.device)
+                worst = max([worst] + [relative_error(p.out, new.ref)
+                                       for p, new in zip(problems, fresh)])
+            ok = worst < TOLERANCE[dtype]
+            detail = f"worst rel_err of both runs over {replays} replays={worst:.2e}"
+        except Exception as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, group.rank, ok, detail)
+
+
 def check_graph_sequence(group, reporter, label, seed_base, replays=100):
     """The three ops on the symmetric backend captured in one graph, replayed with new inputs:
     every result right after every replay (no stale flag or buffer between ops or replays)."""
@@ -484,6 +525,7 @@ def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
     check_correctness(group, reporter, label, seed_base)
     check_graph_replay(group, reporter, label, seed_base + 50_000)
     check_graph_sequence(group, reporter, label, seed_base + 60_000)
+    check_graph_two_streams(group, reporter, label, seed_base + 65_000)
     check_stress(group, reporter, label, seed_base + 70_000, stress_calls)
     check_argument_errors(group, reporter, label)
     check_plans_must_agree(group, reporter, label, seed_base + 90_000)
