@@ -196,9 +196,13 @@ struct CollectiveMatmul::Impl {
     if (detail::wait_for_event(done.get(), comm.timeout()) == cudaErrorNotReady) {
       std::fprintf(stderr,
                    "meshla: %s plan destroyed while its last execution was still running after "
-                   "%lld ms; its buffers are freed anyway\n",
+                   "%lld ms (did a rank of the group not make its matching call?); its buffers "
+                   "are left allocated\n",
                    std::string(collective_op_name(config.op)).c_str(),
                    static_cast<long long>(comm.timeout().count()));
+      // Leaked on purpose: cudaFree waits for the device's work, and the stalled execution may
+      // never end, so freeing would hang this thread (and the interpreter's exit) for good.
+      static_cast<void>(executor.release());
     }
   }
 
