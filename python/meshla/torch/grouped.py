@@ -229,9 +229,10 @@ def _check_main_grads(main_grads, m_splits, x, dy):
 
 
 # The device tables of main_grad addresses by (device index, addresses): a framework's gradient
-# buffer stays put, so each set is copied to the device once. Bounded, oldest out first.
+# buffer stays put, so each set is copied to the device once. Never evicted: a captured graph,
+# or a kernel still queued on another stream, may read a table long after its last call (a few
+# hundred bytes each; one per distinct set of main_grad tensors).
 _address_tables: dict[tuple, torch.Tensor] = {}
-_MAX_ADDRESS_TABLES = 256
 
 
 def _address_table(tensors, device) -> torch.Tensor:
@@ -244,8 +245,6 @@ def _address_table(tensors, device) -> torch.Tensor:
             raise ValueError("grouped_linear wgrad: these main_grad tensors were never used "
                              "outside a CUDA graph capture; run one step eagerly first (a "
                              "warm-up) so that their addresses reach the device")
-        if len(_address_tables) >= _MAX_ADDRESS_TABLES:
-            del _address_tables[next(iter(_address_tables))]
         table = _address_tables[key] = torch.tensor(addresses, dtype=torch.int64, device=device)
     return table
 
