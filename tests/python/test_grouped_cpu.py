@@ -2,6 +2,8 @@
 aligned parameter and gradient storage, delayed weight gradients, main_grad accumulation and
 argument errors. The GPU kernels are checked by tests/gpu/check_grouped.py."""
 
+import copy
+
 import pytest
 import torch
 
@@ -64,20 +66,30 @@ def test_ops_pass_opcheck():
 
 
 def test_grouped_linear_compiles_with_gradients():
+    """torch.compile(fullgraph=True) traces the forward and every gradient (x, weight, bias) of
+    the functional form and of the module, matching eager."""
     torch.manual_seed(0)
-    layer = mt.GroupedLinear(4, 6, 3)
     sizes = splits([5, 0, 7, 4])
-
-    def f(x):
-        return torch.relu(mt.grouped_linear(x, sizes, *layer._packed_views()))
-
     x = torch.randn(16, 6, requires_grad=True)
-    y = torch.compile(f, fullgraph=True)(x)
-    y.sum().backward()
-    x_eager = x.detach().clone().requires_grad_()
-    f(x_eager).sum().backward()
-    torch.testing.assert_close(y, f(x_eager))
-    torch.testing.assert_close(x.grad, x_eager.grad)
+    w = torch.randn(4, 3, 6, requires_grad=True)
+    b = torch.randn(4, 3, requires_grad=True)
+
+    def f(x, w, b):
+        return torch.relu(mt.grouped_linear(x, sizes, w, b))
+
+    y = torch.compile(f, fullgraph=True)(x, w, b)
+    grads = torch.autograd.grad(y.sum(), [x, w, b])
+    y_eager = f(x, w, b)
+    torch.testing.assert_close(y, y_eager)
+    for got, want in zip(grads, torch.autograd.grad(y_eager.sum(), [x, w, b])):
+        torch.testing.assert_close(got, want)
+
+    layer = mt.GroupedLinear(4, 6, 3)
+    twin = copy.deepcopy(layer)
+    torch.compile(layer, fullgraph=True)(x, sizes).sum().backward()
+    twin(x, sizes).sum().backward()
+    for got, want in zip(layer.parameters(), twin.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
 
 
 def test_packed_group_stride_aligns_groups_to_256_bytes():
