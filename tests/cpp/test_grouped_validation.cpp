@@ -32,6 +32,16 @@ struct Forward {
   }
 };
 
+// A weight gradient's operands: 4 groups, 100 rows, `in` input and 32 output features; dweight
+// left to the caller.
+GroupedMatmulArgs wgrad_args(std::int64_t in) {
+  GroupedMatmulArgs args;
+  args.m_splits = view(0x1000, DType::kInt64, {4});
+  args.x = view(0x10000, DType::kBFloat16, {100, in});
+  args.dy = view(0x20000, DType::kBFloat16, {100, 32});
+  return args;
+}
+
 std::string error_of(GroupedPass pass, const GroupedMatmulArgs& args) {
   try {
     validate_grouped_args(pass, args);
@@ -107,10 +117,7 @@ TEST(GroupedValidation, GroupStrideMayBePaddedButNotOverlapping) {
 }
 
 TEST(GroupedValidation, WgradOutputDtypeFollowsAccumulate) {
-  GroupedMatmulArgs args;
-  args.m_splits = view(0x1000, DType::kInt64, {4});
-  args.x = view(0x10000, DType::kBFloat16, {100, 64});
-  args.dy = view(0x20000, DType::kBFloat16, {100, 32});
+  GroupedMatmulArgs args = wgrad_args(64);
   args.dweight = view(0x30000, DType::kBFloat16, {4, 32, 64});
   EXPECT_EQ(error_of(GroupedPass::kWgrad, args), "");
   args.accumulate = true;
@@ -129,10 +136,7 @@ TEST(GroupedValidation, FeaturesMustNotBeEmpty) {
   EXPECT_EQ(error_of(GroupedPass::kForward, f.args()),
             "grouped_linear forward: out_features=0 and in_features=64 (from weight.shape=[4, 0, "
             "64]) must be at least 1");
-  GroupedMatmulArgs args;
-  args.m_splits = view(0x1000, DType::kInt64, {4});
-  args.x = view(0x10000, DType::kBFloat16, {100, 0});
-  args.dy = view(0x20000, DType::kBFloat16, {100, 32});
+  GroupedMatmulArgs args = wgrad_args(0);
   args.dweight = view(0x30000, DType::kBFloat16, {4, 32, 0});
   EXPECT_EQ(error_of(GroupedPass::kWgrad, args),
             "grouped_linear wgrad: out_features=32 and in_features=0 (from x.shape=[100, 0], "
@@ -157,10 +161,7 @@ TEST(GroupedValidation, EmptyBatchTakesAnyStrides) {
 }
 
 TEST(GroupedValidation, AccumulatedGradientsByAddress) {
-  GroupedMatmulArgs args;
-  args.m_splits = view(0x1000, DType::kInt64, {4});
-  args.x = view(0x10000, DType::kBFloat16, {100, 64});
-  args.dy = view(0x20000, DType::kBFloat16, {100, 32});
+  GroupedMatmulArgs args = wgrad_args(64);
   args.dweight_addresses = view(0x30000, DType::kInt64, {4});
   args.accumulate = true;
   EXPECT_EQ(error_of(GroupedPass::kWgrad, args), "");
