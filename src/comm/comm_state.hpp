@@ -16,6 +16,8 @@
 
 namespace meshla::detail {
 
+class PeerWorkspace;
+
 struct CommState {
   // `release` ends an NCCL communicator; production code passes release_nccl_comm, CPU tests a
   // recorder. It runs exactly once for each communicator, when the last owner lets go.
@@ -44,6 +46,9 @@ struct CommState {
   // rank's memory, else why not. A property of the group, so each plan need not ask again. Like
   // the NCCL communicator itself, used by one thread at a time.
   std::optional<std::string> peer_access_problem;
+  // The peer memory that this group's symmetric plans share (PeerWorkspace::of), while a plan
+  // holds it.
+  std::weak_ptr<PeerWorkspace> peer_workspace;
 
  private:
   std::function<void(ncclComm_t)> release_;

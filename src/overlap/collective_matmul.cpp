@@ -4,7 +4,6 @@
 
 #include <cstddef>
 #include <cstdio>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -185,15 +184,12 @@ struct CollectiveMatmul::Impl {
   Impl(Communicator comm_, const CollectiveMatmulConfig& requested)
       : comm(std::move(comm_)),
         config(resolve_for_group(comm, requested)),
-        executor(make_executor(comm, config)),
-        done(comm.device()),
-        captured_done(comm.device()) {}
+        executor(make_executor(comm, config)) {}
 
   ~Impl() {
-    if (!executed) return;
     // The buffers and the communicator may go with this plan: let the last eager execution
     // finish (graphs captured from the plan must not outlive it, like any captured buffer).
-    if (detail::wait_for_event(done.get(), comm.timeout()) == cudaErrorNotReady) {
+    if (executor->order().wait_for_last_eager(comm.timeout()) == cudaErrorNotReady) {
       std::fprintf(stderr,
                    "meshla: %s plan destroyed while its last execution was still running after "
                    "%lld ms (did a rank of the group not make its matching call?); its buffers "
@@ -209,40 +205,22 @@ struct CollectiveMatmul::Impl {
   void execute(const CollectiveMatmulArgs& args, cudaStream_t stream) {
     overlap::validate_args(config, comm.size(), comm.device(), args);
     detail::DeviceGuard guard(comm.device());
-    // One execution of a plan at a time: its buffers and events are shared by all of them, so a
-    // run on another stream first waits for the previous run (stream-ordered, no host wait).
-    // Within one capture likewise, through an event of that capture: the graph may hold several
-    // runs of the plan on different streams (two micro-batches of one layer). Between a graph's
-    // replays and other work the caller orders, as for any captured buffer.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    unsigned long long capture_id = 0;
-    MESHLA_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &capture, &capture_id));
-    const bool eager = capture == cudaStreamCaptureStatusNone;
-    if (eager && executed) MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, done.get(), 0));
-    if (!eager && captured_in == capture_id) {
-      MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, captured_done.get(), 0));
-    }
-    executed = executed || eager;
-    // An event recorded inside a capture cannot be waited on outside it: eager runs mark `done`,
-    // captured ones `captured_done`.
-    detail::Event& finished = eager ? done : captured_done;
+    // One execution at a time on the executor's buffers: a run waits for the previous one,
+    // stream-ordered, also across streams and within one capture (two micro-batches of one layer
+    // in one graph).
+    const cudaEvent_t finished = executor->order().begin(stream);
     try {
       executor->enqueue(args, stream);
     } catch (...) {
-      cudaEventRecord(finished.get(), stream);
+      cudaEventRecord(finished, stream);
       throw;
     }
-    MESHLA_CHECK_CUDA(cudaEventRecord(finished.get(), stream));
-    if (!eager) captured_in = capture_id;
+    MESHLA_CHECK_CUDA(cudaEventRecord(finished, stream));
   }
 
   Communicator comm;
   CollectiveMatmulConfig config;
   std::unique_ptr<overlap::Executor> executor;
-  detail::Event done;  // recorded on the caller's stream when an execution has finished there
-  bool executed = false;
-  detail::Event captured_done;  // `done` of the last run captured, in capture captured_in
-  std::optional<unsigned long long> captured_in;
 };
 
 CollectiveMatmul::CollectiveMatmul(Communicator comm, const CollectiveMatmulConfig& config)

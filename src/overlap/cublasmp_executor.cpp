@@ -120,7 +120,8 @@ class CublasMpExecutor final : public Executor {
  public:
   CublasMpExecutor(const CublasMpLibrary& library, const Communicator& comm,
                    const CollectiveMatmulConfig& config)
-      : library_(library),
+      : Executor(std::make_shared<detail::ExecutionOrder>(comm.device())),
+        library_(library),
         context_(group_context(library, comm)),
         config_(config),
         tp_(comm.size()) {

@@ -1,23 +1,32 @@
 // The backends behind CollectiveMatmul. Each is built collectively with its plan from a resolved
-// config and runs one execution at a time; CollectiveMatmul serialises executions and checks
-// the arguments before they reach a backend.
+// config and runs one execution at a time, in the order of its ExecutionOrder (its own, or one it
+// shares with the plans whose buffers it shares); CollectiveMatmul keeps that order and checks the
+// arguments before they reach a backend.
 #pragma once
 
 #include <cstddef>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_handles.hpp"
+#include "core/execution_order.hpp"
 #include "meshla/collective_matmul.hpp"
 
 namespace meshla::overlap {
 
 class Executor {
  public:
+  explicit Executor(std::shared_ptr<detail::ExecutionOrder> order) : order_(std::move(order)) {}
   virtual ~Executor() = default;
   // Enqueues one execution on `stream`. Side streams fork from it and join back before this
   // returns, also when it throws, so the stream orders everything the execution wrote.
   virtual void enqueue(const CollectiveMatmulArgs& args, cudaStream_t stream) = 0;
+  // The order of this executor's executions and of every other one that uses its buffers.
+  detail::ExecutionOrder& order() const { return *order_; }
+
+ private:
+  std::shared_ptr<detail::ExecutionOrder> order_;
 };
 
 std::unique_ptr<Executor> make_nccl_executor(const Communicator& comm,

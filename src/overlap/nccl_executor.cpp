@@ -46,7 +46,8 @@ struct Bindings {
 class NcclExecutor final : public Executor {
  public:
   NcclExecutor(const Communicator& comm, const CollectiveMatmulConfig& config)
-      : config_(config),
+      : Executor(std::make_shared<detail::ExecutionOrder>(comm.device())),
+        config_(config),
         transfers_(comm),
         schedule_(make_schedule({.op = config.op,
                                  .algorithm = config.algorithm,

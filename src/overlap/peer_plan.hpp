@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/peer_workspace.hpp"
 #include "meshla/collective_matmul.hpp"
 
 namespace meshla::overlap {
@@ -50,5 +51,14 @@ std::string symmetric_unsupported(const CollectiveMatmulConfig& config, int tp);
 
 // Default rounds of a reduce-scatter or all-reduce of m rows on the symmetric backend.
 int default_rounds(CollectiveOp op, int tp, std::int64_t m);
+
+// The shared memory a resolved symmetric config uses on each of tp ranks:
+//   signals  32-bit flags: free[tp], then arrived[rounds][tp], then reduced[rounds][tp]
+//   data     all_gather_matmul: the gathered a [m, k], rank q's block at its rows;
+//            reduce ops: inbox[round][source], the sub-blocks of partial products this rank owns
+//            ([m, n] in all), and for an all-reduce the summed rows of every rank ([m, n]) after it
+//   scratch  reduce ops: [round][destination] partial products before their push ([m, n])
+detail::PeerWorkspace::Sizes symmetric_workspace_sizes(const CollectiveMatmulConfig& config,
+                                                       int tp);
 
 }  // namespace meshla::overlap

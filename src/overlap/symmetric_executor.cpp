@@ -3,21 +3,26 @@
 // tell the receiver that a block has landed, so no SM works on communication while the GEMMs
 // run. The order of the work is overlap/peer_plan.hpp's.
 //
-// Flags. Each rank's buffer ends with 32-bit flags that its peers set and it clears:
+// Memory. Every symmetric plan of a group uses the group's PeerWorkspace, laid out per plan as
+// symmetric_workspace_sizes says; the workspace runs one execution at a time, of whichever plan.
+//
+// Flags. Each rank's workspace starts with 32-bit flags that its peers set and it clears:
 //   free[q]            rank q may push into this rank's buffers: set by q at the start of each
 //                      execution (its previous one has read them), cleared by the pusher before
 //                      its first push
 //   arrived[round][q]  q's block (or partial product) for `round` has landed here
 //   reduced[round][q]  q's summed sub-block of `round` has landed here (all-reduce)
 // A flag goes 0 -> 1 -> 0 once per execution, and its next set always follows its clearing in
-// stream order, so repeated executions and CUDA-graph replays never see a stale value.
+// stream order, so repeated executions and CUDA-graph replays never see a stale value, and the
+// next execution, of this plan or another, finds every flag zero.
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string_view>
 #include <vector>
 
-#include "comm/peer_memory.hpp"
+#include "comm/peer_workspace.hpp"
 #include "comm/stream_flags.hpp"
 #include "core/cuda_checks.hpp"
 #include "meshla/matmul.hpp"
@@ -43,8 +48,10 @@ struct GatherOperands {
 
 class SymmetricExecutor final : public Executor {
  public:
-  SymmetricExecutor(const Communicator& comm, const CollectiveMatmulConfig& config)
-      : config_(config),
+  SymmetricExecutor(const Communicator& comm, const CollectiveMatmulConfig& config,
+                    std::shared_ptr<detail::PeerWorkspace> workspace)
+      : Executor(std::shared_ptr<detail::ExecutionOrder>(workspace, &workspace->order())),
+        config_(config),
         tp_(comm.size()),
         rank_(comm.rank()),
         rounds_(config.op == CollectiveOp::kAllGatherMatmul ? 1 : config.chunks),
@@ -56,25 +63,14 @@ class SymmetricExecutor final : public Executor {
         timeout_(comm.timeout()),
         matmul_(comm.device()),
         push_(comm.device(), 1, /*high_priority=*/true),
-        collect_(comm.device(), 1, /*high_priority=*/true) {
+        collect_(comm.device(), 1, /*high_priority=*/true),
+        workspace_(std::move(workspace)) {
     const int device = comm.device();
     gemm_sms_ = overlapped_gemm_sms(config, device);
-    const std::int64_t m = config.m;
-    std::int64_t data_bytes = 0;
-    if (config.op == CollectiveOp::kAllGatherMatmul) {
-      data_bytes = m * config.k * element_;  // the gathered a, slot q at rows of rank q
-    } else {
-      sub_rows_ = m / tp_ / rounds_;
-      // inbox[round][source]: sub-blocks of the partial products this rank owns
-      data_bytes = m * config.n * element_;
-      staging_ = detail::DeviceBuffer(device, static_cast<std::size_t>(data_bytes));
-      if (config.op == CollectiveOp::kMatmulAllReduce) {
-        results_offset_ = data_bytes;  // results: [m, n], the summed sub-blocks of the peers
-        data_bytes += m * config.n * element_;
-      }
+    if (config.op != CollectiveOp::kAllGatherMatmul) {
+      sub_rows_ = config.m / tp_ / rounds_;
+      results_offset_ = config.m * config.n * element_;  // all-reduce: after the inbox
     }
-    flags_offset_ = (data_bytes + 255) / 256 * 256;
-    const std::int64_t flag_count = tp_ * (1 + 2 * rounds_);
     for (std::size_t i = 0; i < peers_.size() * static_cast<std::size_t>(rounds_); ++i) {
       product_ready_.emplace_back(device);
     }
@@ -86,10 +82,9 @@ class SymmetricExecutor final : public Executor {
       load_sum_slots(config.dtype);
       sum_targets_.reserve(static_cast<std::size_t>(tp_));  // no allocation per call
     }
-    // Last: the exchange is the ranks' final meeting before their first execution, and nothing
-    // after it may free device memory (see PeerBuffer).
-    buffer_ =
-        detail::PeerBuffer(*comm.state(), static_cast<std::size_t>(flags_offset_ + flag_count * 4));
+    // Last: a growth's exchange is the ranks' final meeting before their first execution, and
+    // nothing after it may free device memory (see PeerBuffer).
+    workspace_->reserve(*comm.state(), symmetric_workspace_sizes(config, tp_));
   }
 
   void enqueue(const CollectiveMatmulArgs& args, cudaStream_t stream) override {
@@ -118,7 +113,7 @@ class SymmetricExecutor final : public Executor {
     std::int64_t index = source;
     if (kind == Flag::kArrived) index += tp_ * (1 + round);
     if (kind == Flag::kReduced) index += tp_ * (1 + rounds_ + round);
-    return reinterpret_cast<std::uint32_t*>(buffer_.of(owner) + flags_offset_ + index * 4);
+    return reinterpret_cast<std::uint32_t*>(workspace_->signals(owner) + index * 4);
   }
 
   // Waits on `stream` until the flag is set, then clears it for the next execution.
@@ -270,7 +265,7 @@ class SymmetricExecutor final : public Executor {
     char* gathered = static_cast<char*>(args.gathered.data);
     for (int peer : peers_) {
       consume(push_[0], flag(rank_, Flag::kFree, 0, peer));
-      push(push_[0], buffer_.of(peer) + rank_ * block_bytes, own, block_bytes,
+      push(push_[0], workspace_->data(peer) + rank_ * block_bytes, own, block_bytes,
            flag(peer, Flag::kArrived, 0, rank_));
     }
     if (gathered != nullptr) {
@@ -278,7 +273,7 @@ class SymmetricExecutor final : public Executor {
                                         cudaMemcpyDeviceToDevice, collect_[0]));
     }
     gather_gemms({.own = own,
-                  .slots = buffer_.local(),
+                  .slots = workspace_->data(rank_),
                   .b = args.b.data,
                   .bias = config_.bias ? args.bias.data : nullptr,
                   .out = static_cast<char*>(args.out.data)},
@@ -293,7 +288,7 @@ class SymmetricExecutor final : public Executor {
     const char* a = static_cast<const char*>(args.a.data);
     char* out = static_cast<char*>(args.out.data);
     const auto inbox = [&](int owner, int round, int source) {
-      return buffer_.of(owner) + (round * tp_ + source) * sub_bytes;
+      return workspace_->data(owner) + (round * tp_ + source) * sub_bytes;
     };
     const auto row_of = [&](int owner, int round) {
       return sub_block_begin(config_.m, tp_, rounds_, owner, round);
@@ -301,7 +296,7 @@ class SymmetricExecutor final : public Executor {
     for (int round = 0; round < rounds_; ++round) {
       for (std::size_t j = 0; j < peers_.size(); ++j) {
         const int peer = peers_[j];
-        char* product = static_cast<char*>(staging_.data()) + (round * tp_ + peer) * sub_bytes;
+        char* product = workspace_->scratch() + (round * tp_ + peer) * sub_bytes;
         gemm(shape(sub_rows_, /*bias=*/false), a + row_of(peer, round) * config_.k * element_,
              args.b.data, nullptr, product, stream);
         cudaEvent_t ready = product_ready_[round * peers_.size() + j].get();
@@ -318,7 +313,7 @@ class SymmetricExecutor final : public Executor {
       char* summed = out + (all_reduce ? row_of(rank_, round) : round * sub_rows_) * row_bytes;
       sum_targets_.assign(1, summed);
       const auto result_in = [&](int peer) {
-        return buffer_.of(peer) + results_offset_ + row_of(rank_, round) * row_bytes;
+        return workspace_->data(peer) + results_offset_ + row_of(rank_, round) * row_bytes;
       };
       // An all-reduce's last round: the GEMMs are done, so the SMs are free, and the sum stores
       // itself into every peer at once over NVLink, where the copy engine would push it to one
@@ -351,7 +346,7 @@ class SymmetricExecutor final : public Executor {
         // A one-slot sum is a copy. On SMs, between the GEMMs' waves: a local copy on the copy
         // engine ran at about 130 GB/s and held up the pushes queued behind it (measured).
         void* const copy_to[] = {out + row * row_bytes};
-        sum_slots(config_.dtype, buffer_.local() + results_offset_ + row * row_bytes, 0, 1,
+        sum_slots(config_.dtype, workspace_->data(rank_) + results_offset_ + row * row_bytes, 0, 1,
                   sub_count, copy_to, 1, collect_[0]);
       }
     }
@@ -372,15 +367,15 @@ class SymmetricExecutor final : public Executor {
   // could wait for the block its peer happened to push last.
   SideStreams push_;
   SideStreams collect_;  // copies out of this rank's own buffer into the caller's outputs
-  detail::PeerBuffer buffer_;
-  detail::DeviceBuffer staging_;  // [round][destination] partial products before their push
+  // Flags, the blocks in flight and the partial products (scratch), shared with the group's
+  // other symmetric plans.
+  std::shared_ptr<detail::PeerWorkspace> workspace_;
   std::vector<detail::Event> product_ready_;
   std::vector<detail::Event> reduced_ready_;
   std::vector<detail::Event> arrived_;  // all_gather_matmul: batches_[i] has arrived
   std::vector<void*> sum_targets_;      // a round's sum: this rank's output, and the peers' (tp)
   std::int64_t sub_rows_ = 0;
-  std::int64_t results_offset_ = 0;
-  std::int64_t flags_offset_ = 0;
+  std::int64_t results_offset_ = 0;  // all-reduce: the summed rows of every rank, in data
   int gemm_sms_ = 0;
   std::optional<GatheredGemm> gathered_gemm_;  // all_gather_matmul's GEMM in one launch, if faster
 };
@@ -389,7 +384,8 @@ class SymmetricExecutor final : public Executor {
 
 std::unique_ptr<Executor> make_symmetric_executor(const Communicator& comm,
                                                   const CollectiveMatmulConfig& config) {
-  return std::make_unique<SymmetricExecutor>(comm, config);
+  return std::make_unique<SymmetricExecutor>(comm, config,
+                                             detail::PeerWorkspace::of(*comm.state()));
 }
 
 }  // namespace meshla::overlap

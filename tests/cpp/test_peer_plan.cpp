@@ -171,5 +171,41 @@ TEST(PeerPlan, ForcedSymmetricExplainsWhyItCannotRun) {
                "CUDA peer access");
 }
 
+// The workspace a plan asks for holds every flag and every byte the executor addresses: the
+// all-gather's slots, the reduce ops' inbox[round][source] and staged products, and the
+// all-reduce's summed rows after the inbox.
+TEST(PeerPlan, WorkspaceSizesHoldEverythingAPlanAddresses) {
+  for (const CollectiveOp op : {CollectiveOp::kAllGatherMatmul, CollectiveOp::kMatmulReduceScatter,
+                                CollectiveOp::kMatmulAllReduce}) {
+    for (const int tp : {1, 2, 4, 8}) {
+      CollectiveMatmulConfig requested{
+          .op = op, .backend = Backend::kSymmetric, .m = 1024 * tp, .n = 96, .k = 40};
+      const CollectiveMatmulConfig c = resolve_config(requested, tp, /*peer_access=*/true);
+      const std::int64_t element = 2;  // bfloat16
+      const detail::PeerWorkspace::Sizes sizes = symmetric_workspace_sizes(c, tp);
+      const int rounds = op == CollectiveOp::kAllGatherMatmul ? 1 : c.chunks;
+      EXPECT_EQ(sizes.signal_bytes, static_cast<std::size_t>(tp * (1 + 2 * rounds) * 4));
+      if (op == CollectiveOp::kAllGatherMatmul) {
+        EXPECT_EQ(sizes.data_bytes, static_cast<std::size_t>(c.m * c.k * element));  // tp slots
+        EXPECT_EQ(sizes.scratch_bytes, 0u);
+        continue;
+      }
+      const std::int64_t sub_bytes = c.m / tp / rounds * c.n * element;
+      const std::int64_t inbox_end = rounds * tp * sub_bytes;
+      EXPECT_EQ(sizes.scratch_bytes, static_cast<std::size_t>(inbox_end));
+      std::int64_t data_end = inbox_end;
+      if (op == CollectiveOp::kMatmulAllReduce) {
+        for (int owner = 0; owner < tp; ++owner) {
+          for (int round = 0; round < rounds; ++round) {
+            const std::int64_t row = sub_block_begin(c.m, tp, rounds, owner, round);
+            data_end = std::max(data_end, inbox_end + (row + c.m / tp / rounds) * c.n * element);
+          }
+        }
+      }
+      EXPECT_EQ(sizes.data_bytes, static_cast<std::size_t>(data_end)) << collective_op_name(op);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace meshla::overlap

@@ -78,8 +78,9 @@ class TPGroup:
     size: int
     comm: _meshla.Communicator | None = None
     process_group: Any = None
-    # Plans by (op, dtype, m, n, k, trans_b, bias, return_gathered, Tuning). Each owns its buffers (and runs one execution at a time), so a group keeps one per shape
-    # it has run: with many distinct shapes, make a TPGroup per phase or drop it between them.
+    # Plans by (op, dtype, m, n, k, trans_b, bias, return_gathered, Tuning). The symmetric
+    # backend's plans share one workspace per group, sized by the largest; an NCCL plan owns its
+    # staging buffers, so with many distinct shapes make a TPGroup per phase or drop it between.
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -1,0 +1,72 @@
+// The peer memory that the symmetric plans of one group share, with their local scratch. Sized by
+// the largest plan built so far and grown at plan time when a new plan needs more, so that a group
+// that runs many shapes holds one allocation, not one per shape. The plans' executions share the
+// memory, so they run one at a time, in the workspace's ExecutionOrder.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/comm_state.hpp"
+#include "comm/peer_memory.hpp"
+#include "core/cuda_handles.hpp"
+#include "core/execution_order.hpp"
+
+namespace meshla::detail {
+
+class PeerWorkspace {
+ public:
+  struct Sizes {
+    // Peer memory for flags, which the plans leave zero at the end of every execution, so that
+    // any plan finds them zero at the start of its own.
+    std::size_t signal_bytes = 0;
+    std::size_t data_bytes = 0;     // peer memory for blocks and partial products
+    std::size_t scratch_bytes = 0;  // local memory
+  };
+
+  // The group's workspace, made on first use. The group holds it weakly: it goes with the last
+  // plan that holds it.
+  static std::shared_ptr<PeerWorkspace> of(CommState& state);
+
+  explicit PeerWorkspace(int device);
+  PeerWorkspace(const PeerWorkspace&) = delete;
+  PeerWorkspace& operator=(const PeerWorkspace&) = delete;
+
+  // Grows whatever part is smaller than `needed`. Collective: every rank of the group passes the
+  // same sizes (its plans are built in the same order, with the same configs, on every rank), so
+  // every rank grows the peer memory at the same call. Memory that is replaced is freed once the
+  // last execution on it has finished (waiting up to the group's timeout, then kTimeout), unless
+  // a CUDA graph captured an execution on it: that memory stays until the workspace goes, for the
+  // graph's replays.
+  //
+  // With several GPUs driven by one process, the plan must call this last in its construction
+  // (see PeerBuffer): old memory is freed before the ranks exchange the new.
+  void reserve(const CommState& state, const Sizes& needed);
+
+  // This rank's address of `rank`'s flags and of its data.
+  char* signals(int rank) const { return peers_.of(rank); }
+  char* data(int rank) const { return peers_.of(rank) + data_offset_; }
+  char* scratch() const { return static_cast<char*>(scratch_.data()); }
+  ExecutionOrder& order() { return order_; }
+
+ private:
+  // Waits for the last eager execution before memory that it may use is freed.
+  void wait_for_last_execution(const CommState& state) const;
+
+  int device_;
+  ExecutionOrder order_;
+  Sizes capacity_;
+  std::size_t data_offset_ = 0;
+  PeerBuffer peers_;
+  DeviceBuffer scratch_;
+  // order_.captured_runs() when peers_ and scratch_ were allocated: more since, and a graph may
+  // replay on them.
+  std::uint64_t captured_runs_at_peers_ = 0;
+  std::uint64_t captured_runs_at_scratch_ = 0;
+  std::vector<PeerBuffer> kept_peers_;  // replaced, but used by captured graphs
+  std::vector<DeviceBuffer> kept_scratch_;
+};
+
+}  // namespace meshla::detail
