@@ -17,13 +17,19 @@ constexpr std::size_t kDataAlignment = 256;
 std::shared_ptr<PeerWorkspace> PeerWorkspace::of(CommState& state) {
   std::shared_ptr<PeerWorkspace> workspace = state.peer_workspace.lock();
   if (workspace == nullptr) {
-    workspace = std::make_shared<PeerWorkspace>(state.device);
+    workspace = std::make_shared<PeerWorkspace>(state);
     state.peer_workspace = workspace;
   }
   return workspace;
 }
 
-PeerWorkspace::PeerWorkspace(int device) : device_(device), order_(device) {}
+PeerWorkspace::PeerWorkspace(const CommState& state)
+    : device_(state.device),
+      order_(state.device,
+             "backend=symmetric, rank " + std::to_string(state.rank) + " of " +
+                 std::to_string(state.size) + ", cuda:" + std::to_string(state.device),
+             state.timeout),
+      scratch_stream_(state.device, /*high_priority=*/false) {}
 
 void PeerWorkspace::wait_for_last_execution(const CommState& state) const {
   const cudaError_t status = order_.wait_for_last_eager(state.timeout);
@@ -37,14 +43,13 @@ void PeerWorkspace::wait_for_last_execution(const CommState& state) const {
 }
 
 void PeerWorkspace::reserve(const CommState& state, const Sizes& needed) {
-  // Scratch first: it frees local memory, which must not happen after the exchange below.
   if (needed.scratch_bytes > capacity_.scratch_bytes) {
     wait_for_last_execution(state);
     const bool captured = order_.captured_runs() != captured_runs_at_scratch_;
     if (captured && scratch_.data() != nullptr) kept_scratch_.push_back(std::move(scratch_));
-    scratch_ = DeviceBuffer();  // the old memory goes before the new is allocated
+    scratch_ = StreamBuffer();  // the old memory goes before the new is allocated
     capacity_.scratch_bytes = 0;
-    scratch_ = DeviceBuffer(device_, needed.scratch_bytes);
+    scratch_ = StreamBuffer(needed.scratch_bytes, scratch_stream_.get());
     capacity_.scratch_bytes = needed.scratch_bytes;
     captured_runs_at_scratch_ = order_.captured_runs();
   }

@@ -30,7 +30,7 @@ class PeerWorkspace {
   // plan that holds it.
   static std::shared_ptr<PeerWorkspace> of(CommState& state);
 
-  explicit PeerWorkspace(int device);
+  explicit PeerWorkspace(const CommState& state);
   PeerWorkspace(const PeerWorkspace&) = delete;
   PeerWorkspace& operator=(const PeerWorkspace&) = delete;
 
@@ -42,7 +42,8 @@ class PeerWorkspace {
   // graph's replays.
   //
   // With several GPUs driven by one process, the plan must call this last in its construction
-  // (see PeerBuffer): old memory is freed before the ranks exchange the new.
+  // (see PeerBuffer): old peer memory is freed before the ranks exchange the new, and the scratch
+  // is stream-ordered memory, whose freeing waits for no device.
   void reserve(const CommState& state, const Sizes& needed);
 
   // This rank's address of `rank`'s flags and of its data.
@@ -57,16 +58,17 @@ class PeerWorkspace {
 
   int device_;
   ExecutionOrder order_;
+  Stream scratch_stream_;  // allocates and frees the scratch, in stream order
   Sizes capacity_;
   std::size_t data_offset_ = 0;
   PeerBuffer peers_;
-  DeviceBuffer scratch_;
+  StreamBuffer scratch_;
   // order_.captured_runs() when peers_ and scratch_ were allocated: more since, and a graph may
   // replay on them.
   std::uint64_t captured_runs_at_peers_ = 0;
   std::uint64_t captured_runs_at_scratch_ = 0;
   std::vector<PeerBuffer> kept_peers_;  // replaced, but used by captured graphs
-  std::vector<DeviceBuffer> kept_scratch_;
+  std::vector<StreamBuffer> kept_scratch_;
 };
 
 }  // namespace meshla::detail

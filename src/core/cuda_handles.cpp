@@ -74,6 +74,27 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   return *this;
 }
 
+StreamBuffer::StreamBuffer(std::size_t bytes, cudaStream_t stream)
+    : bytes_(bytes), stream_(stream) {
+  if (bytes == 0) return;
+  MESHLA_CHECK_CUDA(cudaMallocAsync(&data_, bytes, stream));
+  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+}
+
+StreamBuffer::~StreamBuffer() {
+  if (data_ != nullptr) cudaFreeAsync(data_, stream_);
+}
+
+StreamBuffer& StreamBuffer::operator=(StreamBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) cudaFreeAsync(data_, stream_);
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    stream_ = other.stream_;
+  }
+  return *this;
+}
+
 cudaError_t wait_for_event(cudaEvent_t event, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::microseconds(10);

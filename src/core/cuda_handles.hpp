@@ -66,6 +66,30 @@ class DeviceBuffer {
   std::size_t bytes_ = 0;
 };
 
+// Owns device memory from the stream-ordered allocator, allocated and freed in the order of a
+// stream that outlives it. Neither waits for the device's other work, let alone a peer device's:
+// cudaFree does, with peer access enabled, and with several GPUs driven from one process a peer's
+// queued work may wait for this very thread.
+class StreamBuffer {
+ public:
+  StreamBuffer() = default;
+  // Usable on any stream when this returns.
+  StreamBuffer(std::size_t bytes, cudaStream_t stream);
+  ~StreamBuffer();
+  StreamBuffer(StreamBuffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)),
+        stream_(other.stream_) {}
+  StreamBuffer& operator=(StreamBuffer&& other) noexcept;
+  void* data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
 // Polls `event` until it has completed or `timeout` has passed: cudaSuccess, cudaErrorNotReady
 // on timeout, or the error the event reports. Never throws, so destructors may use it.
 cudaError_t wait_for_event(cudaEvent_t event, std::chrono::milliseconds timeout);

@@ -324,11 +324,13 @@ void Matmul::prepare(const MatmulShape& shape) {
   const int device = impl_->device;
   detail::DeviceGuard guard(device);
   detail::Stream stream(device, /*high_priority=*/false);
-  detail::DeviceBuffer a(device, a_count * element);
-  detail::DeviceBuffer b(device, b_count * element);
-  detail::DeviceBuffer d(device, d_count * element);
-  detail::DeviceBuffer addend(device, packed.addend ? d_count * element : 0);
-  detail::DeviceBuffer bias(device, packed.bias ? packed.n * element : 0);
+  // Stream-ordered: plans tune after their ranks have met, and a cudaFree there could wait for a
+  // peer device whose queued work waits for this thread (several GPUs driven from one process).
+  detail::StreamBuffer a(a_count * element, stream.get());
+  detail::StreamBuffer b(b_count * element, stream.get());
+  detail::StreamBuffer d(d_count * element, stream.get());
+  detail::StreamBuffer addend(packed.addend ? d_count * element : 0, stream.get());
+  detail::StreamBuffer bias(packed.bias ? packed.n * element : 0, stream.get());
   for (auto* buffer : {&a, &b, &addend, &bias}) {
     detail::random_fill(buffer->data(), packed.dtype, buffer->bytes() / element, 17, stream.get());
   }

@@ -3,7 +3,8 @@
 #include "meshla/collective_matmul.hpp"
 
 #include <cstddef>
-#include <cstdio>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -100,6 +101,14 @@ void SideStreams::join_after_failure(cudaStream_t stream) noexcept {
   }
 }
 
+std::shared_ptr<detail::ExecutionOrder> plan_order(const Communicator& comm,
+                                                   const CollectiveMatmulConfig& config) {
+  std::ostringstream context;
+  context << "backend=" << backend_name(config.backend) << ", rank " << comm.rank() << " of "
+          << comm.size() << ", cuda:" << comm.device();
+  return std::make_shared<detail::ExecutionOrder>(comm.device(), context.str(), comm.timeout());
+}
+
 int overlapped_gemm_sms(const CollectiveMatmulConfig& config, int device) {
   if (config.comm_sms <= 0) return 0;
   int device_sms = 0;
@@ -188,18 +197,10 @@ struct CollectiveMatmul::Impl {
 
   ~Impl() {
     // The buffers and the communicator may go with this plan: let the last eager execution
-    // finish (graphs captured from the plan must not outlive it, like any captured buffer).
-    if (executor->order().wait_for_last_eager(comm.timeout()) == cudaErrorNotReady) {
-      std::fprintf(stderr,
-                   "meshla: %s plan destroyed while its last execution was still running after "
-                   "%lld ms (did a rank of the group not make its matching call?); its buffers "
-                   "are left allocated\n",
-                   std::string(collective_op_name(config.op)).c_str(),
-                   static_cast<long long>(comm.timeout().count()));
-      // Leaked on purpose: cudaFree waits for the device's work, and the stalled execution may
-      // never end, so freeing would hang this thread (and the interpreter's exit) for good.
-      static_cast<void>(executor.release());
-    }
+    // finish first (graphs captured from the plan must not outlive it, like any captured buffer).
+    // One that never finishes ends the process through the order's watchdog, at its timeout
+    // counted from its enqueue, so before this wait would give up.
+    static_cast<void>(executor->order().wait_for_last_eager(comm.timeout()));
   }
 
   void execute(const CollectiveMatmulArgs& args, cudaStream_t stream) {
@@ -208,14 +209,16 @@ struct CollectiveMatmul::Impl {
     // One execution at a time on the executor's buffers: a run waits for the previous one,
     // stream-ordered, also across streams and within one capture (two micro-batches of one layer
     // in one graph).
-    const cudaEvent_t finished = executor->order().begin(stream);
+    detail::ExecutionOrder& order = executor->order();
+    // collective_op_name's views are of string literals.
+    order.begin(stream, collective_op_name(config.op).data());
     try {
       executor->enqueue(args, stream);
     } catch (...) {
-      cudaEventRecord(finished, stream);
+      order.end_after_failure(stream);
       throw;
     }
-    MESHLA_CHECK_CUDA(cudaEventRecord(finished, stream));
+    order.end(stream);
   }
 
   Communicator comm;

@@ -120,7 +120,7 @@ class CublasMpExecutor final : public Executor {
  public:
   CublasMpExecutor(const CublasMpLibrary& library, const Communicator& comm,
                    const CollectiveMatmulConfig& config)
-      : Executor(std::make_shared<detail::ExecutionOrder>(comm.device())),
+      : Executor(plan_order(comm, config)),
         library_(library),
         context_(group_context(library, comm)),
         config_(config),

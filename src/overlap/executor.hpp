@@ -60,6 +60,10 @@ class SideStreams {
   std::vector<detail::Event> joined_;
 };
 
+// The ExecutionOrder of a plan that runs on buffers of its own, watched with the group's timeout.
+std::shared_ptr<detail::ExecutionOrder> plan_order(const Communicator& comm,
+                                                   const CollectiveMatmulConfig& config);
+
 // SMs the GEMMs that overlap communication may use on `device` (0: all), leaving config.comm_sms
 // free; throws kInvalidArgument when that leaves none.
 int overlapped_gemm_sms(const CollectiveMatmulConfig& config, int device);

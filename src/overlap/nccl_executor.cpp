@@ -46,7 +46,7 @@ struct Bindings {
 class NcclExecutor final : public Executor {
  public:
   NcclExecutor(const Communicator& comm, const CollectiveMatmulConfig& config)
-      : Executor(std::make_shared<detail::ExecutionOrder>(comm.device())),
+      : Executor(plan_order(comm, config)),
         config_(config),
         transfers_(comm),
         schedule_(make_schedule({.op = config.op,

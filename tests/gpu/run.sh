@@ -3,7 +3,7 @@
 # "N passed, N failed". Logs and the per-check results go to $LOG_DIR (default $OUT/gpu-suite).
 #   tests/gpu/run.sh            build, then every process model
 #   tests/gpu/run.sh threads    only the named models (grouped, solver, solver-processes,
-#                               processes, cublasmp, threads, network)
+#                               watchdog, processes, cublasmp, threads, network)
 #   MESHLA_SKIP_BUILD=1 ...     reuse the installed package
 set -uo pipefail
 # Never NVLink multicast: it can take a shared host's GPUs out of service.
@@ -45,9 +45,9 @@ launch() {
 }
 
 check=tests/gpu/check_collective_matmul.py
-models=${*:-grouped solver solver-processes processes cublasmp threads network}
+models=${*:-grouped solver solver-processes watchdog processes cublasmp threads network}
 wants() { [[ " $models " == *" $1 "* ]]; }
-# The grouped GEMM needs one GPU; the collective models need two or more.
+# The grouped GEMM and the watchdog need one GPU; the collective models need two or more.
 if [ "$gpus" -ge 1 ] && wants grouped; then
   launch grouped python3 tests/gpu/check_grouped.py --results "$results" --model grouped
 fi
@@ -59,6 +59,10 @@ fi
 if [ "$gpus" -ge 2 ] && wants solver-processes; then
   launch solver-processes-tp2 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node=2 tests/gpu/check_solver_processes.py --results "$results" --model solver-processes-tp2
   [ "$gpus" -ge 4 ] && launch solver-processes-tp4 torchrun --nproc-per-node=4 tests/gpu/check_solver_processes.py --results "$results" --model solver-processes-tp4
+fi
+# A collective matmul that never finishes ends its process at the timeout.
+if [ "$gpus" -ge 1 ] && wants watchdog; then
+  launch watchdog python3 tests/gpu/check_watchdog.py --results "$results" --model watchdog
 fi
 if [ "$gpus" -lt 2 ]; then
   echo "skipped: the collective models need at least 2 GPUs, this machine has $gpus"

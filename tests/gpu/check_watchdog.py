@@ -1,0 +1,113 @@
+"""GPU check of the execution watchdog: a collective matmul that never finishes ends the process,
+with a message naming the op and the timeout, instead of leaving it waiting forever.
+
+  python tests/gpu/check_watchdog.py --results FILE
+
+Each case runs in a child process, on each backend (nccl, symmetric), under a 2 s communicator
+timeout; its run must end the process by SIGABRT, with the message, long before it could finish:
+  held          (one GPU) the run is held back by a long kernel queued ahead of it on the stream
+  missing-peer  (two GPUs, one process, a thread per GPU) both ranks build the plan, then only
+                rank 0 runs it: its peer never makes the matching call
+and a control (one GPU) whose timeout outlasts a short hold must finish with the right product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import torch
+
+import meshla.torch as mt
+from reporting import Reporter, relative_error
+
+# The hold: torch.cuda._sleep cycles, about 10 s and 0.5 s at the H100's and H200's ~2 GHz.
+HOLD_CYCLES = {"held": 20_000_000_000, "control": 1_000_000_000}
+TIMEOUT_S = {"held": 2.0, "control": 120.0, "missing-peer": 2.0}
+CASES = ("held", "control", "missing-peer")
+
+
+def operands(device):
+    a = torch.randn(256, 512, device=device).to(torch.bfloat16)
+    b = torch.randn(512, 384, device=device).to(torch.bfloat16)
+    return a, b
+
+
+def child_missing_peer(backend: str) -> None:
+    groups = mt.local_groups([0, 1], timeout_s=TIMEOUT_S["missing-peer"])
+    inputs = [operands(torch.device("cuda", rank)) for rank in range(2)]
+    kwargs = dict(algorithm="ring", backend=backend)
+
+    def build(rank):  # the plans are built collectively, by a first call on both ranks
+        torch.cuda.set_device(rank)
+        mt.all_gather_matmul(inputs[rank][0], inputs[rank][1], groups[rank], **kwargs)
+        torch.cuda.synchronize(rank)
+
+    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.set_device(0)
+    mt.all_gather_matmul(inputs[0][0], inputs[0][1], groups[0], **kwargs)  # rank 1 never calls
+    torch.cuda.synchronize(0)
+    print("finished", flush=True)
+
+
+def child(case: str, backend: str) -> None:
+    if case == "missing-peer":
+        child_missing_peer(backend)
+        return
+    torch.cuda.set_device(0)
+    group = mt.local_groups([0], timeout_s=TIMEOUT_S[case])[0]
+    a, b = operands(torch.device("cuda", 0))
+    kwargs = dict(algorithm="ring", backend=backend)
+    mt.all_gather_matmul(a, b, group, **kwargs)  # the plan is built before the hold
+    torch.cuda.synchronize()
+    torch.cuda._sleep(HOLD_CYCLES[case])
+    out = mt.all_gather_matmul(a, b, group, **kwargs)
+    torch.cuda.synchronize()
+    print(f"finished rel_err={relative_error(out, a.double() @ b.double()):.2e}", flush=True)
+
+
+def check(reporter: Reporter, backend: str, case: str) -> None:
+    name = f"watchdog/{backend}/{case}"
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child", case, "--backend", backend],
+                              capture_output=True, text=True, timeout=300)
+        waited = re.search(r"enqueued (\d+) ms ago has not finished on the device "
+                           r"\(timeout (\d+) ms\)", proc.stderr)
+        finished = re.search(r"finished(?: rel_err=(\S+))?", proc.stdout)
+        if case != "control":
+            ok = (proc.returncode == -signal.SIGABRT and waited is not None and finished is None
+                  and f"all_gather_matmul (backend={backend}," in proc.stderr
+                  and int(waited.group(1)) >= int(waited.group(2)) == 2000)
+        else:
+            ok = proc.returncode == 0 and finished is not None and float(finished.group(1)) < 1e-2
+        last = (proc.stderr.strip().splitlines() or [""])[-1]
+        detail = (f"exit {proc.returncode}; stdout: {proc.stdout.strip()[-200:]!r}; "
+                  f"stderr's last line: {last[-400:]!r}")
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, 0, ok, detail)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", help="JSON-lines file to append to")
+    parser.add_argument("--model", default="watchdog", help="label of this run in the results")
+    parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="nccl", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.backend)
+    else:
+        reporter = Reporter(args.results, args.model)
+        cases = CASES if torch.cuda.device_count() >= 2 else ("held", "control")
+        for backend in ("nccl", "symmetric"):
+            for case in cases:
+                check(reporter, backend, case)
