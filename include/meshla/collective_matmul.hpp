@@ -7,9 +7,10 @@
 //   matmul_all_reduce      the same product                    -> out [m, n], the whole sum
 //
 // A CollectiveMatmul is a plan: built once per shape (collectively, by every rank of the group),
-// it owns the GEMM handle, the side stream, the events and the staging buffers; the symmetric
-// backend's plans instead share their group's peer memory, sized by the largest of them and grown
-// when a plan needs more (so their executions run one at a time, in call order). execute() only
+// it owns the GEMM handle, the side stream and the events. Its buffers (staging, peer memory) are
+// its group's, shared by the group's nccl and symmetric plans, sized by the largest of them and
+// grown when a plan needs more; so those plans' executions run one at a time, in call order
+// (cublasmp plans own theirs). execute() only
 // enqueues work on the caller's stream and forks/joins its side stream there, so it can be
 // captured in a CUDA graph.
 #pragma once

@@ -16,7 +16,7 @@
 
 namespace meshla::detail {
 
-class PeerWorkspace;
+class GroupWorkspace;
 
 struct CommState {
   // `release` ends an NCCL communicator; production code passes release_nccl_comm, CPU tests a
@@ -46,13 +46,16 @@ struct CommState {
   // rank's memory, else why not. A property of the group, so each plan need not ask again. Like
   // the NCCL communicator itself, used by one thread at a time.
   std::optional<std::string> peer_access_problem;
-  // The peer memory that this group's symmetric plans share (PeerWorkspace::of), while a plan
-  // holds it.
-  std::weak_ptr<PeerWorkspace> peer_workspace;
+  // The memory that this group's collective-matmul plans share (GroupWorkspace::of), while a
+  // plan holds it.
+  std::weak_ptr<GroupWorkspace> group_workspace;
 
  private:
   std::function<void(ncclComm_t)> release_;
 };
+
+// "rank 1 of 4, cuda:1": this rank of the group, for messages.
+std::string rank_description(const CommState& state);
 
 // Ends a communicator with ncclCommAbort: local, so teardown in any order on any rank never waits
 // for a peer (ncclCommFinalize is collective and would hang when ranks drop their handles in

@@ -29,6 +29,11 @@ CommState::~CommState() {
 
 void release_nccl_comm(ncclComm_t comm) { ncclCommAbort(comm); }
 
+std::string rank_description(const CommState& state) {
+  return "rank " + std::to_string(state.rank) + " of " + std::to_string(state.size) +
+         ", cuda:" + std::to_string(state.device);
+}
+
 std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_ctas) {
   MESHLA_CHECK_ARG(max_ctas >= 1, "split_with_max_ctas: max_ctas=" << max_ctas << " must be >= 1");
   DeviceGuard guard(parent.device);

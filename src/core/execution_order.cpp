@@ -79,7 +79,7 @@ class ExecutionWatchdog {
     const long long waited = (now - order.watched_since_.load()) / 1'000'000;
     std::fprintf(
         stderr,
-        "meshla: %s (%s): an execution enqueued %lld ms ago has not finished on the device "
+        "meshla: %s on %s: an execution enqueued %lld ms ago has not finished on the device "
         "(timeout %lld ms). A rank of the group that died or never made its matching call "
         "leaves this rank's streams waiting forever (so would work queued ahead of it on "
         "the stream that runs longer than the timeout: raise the communicator's timeout_s "

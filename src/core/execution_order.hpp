@@ -17,8 +17,8 @@ namespace meshla::detail {
 
 class ExecutionOrder {
  public:
-  // `context` says whose runs these are in the watchdog's message ("backend=nccl, rank 1 of 4,
-  // cuda:1"). An eager run that has not finished on the device `timeout` after it was enqueued ends
+  // `context` says whose runs these are in the watchdog's message ("rank 1 of 4, cuda:1"). An
+  // eager run that has not finished on the device `timeout` after it was enqueued ends
   // the process with that message: its waits on peers (stream memory operations, NCCL kernels) have
   // no bound of their own, so a rank of the group that died or never made its matching call would
   // leave this rank's streams, and every host thread that synchronises with them, waiting forever.
@@ -32,7 +32,7 @@ class ExecutionOrder {
   // into a CUDA graph for the last run captured in the same capture (an event recorded inside a
   // capture cannot be waited on outside it; between a graph's replays and other work the caller
   // orders, as for any captured buffer). `run` names the run for the watchdog: a string with
-  // static storage duration ("all_gather_matmul").
+  // static storage duration ("all_gather_matmul (backend=nccl)").
   void begin(cudaStream_t stream, const char* run);
   // Marks the end of the run begun last, once its work is enqueued on `stream`; an eager run is
   // watched from here.

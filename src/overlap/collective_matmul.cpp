@@ -2,9 +2,10 @@
 // of one plan; the backends (overlap/executor.hpp) enqueue the work.
 #include "meshla/collective_matmul.hpp"
 
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -101,12 +102,9 @@ void SideStreams::join_after_failure(cudaStream_t stream) noexcept {
   }
 }
 
-std::shared_ptr<detail::ExecutionOrder> plan_order(const Communicator& comm,
-                                                   const CollectiveMatmulConfig& config) {
-  std::ostringstream context;
-  context << "backend=" << backend_name(config.backend) << ", rank " << comm.rank() << " of "
-          << comm.size() << ", cuda:" << comm.device();
-  return std::make_shared<detail::ExecutionOrder>(comm.device(), context.str(), comm.timeout());
+std::shared_ptr<detail::ExecutionOrder> plan_order(const Communicator& comm) {
+  return std::make_shared<detail::ExecutionOrder>(
+      comm.device(), detail::rank_description(*comm.state()), comm.timeout());
 }
 
 int overlapped_gemm_sms(const CollectiveMatmulConfig& config, int device) {
@@ -123,6 +121,29 @@ int overlapped_gemm_sms(const CollectiveMatmulConfig& config, int device) {
 }  // namespace overlap
 
 namespace {
+
+// "all_gather_matmul (backend=nccl)": the watchdog's name for a run, which must outlive it.
+const char* run_name(CollectiveOp op, Backend backend) {
+  constexpr std::array kOps{CollectiveOp::kAllGatherMatmul, CollectiveOp::kMatmulReduceScatter,
+                            CollectiveOp::kMatmulAllReduce};
+  constexpr std::array kBackends{Backend::kAuto, Backend::kNccl, Backend::kSymmetric,
+                                 Backend::kCublasMp};
+  static const std::vector<std::string> names = [&] {
+    std::vector<std::string> all;
+    for (CollectiveOp each_op : kOps) {
+      for (Backend each_backend : kBackends) {
+        all.push_back(std::string(collective_op_name(each_op)) +
+                      " (backend=" + std::string(backend_name(each_backend)) + ")");
+      }
+    }
+    return all;
+  }();
+  const auto position = [](const auto& values, auto value) {
+    return static_cast<std::size_t>(std::find(values.begin(), values.end(), value) -
+                                    values.begin());
+  };
+  return names[position(kOps, op) * kBackends.size() + position(kBackends, backend)].c_str();
+}
 
 // Throws kNotImplemented on every rank unless the backend can run on all of them, so that no
 // rank goes on into a collective set-up that another rank never joins. Collective.
@@ -210,8 +231,7 @@ struct CollectiveMatmul::Impl {
     // stream-ordered, also across streams and within one capture (two micro-batches of one layer
     // in one graph).
     detail::ExecutionOrder& order = executor->order();
-    // collective_op_name's views are of string literals.
-    order.begin(stream, collective_op_name(config.op).data());
+    order.begin(stream, run_name(config.op, config.backend));
     try {
       executor->enqueue(args, stream);
     } catch (...) {

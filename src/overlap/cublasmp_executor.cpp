@@ -120,7 +120,7 @@ class CublasMpExecutor final : public Executor {
  public:
   CublasMpExecutor(const CublasMpLibrary& library, const Communicator& comm,
                    const CollectiveMatmulConfig& config)
-      : Executor(plan_order(comm, config)),
+      : Executor(plan_order(comm)),
         library_(library),
         context_(group_context(library, comm)),
         config_(config),

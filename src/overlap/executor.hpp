@@ -61,8 +61,7 @@ class SideStreams {
 };
 
 // The ExecutionOrder of a plan that runs on buffers of its own, watched with the group's timeout.
-std::shared_ptr<detail::ExecutionOrder> plan_order(const Communicator& comm,
-                                                   const CollectiveMatmulConfig& config);
+std::shared_ptr<detail::ExecutionOrder> plan_order(const Communicator& comm);
 
 // SMs the GEMMs that overlap communication may use on `device` (0: all), leaving config.comm_sms
 // free; throws kInvalidArgument when that leaves none.

@@ -3,6 +3,8 @@
 #include <array>
 
 #include "comm/comm_state.hpp"
+#include "comm/group_workspace.hpp"
+#include "core/alignment.hpp"
 #include "core/cuda_checks.hpp"
 #include "meshla/matmul.hpp"
 #include "overlap/executor.hpp"
@@ -45,8 +47,9 @@ struct Bindings {
 
 class NcclExecutor final : public Executor {
  public:
-  NcclExecutor(const Communicator& comm, const CollectiveMatmulConfig& config)
-      : Executor(plan_order(comm, config)),
+  NcclExecutor(const Communicator& comm, const CollectiveMatmulConfig& config,
+               std::shared_ptr<detail::GroupWorkspace> workspace)
+      : Executor(std::shared_ptr<detail::ExecutionOrder>(workspace, &workspace->order())),
         config_(config),
         transfers_(comm),
         schedule_(make_schedule({.op = config.op,
@@ -58,14 +61,20 @@ class NcclExecutor final : public Executor {
                                  .bias = config.bias,
                                  .return_gathered = config.return_gathered})),
         matmul_(comm.device()),
-        comm_stream_(comm.device(), 1, /*high_priority=*/true) {
+        comm_stream_(comm.device(), 1, /*high_priority=*/true),
+        workspace_(std::move(workspace)) {
     const int device = comm.device();
     gemm_sms_ = overlapped_gemm_sms(config, device);
     const std::size_t element = dtype_size(config.dtype);
-    if (config.op == CollectiveOp::kAllGatherMatmul && !config.return_gathered) {
-      own_gathered_ = detail::DeviceBuffer(device, schedule_.gathered_rows * config.k * element);
-    }
-    partial_ = detail::DeviceBuffer(device, schedule_.partial_rows * config.n * element);
+    // Scratch: the gathered rows (all_gather_matmul that does not return them), then the partial
+    // products.
+    const std::size_t gathered_bytes =
+        config.op == CollectiveOp::kAllGatherMatmul && !config.return_gathered
+            ? schedule_.gathered_rows * config.k * element
+            : 0;
+    partial_offset_ = detail::align_up(gathered_bytes);
+    workspace_->reserve(*comm.state(), {.scratch_bytes = partial_offset_ + schedule_.partial_rows *
+                                                                               config.n * element});
     for (std::size_t i = 0; i < schedule_.gemms.size(); ++i) gemm_done_.emplace_back(device);
     for (std::size_t i = 0; i < schedule_.comms.size(); ++i) comm_done_.emplace_back(device);
     for (const GemmTask& gemm : schedule_.gemms) matmul_.prepare(shape_of(gemm));
@@ -81,9 +90,9 @@ class NcclExecutor final : public Executor {
     Bindings at;
     at.element = static_cast<std::int64_t>(dtype_size(config_.dtype));
     at.bind(Buffer::kInput, args.a.data, config_.k);
-    at.bind(Buffer::kGathered, config_.return_gathered ? args.gathered.data : own_gathered_.data(),
+    at.bind(Buffer::kGathered, config_.return_gathered ? args.gathered.data : workspace_->scratch(),
             config_.k);
-    at.bind(Buffer::kPartial, partial_.data(), config_.n);
+    at.bind(Buffer::kPartial, workspace_->scratch() + partial_offset_, config_.n);
     at.bind(Buffer::kOutput, args.out.data, config_.n);
     comm_stream_.fork(stream);
     try {
@@ -199,16 +208,17 @@ class NcclExecutor final : public Executor {
   SideStreams comm_stream_;
   std::vector<detail::Event> gemm_done_;
   std::vector<detail::Event> comm_done_;
-  detail::DeviceBuffer own_gathered_;
-  detail::DeviceBuffer partial_;
-  int gemm_sms_ = 0;  // SMs of the GEMMs that overlap communication (0: all)
+  // The gathered rows and the partial products, shared with the group's other plans.
+  std::shared_ptr<detail::GroupWorkspace> workspace_;
+  std::size_t partial_offset_ = 0;  // in the scratch
+  int gemm_sms_ = 0;                // SMs of the GEMMs that overlap communication (0: all)
 };
 
 }  // namespace
 
 std::unique_ptr<Executor> make_nccl_executor(const Communicator& comm,
                                              const CollectiveMatmulConfig& config) {
-  return std::make_unique<NcclExecutor>(comm, config);
+  return std::make_unique<NcclExecutor>(comm, config, detail::GroupWorkspace::of(*comm.state()));
 }
 
 }  // namespace meshla::overlap

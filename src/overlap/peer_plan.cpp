@@ -71,12 +71,12 @@ int default_rounds(CollectiveOp op, int tp, std::int64_t m) {
   return rows % 2 == 0 && rows / 2 >= kMinRows ? 2 : 1;
 }
 
-detail::PeerWorkspace::Sizes symmetric_workspace_sizes(const CollectiveMatmulConfig& config,
-                                                       int tp) {
+detail::GroupWorkspace::Sizes symmetric_workspace_sizes(const CollectiveMatmulConfig& config,
+                                                        int tp) {
   const auto bytes = [](std::int64_t count) { return static_cast<std::size_t>(count); };
   const std::int64_t element = static_cast<std::int64_t>(dtype_size(config.dtype));
   const int rounds = config.op == CollectiveOp::kAllGatherMatmul ? 1 : config.chunks;
-  detail::PeerWorkspace::Sizes sizes{.signal_bytes = bytes(tp * (1 + 2 * rounds) * 4)};
+  detail::GroupWorkspace::Sizes sizes{.signal_bytes = bytes(tp * (1 + 2 * rounds) * 4)};
   const std::int64_t product = config.m * config.n * element;
   switch (config.op) {
     case CollectiveOp::kAllGatherMatmul:

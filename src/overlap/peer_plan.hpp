@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/peer_workspace.hpp"
+#include "comm/group_workspace.hpp"
 #include "meshla/collective_matmul.hpp"
 
 namespace meshla::overlap {
@@ -58,7 +58,7 @@ int default_rounds(CollectiveOp op, int tp, std::int64_t m);
 //            reduce ops: inbox[round][source], the sub-blocks of partial products this rank owns
 //            ([m, n] in all), and for an all-reduce the summed rows of every rank ([m, n]) after it
 //   scratch  reduce ops: [round][destination] partial products before their push ([m, n])
-detail::PeerWorkspace::Sizes symmetric_workspace_sizes(const CollectiveMatmulConfig& config,
+detail::GroupWorkspace::Sizes symmetric_workspace_sizes(const CollectiveMatmulConfig& config,
                                                        int tp);
 
 }  // namespace meshla::overlap

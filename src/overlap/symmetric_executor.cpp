@@ -3,7 +3,7 @@
 // tell the receiver that a block has landed, so no SM works on communication while the GEMMs
 // run. The order of the work is overlap/peer_plan.hpp's.
 //
-// Memory. Every symmetric plan of a group uses the group's PeerWorkspace, laid out per plan as
+// Memory. Every symmetric plan of a group uses the group's GroupWorkspace, laid out per plan as
 // symmetric_workspace_sizes says; the workspace runs one execution at a time, of whichever plan.
 //
 // Flags. Each rank's workspace starts with 32-bit flags that its peers set and it clears:
@@ -22,7 +22,7 @@
 #include <string_view>
 #include <vector>
 
-#include "comm/peer_workspace.hpp"
+#include "comm/group_workspace.hpp"
 #include "comm/stream_flags.hpp"
 #include "core/cuda_checks.hpp"
 #include "meshla/matmul.hpp"
@@ -49,7 +49,7 @@ struct GatherOperands {
 class SymmetricExecutor final : public Executor {
  public:
   SymmetricExecutor(const Communicator& comm, const CollectiveMatmulConfig& config,
-                    std::shared_ptr<detail::PeerWorkspace> workspace)
+                    std::shared_ptr<detail::GroupWorkspace> workspace)
       : Executor(std::shared_ptr<detail::ExecutionOrder>(workspace, &workspace->order())),
         config_(config),
         tp_(comm.size()),
@@ -369,7 +369,7 @@ class SymmetricExecutor final : public Executor {
   SideStreams collect_;  // copies out of this rank's own buffer into the caller's outputs
   // Flags, the blocks in flight and the partial products (scratch), shared with the group's
   // other symmetric plans.
-  std::shared_ptr<detail::PeerWorkspace> workspace_;
+  std::shared_ptr<detail::GroupWorkspace> workspace_;
   std::vector<detail::Event> product_ready_;
   std::vector<detail::Event> reduced_ready_;
   std::vector<detail::Event> arrived_;  // all_gather_matmul: batches_[i] has arrived
@@ -385,7 +385,7 @@ class SymmetricExecutor final : public Executor {
 std::unique_ptr<Executor> make_symmetric_executor(const Communicator& comm,
                                                   const CollectiveMatmulConfig& config) {
   return std::make_unique<SymmetricExecutor>(comm, config,
-                                             detail::PeerWorkspace::of(*comm.state()));
+                                             detail::GroupWorkspace::of(*comm.state()));
 }
 
 }  // namespace meshla::overlap

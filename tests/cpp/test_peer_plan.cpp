@@ -182,7 +182,7 @@ TEST(PeerPlan, WorkspaceSizesHoldEverythingAPlanAddresses) {
           .op = op, .backend = Backend::kSymmetric, .m = 1024 * tp, .n = 96, .k = 40};
       const CollectiveMatmulConfig c = resolve_config(requested, tp, /*peer_access=*/true);
       const std::int64_t element = 2;  // bfloat16
-      const detail::PeerWorkspace::Sizes sizes = symmetric_workspace_sizes(c, tp);
+      const detail::GroupWorkspace::Sizes sizes = symmetric_workspace_sizes(c, tp);
       const int rounds = op == CollectiveOp::kAllGatherMatmul ? 1 : c.chunks;
       EXPECT_EQ(sizes.signal_bytes, static_cast<std::size_t>(tp * (1 + 2 * rounds) * 4));
       if (op == CollectiveOp::kAllGatherMatmul) {

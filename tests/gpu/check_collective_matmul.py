@@ -345,47 +345,46 @@ def check_plans_must_agree(group, reporter, label, seed):
                     f"{detail}; then rel_err={err:.2e}")
 
 
-def check_shared_workspace(group, reporter, label, seed_base):
-    """The symmetric plans of a group share one workspace. A plan that fits in it allocates no
-    peer memory; a larger one grows it; a graph captured before the growth still replays right on
-    the memory it captured; and the plans' runs, interleaved, are all right."""
-    name = f"{label}/symmetric/shared-workspace"
-    dtype, m, n = torch.bfloat16, 8192, 4096
-    # all_gather_matmul's operands are the only bf16 [m, k] here; the reduce ops' data and
-    # scratch are [m, n] each: 128 MiB for an all-reduce's data, 64 for a reduce-scatter's.
+def check_shared_workspace(group, reporter, label, seed_base, backend):
+    """The nccl and symmetric plans of a group share one workspace. A plan that fits in it
+    allocates no buffers; a larger one grows it; a graph captured before the growth still replays
+    right on the memory it captured; and the plans' runs, interleaved, are all right."""
+    name = f"{label}/{backend}/shared-workspace"
+    algorithm = "ring" if backend == "symmetric" else "pipelined"
+    dtype, m, n, k, small_rows = torch.bfloat16, 8192, 4096, 256, 128 * group.size
     mib = 2**20
     try:
-        def problem(op, rows, k, seed):
+        def problem(op, rows, seed):
             return Problem(op, group, dtype, rows, n, k, seed, False, True)
 
         def run(op, p):
-            result = run_op(op, p, group, "ring", False, backend="symmetric")
+            result = run_op(op, p, group, algorithm, False, backend=backend)
             return result[0] if op == "all_gather_matmul" else result
 
-        small = problem("all_gather_matmul", 128 * group.size, 256, seed_base)
-        run("all_gather_matmul", small)
+        small = problem("matmul_all_reduce", small_rows, seed_base)
+        run("matmul_all_reduce", small)
         torch.cuda.synchronize(group.device)
-        graph = capture(group, [lambda: run("all_gather_matmul", small)])
-        big = problem("matmul_all_reduce", m, 256, seed_base + 1)
+        graph = capture(group, [lambda: run("matmul_all_reduce", small)])
+        big = problem("matmul_all_reduce", m, seed_base + 1)
         big_err = relative_error(run("matmul_all_reduce", big), big.ref)  # grows the workspace
         replayed = worst_over_replays(
-            group, graph, {"all_gather_matmul": small},
-            lambda replay: {"all_gather_matmul": problem("all_gather_matmul", 128 * group.size,
-                                                         256, seed_base + 10 + replay)}, 5)
-        # A reduce-scatter of the same m and n fits: building its plan allocates only its own
-        # GEMM workspace (32 MiB), not the 128 MiB of data and scratch a plan of its own would.
+            group, graph, {"matmul_all_reduce": small},
+            lambda replay: {"matmul_all_reduce": problem("matmul_all_reduce", small_rows,
+                                                         seed_base + 10 + replay)}, 5)
+        # A reduce-scatter of the same m and n fits: building its plan allocates its GEMM's
+        # cuBLASLt workspace (32 MiB) but no buffers, where its own staging of [m, n] would be
+        # 64 MiB more (128 on the symmetric backend: inbox and staged products).
         torch.cuda.synchronize(group.device)
         free_before = torch.cuda.mem_get_info(group.device)[0]
-        group.plan(meshla._meshla.CollectiveOp.matmul_reduce_scatter, dtype, m, n, 256, False,
-                   True, False, mt.Tuning.of("ring", backend="symmetric"))
+        group.plan(meshla._meshla.CollectiveOp.matmul_reduce_scatter, dtype, m, n, k, False, True,
+                   False, mt.Tuning.of(algorithm, backend=backend))
         allocated = (free_before - torch.cuda.mem_get_info(group.device)[0]) / mib
         worst = 0.0
         for call in range(6):
             op = OPS[call % 3]
-            rows = 128 * group.size if op == "all_gather_matmul" else m
-            p = problem(op, rows, 256, seed_base + 100 + call)
+            p = problem(op, small_rows if op == "all_gather_matmul" else m, seed_base + 100 + call)
             worst = max(worst, relative_error(run(op, p), p.ref))
-        ok = (max(big_err, replayed, worst) < TOLERANCE[dtype] and allocated < 64)
+        ok = max(big_err, replayed, worst) < TOLERANCE[dtype] and allocated < 64
         detail = (f"grown all-reduce rel_err={big_err:.2e}; graph captured before the growth: "
                   f"worst rel_err={replayed:.2e} over 5 replays; a reduce-scatter plan that fits "
                   f"allocated {allocated:.0f} MiB; interleaved runs worst rel_err={worst:.2e}")
@@ -578,7 +577,8 @@ def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
     check_stress(group, reporter, label, seed_base + 70_000, stress_calls)
     check_argument_errors(group, reporter, label)
     check_plans_must_agree(group, reporter, label, seed_base + 90_000)
-    check_shared_workspace(group, reporter, label, seed_base + 95_000)
+    for index, backend in enumerate(("nccl", "symmetric")):
+        check_shared_workspace(group, reporter, label, seed_base + 95_000 + 100 * index, backend)
 
 
 def main_processes(args, reporter):

@@ -84,7 +84,7 @@ def check(reporter: Reporter, backend: str, case: str) -> None:
         finished = re.search(r"finished(?: rel_err=(\S+))?", proc.stdout)
         if case != "control":
             ok = (proc.returncode == -signal.SIGABRT and waited is not None and finished is None
-                  and f"all_gather_matmul (backend={backend}," in proc.stderr
+                  and f"all_gather_matmul (backend={backend}) on rank 0 of" in proc.stderr
                   and int(waited.group(1)) >= int(waited.group(2)) == 2000)
         else:
             ok = proc.returncode == 0 and finished is not None and float(finished.group(1)) < 1e-2

@@ -78,9 +78,9 @@ class TPGroup:
     size: int
     comm: _meshla.Communicator | None = None
     process_group: Any = None
-    # Plans by (op, dtype, m, n, k, trans_b, bias, return_gathered, Tuning). The symmetric
-    # backend's plans share one workspace per group, sized by the largest; an NCCL plan owns its
-    # staging buffers, so with many distinct shapes make a TPGroup per phase or drop it between.
+    # Plans by (op, dtype, m, n, k, trans_b, bias, return_gathered, Tuning). The nccl and
+    # symmetric plans of a group keep their buffers in one workspace sized by the largest shape, so
+    # a plan per shape costs its GEMM's tuning and a 32 MiB cuBLASLt workspace, not its buffers.
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property

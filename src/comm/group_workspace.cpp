@@ -1,37 +1,28 @@
-#include "comm/peer_workspace.hpp"
+#include "comm/group_workspace.hpp"
 
 #include <algorithm>
 #include <string>
 
+#include "core/alignment.hpp"
 #include "core/checks.hpp"
 #include "core/cuda_checks.hpp"
 
 namespace meshla::detail {
-namespace {
-
-// Data starts on a 256-byte boundary after the flags: TMA and vector copies want aligned blocks.
-constexpr std::size_t kDataAlignment = 256;
-
-}  // namespace
-
-std::shared_ptr<PeerWorkspace> PeerWorkspace::of(CommState& state) {
-  std::shared_ptr<PeerWorkspace> workspace = state.peer_workspace.lock();
+std::shared_ptr<GroupWorkspace> GroupWorkspace::of(CommState& state) {
+  std::shared_ptr<GroupWorkspace> workspace = state.group_workspace.lock();
   if (workspace == nullptr) {
-    workspace = std::make_shared<PeerWorkspace>(state);
-    state.peer_workspace = workspace;
+    workspace = std::make_shared<GroupWorkspace>(state);
+    state.group_workspace = workspace;
   }
   return workspace;
 }
 
-PeerWorkspace::PeerWorkspace(const CommState& state)
+GroupWorkspace::GroupWorkspace(const CommState& state)
     : device_(state.device),
-      order_(state.device,
-             "backend=symmetric, rank " + std::to_string(state.rank) + " of " +
-                 std::to_string(state.size) + ", cuda:" + std::to_string(state.device),
-             state.timeout),
+      order_(state.device, rank_description(state), state.timeout),
       scratch_stream_(state.device, /*high_priority=*/false) {}
 
-void PeerWorkspace::wait_for_last_execution(const CommState& state) const {
+void GroupWorkspace::wait_for_last_execution(const CommState& state) const {
   const cudaError_t status = order_.wait_for_last_eager(state.timeout);
   MESHLA_CHECK(kTimeout, status != cudaErrorNotReady,
                "the symmetric workspace of rank " << state.rank << " cannot grow: its last "
@@ -42,7 +33,7 @@ void PeerWorkspace::wait_for_last_execution(const CommState& state) const {
   MESHLA_CHECK_CUDA(status);
 }
 
-void PeerWorkspace::reserve(const CommState& state, const Sizes& needed) {
+void GroupWorkspace::reserve(const CommState& state, const Sizes& needed) {
   if (needed.scratch_bytes > capacity_.scratch_bytes) {
     wait_for_last_execution(state);
     const bool captured = order_.captured_runs() != captured_runs_at_scratch_;
@@ -65,8 +56,7 @@ void PeerWorkspace::reserve(const CommState& state, const Sizes& needed) {
   }
   peers_ = PeerBuffer();
   capacity_.signal_bytes = capacity_.data_bytes = data_offset_ = 0;
-  const std::size_t data_offset =
-      (signal_bytes + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
+  const std::size_t data_offset = align_up(signal_bytes);
   peers_ = PeerBuffer(state, data_offset + data_bytes);
   capacity_.signal_bytes = signal_bytes;
   capacity_.data_bytes = data_bytes;

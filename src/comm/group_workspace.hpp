@@ -1,7 +1,8 @@
-// The peer memory that the symmetric plans of one group share, with their local scratch. Sized by
-// the largest plan built so far and grown at plan time when a new plan needs more, so that a group
-// that runs many shapes holds one allocation, not one per shape. The plans' executions share the
-// memory, so they run one at a time, in the workspace's ExecutionOrder.
+// The memory that the collective-matmul plans of one group share: peer memory (the symmetric
+// backend's flags and blocks) and local scratch (staged products, gathered rows). Sized by the
+// largest plan built so far and grown at plan time when a new plan needs more, so that a group
+// that runs many shapes holds one allocation of each, not one per shape. The plans' executions
+// share the memory, so they run one at a time, in the workspace's ExecutionOrder.
 #pragma once
 
 #include <cstddef>
@@ -16,7 +17,7 @@
 
 namespace meshla::detail {
 
-class PeerWorkspace {
+class GroupWorkspace {
  public:
   struct Sizes {
     // Peer memory for flags, which the plans leave zero at the end of every execution, so that
@@ -28,11 +29,11 @@ class PeerWorkspace {
 
   // The group's workspace, made on first use. The group holds it weakly: it goes with the last
   // plan that holds it.
-  static std::shared_ptr<PeerWorkspace> of(CommState& state);
+  static std::shared_ptr<GroupWorkspace> of(CommState& state);
 
-  explicit PeerWorkspace(const CommState& state);
-  PeerWorkspace(const PeerWorkspace&) = delete;
-  PeerWorkspace& operator=(const PeerWorkspace&) = delete;
+  explicit GroupWorkspace(const CommState& state);
+  GroupWorkspace(const GroupWorkspace&) = delete;
+  GroupWorkspace& operator=(const GroupWorkspace&) = delete;
 
   // Grows whatever part is smaller than `needed`. Collective: every rank of the group passes the
   // same sizes (its plans are built in the same order, with the same configs, on every rank), so
