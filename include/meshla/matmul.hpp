@@ -49,7 +49,9 @@ class Matmul {
 
   // Chooses and caches the algorithm for `shape` with 16-byte aligned operands, so that run() on
   // a prepared shape only enqueues: times cuBLASLt's candidates on scratch data of the shape
-  // (allocated, filled and freed here) and keeps the fastest. Synchronizes the device.
+  // (allocated, filled and freed here, stream-ordered, with a workspace of their own) and keeps
+  // the fastest. Waits for its own timing runs only, so it may overlap runs already enqueued; a
+  // shape prepared before costs nothing.
   void prepare(const MatmulShape& shape);
 
   // Enqueues the product on `stream`. Never allocates device memory or waits on the host. The

@@ -20,7 +20,8 @@ std::shared_ptr<GroupWorkspace> GroupWorkspace::of(CommState& state) {
 GroupWorkspace::GroupWorkspace(const CommState& state)
     : device_(state.device),
       order_(state.device, rank_description(state), state.timeout),
-      scratch_stream_(state.device, /*high_priority=*/false) {}
+      scratch_stream_(state.device, /*high_priority=*/false),
+      matmul_(state.device) {}
 
 void GroupWorkspace::wait_for_last_execution(const CommState& state) const {
   const cudaError_t status = order_.wait_for_last_eager(state.timeout);

@@ -1,8 +1,9 @@
-// The memory that the collective-matmul plans of one group share: peer memory (the symmetric
-// backend's flags and blocks) and local scratch (staged products, gathered rows). Sized by the
-// largest plan built so far and grown at plan time when a new plan needs more, so that a group
-// that runs many shapes holds one allocation of each, not one per shape. The plans' executions
-// share the memory, so they run one at a time, in the workspace's ExecutionOrder.
+// What the collective-matmul plans of one group share: peer memory (the symmetric backend's flags
+// and blocks), local scratch (staged products, gathered rows), and the cuBLASLt handle with its
+// workspace and tuned algorithms. The memory is sized by the largest plan built so far and grown
+// at plan time when a new plan needs more, so that a group that runs many shapes holds one of
+// each, not one per shape. The plans' executions share all of it, so they run one at a time, in
+// the workspace's ExecutionOrder, and each runs its GEMMs on the caller's stream only.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +15,7 @@
 #include "comm/peer_memory.hpp"
 #include "core/cuda_handles.hpp"
 #include "core/execution_order.hpp"
+#include "meshla/matmul.hpp"
 
 namespace meshla::detail {
 
@@ -52,6 +54,7 @@ class GroupWorkspace {
   char* data(int rank) const { return peers_.of(rank) + data_offset_; }
   char* scratch() const { return static_cast<char*>(scratch_.data()); }
   ExecutionOrder& order() { return order_; }
+  Matmul& matmul() { return matmul_; }
 
  private:
   // Waits for the last eager execution before memory that it may use is freed.
@@ -60,6 +63,7 @@ class GroupWorkspace {
   int device_;
   ExecutionOrder order_;
   Stream scratch_stream_;  // allocates and frees the scratch, in stream order
+  Matmul matmul_;
   Sizes capacity_;
   std::size_t data_offset_ = 0;
   PeerBuffer peers_;

@@ -182,9 +182,11 @@ class Descriptors {
 
   // Times every candidate on `ops` (scratch data) and keeps the fastest: the heuristic's first
   // choice is often not it, above all under an SM count target.
+  bool needs_tuning() const { return !tuned_ && candidates_.size() >= 2; }
+
   void tune(cublasLtHandle_t handle, const MatmulOperands& ops, bool addend, void* workspace,
             std::size_t workspace_bytes, cudaStream_t stream, int device) {
-    if (tuned_ || candidates_.size() < 2) return;
+    if (!needs_tuning()) return;
     float best = std::numeric_limits<float>::infinity();
     cublasLtMatmulAlgo_t best_algorithm = candidates_.front();
     for (const cublasLtMatmulAlgo_t& candidate : candidates_) {
@@ -309,6 +311,7 @@ void Matmul::prepare(const MatmulShape& shape) {
   if (packed.m == 0 || packed.n == 0) return;
   // Operands as the framework allocators hand them out: aligned far past 16 bytes.
   Descriptors& descriptors = impl_->lookup({packed, alignments_of(packed, MatmulOperands{})});
+  if (!descriptors.needs_tuning()) return;
   // Scratch operands of the shape's extent, filled with random data, for timing candidates.
   const std::size_t element = dtype_size(packed.dtype);
   const auto extent = [](std::int64_t rows, std::int64_t cols, std::int64_t pitch, int batch,
@@ -326,6 +329,9 @@ void Matmul::prepare(const MatmulShape& shape) {
   detail::Stream stream(device, /*high_priority=*/false);
   // Stream-ordered: plans tune after their ranks have met, and a cudaFree there could wait for a
   // peer device whose queued work waits for this thread (several GPUs driven from one process).
+  // The timing runs have a workspace of their own, so that runs already queued may use the
+  // Matmul's meanwhile.
+  detail::StreamBuffer workspace(kWorkspaceBytes, stream.get());
   detail::StreamBuffer a(a_count * element, stream.get());
   detail::StreamBuffer b(b_count * element, stream.get());
   detail::StreamBuffer d(d_count * element, stream.get());
@@ -337,7 +343,7 @@ void Matmul::prepare(const MatmulShape& shape) {
   descriptors.tune(
       impl_->handle,
       {.a = a.data(), .b = b.data(), .bias = bias.data(), .addend = addend.data(), .d = d.data()},
-      packed.addend, impl_->workspace.data(), impl_->workspace.bytes(), stream.get(), device);
+      packed.addend, workspace.data(), workspace.bytes(), stream.get(), device);
   MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
 }
 

@@ -60,7 +60,6 @@ class NcclExecutor final : public Executor {
                                  .chunks = config.chunks,
                                  .bias = config.bias,
                                  .return_gathered = config.return_gathered})),
-        matmul_(comm.device()),
         comm_stream_(comm.device(), 1, /*high_priority=*/true),
         workspace_(std::move(workspace)) {
     const int device = comm.device();
@@ -77,7 +76,7 @@ class NcclExecutor final : public Executor {
                                                                                config.n * element});
     for (std::size_t i = 0; i < schedule_.gemms.size(); ++i) gemm_done_.emplace_back(device);
     for (std::size_t i = 0; i < schedule_.comms.size(); ++i) comm_done_.emplace_back(device);
-    for (const GemmTask& gemm : schedule_.gemms) matmul_.prepare(shape_of(gemm));
+    for (const GemmTask& gemm : schedule_.gemms) workspace_->matmul().prepare(shape_of(gemm));
     // Last: the split is a meeting of the ranks, and with several GPUs in one process nothing
     // between it and the first execution may free device memory (cudaFree waits for the peer
     // devices, whose queued NCCL kernels may wait for this thread).
@@ -128,13 +127,13 @@ class NcclExecutor final : public Executor {
     if (gemm.wait_comm >= 0) {
       MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, comm_done_[gemm.wait_comm].get(), 0));
     }
-    matmul_.run(shape_of(gemm),
-                {.a = at.at(gemm.a),
-                 .b = args.b.data,
-                 .bias = gemm.bias ? args.bias.data : nullptr,
-                 .addend = gemm.has_addend ? at.at(gemm.addend) : nullptr,
-                 .d = at.at(gemm.d)},
-                stream);
+    workspace_->matmul().run(shape_of(gemm),
+                             {.a = at.at(gemm.a),
+                              .b = args.b.data,
+                              .bias = gemm.bias ? args.bias.data : nullptr,
+                              .addend = gemm.has_addend ? at.at(gemm.addend) : nullptr,
+                              .d = at.at(gemm.d)},
+                             stream);
     MESHLA_CHECK_CUDA(cudaEventRecord(gemm_done_[index].get(), stream));
   }
 
@@ -204,11 +203,10 @@ class NcclExecutor final : public Executor {
   CollectiveMatmulConfig config_;
   Communicator transfers_;  // the plan's communicator, or its split with at most comm_ctas CTAs
   Schedule schedule_;
-  Matmul matmul_;
   SideStreams comm_stream_;
   std::vector<detail::Event> gemm_done_;
   std::vector<detail::Event> comm_done_;
-  // The gathered rows and the partial products, shared with the group's other plans.
+  // The gathered rows, the partial products and the GEMMs, shared with the group's other plans.
   std::shared_ptr<detail::GroupWorkspace> workspace_;
   std::size_t partial_offset_ = 0;  // in the scratch
   int gemm_sms_ = 0;                // SMs of the GEMMs that overlap communication (0: all)

@@ -61,7 +61,6 @@ class SymmetricExecutor final : public Executor {
                                                              : std::vector<std::vector<int>>{}),
         arrivals_(arrival_order(tp_, rank_)),
         timeout_(comm.timeout()),
-        matmul_(comm.device()),
         push_(comm.device(), 1, /*high_priority=*/true),
         collect_(comm.device(), 1, /*high_priority=*/true),
         workspace_(std::move(workspace)) {
@@ -157,17 +156,20 @@ class SymmetricExecutor final : public Executor {
   void prepare_gemms() {
     const std::int64_t block = config_.m / tp_;
     if (config_.op == CollectiveOp::kAllGatherMatmul) {
-      matmul_.prepare(shape(block, config_.bias));
-      for (const std::vector<int>& batch : batches_) matmul_.prepare(batch_shape(batch));
+      workspace_->matmul().prepare(shape(block, config_.bias));
+      for (const std::vector<int>& batch : batches_) {
+        workspace_->matmul().prepare(batch_shape(batch));
+      }
     } else {
-      matmul_.prepare(shape(sub_rows_, /*bias=*/false));
-      if (config_.bias) matmul_.prepare(shape(sub_rows_, /*bias=*/true));
+      workspace_->matmul().prepare(shape(sub_rows_, /*bias=*/false));
+      if (config_.bias) workspace_->matmul().prepare(shape(sub_rows_, /*bias=*/true));
     }
   }
 
   void gemm(const MatmulShape& shape, const char* a, const void* b, const void* bias, void* d,
             cudaStream_t stream) {
-    matmul_.run(shape, {.a = a, .b = b, .bias = shape.bias ? bias : nullptr, .d = d}, stream);
+    workspace_->matmul().run(shape, {.a = a, .b = b, .bias = shape.bias ? bias : nullptr, .d = d},
+                             stream);
   }
 
   // all_gather_matmul's GEMM in one of two forms (choose_gather_form):
@@ -241,7 +243,7 @@ class SymmetricExecutor final : public Executor {
                                  .n = config_.n,
                                  .k = config_.k,
                                  .trans_b = config_.trans_b,
-                                 .device = matmul_.device(),
+                                 .device = workspace_->matmul().device(),
                                  .sm_count = gemm_sms_};
     if (one_launch.sm_count == 0) {
       MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&one_launch.sm_count, cudaDevAttrMultiProcessorCount,
@@ -361,14 +363,13 @@ class SymmetricExecutor final : public Executor {
   std::vector<std::vector<int>> batches_;  // all_gather_matmul: arrival_batches
   std::vector<int> arrivals_;              // all_gather_matmul: arrival_order
   std::chrono::milliseconds timeout_;
-  Matmul matmul_;
   // One stream carries every push, in ring order: a GPU's copy engine runs its pushes one after
   // another anyway (measured), and from several streams it took them in any order, so a rank
   // could wait for the block its peer happened to push last.
   SideStreams push_;
   SideStreams collect_;  // copies out of this rank's own buffer into the caller's outputs
-  // Flags, the blocks in flight and the partial products (scratch), shared with the group's
-  // other symmetric plans.
+  // Flags, the blocks in flight, the partial products (scratch) and the GEMMs, shared with the
+  // group's other plans.
   std::shared_ptr<detail::GroupWorkspace> workspace_;
   std::vector<detail::Event> product_ready_;
   std::vector<detail::Event> reduced_ready_;

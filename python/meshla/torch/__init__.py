@@ -79,8 +79,8 @@ class TPGroup:
     comm: _meshla.Communicator | None = None
     process_group: Any = None
     # Plans by (op, dtype, m, n, k, trans_b, bias, return_gathered, Tuning). The nccl and
-    # symmetric plans of a group keep their buffers in one workspace sized by the largest shape, so
-    # a plan per shape costs its GEMM's tuning and a 32 MiB cuBLASLt workspace, not its buffers.
+    # symmetric plans of a group keep their buffers and cuBLASLt workspace in one workspace sized
+    # by the largest shape, so a plan per shape costs its GEMMs' tuning, not device memory.
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
