@@ -59,6 +59,6 @@ int default_rounds(CollectiveOp op, int tp, std::int64_t m);
 //            ([m, n] in all), and for an all-reduce the summed rows of every rank ([m, n]) after it
 //   scratch  reduce ops: [round][destination] partial products before their push ([m, n])
 detail::GroupWorkspace::Sizes symmetric_workspace_sizes(const CollectiveMatmulConfig& config,
-                                                       int tp);
+                                                        int tp);
 
 }  // namespace meshla::overlap
