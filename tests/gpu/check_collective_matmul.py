@@ -280,12 +280,30 @@ STRESS_SHAPES = ((64, 128, 64), (128, 256, 128), (200, 384, 256))  # (rows per r
 THREADS_STRESS_CALLS = 300
 
 
+# Stress calls enqueued back to back before their results are read: plans of both backends then
+# queue on one stream, sharing the group's workspace, with no host synchronisation between them.
+STRESS_WINDOW = 8
+
+
 def check_stress(group, reporter, label, seed, calls):
     """`calls` calls with op, backend, algorithm and shape drawn at random (the same draws on
-    every rank), each checked against its reference: no hang, no stale data between plans."""
+    every rank), each checked against its reference, STRESS_WINDOW of them enqueued before any is
+    read: no hang, no stale data between plans or between back-to-back runs."""
     name = f"{label}/stress/{calls}"
     draw = random.Random(seed)
     worst, failures, detail = 0.0, 0, ""
+    pending = []
+
+    def read_pending():
+        nonlocal worst, failures, detail
+        for call, what, out, ref in pending:
+            err = relative_error(out, ref)
+            worst = max(worst, err)
+            if not err < TOLERANCE[torch.bfloat16]:
+                failures += 1
+                detail = detail or f"call {call}: {what} rel_err={err:.2e}"
+        pending.clear()
+
     try:
         for call in range(calls):
             op = draw.choice(OPS)
@@ -298,11 +316,10 @@ def check_stress(group, reporter, label, seed, calls):
                         call % 2 == 0, call % 3 == 0)
             result = run_op(op, p, group, algorithm, call % 2 == 0, chunks, 0, backend)
             out = result[0] if op == "all_gather_matmul" else result
-            err = relative_error(out, p.ref)
-            worst = max(worst, err)
-            if not err < TOLERANCE[torch.bfloat16]:
-                failures += 1
-                detail = detail or f"call {call}: {op}/{backend}/{algorithm} rel_err={err:.2e}"
+            pending.append((call, f"{op}/{backend}/{algorithm}", out, p.ref))
+            if len(pending) == STRESS_WINDOW:
+                read_pending()
+        read_pending()
         ok = failures == 0
         detail = f"{failures} wrong of {calls}; worst rel_err={worst:.2e} {detail}".strip()
     except Exception as e:
