@@ -8,7 +8,10 @@ timeout; its run must end the process by SIGABRT, with the message, long before 
   held          (one GPU) the run is held back by a long kernel queued ahead of it on the stream
   missing-peer  (two GPUs, one process, a thread per GPU) both ranks build the plan, then only
                 rank 0 runs it: its peer never makes the matching call
-and a control (one GPU) whose timeout outlasts a short hold must finish with the right product.
+and a control (one GPU) whose timeout outlasts a short hold must finish with the right product,
+as must a CUDA graph captured in torch's default (global) capture mode while another thread's run
+is held back, so that the watchdog queries that run's event throughout the capture: its queries
+must not invalidate the capture.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import torch
 
@@ -27,8 +31,10 @@ from reporting import Reporter, relative_error
 
 # The hold: torch.cuda._sleep cycles, about 10 s and 0.5 s at the H100's and H200's ~2 GHz.
 HOLD_CYCLES = {"held": 20_000_000_000, "control": 1_000_000_000}
-TIMEOUT_S = {"held": 2.0, "control": 120.0, "missing-peer": 2.0}
-CASES = ("held", "control", "missing-peer")
+TIMEOUT_S = {"held": 2.0, "control": 120.0, "missing-peer": 2.0, "capture": 120.0}
+CASES = ("held", "control", "capture", "missing-peer")
+# Cases whose run must finish (the others must end the process).
+FINISHING = ("control", "capture")
 
 
 def operands(device):
@@ -58,9 +64,48 @@ def child_missing_peer(backend: str) -> None:
     print("finished", flush=True)
 
 
+def child_capture(backend: str) -> None:
+    torch.cuda.set_device(0)
+    device = torch.device("cuda", 0)
+    mine, other = (mt.local_groups([0], timeout_s=TIMEOUT_S["capture"])[0] for _ in range(2))
+    (a, b), (a2, b2) = operands(device), operands(device)
+    kwargs = dict(algorithm="ring", backend=backend)
+    out = mt.all_gather_matmul(a, b, mine, **kwargs)  # the plans are built before the capture
+    # The other thread allocates nothing while the capture runs (a cudaMalloc would invalidate
+    # it), and runs on the symmetric backend, which makes no NCCL call.
+    out2 = mt.all_gather_matmul(a2, b2, other, algorithm="ring", backend="symmetric")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(device)
+    capturing, held = threading.Event(), threading.Event()
+
+    def hold():
+        capturing.wait()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(HOLD_CYCLES["control"])
+            mt.all_gather_matmul(a2, b2, other, algorithm="ring", backend="symmetric", out=out2)
+        held.set()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mt.all_gather_matmul(a, b, mine, out=out, **kwargs)
+        capturing.set()
+        held.wait()
+        time.sleep(0.3)  # six polls of the watchdog, each querying the held run's event
+    thread.join()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    print(f"finished rel_err={relative_error(out, a.double() @ b.double()):.2e}", flush=True)
+
+
 def child(case: str, backend: str) -> None:
     if case == "missing-peer":
         child_missing_peer(backend)
+        return
+    if case == "capture":
+        child_capture(backend)
         return
     torch.cuda.set_device(0)
     group = mt.local_groups([0], timeout_s=TIMEOUT_S[case])[0]
@@ -82,7 +127,7 @@ def check(reporter: Reporter, backend: str, case: str) -> None:
         waited = re.search(r"enqueued (\d+) ms ago has not finished on the device "
                            r"\(timeout (\d+) ms\)", proc.stderr)
         finished = re.search(r"finished(?: rel_err=(\S+))?", proc.stdout)
-        if case != "control":
+        if case not in FINISHING:
             ok = (proc.returncode == -signal.SIGABRT and waited is not None and finished is None
                   and f"all_gather_matmul (backend={backend}) on rank 0 of" in proc.stderr
                   and int(waited.group(1)) >= int(waited.group(2)) == 2000)
@@ -107,7 +152,7 @@ if __name__ == "__main__":
         child(args.child, args.backend)
     else:
         reporter = Reporter(args.results, args.model)
-        cases = CASES if torch.cuda.device_count() >= 2 else ("held", "control")
+        cases = [c for c in CASES if c != "missing-peer" or torch.cuda.device_count() >= 2]
         for backend in ("nccl", "symmetric"):
             for case in cases:
                 check(reporter, backend, case)
