@@ -10,7 +10,9 @@
 // it owns the GEMM handle, the side stream and the events. Its buffers (staging, peer memory) are
 // its group's, shared by the group's nccl and symmetric plans, sized by the largest of them and
 // grown when a plan needs more; so those plans' executions run one at a time, in call order
-// (cublasmp plans own theirs). execute() only
+// (cublasmp plans own theirs). A CUDA graph that captured runs of a group's plans uses that same
+// memory when it replays: order its replays with the group's other work (eager runs, other
+// graphs), as for any captured buffer; one stream does. execute() only
 // enqueues work on the caller's stream and forks/joins its side stream there, so it can be
 // captured in a CUDA graph.
 #pragma once

@@ -8,6 +8,15 @@
 #include "core/cuda_checks.hpp"
 
 namespace meshla::detail {
+namespace {
+
+// The size a part grows to: what is needed, or, when the old memory is kept, at least double the
+// old, so that all that is ever kept stays smaller than what is in use.
+std::size_t grown_size(std::size_t needed, std::size_t capacity, bool keep_old) {
+  return keep_old ? std::max(needed, 2 * capacity) : needed;
+}
+
+}  // namespace
 std::shared_ptr<GroupWorkspace> GroupWorkspace::of(CommState& state) {
   std::shared_ptr<GroupWorkspace> workspace = state.group_workspace.lock();
   if (workspace == nullptr) {
@@ -18,47 +27,49 @@ std::shared_ptr<GroupWorkspace> GroupWorkspace::of(CommState& state) {
 }
 
 GroupWorkspace::GroupWorkspace(const CommState& state)
-    : device_(state.device),
-      order_(state.device, rank_description(state), state.timeout),
+    : order_(state.device, rank_description(state), state.timeout),
       scratch_stream_(state.device, /*high_priority=*/false),
       matmul_(state.device) {}
 
 void GroupWorkspace::wait_for_last_execution(const CommState& state) const {
   const cudaError_t status = order_.wait_for_last_eager(state.timeout);
   MESHLA_CHECK(kTimeout, status != cudaErrorNotReady,
-               "the symmetric workspace of rank " << state.rank << " cannot grow: its last "
-                                                  << "execution is still running after "
-                                                  << state.timeout.count()
-                                                  << " ms (did a rank of the group not make its "
-                                                     "matching call?)");
+               "the collective-matmul workspace of rank "
+                   << state.rank << " cannot grow: its last "
+                   << "execution is still running after " << state.timeout.count()
+                   << " ms (did a rank of the group not make its "
+                      "matching call?)");
   MESHLA_CHECK_CUDA(status);
 }
 
 void GroupWorkspace::reserve(const CommState& state, const Sizes& needed) {
+  // New memory is made before old memory goes, so that a failed growth leaves the workspace, and
+  // the plans already using it, as they were.
   if (needed.scratch_bytes > capacity_.scratch_bytes) {
     wait_for_last_execution(state);
-    const bool captured = order_.captured_runs() != captured_runs_at_scratch_;
-    if (captured && scratch_.data() != nullptr) kept_scratch_.push_back(std::move(scratch_));
-    scratch_ = StreamBuffer();  // the old memory goes before the new is allocated
-    capacity_.scratch_bytes = 0;
-    scratch_ = StreamBuffer(needed.scratch_bytes, scratch_stream_.get());
-    capacity_.scratch_bytes = needed.scratch_bytes;
+    const bool keep_old = order_.captured_runs() != captured_runs_at_scratch_;
+    StreamBuffer grown(grown_size(needed.scratch_bytes, capacity_.scratch_bytes, keep_old),
+                       scratch_stream_.get());
+    if (keep_old && scratch_.data() != nullptr) kept_scratch_.push_back(std::move(scratch_));
+    capacity_.scratch_bytes = grown.bytes();
+    scratch_ = std::move(grown);  // stream-ordered: freeing the old waits for no device
     captured_runs_at_scratch_ = order_.captured_runs();
   }
   if (needed.signal_bytes <= capacity_.signal_bytes && needed.data_bytes <= capacity_.data_bytes) {
     return;
   }
   wait_for_last_execution(state);
+  // Old peer memory is kept where a graph may replay on it, and where this process drives more
+  // than one rank of the group: there cudaFree waits for the peer devices, whose queued work may
+  // be a peer's half of an exchange that waits for this thread.
+  const bool keep_old =
+      order_.captured_runs() != captured_runs_at_peers_ || state.ranks_in_process > 1;
   const std::size_t signal_bytes = std::max(needed.signal_bytes, capacity_.signal_bytes);
-  const std::size_t data_bytes = std::max(needed.data_bytes, capacity_.data_bytes);
-  const bool captured = order_.captured_runs() != captured_runs_at_peers_;
-  if (captured && capacity_.data_bytes + capacity_.signal_bytes > 0) {
-    kept_peers_.push_back(std::move(peers_));
-  }
-  peers_ = PeerBuffer();
-  capacity_.signal_bytes = capacity_.data_bytes = data_offset_ = 0;
+  const std::size_t data_bytes = grown_size(needed.data_bytes, capacity_.data_bytes, keep_old);
   const std::size_t data_offset = align_up(signal_bytes);
-  peers_ = PeerBuffer(state, data_offset + data_bytes);
+  PeerBuffer grown(state, data_offset + data_bytes);
+  if (keep_old && capacity_.signal_bytes > 0) kept_peers_.push_back(std::move(peers_));
+  peers_ = std::move(grown);
   capacity_.signal_bytes = signal_bytes;
   capacity_.data_bytes = data_bytes;
   data_offset_ = data_offset;

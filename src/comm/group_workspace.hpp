@@ -39,14 +39,18 @@ class GroupWorkspace {
 
   // Grows whatever part is smaller than `needed`. Collective: every rank of the group passes the
   // same sizes (its plans are built in the same order, with the same configs, on every rank), so
-  // every rank grows the peer memory at the same call. Memory that is replaced is freed once the
-  // last execution on it has finished (waiting up to the group's timeout, then kTimeout), unless
-  // a CUDA graph captured an execution on it: that memory stays until the workspace goes, for the
-  // graph's replays.
+  // every rank grows the peer memory at the same call. The new memory is made before the old
+  // goes, so a growth that throws changes nothing. Replaced memory is freed once the last
+  // execution on it has finished (waiting up to the group's timeout, then kTimeout), except
+  // - where a CUDA graph captured an execution of the group since it was made: a replay may use
+  //   it;
+  // - peer memory, where this process drives several ranks of the group: cudaFree would wait for
+  //   the peer devices, whose queued work may wait for this thread.
+  // Kept memory stays until the workspace goes; a part whose old memory is kept grows to at least
+  // double. The scratch is stream-ordered memory, whose freeing waits for no device.
   //
   // With several GPUs driven by one process, the plan must call this last in its construction
-  // (see PeerBuffer): old peer memory is freed before the ranks exchange the new, and the scratch
-  // is stream-ordered memory, whose freeing waits for no device.
+  // (see PeerBuffer).
   void reserve(const CommState& state, const Sizes& needed);
 
   // This rank's address of `rank`'s flags and of its data.
@@ -60,7 +64,6 @@ class GroupWorkspace {
   // Waits for the last eager execution before memory that it may use is freed.
   void wait_for_last_execution(const CommState& state) const;
 
-  int device_;
   ExecutionOrder order_;
   Stream scratch_stream_;  // allocates and frees the scratch, in stream order
   Matmul matmul_;
@@ -69,7 +72,8 @@ class GroupWorkspace {
   PeerBuffer peers_;
   StreamBuffer scratch_;
   // order_.captured_runs() when peers_ and scratch_ were allocated: more since, and a graph may
-  // replay on them.
+  // replay on them (counting the captures of every plan of the group, which may keep memory that
+  // a capture never touched).
   std::uint64_t captured_runs_at_peers_ = 0;
   std::uint64_t captured_runs_at_scratch_ = 0;
   std::vector<PeerBuffer> kept_peers_;  // replaced, but used by captured graphs

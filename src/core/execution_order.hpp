@@ -3,9 +3,9 @@
 // that ends the process when an eager run never finishes.
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -14,6 +14,8 @@
 #include "core/cuda_handles.hpp"
 
 namespace meshla::detail {
+
+struct WatchedRuns;
 
 class ExecutionOrder {
  public:
@@ -24,7 +26,6 @@ class ExecutionOrder {
   // leave this rank's streams, and every host thread that synchronises with them, waiting forever.
   // Runs inside a CUDA graph capture are not watched: their replays are the graph's.
   ExecutionOrder(int device, std::string context, std::chrono::milliseconds timeout);
-  ~ExecutionOrder();
   ExecutionOrder(const ExecutionOrder&) = delete;
   ExecutionOrder& operator=(const ExecutionOrder&) = delete;
 
@@ -49,25 +50,18 @@ class ExecutionOrder {
   std::uint64_t captured_runs() const { return captured_runs_; }
 
  private:
-  friend class ExecutionWatchdog;
-  // The watchdog's question: whether the last eager run is still unfinished `timeout_` after it
-  // was enqueued (at `now`, steady-clock nanoseconds); forgets a run seen finished.
-  bool overdue(std::int64_t now);
-  // Starts watching the run that end() ends, if it is eager.
-  void watch() noexcept;
+  // Records the end of the run begun last; an eager run's is watched from here.
+  cudaError_t record_end(cudaStream_t stream) noexcept;
 
-  const std::string context_;
-  const std::chrono::milliseconds timeout_;
-  Event done_;  // recorded on the caller's stream after the last eager run
+  // The eager runs' event and what the watchdog knows of them; shared with the watchdog, which
+  // may still be querying the event while this order goes.
+  std::shared_ptr<WatchedRuns> watched_;
   bool executed_ = false;
-  Event captured_done_;  // `done_` of the last captured run, inside capture captured_in_
+  Event captured_done_;  // recorded after the last captured run, inside capture captured_in_
   std::optional<unsigned long long> captured_in_;
   std::uint64_t captured_runs_ = 0;
-  cudaEvent_t ending_ = nullptr;  // the event that end() records: done_ or captured_done_
-  const char* beginning_ = "";    // the name begin() was given
-  std::atomic<const char*> watched_run_{""};  // the name of the last eager run
-  // When the last eager run was enqueued (steady-clock nanoseconds); 0 once seen finished.
-  std::atomic<std::int64_t> watched_since_{0};
+  bool ending_eager_ = false;   // what begin() began
+  const char* beginning_ = "";  // the name begin() was given
 };
 
 }  // namespace meshla::detail

@@ -1,10 +1,12 @@
-// CollectiveMatmul: picks the backend, checks every call's arguments and serialises executions
-// of one plan; the backends (overlap/executor.hpp) enqueue the work.
+// CollectiveMatmul: picks the backend, checks every call's arguments and runs the executions in
+// their executor's order (one at a time per group workspace); the backends (overlap/executor.hpp)
+// enqueue the work.
 #include "meshla/collective_matmul.hpp"
 
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -220,8 +222,16 @@ struct CollectiveMatmul::Impl {
     // The buffers and the communicator may go with this plan: let the last eager execution
     // finish first (graphs captured from the plan must not outlive it, like any captured buffer).
     // One that never finishes ends the process through the order's watchdog, at its timeout
-    // counted from its enqueue, so before this wait would give up.
-    static_cast<void>(executor->order().wait_for_last_eager(comm.timeout()));
+    // counted from its enqueue, so before this wait gives up; should the watchdog not have, the
+    // executor is leaked, since freeing memory that a stalled execution uses would wait for it.
+    if (executor->order().wait_for_last_eager(comm.timeout()) == cudaErrorNotReady) {
+      std::fprintf(stderr,
+                   "meshla: %s plan destroyed while its group's last execution was still running "
+                   "after %lld ms; its buffers are left allocated\n",
+                   std::string(collective_op_name(config.op)).c_str(),
+                   static_cast<long long>(comm.timeout().count()));
+      static_cast<void>(executor.release());
+    }
   }
 
   void execute(const CollectiveMatmulArgs& args, cudaStream_t stream) {
