@@ -17,6 +17,7 @@ std::size_t grown_size(std::size_t needed, std::size_t capacity, bool keep_old) 
 }
 
 }  // namespace
+
 std::shared_ptr<GroupWorkspace> GroupWorkspace::of(CommState& state) {
   std::shared_ptr<GroupWorkspace> workspace = state.group_workspace.lock();
   if (workspace == nullptr) {
@@ -45,8 +46,12 @@ void GroupWorkspace::wait_for_last_execution(const CommState& state) const {
 void GroupWorkspace::reserve(const CommState& state, const Sizes& needed) {
   // New memory is made before old memory goes, so that a failed growth leaves the workspace, and
   // the plans already using it, as they were.
-  if (needed.scratch_bytes > capacity_.scratch_bytes) {
-    wait_for_last_execution(state);
+  const bool grow_scratch = needed.scratch_bytes > capacity_.scratch_bytes;
+  const bool grow_peers =
+      needed.signal_bytes > capacity_.signal_bytes || needed.data_bytes > capacity_.data_bytes;
+  if (!grow_scratch && !grow_peers) return;
+  wait_for_last_execution(state);
+  if (grow_scratch) {
     const bool keep_old = order_.captured_runs() != captured_runs_at_scratch_;
     StreamBuffer grown(grown_size(needed.scratch_bytes, capacity_.scratch_bytes, keep_old),
                        scratch_stream_.get());
@@ -55,10 +60,7 @@ void GroupWorkspace::reserve(const CommState& state, const Sizes& needed) {
     scratch_ = std::move(grown);  // stream-ordered: freeing the old waits for no device
     captured_runs_at_scratch_ = order_.captured_runs();
   }
-  if (needed.signal_bytes <= capacity_.signal_bytes && needed.data_bytes <= capacity_.data_bytes) {
-    return;
-  }
-  wait_for_last_execution(state);
+  if (!grow_peers) return;
   // Old peer memory is kept where a graph may replay on it, and where this process drives more
   // than one rank of the group: there cudaFree waits for the peer devices, whose queued work may
   // be a peer's half of an exchange that waits for this thread.

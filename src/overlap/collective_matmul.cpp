@@ -109,6 +109,11 @@ std::shared_ptr<detail::ExecutionOrder> plan_order(const Communicator& comm) {
       comm.device(), detail::rank_description(*comm.state()), comm.timeout());
 }
 
+std::shared_ptr<detail::ExecutionOrder> workspace_order(
+    const std::shared_ptr<detail::GroupWorkspace>& workspace) {
+  return {workspace, &workspace->order()};
+}
+
 int overlapped_gemm_sms(const CollectiveMatmulConfig& config, int device) {
   if (config.comm_sms <= 0) return 0;
   int device_sms = 0;

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/group_workspace.hpp"
 #include "core/cuda_handles.hpp"
 #include "core/execution_order.hpp"
 #include "meshla/collective_matmul.hpp"
@@ -62,6 +63,9 @@ class SideStreams {
 
 // The ExecutionOrder of a plan that runs on buffers of its own, watched with the group's timeout.
 std::shared_ptr<detail::ExecutionOrder> plan_order(const Communicator& comm);
+// The ExecutionOrder of a plan on its group's workspace: the workspace's, which it keeps alive.
+std::shared_ptr<detail::ExecutionOrder> workspace_order(
+    const std::shared_ptr<detail::GroupWorkspace>& workspace);
 
 // SMs the GEMMs that overlap communication may use on `device` (0: all), leaving config.comm_sms
 // free; throws kInvalidArgument when that leaves none.

@@ -49,7 +49,7 @@ class NcclExecutor final : public Executor {
  public:
   NcclExecutor(const Communicator& comm, const CollectiveMatmulConfig& config,
                std::shared_ptr<detail::GroupWorkspace> workspace)
-      : Executor(std::shared_ptr<detail::ExecutionOrder>(workspace, &workspace->order())),
+      : Executor(workspace_order(workspace)),
         config_(config),
         transfers_(comm),
         schedule_(make_schedule({.op = config.op,

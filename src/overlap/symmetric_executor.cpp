@@ -50,7 +50,7 @@ class SymmetricExecutor final : public Executor {
  public:
   SymmetricExecutor(const Communicator& comm, const CollectiveMatmulConfig& config,
                     std::shared_ptr<detail::GroupWorkspace> workspace)
-      : Executor(std::shared_ptr<detail::ExecutionOrder>(workspace, &workspace->order())),
+      : Executor(workspace_order(workspace)),
         config_(config),
         tp_(comm.size()),
         rank_(comm.rank()),
