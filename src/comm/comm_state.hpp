@@ -18,6 +18,17 @@ namespace meshla::detail {
 
 class GroupWorkspace;
 
+// How a group's ranks reach each other's memory (enable_peer_access).
+struct PeerAccess {
+  // "" when every rank maps every other rank's memory, else why not.
+  std::string unmappable;
+  // "" when, besides, every pair of the group's GPUs is linked by NVLink, else why not.
+  std::string without_nvlink;
+
+  bool mapped() const { return unmappable.empty(); }
+  bool over_nvlink() const { return mapped() && without_nvlink.empty(); }
+};
+
 struct CommState {
   // `release` ends an NCCL communicator; production code passes release_nccl_comm, CPU tests a
   // recorder. It runs exactly once for each communicator, when the last owner lets go.
@@ -42,10 +53,9 @@ struct CommState {
   // Ranks of this group that this process drives: 1 for one process per GPU, the group's size for
   // Communicator::create_local.
   int ranks_in_process = 1;
-  // enable_peer_access's answer for this group, once asked: "" when every rank maps every other
-  // rank's memory, else why not. A property of the group, so each plan need not ask again. Like
-  // the NCCL communicator itself, used by one thread at a time.
-  std::optional<std::string> peer_access_problem;
+  // enable_peer_access's answer for this group, once asked. A property of the group, so each plan
+  // need not ask again. Like the NCCL communicator itself, used by one thread at a time.
+  std::optional<PeerAccess> peer_access;
   // The memory that this group's collective-matmul plans share (GroupWorkspace::of), while a
   // plan holds it.
   std::weak_ptr<GroupWorkspace> group_workspace;

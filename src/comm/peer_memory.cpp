@@ -10,6 +10,7 @@
 #include <random>
 #include <sstream>
 
+#include "comm/nvlink.hpp"
 #include "core/cuda_checks.hpp"
 
 namespace meshla::detail {
@@ -56,44 +57,71 @@ PeerIdentity identity_of(int device) {
   return me;
 }
 
-// Empty when this rank can map every peer's memory, else the reason it cannot.
-std::string why_unreachable(const CommState& state, const std::vector<PeerIdentity>& everyone) {
+// What this rank finds of its peers: why it cannot map one's memory, or why one is not linked to
+// it by NVLink.
+PeerAccess reach_of_peers(const CommState& state, const std::vector<PeerIdentity>& everyone) {
   const PeerIdentity& me = everyone[static_cast<std::size_t>(state.rank)];
+  PeerAccess reach;
   for (int rank = 0; rank < state.size; ++rank) {
     if (rank == state.rank) continue;
     const PeerIdentity& peer = everyone[static_cast<std::size_t>(rank)];
     std::ostringstream pair;
     pair << "rank " << state.rank << " (" << me.pci_bus_id << ") and rank " << rank << " ("
          << peer.pci_bus_id << ")";
-    if (me.p2p_disabled || peer.p2p_disabled) return "NCCL_P2P_DISABLE is set";
-    if (peer.host != me.host) return pair.str() + " are on different hosts";
+    if (me.p2p_disabled || peer.p2p_disabled) {
+      reach.unmappable = "NCCL_P2P_DISABLE is set";
+      return reach;
+    }
+    if (peer.host != me.host) {
+      reach.unmappable = pair.str() + " are on different hosts";
+      return reach;
+    }
     int peer_device = peer.device;
     if (peer.process != me.process &&
         cudaDeviceGetByPCIBusId(&peer_device, peer.pci_bus_id) != cudaSuccess) {
       cudaGetLastError();
-      return pair.str() + ": the peer's GPU is not visible to this process";
+      reach.unmappable = pair.str() + ": the peer's GPU is not visible to this process";
+      return reach;
     }
     int can_access = 0;
     MESHLA_CHECK_CUDA(cudaDeviceCanAccessPeer(&can_access, me.device, peer_device));
-    if (can_access == 0) return pair.str() + " have no CUDA peer access";
+    if (can_access == 0) {
+      reach.unmappable = pair.str() + " have no CUDA peer access";
+      return reach;
+    }
+    if (reach.without_nvlink.empty()) {
+      const std::string why = why_not_nvlink(me.pci_bus_id, peer.pci_bus_id);
+      if (!why.empty()) reach.without_nvlink = pair.str() + ": " + why;
+    }
   }
-  return {};
+  return reach;
 }
 
-}  // namespace
-
-namespace {
-
-// Asks the group (collective) and enables peer access on success; "" or why not.
-std::string ask_for_peer_access(const CommState& state) {
+// Asks the group (collective) and enables peer access where the memory can be mapped.
+PeerAccess ask_for_peer_access(const CommState& state) {
   const std::vector<PeerIdentity> everyone = all_gather_records(state, identity_of(state.device));
-  const std::string mine = why_unreachable(state, everyone);
-  const std::vector<std::int32_t> reaches =
-      all_gather_records(state, static_cast<std::int32_t>(mine.empty() ? 1 : 0));
+  const PeerAccess mine = reach_of_peers(state, everyone);
+  struct Reach {
+    std::int32_t mapped;
+    std::int32_t over_nvlink;
+  };
+  const std::vector<Reach> reaches = all_gather_records(
+      state, Reach{.mapped = mine.mapped() ? 1 : 0, .over_nvlink = mine.over_nvlink() ? 1 : 0});
+  // Every rank reports its own reason where it has one, else the first rank that has.
+  PeerAccess group;
   for (int rank = 0; rank < state.size; ++rank) {
-    if (reaches[static_cast<std::size_t>(rank)] != 0) continue;
-    return !mine.empty() ? mine : "rank " + std::to_string(rank) + " cannot map all of its peers";
+    const Reach& reach = reaches[static_cast<std::size_t>(rank)];
+    const std::string who = "rank " + std::to_string(rank);
+    if (reach.mapped == 0 && group.unmappable.empty()) {
+      group.unmappable = !mine.mapped() ? mine.unmappable : who + " cannot map all of its peers";
+    }
+    if (reach.over_nvlink == 0 && group.without_nvlink.empty()) {
+      group.without_nvlink = !mine.over_nvlink()
+                                 ? (mine.mapped() ? mine.without_nvlink : mine.unmappable)
+                                 : who + " is not linked to all of its peers by NVLink";
+    }
   }
+  if (!group.mapped()) return group;
   const PeerIdentity& me = everyone[static_cast<std::size_t>(state.rank)];
   DeviceGuard guard(state.device);
   for (const PeerIdentity& peer : everyone) {
@@ -105,15 +133,14 @@ std::string ask_for_peer_access(const CommState& state) {
       MESHLA_CHECK_CUDA(enabled);
     }
   }
-  return {};
+  return group;
 }
 
 }  // namespace
 
-bool enable_peer_access(CommState& state, std::string* why) {
-  if (!state.peer_access_problem) state.peer_access_problem = ask_for_peer_access(state);
-  if (why != nullptr) *why = *state.peer_access_problem;
-  return state.peer_access_problem->empty();
+const PeerAccess& enable_peer_access(CommState& state) {
+  if (!state.peer_access) state.peer_access = ask_for_peer_access(state);
+  return *state.peer_access;
 }
 
 namespace {

@@ -17,12 +17,12 @@ namespace meshla::detail {
 
 // Whether every rank of the group can map every other rank's memory: one host, CUDA peer access
 // between each pair of devices, and NCCL_P2P_DISABLE not set (the user's word that peer transfers
-// are off). Collective; every rank gets the same answer. When the answer is yes, CUDA peer access
-// to the peers driven by this process is enabled. When it is no, `why` (if given) names a pair
-// that cannot.
+// are off); and whether every pair is linked by NVLink (why_not_nvlink). Every rank gets the same
+// answer; where it is no, the reason names a pair that cannot. When the memory can be mapped,
+// CUDA peer access to the peers driven by this process is enabled.
 // The first call for a group asks it (collective); later calls return the remembered answer
 // without communicating, on every rank alike.
-bool enable_peer_access(CommState& state, std::string* why = nullptr);
+const PeerAccess& enable_peer_access(CommState& state);
 
 class PeerBuffer {
  public:

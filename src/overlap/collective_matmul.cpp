@@ -187,8 +187,8 @@ std::unique_ptr<overlap::Executor> make_executor(const Communicator& comm,
 }
 
 // Resolves the config, once every rank of the group has given the same one, asking the group
-// whether its ranks map each other's memory when the backend may be symmetric. Collective: every
-// rank asks, or none does.
+// whether its ranks map each other's memory, and over NVLink, when the backend may be symmetric.
+// Collective: every rank asks, or none does.
 CollectiveMatmulConfig resolve_for_group(const Communicator& comm,
                                          const CollectiveMatmulConfig& requested) {
   if (comm.size() > 1) {
@@ -200,19 +200,21 @@ CollectiveMatmulConfig resolve_for_group(const Communicator& comm,
     require_on_every_rank(comm, requested);
     return resolved;
   }
-  bool peer_access = false;
+  overlap::PeerReach reach = overlap::PeerReach::kNone;
   if (requested.backend != Backend::kNccl && comm.size() >= 2) {
-    std::string why;
-    peer_access = detail::enable_peer_access(*comm.state(), &why);
-    MESHLA_CHECK(kNotImplemented, peer_access || requested.backend != Backend::kSymmetric,
+    const detail::PeerAccess& access = detail::enable_peer_access(*comm.state());
+    MESHLA_CHECK(kNotImplemented, access.mapped() || requested.backend != Backend::kSymmetric,
                  collective_op_name(requested.op)
                      << ": backend=symmetric needs every rank to map every other rank's memory, "
                         "but "
-                     << why << "; use backend=nccl");
+                     << access.unmappable << "; use backend=nccl");
+    reach = access.over_nvlink() ? overlap::PeerReach::kNvlink
+            : access.mapped()    ? overlap::PeerReach::kMapped
+                                 : overlap::PeerReach::kNone;
   } else if (comm.size() == 1) {
-    peer_access = true;
+    reach = overlap::PeerReach::kNvlink;
   }
-  return overlap::resolve_config(requested, comm.size(), peer_access);
+  return overlap::resolve_config(requested, comm.size(), reach);
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 
 #include <nccl.h>
 
+#include "core/shared_library.hpp"
+
 namespace meshla::overlap {
 namespace {
 
@@ -15,12 +17,8 @@ namespace {
 constexpr int kMinimumNcclVersion = 22803;
 
 template <typename Function>
-bool resolve(void* library, const char* name, Function* out, std::string* why) {
-  *out = reinterpret_cast<Function>(dlsym(library, name));
-  if (*out == nullptr && why->empty()) {
-    *why = std::string("cuBLASMp library lacks ") + name;
-  }
-  return *out != nullptr;
+void resolve(void* library, const char* name, Function* out, std::string* why) {
+  detail::resolve_symbol(library, "cuBLASMp library", name, out, why);
 }
 
 struct Loaded {

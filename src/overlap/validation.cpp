@@ -82,7 +82,7 @@ CollectiveMatmulConfig resolve_cublasmp(const CollectiveMatmulConfig& config, in
 }  // namespace
 
 CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int tp,
-                                      bool peer_access) {
+                                      PeerReach reach) {
   const std::string_view op = collective_op_name(config.op);
   MESHLA_CHECK_ARG(config.m >= 1 && config.n >= 1 && config.k >= 1,
                    op << ": m=" << config.m << ", n=" << config.n << ", k=" << config.k
@@ -99,11 +99,12 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
   if (config.backend == Backend::kCublasMp) return resolve_cublasmp(config, tp);
   CollectiveMatmulConfig resolved = config;
   if (config.backend == Backend::kAuto) {
-    const bool symmetric = peer_access && tp >= 2 && symmetric_unsupported(config, tp).empty();
+    const bool symmetric =
+        reach == PeerReach::kNvlink && tp >= 2 && symmetric_unsupported(config, tp).empty();
     resolved.backend = symmetric ? Backend::kSymmetric : Backend::kNccl;
   }
   if (resolved.backend == Backend::kSymmetric) {
-    MESHLA_CHECK(kNotImplemented, peer_access,
+    MESHLA_CHECK(kNotImplemented, reach != PeerReach::kNone,
                  op << ": backend=symmetric needs every rank of the group to map every other "
                        "rank's memory (one host, CUDA peer access, NCCL_P2P_DISABLE unset)");
     const std::string why = symmetric_unsupported(config, tp);

@@ -11,12 +11,16 @@
 
 namespace meshla::overlap {
 
-// Checks the config against the group size and resolves every kAuto and chunks == 0, given
-// whether the group's ranks map each other's memory (detail::enable_peer_access; false when
-// the caller did not ask). Throws kInvalidArgument or kNotImplemented with a message that names
-// the op and the shapes.
+// How the group's ranks reach each other's memory (detail::enable_peer_access), as far as the
+// backend choice goes: the symmetric backend runs where the memory is mapped, and is chosen
+// automatically only where every pair of GPUs is linked by NVLink (trivially so for one rank).
+enum class PeerReach { kNone, kMapped, kNvlink };
+
+// Checks the config against the group size and resolves every kAuto and chunks == 0, given how
+// the group's ranks reach each other's memory (kNone when the caller did not ask). Throws
+// kInvalidArgument or kNotImplemented with a message that names the op and the shapes.
 CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int tp,
-                                      bool peer_access = false);
+                                      PeerReach reach = PeerReach::kNone);
 
 // Checks one call's arrays against a resolved config on the plan's device.
 void validate_args(const CollectiveMatmulConfig& config, int tp, int device,

@@ -7,6 +7,7 @@
 #include <set>
 #include <vector>
 
+#include "comm/nvlink.hpp"
 #include "meshla/error.hpp"
 #include "overlap/peer_plan.hpp"
 #include "overlap/validation.hpp"
@@ -128,20 +129,25 @@ TEST(PeerPlan, NamesWhatTheSymmetricBackendCannotRun) {
   EXPECT_EQ(reason(rs, 4), "");
 }
 
-TEST(PeerPlan, AutoPicksSymmetricOnlyWithPeerAccessAndASupportedConfig) {
+TEST(PeerPlan, AutoPicksSymmetricOnlyOverNvlinkAndWithASupportedConfig) {
   const CollectiveMatmulConfig ar{.op = CollectiveOp::kMatmulAllReduce, .m = 64, .n = 8, .k = 8};
-  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).backend, Backend::kSymmetric);
-  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).algorithm, Algorithm::kRing);
-  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).chunks, 1);  // 16 rows per rank: too few
-  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/true).comm_sms, 0);
-  EXPECT_EQ(resolve_config(ar, 4, /*peer_access=*/false).backend, Backend::kNccl);
-  EXPECT_EQ(resolve_config(ar, 1, /*peer_access=*/true).backend, Backend::kNccl);
+  EXPECT_EQ(resolve_config(ar, 4, PeerReach::kNvlink).backend, Backend::kSymmetric);
+  EXPECT_EQ(resolve_config(ar, 4, PeerReach::kNvlink).algorithm, Algorithm::kRing);
+  EXPECT_EQ(resolve_config(ar, 4, PeerReach::kNvlink).chunks, 1);  // 16 rows per rank: too few
+  EXPECT_EQ(resolve_config(ar, 4, PeerReach::kNvlink).comm_sms, 0);
+  EXPECT_EQ(resolve_config(ar, 4, PeerReach::kNone).backend, Backend::kNccl);
+  // Peer access over PCIe maps the memory, but only NVLink makes the symmetric backend the default.
+  EXPECT_EQ(resolve_config(ar, 4, PeerReach::kMapped).backend, Backend::kNccl);
+  CollectiveMatmulConfig forced = ar;
+  forced.backend = Backend::kSymmetric;
+  EXPECT_EQ(resolve_config(forced, 4, PeerReach::kMapped).backend, Backend::kSymmetric);
+  EXPECT_EQ(resolve_config(ar, 1, PeerReach::kNvlink).backend, Backend::kNccl);
   CollectiveMatmulConfig uneven = ar;
   uneven.m = 63;  // all-reduce accepts any m on NCCL, not on the symmetric backend
-  EXPECT_EQ(resolve_config(uneven, 4, /*peer_access=*/true).backend, Backend::kNccl);
+  EXPECT_EQ(resolve_config(uneven, 4, PeerReach::kNvlink).backend, Backend::kNccl);
   CollectiveMatmulConfig sequential = ar;
   sequential.algorithm = Algorithm::kSequential;
-  EXPECT_EQ(resolve_config(sequential, 4, /*peer_access=*/true).backend, Backend::kNccl);
+  EXPECT_EQ(resolve_config(sequential, 4, PeerReach::kNvlink).backend, Backend::kNccl);
 }
 
 TEST(PeerPlan, AllReduceTakesTwoRoundsOfAtLeast512Rows) {
@@ -160,15 +166,22 @@ TEST(PeerPlan, ForcedSymmetricExplainsWhyItCannotRun) {
                            .m = 64,
                            .n = 8,
                            .k = 8};
-  expect_error([&] { resolve_config(c, 4, /*peer_access=*/true); }, ErrorCode::kNotImplemented,
+  expect_error([&] { resolve_config(c, 4, PeerReach::kNvlink); }, ErrorCode::kNotImplemented,
                "use backend=nccl");
   c.algorithm = Algorithm::kRing;
   c.chunks = 5;
-  expect_error([&] { resolve_config(c, 4, /*peer_access=*/true); }, ErrorCode::kInvalidArgument,
+  expect_error([&] { resolve_config(c, 4, PeerReach::kNvlink); }, ErrorCode::kInvalidArgument,
                "chunks=5");
   c.chunks = 0;
-  expect_error([&] { resolve_config(c, 4, /*peer_access=*/false); }, ErrorCode::kNotImplemented,
+  expect_error([&] { resolve_config(c, 4, PeerReach::kNone); }, ErrorCode::kNotImplemented,
                "CUDA peer access");
+}
+
+// Without NVML (machines without the NVIDIA driver, such as CI's) or for GPUs it does not know,
+// the answer is no, with a reason that names NVML; never an exception or a crash.
+TEST(PeerPlan, NvlinkQuestionAnswersNoWithAReasonWhereNvmlCannotTell) {
+  const std::string why = detail::why_not_nvlink("0000:ff:1f.0", "0000:fe:1f.0");
+  EXPECT_NE(why.find("NVML"), std::string::npos) << why;
 }
 
 // The workspace a plan asks for holds every flag and every byte the executor addresses: the
@@ -180,7 +193,7 @@ TEST(PeerPlan, WorkspaceSizesHoldEverythingAPlanAddresses) {
     for (const int tp : {1, 2, 4, 8}) {
       CollectiveMatmulConfig requested{
           .op = op, .backend = Backend::kSymmetric, .m = 1024 * tp, .n = 96, .k = 40};
-      const CollectiveMatmulConfig c = resolve_config(requested, tp, /*peer_access=*/true);
+      const CollectiveMatmulConfig c = resolve_config(requested, tp, PeerReach::kNvlink);
       const std::int64_t element = 2;  // bfloat16
       const detail::GroupWorkspace::Sizes sizes = symmetric_workspace_sizes(c, tp);
       const int rounds = op == CollectiveOp::kAllGatherMatmul ? 1 : c.chunks;

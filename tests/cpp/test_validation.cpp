@@ -211,7 +211,7 @@ TEST(Validation, CublasMpResolvesItsOwnAlgorithm) {
   // kAuto never picks cuBLASMp.
   CollectiveMatmulConfig automatic = cublasmp_config(CollectiveOp::kAllGatherMatmul);
   automatic.backend = Backend::kAuto;
-  EXPECT_NE(resolve_config(automatic, 4, /*peer_access=*/true).backend, Backend::kCublasMp);
+  EXPECT_NE(resolve_config(automatic, 4, PeerReach::kNvlink).backend, Backend::kCublasMp);
 }
 
 TEST(Validation, CublasMpConfigErrors) {

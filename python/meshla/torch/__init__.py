@@ -44,7 +44,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Tuning:
-    """How a collective matmul communicates and overlaps: ``backend`` ("auto", "nccl",
+    """How a collective matmul communicates and overlaps: ``backend`` ("auto": "symmetric" where
+    every pair of GPUs is linked by NVLink and the shape allows it, else "nccl"; "nccl";
     "symmetric": copy engines into peer-mapped buffers, one host with CUDA peer access,
     "cublasmp": cuBLASMp's own overlap, see :func:`meshla.backend_unavailable_reason`),
     ``algorithm`` ("auto", "sequential", "pipelined", "ring"), ``chunks`` (pipeline depth, 0: the
