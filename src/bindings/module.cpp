@@ -112,6 +112,21 @@ void translate_errors() {
   });
 }
 
+// A collective-matmul plan as Python holds it. Destroying a plan waits for its group's last
+// execution; with one process driving several GPUs (local_groups), that execution may wait for a
+// peer rank's thread, which needs the GIL to enqueue its part. So the plan goes with the GIL
+// released, as it is built and executed.
+class PythonCollectiveMatmul : public CollectiveMatmul {
+ public:
+  using CollectiveMatmul::CollectiveMatmul;
+  PythonCollectiveMatmul(const PythonCollectiveMatmul&) = delete;
+  PythonCollectiveMatmul& operator=(const PythonCollectiveMatmul&) = delete;
+  ~PythonCollectiveMatmul() {
+    nb::gil_scoped_release release;
+    CollectiveMatmul last = std::move(static_cast<CollectiveMatmul&>(*this));
+  }
+};
+
 }  // namespace
 }  // namespace meshla
 
@@ -180,11 +195,11 @@ NB_MODULE(_meshla, m) {
   m.def("backend_unavailable_reason", &backend_unavailable_reason, "backend"_a,
         "Why the collective-matmul backend cannot run in this process, or '' when it can.");
 
-  nb::class_<CollectiveMatmul>(m, "CollectiveMatmul",
-                               "A collective-matmul plan for one shape on one communicator.")
+  nb::class_<PythonCollectiveMatmul>(m, "CollectiveMatmul",
+                                     "A collective-matmul plan for one shape on one communicator.")
       .def(
           "__init__",
-          [](CollectiveMatmul* self, const Communicator& comm, CollectiveOp op,
+          [](PythonCollectiveMatmul* self, const Communicator& comm, CollectiveOp op,
              const std::string& dtype, std::int64_t m_rows, std::int64_t n, std::int64_t k,
              Algorithm algorithm, Backend backend, bool trans_b, bool bias, bool return_gathered,
              int chunks, int comm_sms, int comm_ctas) {
@@ -202,14 +217,14 @@ NB_MODULE(_meshla, m) {
                                           .comm_sms = comm_sms,
                                           .comm_ctas = comm_ctas};
             nb::gil_scoped_release release;
-            new (self) CollectiveMatmul(comm, config);
+            new (self) PythonCollectiveMatmul(comm, config);
           },
           "comm"_a, "op"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "algorithm"_a = Algorithm::kAuto,
           "backend"_a = Backend::kAuto, "trans_b"_a = false, "bias"_a = false,
           "return_gathered"_a = false, "chunks"_a = 0, "comm_sms"_a = -1, "comm_ctas"_a = 0)
       .def(
           "execute",
-          [](CollectiveMatmul& plan, const Array& a, const Array& b,
+          [](PythonCollectiveMatmul& plan, const Array& a, const Array& b,
              const std::optional<Array>& bias, const Array& out,
              const std::optional<Array>& gathered, std::uintptr_t stream) {
             CollectiveMatmulArgs args{.a = view_of(a, "a"),
@@ -222,12 +237,15 @@ NB_MODULE(_meshla, m) {
           },
           "a"_a, "b"_a, "bias"_a.none(), "out"_a, "gathered"_a.none(), "stream"_a,
           "Enqueues the op on `stream` (a cudaStream_t as an integer).")
-      .def_prop_ro("algorithm", [](const CollectiveMatmul& p) { return p.config().algorithm; })
-      .def_prop_ro("backend", [](const CollectiveMatmul& p) { return p.config().backend; })
-      .def_prop_ro("chunks", [](const CollectiveMatmul& p) { return p.config().chunks; })
-      .def_prop_ro("comm_sms", [](const CollectiveMatmul& p) { return p.config().comm_sms; })
-      .def_prop_ro("comm_ctas", [](const CollectiveMatmul& p) { return p.config().comm_ctas; })
-      .def_prop_ro("communicator", &CollectiveMatmul::communicator);
+      .def_prop_ro("algorithm",
+                   [](const PythonCollectiveMatmul& p) { return p.config().algorithm; })
+      .def_prop_ro("backend", [](const PythonCollectiveMatmul& p) { return p.config().backend; })
+      .def_prop_ro("chunks", [](const PythonCollectiveMatmul& p) { return p.config().chunks; })
+      .def_prop_ro("comm_sms", [](const PythonCollectiveMatmul& p) { return p.config().comm_sms; })
+      .def_prop_ro("comm_ctas",
+                   [](const PythonCollectiveMatmul& p) { return p.config().comm_ctas; })
+      .def_prop_ro("communicator",
+                   [](const PythonCollectiveMatmul& p) { return p.communicator(); });
 
   nb::enum_<GroupedPass>(m, "GroupedPass")
       .value("forward", GroupedPass::kForward)

@@ -11,7 +11,8 @@ timeout; its run must end the process by SIGABRT, with the message, long before 
 and a control (one GPU) whose timeout outlasts a short hold must finish with the right product,
 as must a CUDA graph captured in torch's default (global) capture mode while another thread's run
 is held back, so that the watchdog queries that run's event throughout the capture: its queries
-must not invalidate the capture.
+must not invalidate the capture. And (one GPU) a plan dropped while its run is held back waits for
+the run, with the GIL released: another Python thread keeps running throughout the wait.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import meshla.torch as mt
 from reporting import Reporter, relative_error
 
 # The hold: torch.cuda._sleep cycles, about 10 s and 0.5 s at the H100's and H200's ~2 GHz.
-HOLD_CYCLES = {"held": 20_000_000_000, "control": 1_000_000_000}
-TIMEOUT_S = {"held": 2.0, "control": 120.0, "missing-peer": 2.0, "capture": 120.0}
-CASES = ("held", "control", "capture", "missing-peer")
+HOLD_CYCLES = {"held": 20_000_000_000, "control": 1_000_000_000, "dropped": 1_000_000_000}
+TIMEOUT_S = {"held": 2.0, "control": 120.0, "missing-peer": 2.0, "capture": 120.0,
+             "dropped": 120.0}
+CASES = ("held", "control", "capture", "dropped", "missing-peer")
 # Cases whose run must finish (the others must end the process).
-FINISHING = ("control", "capture")
+FINISHING = ("control", "capture", "dropped")
 
 
 def operands(device):
@@ -100,12 +102,43 @@ def child_capture(backend: str) -> None:
     print(f"finished rel_err={relative_error(out, a.double() @ b.double()):.2e}", flush=True)
 
 
+def child_dropped(backend: str) -> None:
+    torch.cuda.set_device(0)
+    group = mt.local_groups([0], timeout_s=TIMEOUT_S["dropped"])[0]
+    a, b = operands(torch.device("cuda", 0))
+    kwargs = dict(algorithm="ring", backend=backend)
+    mt.all_gather_matmul(a, b, group, **kwargs)  # the plan is built before the hold
+    torch.cuda.synchronize()
+    ticks, stop = [0], threading.Event()
+
+    def tick():  # runs only while no other thread holds the GIL
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    torch.cuda._sleep(HOLD_CYCLES["dropped"])
+    out = mt.all_gather_matmul(a, b, group, **kwargs)
+    before, start = ticks[0], time.monotonic()
+    group._plans.clear()  # the plan's only reference: destroying it waits for the held run
+    drop_ms, during = (time.monotonic() - start) * 1e3, ticks[0] - before
+    stop.set()
+    ticker.join()
+    torch.cuda.synchronize()
+    print(f"finished rel_err={relative_error(out, a.double() @ b.double()):.2e} "
+          f"drop_ms={drop_ms:.0f} ticks_during_drop={during}", flush=True)
+
+
 def child(case: str, backend: str) -> None:
     if case == "missing-peer":
         child_missing_peer(backend)
         return
     if case == "capture":
         child_capture(backend)
+        return
+    if case == "dropped":
+        child_dropped(backend)
         return
     torch.cuda.set_device(0)
     group = mt.local_groups([0], timeout_s=TIMEOUT_S[case])[0]
@@ -133,6 +166,10 @@ def check(reporter: Reporter, backend: str, case: str) -> None:
                   and int(waited.group(1)) >= int(waited.group(2)) == 2000)
         else:
             ok = proc.returncode == 0 and finished is not None and float(finished.group(1)) < 1e-2
+        if case == "dropped" and ok:
+            # The drop waited for the held run (~0.5 s) while the other thread ran on.
+            drop = re.search(r"drop_ms=(\d+) ticks_during_drop=(\d+)", proc.stdout)
+            ok = int(drop.group(1)) >= 250 and int(drop.group(2)) >= 50
         last = (proc.stderr.strip().splitlines() or [""])[-1]
         detail = (f"exit {proc.returncode}; stdout: {proc.stdout.strip()[-200:]!r}; "
                   f"stderr's last line: {last[-400:]!r}")
