@@ -12,7 +12,7 @@ shift
 steps=${*:-suite bench}
 OUT=${OUT:-/tmp/meshla-job}
 mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nvidia-smi topo -m; } >"$OUT/machine.txt" 2>&1
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nvidia-smi topo -m; nvidia-smi topo -p2p n; } >"$OUT/machine.txt" 2>&1
 # A carried wheel (scripts/build_wheel.sh) must be of the commit being measured.
 if [ -f .whl/COMMIT ] && [ "$(cat .whl/COMMIT)" != "$commit" ]; then
   echo "the carried wheel is of $(cat .whl/COMMIT), not $commit: rebuild it or leave .whl out"
