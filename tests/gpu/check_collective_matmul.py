@@ -139,6 +139,77 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
                 reporter.record(name, group.rank, ok, detail)
 
 
+def check_autograd(group, reporter, label, seed_base):
+    """Every op's gradients (a, b, bias; bf16 and fp32; each backend; b as [k, n] and [n, k])
+    against float64 autograd over the whole tensor-parallel computation, drawn identically on
+    every rank: all-gather's backward reduce-scatters, reduce-scatter's all-gathers, all-reduce's
+    passes the gradient on (see meshla.torch's docstrings)."""
+    tp, r = group.size, group.rank
+    device = group.device
+    settings = itertools.product((torch.bfloat16, torch.float32), ("nccl", "symmetric"),
+                                 (False, True))
+    for case, (dtype, backend, trans_b) in enumerate(settings):
+        name = f"{label}/autograd/{backend}/{str(dtype)[6:]}/trans_b={int(trans_b)}"
+        try:
+            gen = torch.Generator(device=device).manual_seed(seed_base + case)
+            m, k, n = 128 * tp, 64 * tp, 96
+            rows = slice(r * m // tp, (r + 1) * m // tp)
+            cols = slice(r * k // tp, (r + 1) * k // tp)
+
+            def draw(*shape, scale=1.0):  # rounded to dtype, so the reference sees the same
+                t = torch.randn(*shape, generator=gen, device=device, dtype=torch.float64)
+                return (t * scale).to(dtype).double()
+
+            x, w, bias = draw(m, k), draw(k, n, scale=k**-0.5), draw(n)
+            w_cols = [draw(k, n, scale=k**-0.5) for _ in range(tp)]
+            bias_cols = [draw(n) for _ in range(tp)]
+            g_ag, g_rs = [draw(m, n) for _ in range(tp)], [draw(m // tp, n) for _ in range(tp)]
+            g_ar = draw(m, n)
+
+            def as_b(t):  # b as the op takes it: [k, n], or [n, k] with trans_b
+                return t.t() if trans_b else t
+
+            def leaf(t):
+                return t.to(dtype).contiguous().requires_grad_()
+
+            def worst_error(got, want):
+                return max(relative_error(g, w) for g, w in zip(got, want))
+
+            # all_gather_matmul: rank s holds rows s of x and column shard s of the weight; the
+            # loss sums every rank's.
+            xs = x.clone().requires_grad_()
+            wr, br = w_cols[r].clone().requires_grad_(), bias_cols[r].clone().requires_grad_()
+            shards = [(wr, br) if s == r else (w_cols[s], bias_cols[s]) for s in range(tp)]
+            loss = sum(((xs @ wc + bc) * g).sum() for (wc, bc), g in zip(shards, g_ag))
+            dx, dw, dbias = torch.autograd.grad(loss, [xs, wr, br])
+            mine = [leaf(x[rows]), leaf(as_b(w_cols[r])), leaf(bias_cols[r])]
+            y = mt.all_gather_matmul(*mine[:2], group, bias=mine[2], trans_b=trans_b,
+                                     backend=backend)
+            got = torch.autograd.grad((y.double() * g_ag[r]).sum(), mine)
+            worst = worst_error(got, [dx[rows], as_b(dw), dbias])
+            # matmul_reduce_scatter and matmul_all_reduce: rank s holds column shard s of x and
+            # row shard s of the weight; the bias is whole. The reduce-scatter's loss sums every
+            # rank's rows; the all-reduce's is the same on every rank.
+            for run in (mt.matmul_reduce_scatter, mt.matmul_all_reduce):
+                all_reduce = run is mt.matmul_all_reduce
+                inputs = [t.clone().requires_grad_() for t in (x, w, bias)]
+                out = inputs[0] @ inputs[1] + inputs[2]
+                loss = ((out * g_ar).sum() if all_reduce else
+                        sum((out[s * m // tp:(s + 1) * m // tp] * g).sum()
+                            for s, g in enumerate(g_rs)))
+                dx, dw, dbias = torch.autograd.grad(loss, inputs)
+                mine = [leaf(x[:, cols]), leaf(as_b(w[cols])), leaf(bias)]
+                z = run(*mine[:2], group, bias=mine[2], trans_b=trans_b, backend=backend)
+                mine_loss = (z.double() * (g_ar if all_reduce else g_rs[r])).sum()
+                got = torch.autograd.grad(mine_loss, mine)
+                worst = max(worst, worst_error(got, [dx[:, cols], as_b(dw[cols]), dbias]))
+            torch.cuda.synchronize(device)
+            ok, detail = worst < TOLERANCE[dtype], f"worst gradient rel_err={worst:.2e}"
+        except Exception as e:  # a check that raises is a failed check, not a crash
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, r, ok, detail)
+
+
 def capture(group, ops):
     """Captures `ops` (callables) in one CUDA graph on a side stream of the group's device."""
     graph = torch.cuda.CUDAGraph()
@@ -599,6 +670,7 @@ def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
         check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,))
         return
     check_correctness(group, reporter, label, seed_base)
+    check_autograd(group, reporter, label, seed_base + 40_000)
     check_graph_replay(group, reporter, label, seed_base + 50_000)
     check_graph_sequence(group, reporter, label, seed_base + 60_000)
     check_graph_two_streams(group, reporter, label, seed_base + 65_000)

@@ -41,12 +41,25 @@ def test_bad_shapes_name_the_arguments(world1):
         mt.matmul_all_reduce(a, torch.randn(8, 5), world1, out=torch.empty(4, 4))
 
 
-def test_autograd_inputs_are_refused_not_silently_dropped(world1):
+def test_autograd_refuses_outputs_given_and_cublasmp(world1):
     weight = torch.randn(8, 5, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="autograd is not supported yet"):
-        mt.matmul_all_reduce(torch.randn(4, 8), weight, world1)
-    with torch.no_grad():
-        assert mt.matmul_all_reduce(torch.randn(4, 8), weight, world1).shape == (4, 5)
+    with pytest.raises(ValueError, match=r"matmul_all_reduce: out= does not support autograd"):
+        mt.matmul_all_reduce(torch.randn(4, 8), weight, world1, out=torch.empty(4, 5))
+    with pytest.raises(ValueError, match=r"all_gather_matmul: gathered_out= does not support"):
+        mt.all_gather_matmul(torch.randn(4, 8), weight, world1, return_gathered=True,
+                             gathered_out=torch.empty(4, 8))
+    with pytest.raises(NotImplementedError, match=r"backend=cublasmp has no backward"):
+        mt.matmul_reduce_scatter(torch.randn(4, 8), weight, world1, backend="cublasmp")
+    with torch.no_grad():  # no autograd: the output given is filled
+        out = torch.empty(4, 5)
+        assert mt.matmul_all_reduce(torch.randn(4, 8), weight, world1, out=out) is out
+    assert not mt.matmul_all_reduce(torch.randn(4, 8), weight.detach(), world1).requires_grad
+
+
+def test_gathered_rows_carry_no_gradient(world1):
+    a = torch.randn(4, 8, requires_grad=True)
+    product, gathered = mt.all_gather_matmul(a, torch.randn(8, 5), world1, return_gathered=True)
+    assert product.requires_grad and not gathered.requires_grad
 
 
 def _reduce_scatter_uneven(rank, size):

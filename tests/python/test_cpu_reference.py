@@ -3,6 +3,8 @@
 Runs 2 and 4 ranks as processes, like a tensor-parallel job on a machine without GPUs.
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -66,3 +68,95 @@ def test_every_op_matches_the_full_product(gloo_env, size, dtype, tol):
         assert _rel(got["ag_t"], ref["plain"]) < tol
         assert _rel(got["rs"], ref["product"][ref["rows"]]) < tol
         assert _rel(got["ar"], ref["product"]) < tol
+
+
+def _draw_problem(seed, size):
+    """Every rank's inputs and its loss weights, as one process draws them (float32)."""
+    gen = torch.Generator().manual_seed(seed)
+    m, k, n = 4 * size, 6 * size, 5
+    randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    return {
+        "x": randn(m, k),                                      # AG: the whole input
+        "w_cols": [randn(k, n) for _ in range(size)],          # AG: each rank's column shard
+        "bias_cols": [randn(n) for _ in range(size)],
+        "w": randn(k, n), "bias": randn(n),                    # RS and AR: the whole weight
+        "g_ag": [randn(m, n) for _ in range(size)],            # each rank's loss weights
+        "g_rs": [randn(m // size, n) for _ in range(size)],
+        "g_ar": randn(m, n),                                    # AR: the same loss on every rank
+        "m": m, "k": k,
+    }
+
+
+def _grads(loss, inputs):
+    return [g.detach() for g in torch.autograd.grad(loss, inputs)]
+
+
+def _grad_worker(rank, size, seed, results):
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        group = mt.group_from_process_group(device="cpu")
+        p = _draw_problem(seed, size)
+        m, k = p["m"], p["k"]
+        rows = slice(rank * m // size, (rank + 1) * m // size)
+        cols = slice(rank * k // size, (rank + 1) * k // size)
+        leaf = lambda t: t.clone().requires_grad_()  # noqa: E731
+        for trans_b in (False, True):
+            as_b = lambda w: w.t().contiguous() if trans_b else w  # [n, k]  # noqa: E731
+            got = {}
+            x, w = leaf(p["x"][rows]), leaf(as_b(p["w_cols"][rank]))
+            bias = leaf(p["bias_cols"][rank])
+            y = mt.all_gather_matmul(x, w, group, bias=bias, trans_b=trans_b)
+            got["ag"] = _grads((y * p["g_ag"][rank]).sum(), [x, w, bias])
+
+            a, w, bias = leaf(p["x"][:, cols]), leaf(as_b(p["w"][cols])), leaf(p["bias"])
+            z = mt.matmul_reduce_scatter(a, w, group, bias=bias, trans_b=trans_b)
+            got["rs"] = _grads((z * p["g_rs"][rank]).sum(), [a, w, bias])
+
+            a, w, bias = leaf(p["x"][:, cols]), leaf(as_b(p["w"][cols])), leaf(p["bias"])
+            z = mt.matmul_all_reduce(a, w, group, bias=bias, trans_b=trans_b)
+            got["ar"] = _grads((z * p["g_ar"]).sum(), [a, w, bias])
+            results[(rank, trans_b)] = got
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_gradients_are_those_of_the_whole_computation(gloo_env, size):
+    """Each rank's float32 gradients against one process's float64 autograd over the whole
+    tensor-parallel computation: all-gather's backward reduce-scatters, reduce-scatter's
+    all-gathers (so the weight's and the bias's gradients are complete), all-reduce's passes its
+    gradient on."""
+    results = mp.Manager().dict()
+    seed = torch.randint(0, 2**31, ()).item()
+    mp.spawn(_grad_worker, args=(size, seed, results), nprocs=size, join=True)
+    p = _draw_problem(seed, size)
+    m, k = p["m"], p["k"]
+    leaf = lambda t: t.double().requires_grad_()  # noqa: E731
+
+    # AG: every rank's column shard of y = x @ W + bias; the loss sums every rank's.
+    x = leaf(p["x"])
+    ws, biases = [leaf(w) for w in p["w_cols"]], [leaf(b) for b in p["bias_cols"]]
+    loss = sum(((x @ w + b) * g.double()).sum() for w, b, g in zip(ws, biases, p["g_ag"]))
+    ag = _grads(loss, [x, *ws, *biases])
+    # RS and AR: the whole row-parallel product; RS's loss sums every rank's rows.
+    a, w, bias = leaf(p["x"]), leaf(p["w"]), leaf(p["bias"])
+    out = a @ w + bias
+    loss = sum((out[r * m // size:(r + 1) * m // size] * p["g_rs"][r].double()).sum()
+               for r in range(size))
+    rs = _grads(loss, [a, w, bias])
+    ar = _grads(((a @ w + bias) * p["g_ar"].double()).sum(), [a, w, bias])
+
+    for rank, trans_b in itertools.product(range(size), (False, True)):
+        as_b = lambda g: g.t() if trans_b else g  # noqa: E731
+        rows = slice(rank * m // size, (rank + 1) * m // size)
+        cols = slice(rank * k // size, (rank + 1) * k // size)
+        got = results[(rank, trans_b)]
+        want = {
+            "ag": [ag[0][rows], as_b(ag[1 + rank]), ag[1 + size + rank]],
+            "rs": [rs[0][:, cols], as_b(rs[1][cols]), rs[2]],
+            "ar": [ar[0][:, cols], as_b(ar[1][cols]), ar[2]],
+        }
+        for op, expected in want.items():
+            for name, g, e in zip(("a", "b", "bias"), got[op], expected):
+                assert g.shape == e.shape, (op, name, rank, trans_b)
+                assert _rel(g.double(), e) < 1e-5, (op, name, rank, trans_b, _rel(g.double(), e))

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 from torch.utils.dlpack import to_dlpack
 
 from meshla import _meshla
@@ -202,11 +203,6 @@ def _check_operands(op: str, a, b, bias, trans_b: bool, group: TPGroup):
     n = b.shape[0] if trans_b else b.shape[1]
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise ValueError(f"{op}: bias.shape={_shape(bias)} but expected [{n}]")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, b, bias)):
-        raise NotImplementedError(
-            f"{op}: autograd is not supported yet and the gradient would be lost; call it under "
-            "torch.no_grad() or pass detached tensors"
-        )
     if a.device.type == "cuda" and a.device != group.device:
         raise ValueError(f"{op}: a is on {a.device} but the group's communicator uses {group.device}")
     if a.device.type == "cpu" and group.process_group is None:
@@ -256,6 +252,22 @@ def _reference_product(a, b, bias, trans_b: bool, add_bias: bool):
     return product
 
 
+def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:
+    """Whether the op runs under autograd; the outputs given and backend=cublasmp are refused
+    there, as torch refuses ``out=`` on differentiable calls."""
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
+        return False
+    for name, given in outputs.items():
+        if given is not None:
+            raise ValueError(f"{op}: {name}= does not support autograd, but an input requires "
+                             "grad; leave it out or call under torch.no_grad()")
+    if tuning.backend == _meshla.Backend.cublasmp:
+        raise NotImplementedError(
+            f"{op}: backend=cublasmp has no backward here (it cannot return the gathered rows the "
+            "backward needs); use backend='nccl' or 'symmetric', or call under torch.no_grad()")
+    return True
+
+
 def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
                       return_gathered: bool = False, out=None, gathered_out=None,
                       algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
@@ -263,18 +275,33 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
 
     ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
-    product, and with ``return_gathered`` also the gathered [m, k] ``a`` (the backward needs it).
+    product, and with ``return_gathered`` also the gathered [m, k] ``a``.
     ``out`` and ``gathered_out`` are optional preallocated outputs.
 
     ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas`` choose how the data
     moves and how it overlaps the GEMM (see :class:`Tuning`); the defaults are meshla's measured
     choices.
+
+    Differentiable in ``a``, ``b`` and ``bias`` (a column-parallel layer with sequence
+    parallelism): ``a``'s gradient is the reduce-scatter of the product's gradient times ``b``ᵀ
+    (a :func:`matmul_reduce_scatter`), ``b``'s and ``bias``'s are this rank's own. The gathered
+    ``a`` is kept for the backward (and carries no gradient itself). Every rank of the group must
+    run the backward, as it runs the forward.
     """
     op = _meshla.CollectiveOp.all_gather_matmul
     n = _check_operands(op.name, a, b, bias, trans_b, group)
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     if gathered_out is not None and not return_gathered:
         raise ValueError(f"{op.name}: gathered_out is given but return_gathered=False")
+    if _wants_grad(op.name, (a, b, bias), tuning, out=out, gathered_out=gathered_out):
+        product, gathered = _AllGatherMatmul.apply(a, b, bias, group, trans_b, tuning)
+        return (product, gathered) if return_gathered else product
+    return _all_gather_matmul(a, b, bias, group, n, trans_b, return_gathered, out, gathered_out,
+                              tuning)
+
+
+def _all_gather_matmul(a, b, bias, group, n, trans_b, return_gathered, out, gathered_out, tuning):
+    op = _meshla.CollectiveOp.all_gather_matmul
     m, k = a.shape[0] * group.size, a.shape[1]
     if a.device.type == "cpu":
         parts = [torch.empty_like(a) for _ in range(group.size)]
@@ -298,6 +325,12 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
 
     ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``): the slices of
     a row-parallel linear layer. The bias is added once, not once per rank.
+
+    Differentiable in ``a``, ``b`` and ``bias`` (a row-parallel layer with sequence parallelism):
+    the output's gradient is all-gathered (an :func:`all_gather_matmul` gives ``a``'s gradient
+    and the gathered rows), so ``b``'s gradient is complete, and so is ``bias``'s: summed over
+    every rank's rows, on every rank (do not all-reduce it again). Every rank of the group must
+    run the backward, as it runs the forward.
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
     n = _check_operands(op.name, a, b, bias, trans_b, group)
@@ -305,6 +338,14 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     m, k = a.shape
     if m % group.size != 0:
         raise ValueError(f"{op.name}: a.shape[0]={m} is not divisible by tp_size={group.size}")
+    if _wants_grad(op.name, (a, b, bias), tuning, out=out):
+        return _MatmulReduceScatter.apply(a, b, bias, group, trans_b, tuning)
+    return _matmul_reduce_scatter(a, b, bias, group, n, trans_b, out, tuning)
+
+
+def _matmul_reduce_scatter(a, b, bias, group, n, trans_b, out, tuning):
+    op = _meshla.CollectiveOp.matmul_reduce_scatter
+    m, k = a.shape
     if a.device.type == "cpu":
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)
         dist.all_reduce(total, group=group.process_group)
@@ -319,10 +360,23 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
 def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
                       algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
                       backend="auto"):
-    """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank."""
+    """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank.
+
+    Differentiable in ``a``, ``b`` and ``bias`` (a row-parallel layer without sequence
+    parallelism): the result is the same on every rank, so each rank's loss is taken as the same
+    function of it and its gradient is used as it is, with no communication (as Megatron-LM's
+    row-parallel layer does).
+    """
     op = _meshla.CollectiveOp.matmul_all_reduce
     n = _check_operands(op.name, a, b, bias, trans_b, group)
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    if _wants_grad(op.name, (a, b, bias), tuning, out=out):
+        return _MatmulAllReduce.apply(a, b, bias, group, trans_b, tuning)
+    return _matmul_all_reduce(a, b, bias, group, n, trans_b, out, tuning)
+
+
+def _matmul_all_reduce(a, b, bias, group, n, trans_b, out, tuning):
+    op = _meshla.CollectiveOp.matmul_all_reduce
     m, k = a.shape
     if a.device.type == "cpu":
         total = _reference_product(a, b, bias, trans_b, group.rank == 0)
@@ -331,6 +385,89 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     out = _output(op.name, "out", out, (m, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
     return out
+
+
+# Autograd. Each op's backward is its conjugate, as in Megatron-LM's tensor and sequence
+# parallelism: all-gather <-> reduce-scatter, all-reduce <-> nothing. The products with b are
+# collective matmuls again, on the forward's backend with meshla's default algorithm (the
+# forward's algorithm and chunks were chosen for other shapes); the weight gradients are local
+# GEMMs on the rows the backward has.
+
+
+def _weight_grad(rows, grad, trans_b: bool):
+    """b's gradient for ``product = rows @ b`` (b [k, n]) or ``rows @ bᵀ`` (b [n, k])."""
+    return grad.t() @ rows if trans_b else rows.t() @ grad
+
+
+def _n_of(b, trans_b: bool) -> int:
+    return b.shape[0] if trans_b else b.shape[1]
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, bias, group, trans_b, tuning):
+        product, gathered = _all_gather_matmul(a, b, bias, group, _n_of(b, trans_b), trans_b,
+                                               True, None, None, tuning)
+        ctx.save_for_backward(gathered, b)
+        ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
+        ctx.mark_non_differentiable(gathered)
+        return product, gathered
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, _gathered_grad):
+        gathered, b = ctx.saved_tensors
+        needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
+        grad_a = grad_b = grad_bias = None
+        if needs_a:  # grad @ bᵀ, its rows summed over the ranks and scattered back
+            grad_a = matmul_reduce_scatter(grad, b, ctx.group, trans_b=not ctx.trans_b,
+                                           backend=ctx.backend)
+        if needs_b:
+            grad_b = _weight_grad(gathered, grad, ctx.trans_b)
+        if needs_bias:
+            grad_bias = grad.sum(0)
+        return grad_a, grad_b, grad_bias, None, None, None
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, bias, group, trans_b, tuning):
+        ctx.save_for_backward(a, b)
+        ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
+        return _matmul_reduce_scatter(a, b, bias, group, _n_of(b, trans_b), trans_b, None, tuning)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
+        # One all-gather of the output's gradient serves all three: a's gradient is its product
+        # with bᵀ (computed even when only b or bias needs the gathered rows: the collective is
+        # the same call).
+        grad_a, gathered = all_gather_matmul(grad, b, ctx.group, trans_b=not ctx.trans_b,
+                                             return_gathered=True,
+                                             backend=ctx.backend)
+        grad_b = _weight_grad(a, gathered, ctx.trans_b) if needs_b else None
+        grad_bias = gathered.sum(0) if needs_bias else None
+        return grad_a if needs_a else None, grad_b, grad_bias, None, None, None
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, bias, group, trans_b, tuning):
+        ctx.save_for_backward(a, b)
+        ctx.trans_b = trans_b
+        return _matmul_all_reduce(a, b, bias, group, _n_of(b, trans_b), trans_b, None, tuning)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
+        grad_a = (grad @ b if ctx.trans_b else grad @ b.t()) if needs_a else None
+        grad_b = _weight_grad(a, grad, ctx.trans_b) if needs_b else None
+        grad_bias = grad.sum(0) if needs_bias else None
+        return grad_a, grad_b, grad_bias, None, None, None
 
 
 from meshla.torch.grouped import (  # noqa: E402
