@@ -9,12 +9,14 @@ python=${PYTHON:-python3.12}
 # The GPU machines run jax 0.11.2; cuBLASMp 0.7 is the last release that runs on their NCCL 2.28.
 "$python" -m pip install -q --disable-pip-version-check "jax[cpu]==0.11.2" nanobind \
   scikit-build-core nvidia-cutlass
-# cuBLASMp's wheel, downloaded once: carried as it is, and installed here for build_wheel.sh.
+# cuBLASMp's wheel and NVML's header, downloaded once: carried as they are (a build on the GPU
+# machine installs them), and installed here for build_wheel.sh.
 "$python" -m pip download -q --disable-pip-version-check --no-deps -d .deps \
-  "nvidia-cublasmp-cu13==0.7.*"
-"$python" -m pip install -q --disable-pip-version-check --no-deps .deps/nvidia_cublasmp_cu13-*.whl
+  "nvidia-cublasmp-cu13==0.7.*" "nvidia-nvml-dev==13.*"
+"$python" -m pip install -q --disable-pip-version-check --no-deps .deps/nvidia_cublasmp_cu13-*.whl \
+  .deps/nvidia_nvml_dev-*.whl
 cutlass=$("$python" -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))")
 mkdir -p .deps/cutlass
 rm -rf .deps/cutlass/include
 cp -r "$cutlass/source/include" .deps/cutlass/include
-echo "carry: .deps/cutlass/include ($(du -sh .deps/cutlass | cut -f1)), $(cd .deps && ls nvidia_cublasmp_cu13-*.whl)"
+echo "carry: .deps/cutlass/include ($(du -sh .deps/cutlass | cut -f1)), $(cd .deps && ls nvidia_*.whl | tr '\n' ' ')"

@@ -33,8 +33,8 @@ enum class CollectiveOp { kAllGatherMatmul, kMatmulReduceScatter, kMatmulAllRedu
 
 // Who moves the data.
 enum class Backend {
-  kAuto,       // kSymmetric when every pair of ranks has CUDA peer access (one host) and the
-               // algorithm and shape allow it, kNccl otherwise
+  kAuto,       // kSymmetric when every pair of the group's GPUs is linked by NVLink (NVML's
+               // answer) and the algorithm and shape allow it, kNccl otherwise
   kNccl,       // NCCL collectives and point-to-point: any topology, crosses nodes
   kSymmetric,  // buffers mapped into every rank of the group; copy engines move the blocks and
                // stream memory operations signal their arrival, so no SM works on communication

@@ -22,7 +22,8 @@ class GroupWorkspace;
 struct PeerAccess {
   // "" when every rank maps every other rank's memory, else why not.
   std::string unmappable;
-  // "" when, besides, every pair of the group's GPUs is linked by NVLink, else why not.
+  // "" when, besides, every pair of the group's GPUs is linked by NVLink, else why not (rank 0
+  // prints it once, when the group is asked).
   std::string without_nvlink;
 
   bool mapped() const { return unmappable.empty(); }

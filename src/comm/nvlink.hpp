@@ -10,9 +10,9 @@ namespace meshla::detail {
 
 // "" when NVML reports NVLink peer-to-peer as available between the GPUs at these PCI bus ids
 // (as cudaDeviceGetPCIBusId writes them), else why not: no NVLink between them, or NVML could not
-// be loaded or asked. NVML is loaded at the first call and kept for the process's life; it comes
-// with the driver, not the toolkit, so neither building meshla nor a machine without a GPU needs
-// it. Thread-safe.
+// be loaded or asked. libnvidia-ml is loaded at the first call and kept for the process's life:
+// it comes with the driver, so libmeshla loads on machines without one (building needs only
+// nvml.h). Thread-safe.
 std::string why_not_nvlink(const char* pci_bus_id, const char* peer_pci_bus_id);
 
 }  // namespace meshla::detail

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -110,18 +111,29 @@ PeerAccess ask_for_peer_access(const CommState& state) {
   // Every rank reports its own reason where it has one, else the first rank that has.
   PeerAccess group;
   for (int rank = 0; rank < state.size; ++rank) {
-    const Reach& reach = reaches[static_cast<std::size_t>(rank)];
-    const std::string who = "rank " + std::to_string(rank);
-    if (reach.mapped == 0 && group.unmappable.empty()) {
-      group.unmappable = !mine.mapped() ? mine.unmappable : who + " cannot map all of its peers";
-    }
-    if (reach.over_nvlink == 0 && group.without_nvlink.empty()) {
-      group.without_nvlink = !mine.over_nvlink()
-                                 ? (mine.mapped() ? mine.without_nvlink : mine.unmappable)
-                                 : who + " is not linked to all of its peers by NVLink";
+    if (reaches[static_cast<std::size_t>(rank)].mapped == 0 && group.unmappable.empty()) {
+      group.unmappable =
+          !mine.mapped() ? mine.unmappable
+                         : "rank " + std::to_string(rank) + " cannot map all of its peers' memory";
     }
   }
   if (!group.mapped()) return group;
+  for (int rank = 0; rank < state.size; ++rank) {
+    if (reaches[static_cast<std::size_t>(rank)].over_nvlink == 0 && group.without_nvlink.empty()) {
+      group.without_nvlink =
+          !mine.without_nvlink.empty()
+              ? mine.without_nvlink
+              : "rank " + std::to_string(rank) + " is not linked to all of its peers by NVLink";
+    }
+  }
+  if (!group.without_nvlink.empty() && state.rank == 0) {
+    // Once per group (the answer is kept): the reason the automatic choice is not the copy
+    // engines, which users comparing backends would otherwise have to guess.
+    std::fprintf(stderr,
+                 "meshla: %s; backend=auto runs nccl on this group of %d, and "
+                 "backend=symmetric runs over CUDA peer access without NVLink\n",
+                 group.without_nvlink.c_str(), state.size);
+  }
   const PeerIdentity& me = everyone[static_cast<std::size_t>(state.rank)];
   DeviceGuard guard(state.device);
   for (const PeerIdentity& peer : everyone) {

@@ -19,6 +19,7 @@ per-dtype threshold. tests/gpu/run.sh runs every model and prints "N passed, N f
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import os
 import random
@@ -79,6 +80,32 @@ def run_op(op, problem, group, algorithm, trans_b, chunks=0, comm_ctas=0, backen
     return getattr(mt, op)(problem.a, problem.b, group, **kwargs)
 
 
+def expected_auto_backend(group):
+    """What backend="auto" must pick on this group: "symmetric" from two ranks up where peer
+    transfers are on and every pair of this process's visible GPUs is linked by NVLink, as NVML
+    says when asked here directly (ctypes, not meshla's code); "nccl" where no pair is or peer
+    transfers are off; None (not asserted) on a mixed topology, where it depends on the group's
+    GPUs, which a rank of another process does not know."""
+    if group.size < 2 or os.environ.get("NCCL_P2P_DISABLE") == "1":
+        return "nccl"
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    assert nvml.nvmlInit_v2() == 0
+    handles = []
+    for device in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(device)
+        bus_id = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0".encode()
+        handle = ctypes.c_void_p()
+        assert nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id, ctypes.byref(handle)) == 0, bus_id
+        handles.append(handle)
+    linked = []
+    for first, second in itertools.combinations(handles, 2):
+        status = ctypes.c_int(-1)
+        nvlink = 2  # NVML_P2P_CAPS_INDEX_NVLINK; status 0 is NVML_P2P_STATUS_OK
+        assert nvml.nvmlDeviceGetP2PStatus(first, second, nvlink, ctypes.byref(status)) == 0
+        linked.append(status.value == 0)
+    return "symmetric" if all(linked) else "nccl" if not any(linked) else None
+
+
 def chunks_for(op, backend, algorithm):
     """Uneven NCCL chunks (200 rows per rank, 3 chunks); four symmetric rounds of 50 rows."""
     if backend == "symmetric":
@@ -125,15 +152,12 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
                         ok = ok and torch.equal(result[1], p.x)
                         detail += f" gathered_exact={torch.equal(result[1], p.x)}"
                     if backend == "auto":
-                        # One host with peer access: the symmetric backend, unless peer
-                        # transfers are disabled (the network model).
-                        want = ("nccl" if os.environ.get("NCCL_P2P_DISABLE") == "1"
-                                else "symmetric")
+                        want = expected_auto_backend(group)
                         picked = group.plan(getattr(meshla.CollectiveOp, op), dtype, m, n, k,
                                             trans_b, bias, op == "all_gather_matmul",
                                             mt.Tuning.of()).backend.name
-                        ok = ok and picked == want
-                        detail += f" picked={picked}"
+                        ok = ok and want in (picked, None)
+                        detail += f" picked={picked} expected={want}"
                 except Exception as e:  # a check that raises is a failed check, not a crash
                     ok, detail = False, f"{type(e).__name__}: {e}"
                 reporter.record(name, group.rank, ok, detail)

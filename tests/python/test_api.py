@@ -43,9 +43,9 @@ def test_bad_shapes_name_the_arguments(world1):
 
 def test_autograd_refuses_outputs_given_and_cublasmp(world1):
     weight = torch.randn(8, 5, requires_grad=True)
-    with pytest.raises(ValueError, match=r"matmul_all_reduce: out= does not support autograd"):
+    with pytest.raises(NotImplementedError, match=r"matmul_all_reduce: out= does not support"):
         mt.matmul_all_reduce(torch.randn(4, 8), weight, world1, out=torch.empty(4, 5))
-    with pytest.raises(ValueError, match=r"all_gather_matmul: gathered_out= does not support"):
+    with pytest.raises(NotImplementedError, match=r"all_gather_matmul: gathered_out= does not"):
         mt.all_gather_matmul(torch.randn(4, 8), weight, world1, return_gathered=True,
                              gathered_out=torch.empty(4, 8))
     with pytest.raises(NotImplementedError, match=r"backend=cublasmp has no backward"):
@@ -54,6 +54,24 @@ def test_autograd_refuses_outputs_given_and_cublasmp(world1):
         out = torch.empty(4, 5)
         assert mt.matmul_all_reduce(torch.randn(4, 8), weight, world1, out=out) is out
     assert not mt.matmul_all_reduce(torch.randn(4, 8), weight.detach(), world1).requires_grad
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce"])
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True)])
+def test_gradients_of_the_inputs_that_require_them(world1, op, needs):
+    """One rank: each op's gradient is plain matmul's, for whichever inputs require one."""
+    tensors = [torch.randn(4, 8), torch.randn(8, 5), torch.randn(5)]
+    mine = [t.clone().requires_grad_(need) for t, need in zip(tensors, needs)]
+    reference = [t.clone().requires_grad_(need) for t, need in zip(tensors, needs)]
+    weights = torch.randn(4, 5)
+    out = getattr(mt, op)(mine[0], mine[1], world1, bias=mine[2])
+    (out * weights).sum().backward()
+    ((reference[0] @ reference[1] + reference[2]) * weights).sum().backward()
+    for got, want, need in zip(mine, reference, needs):
+        assert (got.grad is None) == (not need)
+        if need:
+            torch.testing.assert_close(got.grad, want.grad)
 
 
 def test_gathered_rows_carry_no_gradient(world1):

@@ -259,8 +259,9 @@ def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:
         return False
     for name, given in outputs.items():
         if given is not None:
-            raise ValueError(f"{op}: {name}= does not support autograd, but an input requires "
-                             "grad; leave it out or call under torch.no_grad()")
+            raise NotImplementedError(
+                f"{op}: {name}= does not support autograd, but an input requires grad; leave it "
+                "out or call under torch.no_grad()")
     if tuning.backend == _meshla.Backend.cublasmp:
         raise NotImplementedError(
             f"{op}: backend=cublasmp has no backward here (it cannot return the gathered rows the "
@@ -286,7 +287,7 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     parallelism): ``a``'s gradient is the reduce-scatter of the product's gradient times ``b``ᵀ
     (a :func:`matmul_reduce_scatter`), ``b``'s and ``bias``'s are this rank's own. The gathered
     ``a`` is kept for the backward (and carries no gradient itself). Every rank of the group must
-    run the backward, as it runs the forward.
+    run the backward, as it runs the forward, with the same inputs requiring grad.
     """
     op = _meshla.CollectiveOp.all_gather_matmul
     n = _check_operands(op.name, a, b, bias, trans_b, group)
@@ -294,8 +295,7 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     if gathered_out is not None and not return_gathered:
         raise ValueError(f"{op.name}: gathered_out is given but return_gathered=False")
     if _wants_grad(op.name, (a, b, bias), tuning, out=out, gathered_out=gathered_out):
-        product, gathered = _AllGatherMatmul.apply(a, b, bias, group, trans_b, tuning)
-        return (product, gathered) if return_gathered else product
+        return _AllGatherMatmul.apply(a, b, bias, group, trans_b, tuning, return_gathered)
     return _all_gather_matmul(a, b, bias, group, n, trans_b, return_gathered, out, gathered_out,
                               tuning)
 
@@ -329,8 +329,9 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     Differentiable in ``a``, ``b`` and ``bias`` (a row-parallel layer with sequence parallelism):
     the output's gradient is all-gathered (an :func:`all_gather_matmul` gives ``a``'s gradient
     and the gathered rows), so ``b``'s gradient is complete, and so is ``bias``'s: summed over
-    every rank's rows, on every rank (do not all-reduce it again). Every rank of the group must
-    run the backward, as it runs the forward.
+    every rank's rows, on every rank (do not all-reduce it again, unlike Megatron-LM's
+    sequence-parallel bias, whose partial sums it all-reduces later). Every rank of the group must
+    run the backward, as it runs the forward, with the same inputs requiring grad.
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
     n = _check_operands(op.name, a, b, bias, trans_b, group)
@@ -405,17 +406,22 @@ def _n_of(b, trans_b: bool) -> int:
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, bias, group, trans_b, tuning):
-        product, gathered = _all_gather_matmul(a, b, bias, group, _n_of(b, trans_b), trans_b,
-                                               True, None, None, tuning)
-        ctx.save_for_backward(gathered, b)
+    def forward(ctx, a, b, bias, group, trans_b, tuning, return_gathered):
+        # The gathered rows are kept only where b's gradient needs them.
+        keep = ctx.needs_input_grad[1]
+        result = _all_gather_matmul(a, b, bias, group, _n_of(b, trans_b), trans_b,
+                                    return_gathered or keep, None, None, tuning)
+        product, gathered = result if return_gathered or keep else (result, None)
+        ctx.save_for_backward(gathered if keep else None, b)
         ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
+        if not return_gathered:
+            return product
         ctx.mark_non_differentiable(gathered)
         return product, gathered
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad, _gathered_grad):
+    def backward(ctx, grad, *_gathered_grad):
         gathered, b = ctx.saved_tensors
         needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
         grad_a = grad_b = grad_bias = None
@@ -426,7 +432,7 @@ class _AllGatherMatmul(torch.autograd.Function):
             grad_b = _weight_grad(gathered, grad, ctx.trans_b)
         if needs_bias:
             grad_bias = grad.sum(0)
-        return grad_a, grad_b, grad_bias, None, None, None
+        return grad_a, grad_b, grad_bias, None, None, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
