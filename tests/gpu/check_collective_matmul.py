@@ -164,16 +164,21 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
 
 
 def check_autograd(group, reporter, label, seed_base):
-    """Every op's gradients (a, b, bias; bf16 and fp32; each backend; b as [k, n] and [n, k])
-    against float64 autograd over the whole tensor-parallel computation, drawn identically on
-    every rank: all-gather's backward reduce-scatters, reduce-scatter's all-gathers, all-reduce's
-    passes the gradient on (see meshla.torch's docstrings)."""
+    """Every op's gradients (a, b, bias; bf16, fp32, and fp32 under a bf16 torch.autocast; each
+    backend; b as [k, n] and [n, k]) against float64 autograd over the whole tensor-parallel
+    computation, drawn identically on every rank: all-gather's backward reduce-scatters,
+    reduce-scatter's all-gathers, all-reduce's passes the gradient on (see meshla.torch's
+    docstrings)."""
     tp, r = group.size, group.rank
     device = group.device
-    settings = itertools.product((torch.bfloat16, torch.float32), ("nccl", "symmetric"),
+    settings = itertools.product(("bfloat16", "float32", "autocast"), ("nccl", "symmetric"),
                                  (False, True))
-    for case, (dtype, backend, trans_b) in enumerate(settings):
-        name = f"{label}/autograd/{backend}/{str(dtype)[6:]}/trans_b={int(trans_b)}"
+    for case, (precision, backend, trans_b) in enumerate(settings):
+        name = f"{label}/autograd/{backend}/{precision}/trans_b={int(trans_b)}"
+        # Under autocast the fp32 operands are cast to bf16: drawn as bf16 values, exactly.
+        dtype = torch.float32 if precision == "float32" else torch.bfloat16
+        leaf_dtype = torch.float32 if precision == "autocast" else dtype
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast")
         try:
             gen = torch.Generator(device=device).manual_seed(seed_base + case)
             m, k, n = 128 * tp, 64 * tp, 96
@@ -194,7 +199,7 @@ def check_autograd(group, reporter, label, seed_base):
                 return t.t() if trans_b else t
 
             def leaf(t):
-                return t.to(dtype).contiguous().requires_grad_()
+                return t.to(leaf_dtype).contiguous().requires_grad_()
 
             def worst_error(got, want):
                 return max(relative_error(g, w) for g, w in zip(got, want))
@@ -207,10 +212,13 @@ def check_autograd(group, reporter, label, seed_base):
             loss = sum(((xs @ wc + bc) * g).sum() for (wc, bc), g in zip(shards, g_ag))
             dx, dw, dbias = torch.autograd.grad(loss, [xs, wr, br])
             mine = [leaf(x[rows]), leaf(as_b(w_cols[r])), leaf(bias_cols[r])]
-            y = mt.all_gather_matmul(*mine[:2], group, bias=mine[2], trans_b=trans_b,
-                                     backend=backend)
+            with autocast:
+                y = mt.all_gather_matmul(*mine[:2], group, bias=mine[2], trans_b=trans_b,
+                                         backend=backend)
             got = torch.autograd.grad((y.double() * g_ag[r]).sum(), mine)
             worst = worst_error(got, [dx[rows], as_b(dw), dbias])
+            # The products in dtype, the gradients in the leaves' (fp32 under autocast).
+            dtypes = {y.dtype} | {g.dtype for g in got}
             # matmul_reduce_scatter and matmul_all_reduce: rank s holds column shard s of x and
             # row shard s of the weight; the bias is whole. The reduce-scatter's loss sums every
             # rank's rows; the all-reduce's is the same on every rank.
@@ -223,12 +231,15 @@ def check_autograd(group, reporter, label, seed_base):
                             for s, g in enumerate(g_rs)))
                 dx, dw, dbias = torch.autograd.grad(loss, inputs)
                 mine = [leaf(x[:, cols]), leaf(as_b(w[cols])), leaf(bias)]
-                z = run(*mine[:2], group, bias=mine[2], trans_b=trans_b, backend=backend)
+                with autocast:
+                    z = run(*mine[:2], group, bias=mine[2], trans_b=trans_b, backend=backend)
                 mine_loss = (z.double() * (g_ar if all_reduce else g_rs[r])).sum()
                 got = torch.autograd.grad(mine_loss, mine)
                 worst = max(worst, worst_error(got, [dx[:, cols], as_b(dw[cols]), dbias]))
+                dtypes |= {z.dtype} | {g.dtype for g in got}
             torch.cuda.synchronize(device)
-            ok, detail = worst < TOLERANCE[dtype], f"worst gradient rel_err={worst:.2e}"
+            ok = worst < TOLERANCE[dtype] and dtypes == {dtype, leaf_dtype}
+            detail = f"worst gradient rel_err={worst:.2e} dtypes={sorted(map(str, dtypes))}"
         except Exception as e:  # a check that raises is a failed check, not a crash
             ok, detail = False, f"{type(e).__name__}: {e}"
         reporter.record(name, r, ok, detail)

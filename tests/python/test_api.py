@@ -58,7 +58,8 @@ def test_autograd_refuses_outputs_given_and_cublasmp(world1):
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
                                 "matmul_all_reduce"])
-@pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True)])
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, False),
+                                   (False, False, True)])
 def test_gradients_of_the_inputs_that_require_them(world1, op, needs):
     """One rank: each op's gradient is plain matmul's, for whichever inputs require one."""
     tensors = [torch.randn(4, 8), torch.randn(8, 5), torch.randn(5)]
@@ -72,6 +73,29 @@ def test_gradients_of_the_inputs_that_require_them(world1, op, needs):
         assert (got.grad is None) == (not need)
         if need:
             torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce"])
+def test_autocast_casts_the_operands_as_for_a_matmul(world1, op):
+    tensors = [torch.randn(4, 8), torch.randn(8, 5), torch.randn(5)]
+    mine = [t.clone().requires_grad_() for t in tensors]
+    reference = [t.clone().requires_grad_() for t in tensors]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = getattr(mt, op)(mine[0], mine[1], world1, bias=mine[2])
+        want = torch.nn.functional.linear(reference[0], reference[1].t(), reference[2])
+    assert out.dtype == want.dtype == torch.bfloat16
+
+    def relative_error(got, expected):  # bf16: rounding differs element by element
+        return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+    assert relative_error(out, want) < 1e-2
+    weights = torch.randn(4, 5)
+    (out.float() * weights).sum().backward()
+    (want.float() * weights).sum().backward()
+    for got, expected in zip(mine, reference):
+        assert got.grad.dtype == torch.float32
+        assert relative_error(got.grad, expected.grad) < 1e-2
 
 
 def test_gathered_rows_carry_no_gradient(world1):

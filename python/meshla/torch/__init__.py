@@ -252,6 +252,16 @@ def _reference_product(a, b, bias, trans_b: bool, add_bias: bool):
     return product
 
 
+def _autocast(a, b, bias):
+    """The operands as torch.autocast would give them to a matmul: in its dtype where it is on
+    for their device (e.g. bf16 activations beside fp32 weights), unchanged where it is off."""
+    if not isinstance(a, torch.Tensor) or not torch.is_autocast_enabled(a.device.type):
+        return a, b, bias
+    dtype = torch.get_autocast_dtype(a.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in (a, b, bias))
+
+
 def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:
     """Whether the op runs under autograd; the outputs given and backend=cublasmp are refused
     there, as torch refuses ``out=`` on differentiable calls."""
@@ -290,6 +300,7 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     run the backward, as it runs the forward, with the same inputs requiring grad.
     """
     op = _meshla.CollectiveOp.all_gather_matmul
+    a, b, bias = _autocast(a, b, bias)
     n = _check_operands(op.name, a, b, bias, trans_b, group)
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     if gathered_out is not None and not return_gathered:
@@ -334,6 +345,7 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     run the backward, as it runs the forward, with the same inputs requiring grad.
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
+    a, b, bias = _autocast(a, b, bias)
     n = _check_operands(op.name, a, b, bias, trans_b, group)
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     m, k = a.shape
@@ -369,6 +381,7 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     row-parallel layer does).
     """
     op = _meshla.CollectiveOp.matmul_all_reduce
+    a, b, bias = _autocast(a, b, bias)
     n = _check_operands(op.name, a, b, bias, trans_b, group)
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     if _wants_grad(op.name, (a, b, bias), tuning, out=out):
