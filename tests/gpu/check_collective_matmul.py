@@ -24,7 +24,6 @@ import itertools
 import os
 import random
 import threading
-import time
 import traceback
 
 import torch
@@ -744,57 +743,6 @@ def main_processes(args, reporter):
     dist.destroy_process_group()
 
 
-def check_plan_dropped_before_peer_runs(devices, reporter, label, seed):
-    """One process, two ranks: rank 0 enqueues an op and drops its plan before rank 1 has
-    enqueued its part. Dropping waits for rank 0's execution, which waits for rank 1's part, which
-    rank 1's thread can enqueue only with the GIL: the drop must wait without it. Held, the
-    process would stall until the watchdog ended it at the group's timeout."""
-    groups = mt.local_groups(devices[:2], timeout_s=30.0)
-    for index, backend in enumerate(("symmetric", "nccl")):
-        name = f"{label}/plan-dropped-before-peer-runs/{backend}"
-        problems = [Problem("all_gather_matmul", g, torch.bfloat16, 512, 256, 128,
-                            seed + index, False, False) for g in groups]
-        dropping = threading.Event()
-        built = threading.Barrier(2)
-        times, errors = {}, []
-
-        def rank(r):
-            try:
-                group, p = groups[r], problems[r]
-                torch.cuda.set_device(group.device)
-                # Building a plan is collective: both ranks build theirs first, then the drop.
-                run_op("all_gather_matmul", p, group, "ring", False, backend=backend)
-                torch.cuda.synchronize(group.device)
-                p.out.fill_(float("nan"))
-                built.wait(30)
-                if r == 1:
-                    dropping.wait(30)
-                    time.sleep(0.5)  # rank 0 is inside its plan's destructor by now
-                    times["peer_enqueue"] = time.monotonic()
-                run_op("all_gather_matmul", p, group, "ring", False, backend=backend)
-                if r == 0:
-                    dropping.set()
-                    group._plans.clear()  # the plan's only reference: it goes here
-                    times["dropped"] = time.monotonic()
-                torch.cuda.synchronize(group.device)
-            except Exception:
-                errors.append(traceback.format_exc())
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            reporter.record(name, -1, False, errors[0])
-            continue
-        errs = [relative_error(p.out, p.ref) for p in problems]
-        # The drop returned only after the peer had enqueued: it waited, and let the peer run.
-        waited = times["dropped"] > times["peer_enqueue"]
-        ok = waited and max(errs) < TOLERANCE[torch.bfloat16]
-        reporter.record(name, -1, ok, f"rel_err={max(errs):.2e} drop_waited_for_peer={waited}")
-
-
 def main_threads(args, reporter):
     devices = list(range(torch.cuda.device_count()))
     groups = mt.local_groups(devices)
@@ -821,9 +769,6 @@ def main_threads(args, reporter):
         t.join()
     for error in errors:
         reporter.record("threads/driver", -1, False, error)
-    if not args.quick:
-        check_plan_dropped_before_peer_runs(devices, reporter, f"threads-tp{len(devices)}",
-                                            seed + 9)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ timeout; its run must end the process by SIGABRT, with the message, long before 
 and a control (one GPU) whose timeout outlasts a short hold must finish with the right product,
 as must a CUDA graph captured in torch's default (global) capture mode while another thread's run
 is held back, so that the watchdog queries that run's event throughout the capture: its queries
-must not invalidate the capture. And (one GPU) a plan dropped while its run is held back waits for
-the run, with the GIL released: another Python thread keeps running throughout the wait.
+must not invalidate the capture. A plan dropped while its run is unfinished waits for the run
+with the GIL released:
+  dropped       (one GPU) the run is held back; another Python thread keeps running throughout
+  peer-dropped  (two GPUs, one process, a thread per GPU) rank 0 drops its plan before rank 1 has
+                enqueued its part, which rank 1's thread can do only with the GIL
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from reporting import Reporter, relative_error
 # The hold: torch.cuda._sleep cycles, about 10 s and 0.5 s at the H100's and H200's ~2 GHz.
 HOLD_CYCLES = {"held": 20_000_000_000, "control": 1_000_000_000, "dropped": 1_000_000_000}
 TIMEOUT_S = {"held": 2.0, "control": 120.0, "missing-peer": 2.0, "capture": 120.0,
-             "dropped": 120.0}
-CASES = ("held", "control", "capture", "dropped", "missing-peer")
+             "dropped": 120.0, "peer-dropped": 30.0}
+CASES = ("held", "control", "capture", "dropped", "missing-peer", "peer-dropped")
+TWO_GPUS = ("missing-peer", "peer-dropped")
 # Cases whose run must finish (the others must end the process).
-FINISHING = ("control", "capture", "dropped")
+FINISHING = ("control", "capture", "dropped", "peer-dropped")
 
 
 def operands(device):
@@ -130,6 +134,45 @@ def child_dropped(backend: str) -> None:
           f"drop_ms={drop_ms:.0f} ticks_during_drop={during}", flush=True)
 
 
+def child_peer_dropped(backend: str) -> None:
+    groups = mt.local_groups([0, 1], timeout_s=TIMEOUT_S["peer-dropped"])
+    inputs = [operands(torch.device("cuda", rank)) for rank in range(2)]
+    kwargs = dict(algorithm="ring", backend=backend)
+    dropping, built = threading.Event(), threading.Barrier(2)
+    outs, times = [None, None], {}
+
+    def rank(r):
+        torch.cuda.set_device(r)
+        # Building a plan is collective: both ranks build theirs with a first call.
+        mt.all_gather_matmul(*inputs[r], groups[r], **kwargs)
+        torch.cuda.synchronize(r)
+        built.wait(60)
+        if r == 1:
+            dropping.wait(60)
+            time.sleep(0.5)  # rank 0 is inside its plan's destructor by now
+            times["peer_enqueue"] = time.monotonic()
+        outs[r] = mt.all_gather_matmul(*inputs[r], groups[r], **kwargs)
+        if r == 0:
+            dropping.set()
+            groups[0]._plans.clear()  # the plan's only reference: it goes here
+            times["dropped"] = time.monotonic()
+        torch.cuda.synchronize(r)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Both ranks' products are the whole gathered product: compare each with its reference.
+    a = torch.cat([inputs[0][0], inputs[1][0].to(0)])
+    errors = [relative_error(outs[r], (a.double() @ inputs[r][1].to(0).double()).to(r))
+              for r in range(2)]
+    # The drop returned only after the peer had enqueued: it waited, and let the peer run.
+    waited = times["dropped"] - times["peer_enqueue"]
+    print(f"finished rel_err={max(errors):.2e} drop_returned_after_peer_enqueue_ms="
+          f"{waited * 1e3:.0f}", flush=True)
+
+
 def child(case: str, backend: str) -> None:
     if case == "missing-peer":
         child_missing_peer(backend)
@@ -139,6 +182,9 @@ def child(case: str, backend: str) -> None:
         return
     if case == "dropped":
         child_dropped(backend)
+        return
+    if case == "peer-dropped":
+        child_peer_dropped(backend)
         return
     torch.cuda.set_device(0)
     group = mt.local_groups([0], timeout_s=TIMEOUT_S[case])[0]
@@ -170,6 +216,9 @@ def check(reporter: Reporter, backend: str, case: str) -> None:
             # The drop waited for the held run (~0.5 s) while the other thread ran on.
             drop = re.search(r"drop_ms=(\d+) ticks_during_drop=(\d+)", proc.stdout)
             ok = int(drop.group(1)) >= 250 and int(drop.group(2)) >= 50
+        if case == "peer-dropped" and ok:
+            drop = re.search(r"drop_returned_after_peer_enqueue_ms=(-?\d+)", proc.stdout)
+            ok = int(drop.group(1)) > 0
         last = (proc.stderr.strip().splitlines() or [""])[-1]
         detail = (f"exit {proc.returncode}; stdout: {proc.stdout.strip()[-200:]!r}; "
                   f"stderr's last line: {last[-400:]!r}")
@@ -189,7 +238,7 @@ if __name__ == "__main__":
         child(args.child, args.backend)
     else:
         reporter = Reporter(args.results, args.model)
-        cases = [c for c in CASES if c != "missing-peer" or torch.cuda.device_count() >= 2]
+        cases = [c for c in CASES if c not in TWO_GPUS or torch.cuda.device_count() >= 2]
         for backend in ("nccl", "symmetric"):
             for case in cases:
                 check(reporter, backend, case)
