@@ -119,4 +119,35 @@ class CollectiveMatmul {
   std::unique_ptr<Impl> impl_;
 };
 
+// all_gather: each rank's in [rows, cols] -> out [tp * rows, cols], rank r's rows at r * rows.
+// NCCL's all-gather on the group's communicator, in the order of the group's nccl and symmetric
+// plans' executions (their shared workspace's) and watched like them; what a backward needs to
+// gather rows again (all_gather_matmul's weight gradient without keeping the gathered a).
+struct AllGatherConfig {
+  DType dtype = DType::kBFloat16;
+  std::int64_t rows = 0;  // this rank's
+  std::int64_t cols = 0;
+};
+
+class AllGather {
+ public:
+  // Not collective; execute() is.
+  AllGather(Communicator comm, const AllGatherConfig& config);
+  ~AllGather();
+  AllGather(AllGather&&) noexcept;
+  AllGather& operator=(AllGather&&) noexcept;
+  AllGather(const AllGather&) = delete;
+  AllGather& operator=(const AllGather&) = delete;
+
+  // Enqueues the all-gather on `stream`. Every rank must call it, in the same order as its other
+  // collective work on this communicator.
+  void execute(const TensorView& in, const TensorView& out, cudaStream_t stream);
+
+  const AllGatherConfig& config() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace meshla

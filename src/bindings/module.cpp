@@ -112,20 +112,23 @@ void translate_errors() {
   });
 }
 
-// A collective-matmul plan as Python holds it. Destroying a plan waits for its group's last
-// execution; with one process driving several GPUs (local_groups), that execution may wait for a
-// peer rank's thread, which needs the GIL to enqueue its part. So the plan goes with the GIL
-// released, as it is built and executed.
-class PythonCollectiveMatmul : public CollectiveMatmul {
+// A plan of the group (CollectiveMatmul, AllGather) as Python holds it. Destroying a plan waits
+// for its group's last execution; with one process driving several GPUs (local_groups), that
+// execution may wait for a peer rank's thread, which needs the GIL to enqueue its part. So the
+// plan goes with the GIL released, as it is built and executed.
+template <typename Plan>
+class PythonPlan : public Plan {
  public:
-  using CollectiveMatmul::CollectiveMatmul;
-  PythonCollectiveMatmul(const PythonCollectiveMatmul&) = delete;
-  PythonCollectiveMatmul& operator=(const PythonCollectiveMatmul&) = delete;
-  ~PythonCollectiveMatmul() {
+  using Plan::Plan;
+  PythonPlan(const PythonPlan&) = delete;
+  PythonPlan& operator=(const PythonPlan&) = delete;
+  ~PythonPlan() {
     nb::gil_scoped_release release;
-    CollectiveMatmul last = std::move(static_cast<CollectiveMatmul&>(*this));
+    Plan last = std::move(static_cast<Plan&>(*this));
   }
 };
+using PythonCollectiveMatmul = PythonPlan<CollectiveMatmul>;
+using PythonAllGather = PythonPlan<AllGather>;
 
 }  // namespace
 }  // namespace meshla
@@ -246,6 +249,28 @@ NB_MODULE(_meshla, m) {
                    [](const PythonCollectiveMatmul& p) { return p.config().comm_ctas; })
       .def_prop_ro("communicator",
                    [](const PythonCollectiveMatmul& p) { return p.communicator(); });
+
+  nb::class_<PythonAllGather>(m, "AllGather",
+                              "An all-gather of [rows, cols] per rank on one communicator, in "
+                              "the order of its group's collective matmuls.")
+      .def(
+          "__init__",
+          [](PythonAllGather* self, const Communicator& comm, const std::string& dtype,
+             std::int64_t rows, std::int64_t cols) {
+            const AllGatherConfig config{.dtype = parse_dtype(dtype), .rows = rows, .cols = cols};
+            nb::gil_scoped_release release;
+            new (self) PythonAllGather(comm, config);
+          },
+          "comm"_a, "dtype"_a, "rows"_a, "cols"_a)
+      .def(
+          "execute",
+          [](PythonAllGather& plan, const Array& in, const Array& out, std::uintptr_t stream) {
+            const TensorView in_view = view_of(in, "in");
+            const TensorView out_view = view_of(out, "out");
+            nb::gil_scoped_release release;
+            plan.execute(in_view, out_view, to_stream(stream));
+          },
+          "in"_a, "out"_a, "stream"_a, "Enqueues the all-gather on `stream` (a cudaStream_t).");
 
   nb::enum_<GroupedPass>(m, "GroupedPass")
       .value("forward", GroupedPass::kForward)

@@ -9,9 +9,11 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "comm/comm_state.hpp"
+#include "comm/group_workspace.hpp"
 #include "comm/peer_memory.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
@@ -186,6 +188,22 @@ std::unique_ptr<overlap::Executor> make_executor(const Communicator& comm,
   }
 }
 
+// Before a plan goes, with the buffers and the communicator it may take along: waits for the last
+// eager execution in `order` (graphs captured from the plan must not outlive it, like any
+// captured buffer). One that never finishes ends the process through the order's watchdog, at
+// its timeout counted from its enqueue, so before this wait gives up; should the watchdog not
+// have, this says so and returns false, and the caller leaks what the stalled execution may use,
+// since freeing it would wait for that execution.
+bool finished_before_teardown(const detail::ExecutionOrder& order, const Communicator& comm,
+                              std::string_view plan) {
+  if (order.wait_for_last_eager(comm.timeout()) != cudaErrorNotReady) return true;
+  std::fprintf(stderr,
+               "meshla: %s plan destroyed while its group's last execution was still running "
+               "after %lld ms; its buffers are left allocated\n",
+               std::string(plan).c_str(), static_cast<long long>(comm.timeout().count()));
+  return false;
+}
+
 // Resolves the config, once every rank of the group has given the same one, asking the group
 // whether its ranks map each other's memory, and over NVLink, when the backend may be symmetric.
 // Collective: every rank asks, or none does.
@@ -226,17 +244,7 @@ struct CollectiveMatmul::Impl {
         executor(make_executor(comm, config)) {}
 
   ~Impl() {
-    // The buffers and the communicator may go with this plan: let the last eager execution
-    // finish first (graphs captured from the plan must not outlive it, like any captured buffer).
-    // One that never finishes ends the process through the order's watchdog, at its timeout
-    // counted from its enqueue, so before this wait gives up; should the watchdog not have, the
-    // executor is leaked, since freeing memory that a stalled execution uses would wait for it.
-    if (executor->order().wait_for_last_eager(comm.timeout()) == cudaErrorNotReady) {
-      std::fprintf(stderr,
-                   "meshla: %s plan destroyed while its group's last execution was still running "
-                   "after %lld ms; its buffers are left allocated\n",
-                   std::string(collective_op_name(config.op)).c_str(),
-                   static_cast<long long>(comm.timeout().count()));
+    if (!finished_before_teardown(executor->order(), comm, collective_op_name(config.op))) {
       static_cast<void>(executor.release());
     }
   }
@@ -275,5 +283,54 @@ void CollectiveMatmul::execute(const CollectiveMatmulArgs& args, cudaStream_t st
 
 const CollectiveMatmulConfig& CollectiveMatmul::config() const { return impl_->config; }
 const Communicator& CollectiveMatmul::communicator() const { return impl_->comm; }
+
+struct AllGather::Impl {
+  Impl(Communicator comm_in, const AllGatherConfig& config_in)
+      : comm(std::move(comm_in)),
+        config((overlap::check_all_gather_config(config_in), config_in)),
+        type(overlap::nccl_type(config.dtype)),
+        workspace(detail::GroupWorkspace::of(*comm.state())) {}
+
+  ~Impl() {
+    if (!finished_before_teardown(workspace->order(), comm, "all_gather")) {
+      static_cast<void>(new std::shared_ptr<detail::GroupWorkspace>(std::move(workspace)));
+    }
+  }
+
+  void execute(const TensorView& in, const TensorView& out, cudaStream_t stream) {
+    overlap::validate_all_gather(config, comm.size(), comm.device(), in, out);
+    detail::DeviceGuard guard(comm.device());
+    // After the group's previous execution, whose NCCL calls on this communicator may be on
+    // another stream, and before its next.
+    detail::ExecutionOrder& order = workspace->order();
+    order.begin(stream, "all_gather (backend=nccl)");
+    try {
+      MESHLA_CHECK_NCCL(ncclAllGather(in.data, out.data,
+                                      static_cast<std::size_t>(config.rows * config.cols), type,
+                                      comm.state()->comm, stream));
+    } catch (...) {
+      order.end_after_failure(stream);
+      throw;
+    }
+    order.end(stream);
+  }
+
+  Communicator comm;
+  AllGatherConfig config;
+  ncclDataType_t type;
+  std::shared_ptr<detail::GroupWorkspace> workspace;  // for its order
+};
+
+AllGather::AllGather(Communicator comm, const AllGatherConfig& config)
+    : impl_(std::make_unique<Impl>(std::move(comm), config)) {}
+AllGather::~AllGather() = default;
+AllGather::AllGather(AllGather&&) noexcept = default;
+AllGather& AllGather::operator=(AllGather&&) noexcept = default;
+
+void AllGather::execute(const TensorView& in, const TensorView& out, cudaStream_t stream) {
+  impl_->execute(in, out, stream);
+}
+
+const AllGatherConfig& AllGather::config() const { return impl_->config; }
 
 }  // namespace meshla

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include <nccl.h>
+
 #include "comm/group_workspace.hpp"
 #include "core/cuda_handles.hpp"
 #include "core/execution_order.hpp"
@@ -66,6 +68,9 @@ std::shared_ptr<detail::ExecutionOrder> plan_order(const Communicator& comm);
 // The ExecutionOrder of a plan on its group's workspace: the workspace's, which it keeps alive.
 std::shared_ptr<detail::ExecutionOrder> workspace_order(
     const std::shared_ptr<detail::GroupWorkspace>& workspace);
+
+// NCCL's type for `dtype`; kNotImplemented where it has none.
+ncclDataType_t nccl_type(DType dtype);
 
 // SMs the GEMMs that overlap communication may use on `device` (0: all), leaving config.comm_sms
 // free; throws kInvalidArgument when that leaves none.

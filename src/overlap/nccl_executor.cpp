@@ -11,7 +11,6 @@
 #include "overlap/schedule.hpp"
 
 namespace meshla::overlap {
-namespace {
 
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
@@ -22,9 +21,11 @@ ncclDataType_t nccl_type(DType dtype) {
     case DType::kFloat32:
       return ncclFloat32;
     default:
-      MESHLA_THROW(kNotImplemented, "collective matmul: no NCCL type for " << dtype_name(dtype));
+      MESHLA_THROW(kNotImplemented, "no NCCL type for " << dtype_name(dtype));
   }
 }
+
+namespace {
 
 // Device memory and row width of each schedule buffer for one execution.
 struct Bindings {

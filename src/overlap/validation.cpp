@@ -41,6 +41,17 @@ void check_matrix(std::string_view op, const char* name, const TensorView& view,
                                                       << " must be contiguous row-major");
 }
 
+// Whether two arrays share any byte (absent ones share none).
+bool views_overlap(const TensorView& x, const TensorView& y) {
+  if (x.data == nullptr || y.data == nullptr) return false;
+  const auto bytes = [](const TensorView& v) {
+    return v.numel() * static_cast<std::int64_t>(dtype_size(v.dtype));
+  };
+  const char* x0 = static_cast<const char*>(x.data);
+  const char* y0 = static_cast<const char*>(y.data);
+  return x0 < y0 + bytes(y) && y0 < x0 + bytes(x);
+}
+
 // cuBLASMp picks its own split and thread blocks; what it runs is fixed by its layouts
 // (overlap/cublasmp_executor.cpp).
 CollectiveMatmulConfig resolve_cublasmp(const CollectiveMatmulConfig& config, int tp) {
@@ -189,27 +200,18 @@ void validate_args(const CollectiveMatmulConfig& c, int tp, int device,
                      op << ": a gathered output was passed to a plan built without one");
   }
   // The schedule reads its inputs while writing the outputs on other streams: no overlap allowed.
-  auto bytes = [&](const TensorView& v) {
-    return v.numel() * static_cast<std::int64_t>(dtype_size(v.dtype));
-  };
-  auto overlaps = [&](const TensorView& x, const TensorView& y) {
-    if (x.data == nullptr || y.data == nullptr) return false;
-    const char* x0 = static_cast<const char*>(x.data);
-    const char* y0 = static_cast<const char*>(y.data);
-    return x0 < y0 + bytes(y) && y0 < x0 + bytes(x);
-  };
   const std::pair<const char*, const TensorView*> inputs[] = {
       {"a", &args.a}, {"b", &args.b}, {"bias", &args.bias}};
   const std::pair<const char*, const TensorView*> outputs[] = {{"out", &args.out},
                                                                {"gathered", &args.gathered}};
   for (const auto& [input_name, input] : inputs) {
     for (const auto& [output_name, output] : outputs) {
-      MESHLA_CHECK_ARG(!overlaps(*input, *output),
+      MESHLA_CHECK_ARG(!views_overlap(*input, *output),
                        op << ": " << output_name << " shares memory with the input " << input_name
                           << "; outputs must not alias inputs");
     }
   }
-  MESHLA_CHECK_ARG(!overlaps(args.out, args.gathered),
+  MESHLA_CHECK_ARG(!views_overlap(args.out, args.gathered),
                    op << ": out and gathered share memory; outputs must not alias");
 }
 
@@ -274,6 +276,21 @@ void require_same_config(const std::vector<ConfigRecord>& records, int rank) {
                                        << first_ones
                                        << "; every rank must build the plan with the same config");
   }
+}
+
+void check_all_gather_config(const AllGatherConfig& c) {
+  MESHLA_CHECK_ARG(c.rows >= 1 && c.cols >= 1, "all_gather: rows=" << c.rows << ", cols=" << c.cols
+                                                                   << " must both be positive");
+}
+
+void validate_all_gather(const AllGatherConfig& c, int tp, int device, const TensorView& in,
+                         const TensorView& out) {
+  const auto per_rank = [] { return std::string("this rank's rows, cols"); };
+  check_matrix("all_gather", "in", in, c.rows, c.cols, c.dtype, device, per_rank);
+  check_matrix("all_gather", "out", out, c.rows * tp, c.cols, c.dtype, device, [&] {
+    return "tp_size=" + std::to_string(tp) + " times rows=" + std::to_string(c.rows) + ", cols";
+  });
+  MESHLA_CHECK_ARG(!views_overlap(in, out), "all_gather: out shares memory with in");
 }
 
 }  // namespace meshla::overlap

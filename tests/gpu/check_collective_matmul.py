@@ -164,7 +164,8 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
 
 def check_autograd(group, reporter, label, seed_base):
     """Every op's gradients (a, b, bias; bf16, fp32, and fp32 under a bf16 torch.autocast; each
-    backend; b as [k, n] and [n, k]) against float64 autograd over the whole tensor-parallel
+    backend; b as [k, n] and [n, k]; all_gather_matmul keeping its gathered rows for b's gradient
+    and gathering them again) against float64 autograd over the whole tensor-parallel
     computation, drawn identically on every rank: all-gather's backward reduce-scatters,
     reduce-scatter's all-gathers, all-reduce's passes the gradient on (see meshla.torch's
     docstrings)."""
@@ -210,14 +211,16 @@ def check_autograd(group, reporter, label, seed_base):
             shards = [(wr, br) if s == r else (w_cols[s], bias_cols[s]) for s in range(tp)]
             loss = sum(((xs @ wc + bc) * g).sum() for (wc, bc), g in zip(shards, g_ag))
             dx, dw, dbias = torch.autograd.grad(loss, [xs, wr, br])
-            mine = [leaf(x[rows]), leaf(as_b(w_cols[r])), leaf(bias_cols[r])]
-            with autocast:
-                y = mt.all_gather_matmul(*mine[:2], group, bias=mine[2], trans_b=trans_b,
-                                         backend=backend)
-            got = torch.autograd.grad((y.double() * g_ag[r]).sum(), mine)
-            worst = worst_error(got, [dx[rows], as_b(dw), dbias])
-            # The products in dtype, the gradients in the leaves' (fp32 under autocast).
-            dtypes = {y.dtype} | {g.dtype for g in got}
+            worst, dtypes = 0.0, set()
+            for recompute in (False, True):  # b's gradient from kept or re-gathered rows
+                mine = [leaf(x[rows]), leaf(as_b(w_cols[r])), leaf(bias_cols[r])]
+                with autocast:
+                    y = mt.all_gather_matmul(*mine[:2], group, bias=mine[2], trans_b=trans_b,
+                                             backend=backend, recompute_gathered=recompute)
+                got = torch.autograd.grad((y.double() * g_ag[r]).sum(), mine)
+                worst = max(worst, worst_error(got, [dx[rows], as_b(dw), dbias]))
+                # The products in dtype, the gradients in the leaves' (fp32 under autocast).
+                dtypes |= {y.dtype} | {g.dtype for g in got}
             # matmul_reduce_scatter and matmul_all_reduce: rank s holds column shard s of x and
             # row shard s of the weight; the bias is whole. The reduce-scatter's loss sums every
             # rank's rows; the all-reduce's is the same on every rank.

@@ -103,10 +103,12 @@ def _grad_worker(rank, size, seed, results):
         for trans_b in (False, True):
             as_b = lambda w: w.t().contiguous() if trans_b else w  # [n, k]  # noqa: E731
             got = {}
-            x, w = leaf(p["x"][rows]), leaf(as_b(p["w_cols"][rank]))
-            bias = leaf(p["bias_cols"][rank])
-            y = mt.all_gather_matmul(x, w, group, bias=bias, trans_b=trans_b)
-            got["ag"] = _grads((y * p["g_ag"][rank]).sum(), [x, w, bias])
+            for recompute in (False, True):  # b's gradient from kept or re-gathered rows
+                x, w = leaf(p["x"][rows]), leaf(as_b(p["w_cols"][rank]))
+                bias = leaf(p["bias_cols"][rank])
+                y = mt.all_gather_matmul(x, w, group, bias=bias, trans_b=trans_b,
+                                         recompute_gathered=recompute)
+                got[("ag", recompute)] = _grads((y * p["g_ag"][rank]).sum(), [x, w, bias])
 
             a, w, bias = leaf(p["x"][:, cols]), leaf(as_b(p["w"][cols])), leaf(p["bias"])
             z = mt.matmul_reduce_scatter(a, w, group, bias=bias, trans_b=trans_b)
@@ -152,7 +154,8 @@ def test_gradients_are_those_of_the_whole_computation(gloo_env, size):
         cols = slice(rank * k // size, (rank + 1) * k // size)
         got = results[(rank, trans_b)]
         want = {
-            "ag": [ag[0][rows], as_b(ag[1 + rank]), ag[1 + size + rank]],
+            ("ag", False): [ag[0][rows], as_b(ag[1 + rank]), ag[1 + size + rank]],
+            ("ag", True): [ag[0][rows], as_b(ag[1 + rank]), ag[1 + size + rank]],
             "rs": [rs[0][:, cols], as_b(rs[1][cols]), rs[2]],
             "ar": [ar[0][:, cols], as_b(ar[1][cols]), ar[2]],
         }

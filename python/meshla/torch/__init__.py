@@ -107,6 +107,16 @@ class TPGroup:
             self._plans[key] = plan
         return plan
 
+    def all_gather_plan(self, dtype, rows, cols):
+        """The group's all-gather of [rows, cols] per rank (for a backward that gathers rows
+        again), in the order of its collective matmuls."""
+        key = ("all_gather", dtype, rows, cols)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = _meshla.AllGather(self.comm, DTYPE_NAMES[dtype], rows, cols)
+            self._plans[key] = plan
+        return plan
+
 
 def _cuda_device(device) -> int | None:
     if device is None:
@@ -282,7 +292,7 @@ def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:
 def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
                       return_gathered: bool = False, out=None, gathered_out=None,
                       algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
-                      backend="auto"):
+                      backend="auto", recompute_gathered: bool = False):
     """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
 
     ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
@@ -295,9 +305,11 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
 
     Differentiable in ``a``, ``b`` and ``bias`` (a column-parallel layer with sequence
     parallelism): ``a``'s gradient is the reduce-scatter of the product's gradient times ``b``ᵀ
-    (a :func:`matmul_reduce_scatter`), ``b``'s and ``bias``'s are this rank's own. The gathered
-    ``a`` is kept for the backward (and carries no gradient itself). Every rank of the group must
-    run the backward, as it runs the forward, with the same inputs requiring grad.
+    (a :func:`matmul_reduce_scatter`), ``b``'s and ``bias``'s are this rank's own. ``b``'s
+    gradient needs the gathered ``a`` (which carries no gradient itself): kept from the forward,
+    or with ``recompute_gathered`` gathered again in the backward (one more all-gather there,
+    for tp times less memory kept). Every rank of the group must run the backward, as it runs
+    the forward, with the same inputs requiring grad and the same ``recompute_gathered``.
     """
     op = _meshla.CollectiveOp.all_gather_matmul
     a, b, bias = _autocast(a, b, bias)
@@ -306,7 +318,8 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     if gathered_out is not None and not return_gathered:
         raise ValueError(f"{op.name}: gathered_out is given but return_gathered=False")
     if _wants_grad(op.name, (a, b, bias), tuning, out=out, gathered_out=gathered_out):
-        return _AllGatherMatmul.apply(a, b, bias, group, trans_b, tuning, return_gathered)
+        return _AllGatherMatmul.apply(a, b, bias, group, trans_b, tuning, return_gathered,
+                                      recompute_gathered)
     return _all_gather_matmul(a, b, bias, group, n, trans_b, return_gathered, out, gathered_out,
                               tuning)
 
@@ -417,16 +430,31 @@ def _n_of(b, trans_b: bool) -> int:
     return b.shape[0] if trans_b else b.shape[1]
 
 
+def _all_gather(rows, group: TPGroup):
+    """[tp * r, c] from every rank's [r, c] ``rows``, in rank order."""
+    if rows.device.type == "cpu":
+        parts = [torch.empty_like(rows) for _ in range(group.size)]
+        dist.all_gather(parts, rows.contiguous(), group=group.process_group)
+        return torch.cat(parts)
+    gathered = torch.empty((rows.shape[0] * group.size, rows.shape[1]), dtype=rows.dtype,
+                           device=rows.device)
+    plan = group.all_gather_plan(rows.dtype, rows.shape[0], rows.shape[1])
+    plan.execute(_capsule(rows.contiguous()), _capsule(gathered),
+                 torch.cuda.current_stream(rows.device).cuda_stream)
+    return gathered
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, bias, group, trans_b, tuning, return_gathered):
-        # The gathered rows are kept only where b's gradient needs them.
-        keep = ctx.needs_input_grad[1]
-        result = _all_gather_matmul(a, b, bias, group, _n_of(b, trans_b), trans_b,
-                                    return_gathered or keep, None, None, tuning)
-        product, gathered = result if return_gathered or keep else (result, None)
-        ctx.save_for_backward(gathered if keep else None, b)
-        ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
+    def forward(ctx, a, b, bias, group, trans_b, tuning, return_gathered, recompute_gathered):
+        # b's gradient needs the gathered rows: kept, or this rank's kept and gathered again.
+        keep = ctx.needs_input_grad[1] and not recompute_gathered
+        gather = return_gathered or keep
+        result = _all_gather_matmul(a, b, bias, group, _n_of(b, trans_b), trans_b, gather, None,
+                                    None, tuning)
+        product, gathered = result if gather else (result, None)
+        ctx.save_for_backward(gathered if keep else a if ctx.needs_input_grad[1] else None, b)
+        ctx.group, ctx.trans_b, ctx.backend, ctx.regather = group, trans_b, tuning.backend, not keep
         if not return_gathered:
             return product
         ctx.mark_non_differentiable(gathered)
@@ -435,17 +463,18 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad, *_gathered_grad):
-        gathered, b = ctx.saved_tensors
+        rows, b = ctx.saved_tensors
         needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
         grad_a = grad_b = grad_bias = None
         if needs_a:  # grad @ bᵀ, its rows summed over the ranks and scattered back
             grad_a = matmul_reduce_scatter(grad, b, ctx.group, trans_b=not ctx.trans_b,
                                            backend=ctx.backend)
         if needs_b:
+            gathered = _all_gather(rows, ctx.group) if ctx.regather else rows
             grad_b = _weight_grad(gathered, grad, ctx.trans_b)
         if needs_bias:
             grad_bias = grad.sum(0)
-        return grad_a, grad_b, grad_bias, None, None, None, None
+        return grad_a, grad_b, grad_bias, None, None, None, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
