@@ -119,7 +119,7 @@ class CollectiveMatmul {
   std::unique_ptr<Impl> impl_;
 };
 
-// all_gather: each rank's in [rows, cols] -> out [tp * rows, cols], rank r's rows at r * rows.
+// all_gather: each rank's rows [rows, cols] -> gathered [tp * rows, cols], rank r's at r * rows.
 // NCCL's all-gather on the group's communicator, in the order of the group's nccl and symmetric
 // plans' executions (their shared workspace's) and watched like them; what a backward needs to
 // gather rows again (all_gather_matmul's weight gradient without keeping the gathered a).
@@ -141,7 +141,7 @@ class AllGather {
 
   // Enqueues the all-gather on `stream`. Every rank must call it, in the same order as its other
   // collective work on this communicator.
-  void execute(const TensorView& in, const TensorView& out, cudaStream_t stream);
+  void execute(const TensorView& rows, const TensorView& gathered, cudaStream_t stream);
 
   const AllGatherConfig& config() const;
 

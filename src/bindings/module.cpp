@@ -264,13 +264,15 @@ NB_MODULE(_meshla, m) {
           "comm"_a, "dtype"_a, "rows"_a, "cols"_a)
       .def(
           "execute",
-          [](PythonAllGather& plan, const Array& in, const Array& out, std::uintptr_t stream) {
-            const TensorView in_view = view_of(in, "in");
-            const TensorView out_view = view_of(out, "out");
+          [](PythonAllGather& plan, const Array& rows, const Array& gathered,
+             std::uintptr_t stream) {
+            const TensorView rows_view = view_of(rows, "rows");
+            const TensorView gathered_view = view_of(gathered, "gathered");
             nb::gil_scoped_release release;
-            plan.execute(in_view, out_view, to_stream(stream));
+            plan.execute(rows_view, gathered_view, to_stream(stream));
           },
-          "in"_a, "out"_a, "stream"_a, "Enqueues the all-gather on `stream` (a cudaStream_t).");
+          "rows"_a, "gathered"_a, "stream"_a,
+          "Enqueues the all-gather of `rows` into `gathered` on `stream` (a cudaStream_t).");
 
   nb::enum_<GroupedPass>(m, "GroupedPass")
       .value("forward", GroupedPass::kForward)

@@ -192,8 +192,9 @@ std::unique_ptr<overlap::Executor> make_executor(const Communicator& comm,
 // eager execution in `order` (graphs captured from the plan must not outlive it, like any
 // captured buffer). One that never finishes ends the process through the order's watchdog, at
 // its timeout counted from its enqueue, so before this wait gives up; should the watchdog not
-// have, this says so and returns false, and the caller leaks what the stalled execution may use,
-// since freeing it would wait for that execution.
+// have, this says so and returns false, and the plan leaks its whole state (memory, and the
+// communicator whose abort would cut the stalled execution short), since freeing memory that the
+// execution may use would wait for it.
 bool finished_before_teardown(const detail::ExecutionOrder& order, const Communicator& comm,
                               std::string_view plan) {
   if (order.wait_for_last_eager(comm.timeout()) != cudaErrorNotReady) return true;
@@ -243,12 +244,6 @@ struct CollectiveMatmul::Impl {
         config(resolve_for_group(comm, requested)),
         executor(make_executor(comm, config)) {}
 
-  ~Impl() {
-    if (!finished_before_teardown(executor->order(), comm, collective_op_name(config.op))) {
-      static_cast<void>(executor.release());
-    }
-  }
-
   void execute(const CollectiveMatmulArgs& args, cudaStream_t stream) {
     overlap::validate_args(config, comm.size(), comm.device(), args);
     detail::DeviceGuard guard(comm.device());
@@ -273,7 +268,12 @@ struct CollectiveMatmul::Impl {
 
 CollectiveMatmul::CollectiveMatmul(Communicator comm, const CollectiveMatmulConfig& config)
     : impl_(std::make_unique<Impl>(std::move(comm), config)) {}
-CollectiveMatmul::~CollectiveMatmul() = default;
+CollectiveMatmul::~CollectiveMatmul() {
+  if (impl_ != nullptr && !finished_before_teardown(impl_->executor->order(), impl_->comm,
+                                                    collective_op_name(impl_->config.op))) {
+    static_cast<void>(impl_.release());
+  }
+}
 CollectiveMatmul::CollectiveMatmul(CollectiveMatmul&&) noexcept = default;
 CollectiveMatmul& CollectiveMatmul::operator=(CollectiveMatmul&&) noexcept = default;
 
@@ -291,21 +291,15 @@ struct AllGather::Impl {
         type(overlap::nccl_type(config.dtype)),
         workspace(detail::GroupWorkspace::of(*comm.state())) {}
 
-  ~Impl() {
-    if (!finished_before_teardown(workspace->order(), comm, "all_gather")) {
-      static_cast<void>(new std::shared_ptr<detail::GroupWorkspace>(std::move(workspace)));
-    }
-  }
-
-  void execute(const TensorView& in, const TensorView& out, cudaStream_t stream) {
-    overlap::validate_all_gather(config, comm.size(), comm.device(), in, out);
+  void execute(const TensorView& rows, const TensorView& gathered, cudaStream_t stream) {
+    overlap::validate_all_gather(config, comm.size(), comm.device(), rows, gathered);
     detail::DeviceGuard guard(comm.device());
     // After the group's previous execution, whose NCCL calls on this communicator may be on
     // another stream, and before its next.
     detail::ExecutionOrder& order = workspace->order();
     order.begin(stream, "all_gather (backend=nccl)");
     try {
-      MESHLA_CHECK_NCCL(ncclAllGather(in.data, out.data,
+      MESHLA_CHECK_NCCL(ncclAllGather(rows.data, gathered.data,
                                       static_cast<std::size_t>(config.rows * config.cols), type,
                                       comm.state()->comm, stream));
     } catch (...) {
@@ -318,17 +312,24 @@ struct AllGather::Impl {
   Communicator comm;
   AllGatherConfig config;
   ncclDataType_t type;
-  std::shared_ptr<detail::GroupWorkspace> workspace;  // for its order
+  // For its order, with the nccl and symmetric plans' executions: so this plan keeps the
+  // group's workspace (made here if the group has none yet) as long as they do.
+  std::shared_ptr<detail::GroupWorkspace> workspace;
 };
 
 AllGather::AllGather(Communicator comm, const AllGatherConfig& config)
     : impl_(std::make_unique<Impl>(std::move(comm), config)) {}
-AllGather::~AllGather() = default;
+AllGather::~AllGather() {
+  if (impl_ != nullptr &&
+      !finished_before_teardown(impl_->workspace->order(), impl_->comm, "all_gather")) {
+    static_cast<void>(impl_.release());
+  }
+}
 AllGather::AllGather(AllGather&&) noexcept = default;
 AllGather& AllGather::operator=(AllGather&&) noexcept = default;
 
-void AllGather::execute(const TensorView& in, const TensorView& out, cudaStream_t stream) {
-  impl_->execute(in, out, stream);
+void AllGather::execute(const TensorView& rows, const TensorView& gathered, cudaStream_t stream) {
+  impl_->execute(rows, gathered, stream);
 }
 
 const AllGatherConfig& AllGather::config() const { return impl_->config; }

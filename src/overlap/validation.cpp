@@ -281,16 +281,20 @@ void require_same_config(const std::vector<ConfigRecord>& records, int rank) {
 void check_all_gather_config(const AllGatherConfig& c) {
   MESHLA_CHECK_ARG(c.rows >= 1 && c.cols >= 1, "all_gather: rows=" << c.rows << ", cols=" << c.cols
                                                                    << " must both be positive");
+  MESHLA_CHECK_ARG(
+      c.dtype == DType::kBFloat16 || c.dtype == DType::kFloat16 || c.dtype == DType::kFloat32,
+      "all_gather: dtype " << dtype_name(c.dtype)
+                           << " is not supported; use bfloat16, float16 or float32");
 }
 
-void validate_all_gather(const AllGatherConfig& c, int tp, int device, const TensorView& in,
-                         const TensorView& out) {
+void validate_all_gather(const AllGatherConfig& c, int tp, int device, const TensorView& rows,
+                         const TensorView& gathered) {
   const auto per_rank = [] { return std::string("this rank's rows, cols"); };
-  check_matrix("all_gather", "in", in, c.rows, c.cols, c.dtype, device, per_rank);
-  check_matrix("all_gather", "out", out, c.rows * tp, c.cols, c.dtype, device, [&] {
+  check_matrix("all_gather", "rows", rows, c.rows, c.cols, c.dtype, device, per_rank);
+  check_matrix("all_gather", "gathered", gathered, c.rows * tp, c.cols, c.dtype, device, [&] {
     return "tp_size=" + std::to_string(tp) + " times rows=" + std::to_string(c.rows) + ", cols";
   });
-  MESHLA_CHECK_ARG(!views_overlap(in, out), "all_gather: out shares memory with in");
+  MESHLA_CHECK_ARG(!views_overlap(rows, gathered), "all_gather: gathered shares memory with rows");
 }
 
 }  // namespace meshla::overlap

@@ -26,13 +26,13 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
 void validate_args(const CollectiveMatmulConfig& config, int tp, int device,
                    const CollectiveMatmulArgs& args);
 
-// Checks an all_gather plan's config: positive rows and cols.
+// Checks an all_gather plan's config: positive rows and cols, a dtype of the collective matmuls.
 void check_all_gather_config(const AllGatherConfig& config);
 
-// Checks one all_gather's arrays: `in` [rows, cols], `out` [tp * rows, cols], on the plan's
-// device and dtype, contiguous, not overlapping.
-void validate_all_gather(const AllGatherConfig& config, int tp, int device, const TensorView& in,
-                         const TensorView& out);
+// Checks one all_gather's arrays: `rows` [rows, cols], `gathered` [tp * rows, cols], on the
+// plan's device and dtype, contiguous, not overlapping.
+void validate_all_gather(const AllGatherConfig& config, int tp, int device, const TensorView& rows,
+                         const TensorView& gathered);
 
 // A config as the group's ranks exchange it to check that they agree: every field, in a record
 // without padding bytes (a struct's padding would differ between ranks that agree).

@@ -364,32 +364,38 @@ TEST(Backends, OnlyCublasMpCanBeMissing) {
   }
 }
 
-// all_gather's arrays: [rows, cols] in, [tp * rows, cols] out, each error naming the array and the
-// shapes.
+// all_gather's arrays: [rows, cols] rows, [tp * rows, cols] gathered, each error naming the array
+// and the shapes; and its dtypes, those of the collective matmuls.
 TEST(Validation, AllGatherChecksItsArrays) {
   const AllGatherConfig config{.dtype = DType::kBFloat16, .rows = 8, .cols = 16};
   EXPECT_NE(message_of([] { check_all_gather_config({.rows = 0, .cols = 16}); },
                        ErrorCode::kInvalidArgument)
                 .find("rows=0, cols=16 must both be positive"),
             std::string::npos);
+  EXPECT_NE(
+      message_of([] { check_all_gather_config({.dtype = DType::kFloat64, .rows = 8, .cols = 16}); },
+                 ErrorCode::kInvalidArgument)
+          .find("all_gather: dtype float64 is not supported"),
+      std::string::npos);
   const TensorView in = make_tensor_view(fake_address(0), DType::kBFloat16, {8, 16}, 0);
   const TensorView out = make_tensor_view(fake_address(1 << 20), DType::kBFloat16, {32, 16}, 0);
   EXPECT_NO_THROW(validate_all_gather(config, 4, 0, in, out));
   const TensorView short_out =
       make_tensor_view(fake_address(1 << 20), DType::kBFloat16, {16, 16}, 0);
-  EXPECT_NE(message_of([&] { validate_all_gather(config, 4, 0, in, short_out); },
-                       ErrorCode::kInvalidArgument)
-                .find("out.shape=[16, 16] but expected [32, 16] (tp_size=4 times rows=8, cols)"),
-            std::string::npos);
+  EXPECT_NE(
+      message_of([&] { validate_all_gather(config, 4, 0, in, short_out); },
+                 ErrorCode::kInvalidArgument)
+          .find("gathered.shape=[16, 16] but expected [32, 16] (tp_size=4 times rows=8, cols)"),
+      std::string::npos);
   const TensorView float_in = make_tensor_view(fake_address(0), DType::kFloat32, {8, 16}, 0);
   EXPECT_NE(message_of([&] { validate_all_gather(config, 4, 0, float_in, out); },
                        ErrorCode::kInvalidArgument)
-                .find("in.dtype=float32 does not match the plan's bfloat16"),
+                .find("rows.dtype=float32 does not match the plan's bfloat16"),
             std::string::npos);
   const TensorView overlapping = make_tensor_view(fake_address(128), DType::kBFloat16, {32, 16}, 0);
   EXPECT_NE(message_of([&] { validate_all_gather(config, 4, 0, in, overlapping); },
                        ErrorCode::kInvalidArgument)
-                .find("out shares memory with in"),
+                .find("gathered shares memory with rows"),
             std::string::npos);
 }
 

@@ -122,8 +122,9 @@ def child_dropped(backend: str) -> None:
 
     ticker = threading.Thread(target=tick)
     ticker.start()
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), device=a.device, dtype=a.dtype)
     torch.cuda._sleep(HOLD_CYCLES["dropped"])
-    out = mt.all_gather_matmul(a, b, group, **kwargs)
+    mt.all_gather_matmul(a, b, group, out=out, **kwargs)
     before, start = ticks[0], time.monotonic()
     group._plans.clear()  # the plan's only reference: destroying it waits for the held run
     drop_ms, during = (time.monotonic() - start) * 1e3, ticks[0] - before
@@ -139,7 +140,10 @@ def child_peer_dropped(backend: str) -> None:
     inputs = [operands(torch.device("cuda", rank)) for rank in range(2)]
     kwargs = dict(algorithm="ring", backend=backend)
     dropping, built = threading.Event(), threading.Barrier(2)
-    outs, times = [None, None], {}
+    # Poisoned, so that a run that wrote nothing fails.
+    outs = [torch.full((2 * a.shape[0], b.shape[1]), float("nan"), device=a.device, dtype=a.dtype)
+            for a, b in inputs]
+    times = {}
 
     def rank(r):
         torch.cuda.set_device(r)
@@ -151,7 +155,7 @@ def child_peer_dropped(backend: str) -> None:
             dropping.wait(60)
             time.sleep(0.5)  # rank 0 is inside its plan's destructor by now
             times["peer_enqueue"] = time.monotonic()
-        outs[r] = mt.all_gather_matmul(*inputs[r], groups[r], **kwargs)
+        mt.all_gather_matmul(*inputs[r], groups[r], out=outs[r], **kwargs)
         if r == 0:
             dropping.set()
             groups[0]._plans.clear()  # the plan's only reference: it goes here
@@ -170,7 +174,7 @@ def child_peer_dropped(backend: str) -> None:
     # The drop returned only after the peer had enqueued: it waited, and let the peer run.
     waited = times["dropped"] - times["peer_enqueue"]
     print(f"finished rel_err={max(errors):.2e} drop_returned_after_peer_enqueue_ms="
-          f"{waited * 1e3:.0f}", flush=True)
+          f"{waited * 1e3:.3f}", flush=True)
 
 
 def child(case: str, backend: str) -> None:
@@ -217,8 +221,8 @@ def check(reporter: Reporter, backend: str, case: str) -> None:
             drop = re.search(r"drop_ms=(\d+) ticks_during_drop=(\d+)", proc.stdout)
             ok = int(drop.group(1)) >= 250 and int(drop.group(2)) >= 50
         if case == "peer-dropped" and ok:
-            drop = re.search(r"drop_returned_after_peer_enqueue_ms=(-?\d+)", proc.stdout)
-            ok = int(drop.group(1)) > 0
+            drop = re.search(r"drop_returned_after_peer_enqueue_ms=(-?[\d.]+)", proc.stdout)
+            ok = float(drop.group(1)) > 0
         last = (proc.stderr.strip().splitlines() or [""])[-1]
         detail = (f"exit {proc.returncode}; stdout: {proc.stdout.strip()[-200:]!r}; "
                   f"stderr's last line: {last[-400:]!r}")

@@ -98,6 +98,15 @@ def test_autocast_casts_the_operands_as_for_a_matmul(world1, op):
         assert relative_error(got.grad, expected.grad) < 1e-2
 
 
+def test_autocast_leaves_calls_with_outputs_and_float64_alone(world1):
+    a, b = torch.randn(4, 8), torch.randn(8, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.empty(4, 5)  # float32: the call keeps its operands' dtype, as torch's does
+        assert mt.matmul_all_reduce(a, b, world1, out=out) is out
+        with pytest.raises(ValueError, match=r"a.dtype=torch.float64 is not supported"):
+            mt.matmul_all_reduce(a.double(), b.double(), world1)
+
+
 def test_gathered_rows_carry_no_gradient(world1):
     a = torch.randn(4, 8, requires_grad=True)
     product, gathered = mt.all_gather_matmul(a, torch.randn(8, 5), world1, return_gathered=True)

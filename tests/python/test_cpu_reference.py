@@ -108,6 +108,8 @@ def _grad_worker(rank, size, seed, results):
                 bias = leaf(p["bias_cols"][rank])
                 y = mt.all_gather_matmul(x, w, group, bias=bias, trans_b=trans_b,
                                          recompute_gathered=recompute)
+                # The rows kept for b's gradient: all of them, or this rank's only.
+                got[("kept", recompute)] = tuple(y.grad_fn.saved_tensors[0].shape)
                 got[("ag", recompute)] = _grads((y * p["g_ag"][rank]).sum(), [x, w, bias])
 
             a, w, bias = leaf(p["x"][:, cols]), leaf(as_b(p["w"][cols])), leaf(p["bias"])
@@ -159,6 +161,7 @@ def test_gradients_are_those_of_the_whole_computation(gloo_env, size):
             "rs": [rs[0][:, cols], as_b(rs[1][cols]), rs[2]],
             "ar": [ar[0][:, cols], as_b(ar[1][cols]), ar[2]],
         }
+        assert got[("kept", False)] == (m, k) and got[("kept", True)] == (m // size, k)
         for op, expected in want.items():
             for name, g, e in zip(("a", "b", "bias"), got[op], expected):
                 assert g.shape == e.shape, (op, name, rank, trans_b)

@@ -80,9 +80,10 @@ class TPGroup:
     size: int
     comm: _meshla.Communicator | None = None
     process_group: Any = None
-    # Plans by (op, dtype, m, n, k, trans_b, bias, return_gathered, Tuning). The nccl and
-    # symmetric plans of a group keep their buffers and cuBLASLt workspace in one workspace sized
-    # by the largest shape, so a plan per shape costs its GEMMs' tuning, not device memory.
+    # Plans by (op, dtype, m, n, k, trans_b, bias, return_gathered, Tuning), and all-gathers by
+    # ("all_gather", dtype, rows, cols). The nccl and symmetric plans of a group keep their buffers
+    # and cuBLASLt workspace in one workspace sized by the largest shape, so a plan per shape
+    # costs its GEMMs' tuning, not device memory.
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -256,19 +257,23 @@ def _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning):
 
 def _reference_product(a, b, bias, trans_b: bool, add_bias: bool):
     b = b.t() if trans_b else b
-    product = a.float() @ b.float()
+    with torch.autocast(a.device.type, enabled=False):  # in float32, also under autocast
+        product = a.float() @ b.float()
     if bias is not None and add_bias:
         product += bias.float()
     return product
 
 
-def _autocast(a, b, bias):
-    """The operands as torch.autocast would give them to a matmul: in its dtype where it is on
-    for their device (e.g. bf16 activations beside fp32 weights), unchanged where it is off."""
-    if not isinstance(a, torch.Tensor) or not torch.is_autocast_enabled(a.device.type):
+def _autocast(a, b, bias, *outputs):
+    """The operands as torch.autocast would give them to a matmul: its dtype where it is on for
+    their device (e.g. bf16 activations beside fp32 weights); float64 and calls with outputs
+    given (as torch leaves ``out=`` calls) unchanged."""
+    if (not isinstance(a, torch.Tensor) or not torch.is_autocast_enabled(a.device.type)
+            or any(given is not None for given in outputs)):
         return a, b, bias
     dtype = torch.get_autocast_dtype(a.device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    castable = (torch.float32, torch.float16, torch.bfloat16)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t
                  for t in (a, b, bias))
 
 
@@ -308,11 +313,14 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     (a :func:`matmul_reduce_scatter`), ``b``'s and ``bias``'s are this rank's own. ``b``'s
     gradient needs the gathered ``a`` (which carries no gradient itself): kept from the forward,
     or with ``recompute_gathered`` gathered again in the backward (one more all-gather there,
-    for tp times less memory kept). Every rank of the group must run the backward, as it runs
-    the forward, with the same inputs requiring grad and the same ``recompute_gathered``.
+    for tp times less memory kept; also where ``return_gathered`` gives the caller the gathered
+    rows, which the backward does not hold on to). Every rank of the group must run the
+    backward, as it runs the forward, with the same inputs requiring grad and the same
+    ``recompute_gathered``. Under torch.autocast the operands are cast to its dtype as for a
+    matmul, unless outputs are given.
     """
     op = _meshla.CollectiveOp.all_gather_matmul
-    a, b, bias = _autocast(a, b, bias)
+    a, b, bias = _autocast(a, b, bias, out, gathered_out)
     n = _check_operands(op.name, a, b, bias, trans_b, group)
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     if gathered_out is not None and not return_gathered:
@@ -328,9 +336,7 @@ def _all_gather_matmul(a, b, bias, group, n, trans_b, return_gathered, out, gath
     op = _meshla.CollectiveOp.all_gather_matmul
     m, k = a.shape[0] * group.size, a.shape[1]
     if a.device.type == "cpu":
-        parts = [torch.empty_like(a) for _ in range(group.size)]
-        dist.all_gather(parts, a.contiguous(), group=group.process_group)
-        gathered = torch.cat(parts)
+        gathered = _all_gather(a, group)
         product = _reference_product(gathered, b, bias, trans_b, True).to(a.dtype)
         out = _deliver(op.name, "out", product, out)
         if return_gathered:
@@ -358,7 +364,7 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     run the backward, as it runs the forward, with the same inputs requiring grad.
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
-    a, b, bias = _autocast(a, b, bias)
+    a, b, bias = _autocast(a, b, bias, out)
     n = _check_operands(op.name, a, b, bias, trans_b, group)
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     m, k = a.shape
@@ -394,7 +400,7 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     row-parallel layer does).
     """
     op = _meshla.CollectiveOp.matmul_all_reduce
-    a, b, bias = _autocast(a, b, bias)
+    a, b, bias = _autocast(a, b, bias, out)
     n = _check_operands(op.name, a, b, bias, trans_b, group)
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     if _wants_grad(op.name, (a, b, bias), tuning, out=out):
@@ -454,7 +460,8 @@ class _AllGatherMatmul(torch.autograd.Function):
                                     None, tuning)
         product, gathered = result if gather else (result, None)
         ctx.save_for_backward(gathered if keep else a if ctx.needs_input_grad[1] else None, b)
-        ctx.group, ctx.trans_b, ctx.backend, ctx.regather = group, trans_b, tuning.backend, not keep
+        ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
+        ctx.recompute_gathered = recompute_gathered
         if not return_gathered:
             return product
         ctx.mark_non_differentiable(gathered)
@@ -470,7 +477,7 @@ class _AllGatherMatmul(torch.autograd.Function):
             grad_a = matmul_reduce_scatter(grad, b, ctx.group, trans_b=not ctx.trans_b,
                                            backend=ctx.backend)
         if needs_b:
-            gathered = _all_gather(rows, ctx.group) if ctx.regather else rows
+            gathered = _all_gather(rows, ctx.group) if ctx.recompute_gathered else rows
             grad_b = _weight_grad(gathered, grad, ctx.trans_b)
         if needs_bias:
             grad_bias = grad.sum(0)
