@@ -487,7 +487,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, group, trans_b, tuning):
-        ctx.save_for_backward(a, b)
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b)  # a for b's gradient
         ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
         return _matmul_reduce_scatter(a, b, bias, group, _n_of(b, trans_b), trans_b, None, tuning)
 
@@ -500,8 +500,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         # with bᵀ (computed even when only b or bias needs the gathered rows: the collective is
         # the same call).
         grad_a, gathered = all_gather_matmul(grad, b, ctx.group, trans_b=not ctx.trans_b,
-                                             return_gathered=True,
-                                             backend=ctx.backend)
+                                             return_gathered=True, backend=ctx.backend)
         grad_b = _weight_grad(a, gathered, ctx.trans_b) if needs_b else None
         grad_bias = gathered.sum(0) if needs_bias else None
         return grad_a if needs_a else None, grad_b, grad_bias, None, None, None
@@ -510,7 +509,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, group, trans_b, tuning):
-        ctx.save_for_backward(a, b)
+        # Each operand only for the other's gradient.
+        needs_a, needs_b = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
         ctx.trans_b = trans_b
         return _matmul_all_reduce(a, b, bias, group, _n_of(b, trans_b), trans_b, None, tuning)
 
