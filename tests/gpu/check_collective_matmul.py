@@ -167,8 +167,8 @@ def check_autograd(group, reporter, label, seed_base):
     backend; b as [k, n] and [n, k]; all_gather_matmul keeping its gathered rows for b's gradient
     and gathering them again) against float64 autograd over the whole tensor-parallel
     computation, drawn identically on every rank: all-gather's backward reduce-scatters,
-    reduce-scatter's all-gathers, all-reduce's passes the gradient on (see meshla.torch's
-    docstrings)."""
+    reduce-scatter's all-gathers, all-reduce's passes the gradient on, the column-parallel
+    matmul's all-reduces it (see meshla.torch's docstrings)."""
     tp, r = group.size, group.rank
     device = group.device
     settings = itertools.product(("bfloat16", "float32", "autocast"), ("nccl", "symmetric"),
@@ -221,6 +221,14 @@ def check_autograd(group, reporter, label, seed_base):
                 worst = max(worst, worst_error(got, [dx[rows], as_b(dw), dbias]))
                 # The products in dtype, the gradients in the leaves' (fp32 under autocast).
                 dtypes |= {y.dtype} | {g.dtype for g in got}
+            # column_parallel_matmul: the whole x on every rank; its gradient all-reduced.
+            mine = [leaf(x), leaf(as_b(w_cols[r])), leaf(bias_cols[r])]
+            with autocast:
+                y = mt.column_parallel_matmul(*mine[:2], group, bias=mine[2], trans_b=trans_b,
+                                              backend=backend)
+            got = torch.autograd.grad((y.double() * g_ag[r]).sum(), mine)
+            worst = max(worst, worst_error(got, [dx, as_b(dw), dbias]))
+            dtypes |= {y.dtype} | {g.dtype for g in got}
             # matmul_reduce_scatter and matmul_all_reduce: rank s holds column shard s of x and
             # row shard s of the weight; the bias is whole. The reduce-scatter's loss sums every
             # rank's rows; the all-reduce's is the same on every rank.

@@ -112,6 +112,12 @@ def _grad_worker(rank, size, seed, results):
                 got[("kept", recompute)] = tuple(y.grad_fn.saved_tensors[0].shape)
                 got[("ag", recompute)] = _grads((y * p["g_ag"][rank]).sum(), [x, w, bias])
 
+            # Column-parallel without sequence parallelism: the whole x on every rank.
+            x, w = leaf(p["x"]), leaf(as_b(p["w_cols"][rank]))
+            bias = leaf(p["bias_cols"][rank])
+            y = mt.column_parallel_matmul(x, w, group, bias=bias, trans_b=trans_b)
+            got["cp"] = _grads((y * p["g_ag"][rank]).sum(), [x, w, bias])
+
             a, w, bias = leaf(p["x"][:, cols]), leaf(as_b(p["w"][cols])), leaf(p["bias"])
             z = mt.matmul_reduce_scatter(a, w, group, bias=bias, trans_b=trans_b)
             got["rs"] = _grads((z * p["g_rs"][rank]).sum(), [a, w, bias])
@@ -129,7 +135,7 @@ def test_gradients_are_those_of_the_whole_computation(gloo_env, size):
     """Each rank's float32 gradients against one process's float64 autograd over the whole
     tensor-parallel computation: all-gather's backward reduce-scatters, reduce-scatter's
     all-gathers (so the weight's and the bias's gradients are complete), all-reduce's passes its
-    gradient on."""
+    gradient on, and the column-parallel matmul's all-reduces its input gradient."""
     results = mp.Manager().dict()
     seed = torch.randint(0, 2**31, ()).item()
     mp.spawn(_grad_worker, args=(size, seed, results), nprocs=size, join=True)
@@ -158,6 +164,7 @@ def test_gradients_are_those_of_the_whole_computation(gloo_env, size):
         want = {
             ("ag", False): [ag[0][rows], as_b(ag[1 + rank]), ag[1 + size + rank]],
             ("ag", True): [ag[0][rows], as_b(ag[1 + rank]), ag[1 + size + rank]],
+            "cp": [ag[0], as_b(ag[1 + rank]), ag[1 + size + rank]],
             "rs": [rs[0][:, cols], as_b(rs[1][cols]), rs[2]],
             "ar": [ar[0][:, cols], as_b(ar[1][cols]), ar[2]],
         }

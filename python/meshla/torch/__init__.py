@@ -32,6 +32,7 @@ __all__ = [
     "Tuning",
     "all_gather_matmul",
     "check_device_errors",
+    "column_parallel_matmul",
     "group_from_mpi",
     "group_from_process_group",
     "grouped_linear",
@@ -289,8 +290,9 @@ def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:
                 "out or call under torch.no_grad()")
     if tuning.backend == _meshla.Backend.cublasmp:
         raise NotImplementedError(
-            f"{op}: backend=cublasmp has no backward here (it cannot return the gathered rows the "
-            "backward needs); use backend='nccl' or 'symmetric', or call under torch.no_grad()")
+            f"{op}: backend=cublasmp runs no backward here (it cannot return the gathered rows "
+            "that the collective matmuls' backward needs); use backend='nccl' or 'symmetric', or "
+            "call under torch.no_grad()")
     return True
 
 
@@ -420,6 +422,33 @@ def _matmul_all_reduce(a, b, bias, group, n, trans_b, out, tuning):
     return out
 
 
+def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
+                           algorithm="auto", chunks: int = 0, comm_sms: int = -1,
+                           comm_ctas: int = 0, backend="auto"):
+    """``a @ b (+ bias)`` for a column-parallel layer without sequence parallelism: ``a`` [m, k]
+    is the same on every rank, ``b`` this rank's [k, n] column slice ([n, k] with ``trans_b``).
+
+    The forward is a local GEMM. Differentiable in ``a``, ``b`` and ``bias``: ``a``'s gradient is
+    summed over the ranks, its GEMM fused with that all-reduce (a :func:`matmul_all_reduce`, with
+    ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas``); ``b``'s and
+    ``bias``'s are this rank's own. It is the conjugate of :func:`matmul_all_reduce`, as
+    Megatron-LM's column-parallel layer is of its row-parallel one; with sequence parallelism, use
+    :func:`all_gather_matmul`. Every rank of the group must run the backward, with the same
+    inputs requiring grad.
+    """
+    name = "column_parallel_matmul"
+    a, b, bias = _autocast(a, b, bias)
+    _check_operands(name, a, b, bias, trans_b, group)
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    if _wants_grad(name, (a, b, bias), tuning):
+        return _ColumnParallelMatmul.apply(a, b, bias, group, trans_b, tuning)
+    return _local_product(a, b, bias, trans_b)
+
+
+def _local_product(a, b, bias, trans_b: bool):
+    return torch.nn.functional.linear(a, b if trans_b else b.t(), bias)
+
+
 # Autograd. Each op's backward is its conjugate, as in Megatron-LM's tensor and sequence
 # parallelism: all-gather <-> reduce-scatter, all-reduce <-> nothing. The products with b are
 # collective matmuls again, on the forward's backend with meshla's default algorithm (the
@@ -521,6 +550,28 @@ class _MatmulAllReduce(torch.autograd.Function):
         a, b = ctx.saved_tensors
         needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
         grad_a = (grad @ b if ctx.trans_b else grad @ b.t()) if needs_a else None
+        grad_b = _weight_grad(a, grad, ctx.trans_b) if needs_b else None
+        grad_bias = grad.sum(0) if needs_bias else None
+        return grad_a, grad_b, grad_bias, None, None, None
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, bias, group, trans_b, tuning):
+        needs_a, needs_b = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
+        ctx.group, ctx.trans_b, ctx.tuning = group, trans_b, tuning
+        return _local_product(a, b, bias, trans_b)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
+        t = ctx.tuning
+        grad_a = matmul_all_reduce(grad, b, ctx.group, trans_b=not ctx.trans_b,
+                                   algorithm=t.algorithm, chunks=t.chunks, comm_sms=t.comm_sms,
+                                   comm_ctas=t.comm_ctas, backend=t.backend) if needs_a else None
         grad_b = _weight_grad(a, grad, ctx.trans_b) if needs_b else None
         grad_bias = grad.sum(0) if needs_bias else None
         return grad_a, grad_b, grad_bias, None, None, None
