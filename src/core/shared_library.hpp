@@ -11,11 +11,10 @@ namespace meshla::detail {
 // Looks `name` up in `library`. On failure, the first missing function is recorded in `why`
 // ("<library_name> lacks <name>"), so that a caller can resolve all it needs and then report.
 template <typename Function>
-bool resolve_symbol(void* library, const char* library_name, const char* name, Function* out,
+void resolve_symbol(void* library, const char* library_name, const char* name, Function* out,
                     std::string* why) {
   *out = reinterpret_cast<Function>(dlsym(library, name));
   if (*out == nullptr && why->empty()) *why = std::string(library_name) + " lacks " + name;
-  return *out != nullptr;
 }
 
 }  // namespace meshla::detail

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import itertools
 import os
 import random
@@ -87,6 +88,14 @@ def expected_auto_backend(group):
     GPUs, which a rank of another process does not know."""
     if group.size < 2 or os.environ.get("NCCL_P2P_DISABLE") == "1":
         return "nccl"
+    linked = visible_gpu_pairs_on_nvlink()
+    return "symmetric" if all(linked) else "nccl" if not any(linked) else None
+
+
+@functools.cache
+def visible_gpu_pairs_on_nvlink():
+    """For each pair of this process's GPUs, whether NVML reports NVLink between them (asked once:
+    the checks ask for every auto case)."""
     nvml = ctypes.CDLL("libnvidia-ml.so.1")
     assert nvml.nvmlInit_v2() == 0
     handles = []
@@ -102,7 +111,7 @@ def expected_auto_backend(group):
         nvlink = 2  # NVML_P2P_CAPS_INDEX_NVLINK; status 0 is NVML_P2P_STATUS_OK
         assert nvml.nvmlDeviceGetP2PStatus(first, second, nvlink, ctypes.byref(status)) == 0
         linked.append(status.value == 0)
-    return "symmetric" if all(linked) else "nccl" if not any(linked) else None
+    return tuple(linked)
 
 
 def chunks_for(op, backend, algorithm):

@@ -49,6 +49,15 @@ def operands(device):
     return a, b
 
 
+def on_both_ranks(work) -> None:
+    """Runs work(rank) for ranks 0 and 1, a thread each, and waits for both."""
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def child_missing_peer(backend: str) -> None:
     groups = mt.local_groups([0, 1], timeout_s=TIMEOUT_S["missing-peer"])
     inputs = [operands(torch.device("cuda", rank)) for rank in range(2)]
@@ -59,11 +68,7 @@ def child_missing_peer(backend: str) -> None:
         mt.all_gather_matmul(inputs[rank][0], inputs[rank][1], groups[rank], **kwargs)
         torch.cuda.synchronize(rank)
 
-    threads = [threading.Thread(target=build, args=(rank,)) for rank in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    on_both_ranks(build)
     torch.cuda.set_device(0)
     mt.all_gather_matmul(inputs[0][0], inputs[0][1], groups[0], **kwargs)  # rank 1 never calls
     torch.cuda.synchronize(0)
@@ -162,11 +167,7 @@ def child_peer_dropped(backend: str) -> None:
             times["dropped"] = time.monotonic()
         torch.cuda.synchronize(r)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    on_both_ranks(rank)
     # Both ranks' products are the whole gathered product: compare each with its reference.
     a = torch.cat([inputs[0][0], inputs[1][0].to(0)])
     errors = [relative_error(outs[r], (a.double() @ inputs[r][1].to(0).double()).to(r))

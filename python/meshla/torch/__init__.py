@@ -98,25 +98,24 @@ class TPGroup:
             raise ValueError(
                 f"{op.name}: this TPGroup has no CUDA communicator (it was built for CPU tensors)"
             )
-        key = (op, dtype, m, n, k, trans_b, bias, return_gathered, tuning)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = _meshla.CollectiveMatmul(
+        return self._cached(
+            (op, dtype, m, n, k, trans_b, bias, return_gathered, tuning),
+            lambda: _meshla.CollectiveMatmul(
                 self.comm, op, DTYPE_NAMES[dtype], m, n, k, tuning.algorithm,
                 backend=tuning.backend, trans_b=trans_b, bias=bias, return_gathered=return_gathered,
                 chunks=tuning.chunks, comm_sms=tuning.comm_sms, comm_ctas=tuning.comm_ctas,
-            )
-            self._plans[key] = plan
-        return plan
+            ))
 
     def all_gather_plan(self, dtype, rows, cols):
         """The group's all-gather of [rows, cols] per rank (for a backward that gathers rows
         again), in the order of its collective matmuls."""
-        key = ("all_gather", dtype, rows, cols)
+        return self._cached(("all_gather", dtype, rows, cols),
+                            lambda: _meshla.AllGather(self.comm, DTYPE_NAMES[dtype], rows, cols))
+
+    def _cached(self, key, make):
         plan = self._plans.get(key)
         if plan is None:
-            plan = _meshla.AllGather(self.comm, DTYPE_NAMES[dtype], rows, cols)
-            self._plans[key] = plan
+            plan = self._plans[key] = make()
         return plan
 
 
@@ -256,6 +255,13 @@ def _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning):
                  _capsule(gathered), stream)
 
 
+def _summed_over_ranks(a, b, bias, trans_b: bool, group: TPGroup):
+    """The CPU path's sum over ranks of a @ b, in float32, the bias added once."""
+    total = _reference_product(a, b, bias, trans_b, group.rank == 0)
+    dist.all_reduce(total, group=group.process_group)
+    return total
+
+
 def _reference_product(a, b, bias, trans_b: bool, add_bias: bool):
     b = b.t() if trans_b else b
     with torch.autocast(a.device.type, enabled=False):  # in float32, also under autocast
@@ -276,6 +282,14 @@ def _autocast(a, b, bias, *outputs):
     castable = (torch.float32, torch.float16, torch.bfloat16)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t
                  for t in (a, b, bias))
+
+
+def _prepare(op: str, a, b, bias, trans_b: bool, group: TPGroup, algorithm, chunks, comm_sms,
+             comm_ctas, backend, *outputs):
+    """A call's operands as it runs them (see _autocast), checked, with n and its Tuning."""
+    a, b, bias = _autocast(a, b, bias, *outputs)
+    n = _check_operands(op, a, b, bias, trans_b, group)
+    return a, b, bias, n, Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
 
 
 def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:
@@ -322,9 +336,8 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     matmul, unless outputs are given.
     """
     op = _meshla.CollectiveOp.all_gather_matmul
-    a, b, bias = _autocast(a, b, bias, out, gathered_out)
-    n = _check_operands(op.name, a, b, bias, trans_b, group)
-    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    a, b, bias, n, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
+                                     comm_sms, comm_ctas, backend, out, gathered_out)
     if gathered_out is not None and not return_gathered:
         raise ValueError(f"{op.name}: gathered_out is given but return_gathered=False")
     if _wants_grad(op.name, (a, b, bias), tuning, out=out, gathered_out=gathered_out):
@@ -366,9 +379,8 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     run the backward, as it runs the forward, with the same inputs requiring grad.
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
-    a, b, bias = _autocast(a, b, bias, out)
-    n = _check_operands(op.name, a, b, bias, trans_b, group)
-    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    a, b, bias, n, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
+                                     comm_sms, comm_ctas, backend, out)
     m, k = a.shape
     if m % group.size != 0:
         raise ValueError(f"{op.name}: a.shape[0]={m} is not divisible by tp_size={group.size}")
@@ -381,8 +393,7 @@ def _matmul_reduce_scatter(a, b, bias, group, n, trans_b, out, tuning):
     op = _meshla.CollectiveOp.matmul_reduce_scatter
     m, k = a.shape
     if a.device.type == "cpu":
-        total = _reference_product(a, b, bias, trans_b, group.rank == 0)
-        dist.all_reduce(total, group=group.process_group)
+        total = _summed_over_ranks(a, b, bias, trans_b, group)
         block = m // group.size
         own_rows = total[group.rank * block:(group.rank + 1) * block].to(a.dtype)
         return _deliver(op.name, "out", own_rows, out)
@@ -402,9 +413,8 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     row-parallel layer does).
     """
     op = _meshla.CollectiveOp.matmul_all_reduce
-    a, b, bias = _autocast(a, b, bias, out)
-    n = _check_operands(op.name, a, b, bias, trans_b, group)
-    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    a, b, bias, n, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
+                                     comm_sms, comm_ctas, backend, out)
     if _wants_grad(op.name, (a, b, bias), tuning, out=out):
         return _MatmulAllReduce.apply(a, b, bias, group, trans_b, tuning)
     return _matmul_all_reduce(a, b, bias, group, n, trans_b, out, tuning)
@@ -414,8 +424,7 @@ def _matmul_all_reduce(a, b, bias, group, n, trans_b, out, tuning):
     op = _meshla.CollectiveOp.matmul_all_reduce
     m, k = a.shape
     if a.device.type == "cpu":
-        total = _reference_product(a, b, bias, trans_b, group.rank == 0)
-        dist.all_reduce(total, group=group.process_group)
+        total = _summed_over_ranks(a, b, bias, trans_b, group)
         return _deliver(op.name, "out", total.to(a.dtype), out)
     out = _output(op.name, "out", out, (m, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
@@ -437,9 +446,8 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
     inputs requiring grad.
     """
     name = "column_parallel_matmul"
-    a, b, bias = _autocast(a, b, bias)
-    _check_operands(name, a, b, bias, trans_b, group)
-    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    a, b, bias, _, tuning = _prepare(name, a, b, bias, trans_b, group, algorithm, chunks,
+                                     comm_sms, comm_ctas, backend)
     if _wants_grad(name, (a, b, bias), tuning):
         return _ColumnParallelMatmul.apply(a, b, bias, group, trans_b, tuning)
     return _local_product(a, b, bias, trans_b)
