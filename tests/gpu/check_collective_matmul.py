@@ -174,10 +174,10 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
 def check_autograd(group, reporter, label, seed_base):
     """Every op's gradients (a, b, bias; bf16, fp32, and fp32 under a bf16 torch.autocast; each
     backend; b as [k, n] and [n, k]; all_gather_matmul keeping its gathered rows for b's gradient
-    and gathering them again) against float64 autograd over the whole tensor-parallel
-    computation, drawn identically on every rank: all-gather's backward reduce-scatters,
-    reduce-scatter's all-gathers, all-reduce's passes the gradient on, the column-parallel
-    matmul's all-reduces it (see meshla.torch's docstrings)."""
+    and gathering them again; the reduce-scatter with a frozen a) against float64 autograd over
+    the whole tensor-parallel computation, drawn identically on every rank: all-gather's backward
+    reduce-scatters, reduce-scatter's all-gathers, all-reduce's passes the gradient on, the
+    column-parallel matmul's all-reduces it (see meshla.torch's docstrings)."""
     tp, r = group.size, group.rank
     device = group.device
     settings = itertools.product(("bfloat16", "float32", "autocast"), ("nccl", "symmetric"),
@@ -256,6 +256,13 @@ def check_autograd(group, reporter, label, seed_base):
                 got = torch.autograd.grad(mine_loss, mine)
                 worst = max(worst, worst_error(got, [dx[:, cols], as_b(dw[cols]), dbias]))
                 dtypes |= {z.dtype} | {g.dtype for g in got}
+                if not all_reduce:  # a frozen: b's and bias's gradients from a plain all-gather
+                    frozen = [mine[0].detach(), leaf(as_b(w[cols])), leaf(bias)]
+                    with autocast:
+                        z = run(*frozen[:2], group, bias=frozen[2], trans_b=trans_b,
+                                backend=backend)
+                    got = torch.autograd.grad((z.double() * g_rs[r]).sum(), frozen[1:])
+                    worst = max(worst, worst_error(got, [as_b(dw[cols]), dbias]))
             torch.cuda.synchronize(device)
             ok = worst < TOLERANCE[dtype] and dtypes == {dtype, leaf_dtype}
             detail = f"worst gradient rel_err={worst:.2e} dtypes={sorted(map(str, dtypes))}"

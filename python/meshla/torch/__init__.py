@@ -524,7 +524,9 @@ class _AllGatherMatmul(torch.autograd.Function):
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, group, trans_b, tuning):
-        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b)  # a for b's gradient
+        # Each operand only for the other's gradient.
+        needs_a, needs_b = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
         ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
         return _matmul_reduce_scatter(a, b, bias, group, _n_of(b, trans_b), trans_b, None, tuning)
 
@@ -533,14 +535,19 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
-        # One all-gather of the output's gradient serves all three: a's gradient is its product
-        # with bᵀ (computed even when only b or bias needs the gathered rows: the collective is
-        # the same call).
-        grad_a, gathered = all_gather_matmul(grad, b, ctx.group, trans_b=not ctx.trans_b,
-                                             return_gathered=True, backend=ctx.backend)
+        # One all-gather of the output's gradient serves all three: fused with a's gradient (its
+        # product with bᵀ) where a needs one, a plain all-gather where only b or bias does.
+        needs_rows = needs_b or needs_bias
+        grad_a = gathered = None
+        if needs_a:
+            result = all_gather_matmul(grad, b, ctx.group, trans_b=not ctx.trans_b,
+                                       return_gathered=needs_rows, backend=ctx.backend)
+            grad_a, gathered = result if needs_rows else (result, None)
+        elif needs_rows:
+            gathered = _all_gather(grad, ctx.group)
         grad_b = _weight_grad(a, gathered, ctx.trans_b) if needs_b else None
         grad_bias = gathered.sum(0) if needs_bias else None
-        return grad_a if needs_a else None, grad_b, grad_bias, None, None, None
+        return grad_a, grad_b, grad_bias, None, None, None
 
 
 class _MatmulAllReduce(torch.autograd.Function):
