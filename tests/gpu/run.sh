@@ -47,7 +47,7 @@ launch() {
 check=tests/gpu/check_collective_matmul.py
 models=${*:-grouped solver solver-processes watchdog processes cublasmp threads network}
 wants() { [[ " $models " == *" $1 "* ]]; }
-# The grouped GEMM and the watchdog need one GPU; the collective models need two or more.
+# The grouped GEMM and the watchdog need one GPU; the collective models but processes-tp1 two.
 if [ "$gpus" -ge 1 ] && wants grouped; then
   launch grouped python3 tests/gpu/check_grouped.py --results "$results" --model grouped
 fi
@@ -64,8 +64,13 @@ fi
 if [ "$gpus" -ge 1 ] && wants watchdog; then
   launch watchdog python3 tests/gpu/check_watchdog.py --results "$results" --model watchdog
 fi
+# The collective checks in a group of one rank (any machine with a GPU: the ops' local paths,
+# autograd, layers, graphs, stress); the checks of disagreeing ranks need two and are left out.
+if [ "$gpus" -ge 1 ] && wants processes; then
+  launch processes-tp1 env CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node=1 "$check" --results "$results" --model processes-tp1
+fi
 if [ "$gpus" -lt 2 ]; then
-  echo "skipped: the collective models need at least 2 GPUs, this machine has $gpus"
+  echo "skipped: the multi-rank collective models need at least 2 GPUs, this machine has $gpus"
 else
   wants processes && launch processes-tp2 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node=2 "$check" --results "$results" --model processes-tp2
   if wants processes && [ "$gpus" -ge 4 ]; then

@@ -9,13 +9,6 @@ import meshla
 import meshla.torch as mt
 
 
-@pytest.fixture
-def world1(gloo_env):
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield mt.group_from_process_group(device="cpu")
-    dist.destroy_process_group()
-
-
 def test_bad_shapes_name_the_arguments(world1):
     a = torch.randn(4, 8)
     with pytest.raises(ValueError, match=r"b.shape=\[6, 5\] \(\[k, n\]\) does not match "

@@ -1,4 +1,6 @@
-"""PyTorch front end of meshla: collective matmul (below), grouped GEMM for Mixture-of-Experts
+"""PyTorch front end of meshla: collective matmul (below) and the tensor-parallel layers over it
+(:mod:`meshla.torch.parallel_linear`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`),
+grouped GEMM for Mixture-of-Experts
 (:mod:`meshla.torch.grouped`: :class:`GroupedLinear`, :func:`grouped_linear`) and distributed
 dense solvers over the GPUs of one process (:mod:`meshla.torch.linalg`).
 
@@ -15,7 +17,7 @@ machine without GPUs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -27,7 +29,9 @@ from meshla import _meshla
 from meshla.torch._dtypes import DTYPE_NAMES
 
 __all__ = [
+    "ColumnParallelLinear",
     "GroupedLinear",
+    "RowParallelLinear",
     "TPGroup",
     "Tuning",
     "all_gather_matmul",
@@ -66,6 +70,10 @@ class Tuning:
         # One spelling per choice, so "ring" and Algorithm.ring share a plan.
         return Tuning(_choice(_meshla.Algorithm, "algorithm", algorithm), chunks, comm_sms,
                       comm_ctas, _choice(_meshla.Backend, "backend", backend))
+
+    def options(self) -> dict:
+        """The op keywords that give this Tuning, e.g. ``matmul_all_reduce(..., **t.options())``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(eq=False)
@@ -583,10 +591,8 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
-        t = ctx.tuning
         grad_a = matmul_all_reduce(grad, b, ctx.group, trans_b=not ctx.trans_b,
-                                   algorithm=t.algorithm, chunks=t.chunks, comm_sms=t.comm_sms,
-                                   comm_ctas=t.comm_ctas, backend=t.backend) if needs_a else None
+                                   **ctx.tuning.options()) if needs_a else None
         grad_b = _weight_grad(a, grad, ctx.trans_b) if needs_b else None
         grad_bias = grad.sum(0) if needs_bias else None
         return grad_a, grad_b, grad_bias, None, None, None
@@ -599,3 +605,4 @@ from meshla.torch.grouped import (  # noqa: E402
     packed_group_stride,
 )
 from meshla.torch import linalg  # noqa: E402
+from meshla.torch.parallel_linear import ColumnParallelLinear, RowParallelLinear  # noqa: E402

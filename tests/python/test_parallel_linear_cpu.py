@@ -1,0 +1,177 @@
+"""The tensor-parallel layers on CPU tensors over gloo: an MLP of a ColumnParallelLinear and a
+RowParallelLinear on 2 and 4 ranks, with and without sequence parallelism, against one process's
+float64 torch.nn.Linear pair; their initialisation against torch.nn.Linear's; argument checks."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import meshla.torch as mt
+
+SEQ_PER_RANK, BATCH, HIDDEN, FFN_PER_RANK = 3, 2, 8, 6
+
+
+def _whole_problem(seed, size):
+    """The whole MLP (float32 torch.nn.Linear pair), its input [s, b, h] and the loss weights."""
+    torch.manual_seed(seed)
+    fc1 = torch.nn.Linear(HIDDEN, FFN_PER_RANK * size)
+    fc2 = torch.nn.Linear(FFN_PER_RANK * size, HIDDEN)
+    x = torch.randn(SEQ_PER_RANK * size, BATCH, HIDDEN)
+    g = torch.randn(SEQ_PER_RANK * size, BATCH, HIDDEN)
+    return fc1, fc2, x, g
+
+
+def _mlp_worker(rank, size, seed, results):
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        group = mt.group_from_process_group(device="cpu")
+        fc1, fc2, x, g = _whole_problem(seed, size)
+        own = slice(rank * SEQ_PER_RANK, (rank + 1) * SEQ_PER_RANK)
+        for sp, recompute in ((False, False), (True, False), (True, True)):
+            col = mt.ColumnParallelLinear.from_linear(fc1, group, sequence_parallel=sp,
+                                                      recompute_gathered=recompute)
+            row = mt.RowParallelLinear.from_linear(fc2, group, sequence_parallel=sp)
+            x_in = (x[own] if sp else x).clone().requires_grad_()
+            hidden = col(x_in)
+            y = row(F.gelu(hidden))
+            loss = (y * (g[own] if sp else g)).sum()
+            params = [col.weight, col.bias, row.weight, row.bias]
+            grads = torch.autograd.grad(loss, [x_in, *params])
+            results[(rank, sp, recompute)] = {
+                "hidden_shape": tuple(hidden.shape), "y": y.detach(),
+                "grads": [t.detach() for t in grads],
+                "params": [p.detach().clone() for p in params],
+            }
+
+        # Drawn as torch.nn.Linear draws, from the same state on every rank: the shards of the
+        # layer torch.nn.Linear would have made.
+        torch.manual_seed(seed + 1)
+        drawn = [mt.ColumnParallelLinear(HIDDEN, FFN_PER_RANK * size, group),
+                 mt.RowParallelLinear(FFN_PER_RANK * size, HIDDEN, group)]
+        generator = torch.Generator().manual_seed(seed + 2)
+        drawn[1].reset_parameters(generator)
+        results[(rank, "drawn")] = [[layer.weight.detach(), layer.bias.detach()]
+                                    for layer in drawn]
+
+        row = mt.RowParallelLinear(FFN_PER_RANK * size, HIDDEN, group, sequence_parallel=True)
+        try:
+            row(torch.randn(size + 1, BATCH, FFN_PER_RANK))
+            results[(rank, "error")] = None
+        except ValueError as e:
+            results[(rank, "error")] = str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rel(x, y):
+    return ((x.double() - y).norm() / y.norm()).item()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_mlp_matches_the_whole_layers(gloo_env, size):
+    results = mp.Manager().dict()
+    seed = torch.randint(0, 2**31, ()).item()
+    mp.spawn(_mlp_worker, args=(size, seed, results), nprocs=size, join=True)
+
+    fc1, fc2, x, g = _whole_problem(seed, size)
+    fc1, fc2 = fc1.double(), fc2.double()
+    x, g = x.double().requires_grad_(), g.double()
+    y = fc2(F.gelu(fc1(x)))
+    params = [fc1.weight, fc1.bias, fc2.weight, fc2.bias]
+    want = torch.autograd.grad((y * g).sum(), [x, *params])
+    ffn = FFN_PER_RANK * size
+
+    for rank in range(size):
+        cols = slice(rank * FFN_PER_RANK, (rank + 1) * FFN_PER_RANK)
+        own = slice(rank * SEQ_PER_RANK, (rank + 1) * SEQ_PER_RANK)
+        # This rank's shards of each parameter (and of its gradient); the row bias is whole.
+        shards = [lambda t: t[cols], lambda t: t[cols], lambda t: t[:, cols], lambda t: t]
+        for sp, recompute in ((False, False), (True, False), (True, True)):
+            got = results[(rank, sp, recompute)]
+            case = (rank, sp, recompute)
+            seq = slice(None) if not sp else own
+            assert got["hidden_shape"] == (SEQ_PER_RANK * size, BATCH, FFN_PER_RANK), case
+            assert got["y"].shape == y[seq].shape, case
+            assert _rel(got["y"], y[seq].detach()) < 1e-5, case
+            for shard, p, mine in zip(shards, params, got["params"]):
+                assert torch.equal(mine.double(), shard(p.detach())), case
+            assert got["grads"][0].shape == x[seq].shape, case
+            assert _rel(got["grads"][0], want[0][seq]) < 1e-5, case
+            for name, shard, mine, whole in zip(("w1", "b1", "w2", "b2"), shards,
+                                                got["grads"][1:], want[1:]):
+                assert mine.shape == shard(whole).shape, (case, name)
+                assert _rel(mine, shard(whole)) < 1e-5, (case, name)
+
+        torch.manual_seed(seed + 1)
+        column = torch.nn.Linear(HIDDEN, ffn)
+        generator = torch.Generator().manual_seed(seed + 2)
+        row = torch.nn.Linear(ffn, HIDDEN)
+        row.weight.data = torch.nn.init.kaiming_uniform_(torch.empty(HIDDEN, ffn),
+                                                         a=5**0.5, generator=generator)
+        row.bias.data = torch.empty(HIDDEN).uniform_(-ffn**-0.5, ffn**-0.5,
+                                                     generator=generator)
+        (cw, cb), (rw, rb) = results[(rank, "drawn")]
+        assert torch.equal(cw, column.weight.detach()[cols])
+        assert torch.equal(cb, column.bias.detach()[cols])
+        assert torch.equal(rw, row.weight.detach()[:, cols]) and torch.equal(rb, row.bias)
+        assert results[(rank, "error")] == (
+            f"RowParallelLinear: sequence_parallel scatters x's first dimension, but "
+            f"x.shape=[{size + 1}, {BATCH}, {FFN_PER_RANK}] has {size + 1} there, not divisible "
+            f"by tp_size={size}")
+
+
+def test_layers_check_their_arguments(world1):
+    with pytest.raises(ValueError, match=r"group must be a meshla.torch.TPGroup, got NoneType"):
+        mt.ColumnParallelLinear(4, 6, None)
+    with pytest.raises(ValueError, match=r"in_features=0 and out_features=6 must be positive"):
+        mt.RowParallelLinear(0, 6, world1)
+    with pytest.raises(ValueError, match=r"recompute_gathered=True needs sequence_parallel=True"):
+        mt.ColumnParallelLinear(4, 6, world1, recompute_gathered=True)
+    with pytest.raises(ValueError, match=r"backend='fast' is not one of"):
+        mt.RowParallelLinear(4, 6, world1, backend="fast")
+    with pytest.raises(ValueError, match=r"device=cuda:0 but the group's communicator uses cpu"):
+        mt.ColumnParallelLinear(4, 6, world1, device="cuda:0")
+    with pytest.raises(ValueError, match=r"linear must be a torch.nn.Linear, got Conv1d"):
+        mt.RowParallelLinear.from_linear(torch.nn.Conv1d(4, 6, 1), world1)
+    col = mt.ColumnParallelLinear(4, 6, world1, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"x must be a tensor \[s, \.\.\., 4\] \(sequence first\)"
+                                         r", got \[4\]"):
+        col(torch.randn(4))
+    row = mt.RowParallelLinear(4, 6, world1)
+    with pytest.raises(ValueError, match=r"x must be a tensor \[\.\.\., 4\], got \[2, 5\]"):
+        row(torch.randn(2, 5))
+
+
+def test_layers_at_one_rank_are_linear(world1):
+    """At tp=1 both layers compute torch.nn.Linear's product: any leading dimensions, a 1-D input,
+    no bias; parameters deferred on meta and drawn later; from_linear keeps the dtype; autocast
+    runs them in its dtype."""
+    linear = torch.nn.Linear(4, 6)
+    x = torch.randn(2, 3, 4)
+    for cls in (mt.ColumnParallelLinear, mt.RowParallelLinear):
+        layer = cls.from_linear(linear, world1)
+        with torch.no_grad():
+            assert torch.allclose(layer(x), linear(x), atol=1e-6)
+            assert layer(x[0, 0]).shape == (6,)
+            assert torch.allclose(layer(x[0, 0]), linear(x[0, 0]), atol=1e-6)
+            plain = cls(4, 6, world1, bias=False)
+            assert plain.bias is None
+            assert torch.allclose(plain(x), x @ plain.weight.t(), atol=1e-6)
+
+            deferred = cls(4, 6, world1, device="meta")
+            assert deferred.weight.is_meta and deferred.bias.is_meta
+            deferred.to_empty(device="cpu")
+            deferred.reset_parameters(torch.Generator().manual_seed(5))
+            layer.reset_parameters(torch.Generator().manual_seed(5))
+            assert torch.equal(deferred.weight, layer.weight)
+            assert torch.equal(deferred.bias, layer.bias)
+
+            half = cls.from_linear(copy.deepcopy(linear).to(torch.bfloat16), world1)
+            assert half.weight.dtype == half.bias.dtype == torch.bfloat16
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert layer(x).dtype == torch.bfloat16
+        assert "tp_size=1, rank=0, sequence_parallel=False" in repr(layer)
