@@ -274,9 +274,10 @@ def check_autograd(group, reporter, label, seed_base):
 
 def check_layers(group, reporter, label, seed_base):
     """An MLP of mt.ColumnParallelLinear, gelu and mt.RowParallelLinear (x [s, b, h], sequence
-    first; without sequence parallelism, with it, and with it re-gathering x in the backward),
-    each layer sharded by from_linear from a torch.nn.Linear: the output and every gradient (x,
-    both weights and biases) against that float64 pair, drawn identically on every rank."""
+    first; without sequence parallelism, with it, with it re-gathering x in the backward, and
+    that compiled whole by torch.compile's inductor), each layer sharded by from_linear from a
+    torch.nn.Linear: the output and every gradient (x, both weights and biases) against that
+    float64 pair, drawn identically on every rank."""
     tp, r = group.size, group.rank
     device = group.device
     seq, batch, hidden, ffn = 32 * tp, 4, 128, 96 * tp
@@ -284,11 +285,16 @@ def check_layers(group, reporter, label, seed_base):
     own_ffn = slice(r * ffn // tp, (r + 1) * ffn // tp)
     # This rank's shard of each parameter: fc1's rows, fc2's columns; fc2's bias is whole.
     shards = (lambda t: t[own_ffn], lambda t: t[own_ffn], lambda t: t[:, own_ffn], lambda t: t)
-    modes = ((False, False), (True, False), (True, True))  # (sequence_parallel, recompute)
+    # (sequence_parallel, recompute_gathered, compiled). Compiled only where one thread drives
+    # the group: the threads model's threads would each recompile the same code (dynamo caches
+    # per process) past its recompile limit.
+    modes = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
+    if threading.current_thread() is not threading.main_thread():
+        modes = modes[:-1]
     settings = itertools.product((torch.bfloat16, torch.float32), ("nccl", "symmetric"), modes)
-    for case, (dtype, backend, (sp, recompute)) in enumerate(settings):
+    for case, (dtype, backend, (sp, recompute, compiled)) in enumerate(settings):
         name = (f"{label}/layers/{backend}/{str(dtype).removeprefix('torch.')}/"
-                f"sequence_parallel={int(sp)}/recompute={int(recompute)}")
+                f"sequence_parallel={int(sp)}/recompute={int(recompute)}/compiled={int(compiled)}")
         try:
             gen = torch.Generator(device=device).manual_seed(seed_base + case)
 
@@ -315,7 +321,11 @@ def check_layers(group, reporter, label, seed_base):
                                                    sequence_parallel=sp, backend=backend)
             rows = own_seq if sp else slice(None)
             x_in = x[rows].to(dtype).requires_grad_()
-            y = row(torch.nn.functional.gelu(column(x_in)))
+
+            def mlp(x):
+                return row(torch.nn.functional.gelu(column(x)))
+
+            y = (torch.compile(mlp, fullgraph=True) if compiled else mlp)(x_in)
             params = [column.weight, column.bias, row.weight, row.bias]
             got = torch.autograd.grad((y.double() * g[rows]).sum(), [x_in, *params])
             torch.cuda.synchronize(device)

@@ -3,6 +3,7 @@ RowParallelLinear on 2 and 4 ranks, with and without sequence parallelism, again
 float64 torch.nn.Linear pair; their initialisation against torch.nn.Linear's; argument checks."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 import meshla.torch as mt
 
 SEQ_PER_RANK, BATCH, HIDDEN, FFN_PER_RANK = 3, 2, 8, 6
+MODES = ((False, False), (True, False), (True, True))  # (sequence_parallel, recompute_gathered)
 
 
 def _whole_problem(seed, size):
@@ -31,17 +33,24 @@ def _mlp_worker(rank, size, seed, results):
         group = mt.group_from_process_group(device="cpu")
         fc1, fc2, x, g = _whole_problem(seed, size)
         own = slice(rank * SEQ_PER_RANK, (rank + 1) * SEQ_PER_RANK)
-        for sp, recompute in ((False, False), (True, False), (True, True)):
+        for (sp, recompute), compiled in itertools.product(MODES, (False, True)):
             col = mt.ColumnParallelLinear.from_linear(fc1, group, sequence_parallel=sp,
                                                       recompute_gathered=recompute)
             row = mt.RowParallelLinear.from_linear(fc2, group, sequence_parallel=sp)
+
+            def mlp(x):
+                hidden = col(x)
+                return hidden, row(F.gelu(hidden))
+
+            # Compiled whole (fullgraph: no break around the ops, whose fake shapes are tp's),
+            # forward and backward, by AOTAutograd without code generation.
+            run = torch.compile(mlp, backend="aot_eager", fullgraph=True) if compiled else mlp
             x_in = (x[own] if sp else x).clone().requires_grad_()
-            hidden = col(x_in)
-            y = row(F.gelu(hidden))
+            hidden, y = run(x_in)
             loss = (y * (g[own] if sp else g)).sum()
             params = [col.weight, col.bias, row.weight, row.bias]
             grads = torch.autograd.grad(loss, [x_in, *params])
-            results[(rank, sp, recompute)] = {
+            results[(rank, sp, recompute, compiled)] = {
                 "hidden_shape": tuple(hidden.shape), "y": y.detach(),
                 "grads": [t.detach() for t in grads],
                 "params": [p.detach().clone() for p in params],
@@ -90,9 +99,9 @@ def test_mlp_matches_the_whole_layers(gloo_env, size):
         own = slice(rank * SEQ_PER_RANK, (rank + 1) * SEQ_PER_RANK)
         # This rank's shards of each parameter (and of its gradient); the row bias is whole.
         shards = [lambda t: t[cols], lambda t: t[cols], lambda t: t[:, cols], lambda t: t]
-        for sp, recompute in ((False, False), (True, False), (True, True)):
-            got = results[(rank, sp, recompute)]
-            case = (rank, sp, recompute)
+        for (sp, recompute), compiled in itertools.product(MODES, (False, True)):
+            case = (rank, sp, recompute, compiled)
+            got = results[case]
             seq = slice(None) if not sp else own
             assert got["hidden_shape"] == (SEQ_PER_RANK * size, BATCH, FFN_PER_RANK), case
             assert got["y"].shape == y[seq].shape, case

@@ -17,15 +17,17 @@ machine without GPUs.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
-from torch.utils.dlpack import to_dlpack
 
 from meshla import _meshla
+from meshla.torch import _library
 from meshla.torch._dtypes import DTYPE_NAMES
 
 __all__ = [
@@ -75,6 +77,31 @@ class Tuning:
         """The op keywords that give this Tuning, e.g. ``matmul_all_reduce(..., **t.options())``."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def ints(self) -> list[int]:
+        """This Tuning as a torch.ops.meshla op's ``int[] tuning`` (see :meth:`of_ints`)."""
+        return [self.algorithm.value, self.chunks, self.comm_sms, self.comm_ctas,
+                self.backend.value]
+
+    @staticmethod
+    def of_ints(values) -> Tuning:
+        algorithm, chunks, comm_sms, comm_ctas, backend = values
+        return Tuning(_meshla.Algorithm(algorithm), chunks, comm_sms, comm_ctas,
+                      _meshla.Backend(backend))
+
+
+# Every TPGroup by its key, which the torch.ops.meshla ops take in its place (an op's arguments
+# are tensors and numbers); a group is dropped from here when its last user lets it go.
+_GROUPS: weakref.WeakValueDictionary[int, TPGroup] = weakref.WeakValueDictionary()
+_GROUP_KEYS = itertools.count()
+
+
+def _group_of(key: int) -> TPGroup:
+    group = _GROUPS.get(key)
+    if group is None:
+        raise ValueError(f"TPGroup {key} no longer exists: keep the group alive while ops (or "
+                         "graphs compiled with them) that use it run")
+    return group
+
 
 @dataclass(eq=False)
 class TPGroup:
@@ -82,24 +109,28 @@ class TPGroup:
 
     ``comm`` is the NCCL communicator for CUDA tensors (None where the group has no GPU);
     ``process_group`` the torch.distributed group used by the CPU reference path (None for groups
-    made by :func:`local_groups` or :func:`group_from_mpi`).
+    made by :func:`local_groups` or :func:`group_from_mpi`); ``device`` the communicator's GPU,
+    or the CPU; ``key`` names the group in the torch.ops.meshla ops.
     """
 
     rank: int
     size: int
     comm: _meshla.Communicator | None = None
     process_group: Any = None
+    device: torch.device = field(init=False)
+    key: int = field(init=False)
     # Plans by (op, dtype, m, n, k, trans_b, bias, return_gathered, Tuning), and all-gathers by
     # ("all_gather", dtype, rows, cols). The nccl and symmetric plans of a group keep their buffers
     # and cuBLASLt workspace in one workspace sized by the largest shape, so a plan per shape
     # costs its GEMMs' tuning, not device memory.
     _plans: dict = field(default_factory=dict, repr=False)
 
-    @property
-    def device(self) -> torch.device:
-        if self.comm is None:
-            return torch.device("cpu")
-        return torch.device("cuda", self.comm.device)
+    def __post_init__(self):
+        # Plain attributes, which torch.compile reads as constants.
+        self.device = (torch.device("cpu") if self.comm is None
+                       else torch.device("cuda", self.comm.device))
+        self.key = next(_GROUP_KEYS)
+        _GROUPS[self.key] = self
 
     def plan(self, op, dtype, m, n, k, trans_b, bias, return_gathered, tuning: Tuning):
         if self.comm is None:
@@ -219,14 +250,13 @@ def _check_operands(op: str, a, b, bias, trans_b: bool, group: TPGroup):
             f"{op}: b.shape={_shape(b)} ({layout}) does not match a.shape={_shape(a)}: "
             f"the contraction needs k={a.shape[1]}"
         )
-    n = b.shape[0] if trans_b else b.shape[1]
+    n = _n_of(b, trans_b)
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
         raise ValueError(f"{op}: bias.shape={_shape(bias)} but expected [{n}]")
     if a.device.type == "cuda" and a.device != group.device:
         raise ValueError(f"{op}: a is on {a.device} but the group's communicator uses {group.device}")
     if a.device.type == "cpu" and group.process_group is None:
         raise ValueError(f"{op}: CPU tensors need a TPGroup with a torch.distributed process group")
-    return n
 
 
 def _output(op: str, name: str, given, shape, like):
@@ -250,17 +280,14 @@ def _deliver(op: str, name: str, result, out):
     return _output(op, name, out, tuple(result.shape), result).copy_(result)
 
 
-def _capsule(t):
-    return None if t is None else to_dlpack(t)
-
-
 def _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning):
     plan = group.plan(op, a.dtype, m, n, k, trans_b, bias is not None, gathered is not None,
                       tuning)
     stream = torch.cuda.current_stream(a.device).cuda_stream
-    plan.execute(_capsule(a.contiguous()), _capsule(b.contiguous()),
-                 _capsule(None if bias is None else bias.contiguous()), _capsule(out),
-                 _capsule(gathered), stream)
+    capsule = _library.capsule
+    plan.execute(capsule(a.contiguous()), capsule(b.contiguous()),
+                 capsule(None if bias is None else bias.contiguous()), capsule(out),
+                 capsule(gathered), stream)
 
 
 def _summed_over_ranks(a, b, bias, trans_b: bool, group: TPGroup):
@@ -294,10 +321,10 @@ def _autocast(a, b, bias, *outputs):
 
 def _prepare(op: str, a, b, bias, trans_b: bool, group: TPGroup, algorithm, chunks, comm_sms,
              comm_ctas, backend, *outputs):
-    """A call's operands as it runs them (see _autocast), checked, with n and its Tuning."""
+    """A call's operands as it runs them (see _autocast), checked, and its Tuning."""
     a, b, bias = _autocast(a, b, bias, *outputs)
-    n = _check_operands(op, a, b, bias, trans_b, group)
-    return a, b, bias, n, Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    _check_operands(op, a, b, bias, trans_b, group)
+    return a, b, bias, Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
 
 
 def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:
@@ -344,31 +371,16 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     matmul, unless outputs are given.
     """
     op = _meshla.CollectiveOp.all_gather_matmul
-    a, b, bias, n, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
-                                     comm_sms, comm_ctas, backend, out, gathered_out)
+    a, b, bias, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
+                                  comm_sms, comm_ctas, backend, out, gathered_out)
     if gathered_out is not None and not return_gathered:
         raise ValueError(f"{op.name}: gathered_out is given but return_gathered=False")
     if _wants_grad(op.name, (a, b, bias), tuning, out=out, gathered_out=gathered_out):
         return _AllGatherMatmul.apply(a, b, bias, group, trans_b, tuning, return_gathered,
                                       recompute_gathered)
-    return _all_gather_matmul(a, b, bias, group, n, trans_b, return_gathered, out, gathered_out,
-                              tuning)
-
-
-def _all_gather_matmul(a, b, bias, group, n, trans_b, return_gathered, out, gathered_out, tuning):
-    op = _meshla.CollectiveOp.all_gather_matmul
-    m, k = a.shape[0] * group.size, a.shape[1]
-    if a.device.type == "cpu":
-        gathered = _all_gather(a, group)
-        product = _reference_product(gathered, b, bias, trans_b, True).to(a.dtype)
-        out = _deliver(op.name, "out", product, out)
-        if return_gathered:
-            return out, _deliver(op.name, "gathered_out", gathered, gathered_out)
-        return out
-    out = _output(op.name, "out", out, (m, n), a)
-    gathered = _output(op.name, "gathered_out", gathered_out, (m, k), a) if return_gathered else None
-    _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning)
-    return (out, gathered) if return_gathered else out
+    product, gathered = _all_gather_matmul(a, b, bias, group, trans_b, return_gathered, tuning,
+                                           out, gathered_out)
+    return (product, gathered) if return_gathered else product
 
 
 def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
@@ -387,27 +399,14 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     run the backward, as it runs the forward, with the same inputs requiring grad.
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
-    a, b, bias, n, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
-                                     comm_sms, comm_ctas, backend, out)
+    a, b, bias, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
+                                  comm_sms, comm_ctas, backend, out)
     m, k = a.shape
     if m % group.size != 0:
         raise ValueError(f"{op.name}: a.shape[0]={m} is not divisible by tp_size={group.size}")
     if _wants_grad(op.name, (a, b, bias), tuning, out=out):
         return _MatmulReduceScatter.apply(a, b, bias, group, trans_b, tuning)
-    return _matmul_reduce_scatter(a, b, bias, group, n, trans_b, out, tuning)
-
-
-def _matmul_reduce_scatter(a, b, bias, group, n, trans_b, out, tuning):
-    op = _meshla.CollectiveOp.matmul_reduce_scatter
-    m, k = a.shape
-    if a.device.type == "cpu":
-        total = _summed_over_ranks(a, b, bias, trans_b, group)
-        block = m // group.size
-        own_rows = total[group.rank * block:(group.rank + 1) * block].to(a.dtype)
-        return _deliver(op.name, "out", own_rows, out)
-    out = _output(op.name, "out", out, (m // group.size, n), a)
-    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
-    return out
+    return _matmul_reduce_scatter(a, b, bias, group, trans_b, tuning, out)
 
 
 def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
@@ -421,22 +420,11 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     row-parallel layer does).
     """
     op = _meshla.CollectiveOp.matmul_all_reduce
-    a, b, bias, n, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
-                                     comm_sms, comm_ctas, backend, out)
+    a, b, bias, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
+                                  comm_sms, comm_ctas, backend, out)
     if _wants_grad(op.name, (a, b, bias), tuning, out=out):
         return _MatmulAllReduce.apply(a, b, bias, group, trans_b, tuning)
-    return _matmul_all_reduce(a, b, bias, group, n, trans_b, out, tuning)
-
-
-def _matmul_all_reduce(a, b, bias, group, n, trans_b, out, tuning):
-    op = _meshla.CollectiveOp.matmul_all_reduce
-    m, k = a.shape
-    if a.device.type == "cpu":
-        total = _summed_over_ranks(a, b, bias, trans_b, group)
-        return _deliver(op.name, "out", total.to(a.dtype), out)
-    out = _output(op.name, "out", out, (m, n), a)
-    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
-    return out
+    return _matmul_all_reduce(a, b, bias, group, trans_b, tuning, out)
 
 
 def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
@@ -454,8 +442,8 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
     inputs requiring grad.
     """
     name = "column_parallel_matmul"
-    a, b, bias, _, tuning = _prepare(name, a, b, bias, trans_b, group, algorithm, chunks,
-                                     comm_sms, comm_ctas, backend)
+    a, b, bias, tuning = _prepare(name, a, b, bias, trans_b, group, algorithm, chunks,
+                                  comm_sms, comm_ctas, backend)
     if _wants_grad(name, (a, b, bias), tuning):
         return _ColumnParallelMatmul.apply(a, b, bias, group, trans_b, tuning)
     return _local_product(a, b, bias, trans_b)
@@ -463,6 +451,144 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
 
 def _local_product(a, b, bias, trans_b: bool):
     return torch.nn.functional.linear(a, b if trans_b else b.t(), bias)
+
+
+# The collectives run as torch.ops.meshla ops (see meshla.torch._library), which take the group
+# by its key and the Tuning as ints. Calls with outputs given run the same kernels outside the ops
+# (an op that fills an output given needs a schema of its own), where torch.compile breaks its
+# graph on CUDA tensors.
+
+
+def _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning, out,
+                            gathered_out):
+    """(product, gathered a or None), into the outputs given or fresh ones."""
+    op = _meshla.CollectiveOp.all_gather_matmul
+    m, k, n = a.shape[0] * group.size, a.shape[1], _n_of(b, trans_b)
+    if a.device.type == "cpu":
+        gathered = _all_gather_rows(a, group)
+        product = _reference_product(gathered, b, bias, trans_b, True).to(a.dtype)
+        return (_deliver(op.name, "out", product, out),
+                _deliver(op.name, "gathered_out", gathered, gathered_out) if return_gathered
+                else None)
+    out = _output(op.name, "out", out, (m, n), a)
+    gathered = _output(op.name, "gathered_out", gathered_out, (m, k), a) if return_gathered else None
+    _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning)
+    return out, gathered
+
+
+@_library.op("all_gather_matmul(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
+             "bool return_gathered, int[] tuning) -> (Tensor, Tensor)")
+def _all_gather_matmul_op(a, b, bias, group, trans_b, return_gathered, tuning):
+    # The gathered a is [0, k] where it is not asked for: an op returns tensors.
+    product, gathered = _all_gather_matmul_into(a, b, bias, _group_of(group), trans_b,
+                                                return_gathered, Tuning.of_ints(tuning), None,
+                                                None)
+    return product, gathered if return_gathered else a.new_empty(0, a.shape[1])
+
+
+@torch.library.register_fake("meshla::all_gather_matmul")
+def _(a, b, bias, group, trans_b, return_gathered, tuning):
+    m = a.shape[0] * _group_of(group).size
+    return a.new_empty(m, _n_of(b, trans_b)), a.new_empty(m if return_gathered else 0, a.shape[1])
+
+
+def _all_gather_matmul(a, b, bias, group, trans_b, return_gathered, tuning, out=None,
+                       gathered_out=None):
+    """(product, gathered a or None): the op, or its kernel where outputs are given."""
+    if out is not None or gathered_out is not None:
+        return _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning, out,
+                                       gathered_out)
+    product, gathered = torch.ops.meshla.all_gather_matmul(a, b, bias, group.key, trans_b,
+                                                           return_gathered, tuning.ints())
+    return product, gathered if return_gathered else None
+
+
+def _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out):
+    op = _meshla.CollectiveOp.matmul_reduce_scatter
+    (m, k), n = a.shape, _n_of(b, trans_b)
+    if a.device.type == "cpu":
+        total = _summed_over_ranks(a, b, bias, trans_b, group)
+        block = m // group.size
+        own_rows = total[group.rank * block:(group.rank + 1) * block].to(a.dtype)
+        return _deliver(op.name, "out", own_rows, out)
+    out = _output(op.name, "out", out, (m // group.size, n), a)
+    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
+    return out
+
+
+@_library.op("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
+             "int[] tuning) -> Tensor")
+def _matmul_reduce_scatter_op(a, b, bias, group, trans_b, tuning):
+    return _matmul_reduce_scatter_into(a, b, bias, _group_of(group), trans_b,
+                                       Tuning.of_ints(tuning), None)
+
+
+@torch.library.register_fake("meshla::matmul_reduce_scatter")
+def _(a, b, bias, group, trans_b, tuning):
+    return a.new_empty(a.shape[0] // _group_of(group).size, _n_of(b, trans_b))
+
+
+def _matmul_reduce_scatter(a, b, bias, group, trans_b, tuning, out=None):
+    if out is not None:
+        return _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out)
+    return torch.ops.meshla.matmul_reduce_scatter(a, b, bias, group.key, trans_b, tuning.ints())
+
+
+def _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out):
+    op = _meshla.CollectiveOp.matmul_all_reduce
+    (m, k), n = a.shape, _n_of(b, trans_b)
+    if a.device.type == "cpu":
+        total = _summed_over_ranks(a, b, bias, trans_b, group)
+        return _deliver(op.name, "out", total.to(a.dtype), out)
+    out = _output(op.name, "out", out, (m, n), a)
+    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
+    return out
+
+
+@_library.op("matmul_all_reduce(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
+             "int[] tuning) -> Tensor")
+def _matmul_all_reduce_op(a, b, bias, group, trans_b, tuning):
+    return _matmul_all_reduce_into(a, b, bias, _group_of(group), trans_b, Tuning.of_ints(tuning),
+                                   None)
+
+
+@torch.library.register_fake("meshla::matmul_all_reduce")
+def _(a, b, bias, group, trans_b, tuning):
+    return a.new_empty(a.shape[0], _n_of(b, trans_b))
+
+
+def _matmul_all_reduce(a, b, bias, group, trans_b, tuning, out=None):
+    if out is not None:
+        return _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out)
+    return torch.ops.meshla.matmul_all_reduce(a, b, bias, group.key, trans_b, tuning.ints())
+
+
+def _all_gather_rows(rows, group: TPGroup):
+    """[tp * r, c] from every rank's [r, c] ``rows``, in rank order."""
+    if rows.device.type == "cpu":
+        parts = [torch.empty_like(rows) for _ in range(group.size)]
+        dist.all_gather(parts, rows.contiguous(), group=group.process_group)
+        return torch.cat(parts)
+    gathered = torch.empty((rows.shape[0] * group.size, rows.shape[1]), dtype=rows.dtype,
+                           device=rows.device)
+    plan = group.all_gather_plan(rows.dtype, rows.shape[0], rows.shape[1])
+    plan.execute(_library.capsule(rows.contiguous()), _library.capsule(gathered),
+                 torch.cuda.current_stream(rows.device).cuda_stream)
+    return gathered
+
+
+@_library.op("all_gather(Tensor rows, int group) -> Tensor")
+def _all_gather_op(rows, group):
+    return _all_gather_rows(rows, _group_of(group))
+
+
+@torch.library.register_fake("meshla::all_gather")
+def _(rows, group):
+    return rows.new_empty(rows.shape[0] * _group_of(group).size, rows.shape[1])
+
+
+def _all_gather(rows, group: TPGroup):
+    return torch.ops.meshla.all_gather(rows, group.key)
 
 
 # Autograd. Each op's backward is its conjugate, as in Megatron-LM's tensor and sequence
@@ -481,29 +607,13 @@ def _n_of(b, trans_b: bool) -> int:
     return b.shape[0] if trans_b else b.shape[1]
 
 
-def _all_gather(rows, group: TPGroup):
-    """[tp * r, c] from every rank's [r, c] ``rows``, in rank order."""
-    if rows.device.type == "cpu":
-        parts = [torch.empty_like(rows) for _ in range(group.size)]
-        dist.all_gather(parts, rows.contiguous(), group=group.process_group)
-        return torch.cat(parts)
-    gathered = torch.empty((rows.shape[0] * group.size, rows.shape[1]), dtype=rows.dtype,
-                           device=rows.device)
-    plan = group.all_gather_plan(rows.dtype, rows.shape[0], rows.shape[1])
-    plan.execute(_capsule(rows.contiguous()), _capsule(gathered),
-                 torch.cuda.current_stream(rows.device).cuda_stream)
-    return gathered
-
-
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, group, trans_b, tuning, return_gathered, recompute_gathered):
         # b's gradient needs the gathered rows: kept, or this rank's kept and gathered again.
         keep = ctx.needs_input_grad[1] and not recompute_gathered
         gather = return_gathered or keep
-        result = _all_gather_matmul(a, b, bias, group, _n_of(b, trans_b), trans_b, gather, None,
-                                    None, tuning)
-        product, gathered = result if gather else (result, None)
+        product, gathered = _all_gather_matmul(a, b, bias, group, trans_b, gather, tuning)
         ctx.save_for_backward(gathered if keep else a if ctx.needs_input_grad[1] else None, b)
         ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
         ctx.recompute_gathered = recompute_gathered
@@ -536,7 +646,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         needs_a, needs_b = ctx.needs_input_grad[:2]
         ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
         ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
-        return _matmul_reduce_scatter(a, b, bias, group, _n_of(b, trans_b), trans_b, None, tuning)
+        return _matmul_reduce_scatter(a, b, bias, group, trans_b, tuning)
 
     @staticmethod
     @once_differentiable
@@ -565,7 +675,7 @@ class _MatmulAllReduce(torch.autograd.Function):
         needs_a, needs_b = ctx.needs_input_grad[:2]
         ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
         ctx.trans_b = trans_b
-        return _matmul_all_reduce(a, b, bias, group, _n_of(b, trans_b), trans_b, None, tuning)
+        return _matmul_all_reduce(a, b, bias, group, trans_b, tuning)
 
     @staticmethod
     @once_differentiable

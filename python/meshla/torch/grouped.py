@@ -30,10 +30,10 @@ from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils.dlpack import to_dlpack
 
 from meshla import _meshla
 from meshla.torch._dtypes import DTYPE_NAMES
+from meshla.torch._library import capsule, op
 
 __all__ = ["GroupedLinear", "check_device_errors", "grouped_linear", "packed_group_stride"]
 
@@ -94,10 +94,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _capsule(t):
-    return None if t is None else to_dlpack(t)
-
-
 def _run(grouped_pass, m_splits, lead, out_features, accumulate=False, **tensors):
     """Runs one pass on the current stream of ``lead``'s device with a workspace from the caching
     allocator, so concurrent calls on different streams never share one. Every call pays this
@@ -109,27 +105,8 @@ def _run(grouped_pass, m_splits, lead, out_features, accumulate=False, **tensors
     # int64 words: DLPack hands the extension no uint8, and the size is counted in bytes.
     workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
     stream = torch._C._cuda_getCurrentRawStream(index)
-    _engine(index).run(grouped_pass, _capsule(m_splits), _capsule(workspace), stream,
-                       accumulate=accumulate, **{name: _capsule(t) for name, t in tensors.items()})
-
-
-# The ops are defined on a torch.library.Library rather than with torch.library.custom_op, whose
-# Python layers cost about 10 us more host time per call (one H100 host: 36 against 45 us for the
-# dgrad op, where torch's grouped_mm takes 21), which shows beside the 150 us GPU time of a small
-# MoE layer; an autograd kernel on the op would cost another 11 us, so autograd lives in
-# autograd.Functions that call the ops.
-_LIB = torch.library.Library("meshla", "FRAGMENT")
-
-
-def _op(schema: str):
-    """Defines ``torch.ops.meshla.<name>`` from ``schema``; the decorated function is its kernel on
-    every device (it branches on CPU and CUDA itself)."""
-    def define(fn):
-        name = schema.split("(", 1)[0]
-        _LIB.define(schema)
-        _LIB.impl(name, fn, "CompositeExplicitAutograd")
-        return fn
-    return define
+    _engine(index).run(grouped_pass, capsule(m_splits), capsule(workspace), stream,
+                       accumulate=accumulate, **{name: capsule(t) for name, t in tensors.items()})
 
 
 def _check_splits(m_splits, x, name="x"):
@@ -153,7 +130,7 @@ def _cpu_groups(m_splits, rows):
     return list(zip(starts, sizes))
 
 
-@_op("grouped_mm(Tensor x, Tensor m_splits, Tensor weight, Tensor? bias) -> Tensor")
+@op("grouped_mm(Tensor x, Tensor m_splits, Tensor weight, Tensor? bias) -> Tensor")
 def _grouped_mm(x, m_splits, weight, bias):
     _check_splits(m_splits, x)
     if x.device.type == "cpu":
@@ -172,7 +149,7 @@ def _(x, m_splits, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
-@_op("grouped_mm_dgrad(Tensor dy, Tensor m_splits, Tensor weight) -> Tensor")
+@op("grouped_mm_dgrad(Tensor dy, Tensor m_splits, Tensor weight) -> Tensor")
 def _grouped_mm_dgrad(dy, m_splits, weight):
     _check_splits(m_splits, dy, "dy")
     dx = dy.new_empty(dy.shape[0], weight.shape[2])
@@ -194,7 +171,7 @@ def _packed(flat, num_groups, out_features, in_features, group_stride):
                            (group_stride, in_features, 1))
 
 
-@_op("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor m_splits, SymInt group_stride) -> Tensor")
+@op("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor m_splits, SymInt group_stride) -> Tensor")
 def _grouped_mm_wgrad(x, dy, m_splits, group_stride):
     _check_splits(m_splits, x)
     num_groups, out_features, in_features = m_splits.shape[0], dy.shape[1], x.shape[1]
@@ -259,7 +236,7 @@ def _address_table(main_grads, m_splits, x, dy) -> torch.Tensor:
     return table
 
 
-@_op("grouped_mm_wgrad_accumulate_(Tensor x, Tensor dy, Tensor m_splits, "
+@op("grouped_mm_wgrad_accumulate_(Tensor x, Tensor dy, Tensor m_splits, "
      "Tensor(a!)[] main_grads) -> ()")
 def _grouped_mm_wgrad_accumulate(x, dy, m_splits, main_grads):
     _check_splits(m_splits, x)
@@ -277,7 +254,7 @@ def _(x, dy, m_splits, main_grads):
     return None
 
 
-@_op("grouped_bias_grad(Tensor dy, Tensor m_splits, SymInt num_groups) -> Tensor")
+@op("grouped_bias_grad(Tensor dy, Tensor m_splits, SymInt num_groups) -> Tensor")
 def _grouped_bias_grad(dy, m_splits, num_groups):
     _check_splits(m_splits, dy, "dy")
     dbias = dy.new_empty(num_groups, dy.shape[1])
