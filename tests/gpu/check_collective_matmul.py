@@ -275,9 +275,10 @@ def check_autograd(group, reporter, label, seed_base):
 def check_layers(group, reporter, label, seed_base):
     """An MLP of mt.ColumnParallelLinear, gelu and mt.RowParallelLinear (x [s, b, h], sequence
     first; without sequence parallelism, with it, with it re-gathering x in the backward, and
-    that compiled whole by torch.compile's inductor), each layer sharded by from_linear from a
-    torch.nn.Linear: the output and every gradient (x, both weights and biases) against that
-    float64 pair, drawn identically on every rank."""
+    that compiled whole by torch.compile, also into CUDA graphs (mode="reduce-overhead", checked
+    on a replay)), each layer sharded by from_linear from a torch.nn.Linear: the output and every
+    gradient (x, both weights and biases) against that float64 pair, drawn identically on every
+    rank."""
     tp, r = group.size, group.rank
     device = group.device
     seq, batch, hidden, ffn = 32 * tp, 4, 128, 96 * tp
@@ -285,16 +286,17 @@ def check_layers(group, reporter, label, seed_base):
     own_ffn = slice(r * ffn // tp, (r + 1) * ffn // tp)
     # This rank's shard of each parameter: fc1's rows, fc2's columns; fc2's bias is whole.
     shards = (lambda t: t[own_ffn], lambda t: t[own_ffn], lambda t: t[:, own_ffn], lambda t: t)
-    # (sequence_parallel, recompute_gathered, compiled). Compiled only where one thread drives
-    # the group: the threads model's threads would each recompile the same code (dynamo caches
-    # per process) past its recompile limit.
-    modes = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
+    # (sequence_parallel, recompute_gathered, torch.compile's mode or None: eager). Compiled only
+    # where one thread drives the group: the threads model's threads would each recompile the
+    # same code (dynamo caches per process) past its recompile limit.
+    modes = ((False, False, None), (True, False, None), (True, True, None),
+             (True, True, "default"), (True, True, "reduce-overhead"))
     if threading.current_thread() is not threading.main_thread():
-        modes = modes[:-1]
+        modes = modes[:3]
     settings = itertools.product((torch.bfloat16, torch.float32), ("nccl", "symmetric"), modes)
-    for case, (dtype, backend, (sp, recompute, compiled)) in enumerate(settings):
+    for case, (dtype, backend, (sp, recompute, mode)) in enumerate(settings):
         name = (f"{label}/layers/{backend}/{str(dtype).removeprefix('torch.')}/"
-                f"sequence_parallel={int(sp)}/recompute={int(recompute)}/compiled={int(compiled)}")
+                f"sequence_parallel={int(sp)}/recompute={int(recompute)}/compiled={mode}")
         try:
             gen = torch.Generator(device=device).manual_seed(seed_base + case)
 
@@ -325,8 +327,18 @@ def check_layers(group, reporter, label, seed_base):
             def mlp(x):
                 return row(torch.nn.functional.gelu(column(x)))
 
-            y = (torch.compile(mlp, fullgraph=True) if compiled else mlp)(x_in)
+            if mode is not None:
+                torch._dynamo.reset()  # each case's closure would count as a recompile of mlp
+            run = mlp if mode is None else torch.compile(mlp, fullgraph=True, mode=mode)
             params = [column.weight, column.bias, row.weight, row.bias]
+            # CUDA graphs are recorded on the first calls and replayed after: two steps on
+            # other inputs first, so the step checked replays (and stale outputs would show).
+            for _ in range(2 if mode == "reduce-overhead" else 0):
+                torch.compiler.cudagraph_mark_step_begin()
+                other = torch.randn_like(x_in).requires_grad_()
+                torch.autograd.grad(run(other).float().sum(), [other, *params])
+            torch.compiler.cudagraph_mark_step_begin()
+            y = run(x_in)
             got = torch.autograd.grad((y.double() * g[rows]).sum(), [x_in, *params])
             torch.cuda.synchronize(device)
             errors = [relative_error(y, y_ref[rows].detach()),
