@@ -4,6 +4,7 @@ float64 torch.nn.Linear pair; their initialisation against torch.nn.Linear's; ar
 
 import copy
 import itertools
+import pickle
 
 import pytest
 import torch
@@ -184,3 +185,17 @@ def test_layers_at_one_rank_are_linear(world1):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 assert layer(x).dtype == torch.bfloat16
         assert "tp_size=1, rank=0, sequence_parallel=False" in repr(layer)
+
+
+def test_a_copied_layer_keeps_its_group(world1):
+    """copy.deepcopy (an EMA or reference model) copies the parameters and shares the group,
+    which is a handle to this process's communicators; pickling the group says why it cannot."""
+    layer = mt.RowParallelLinear(4, 6, world1, sequence_parallel=True)
+    twin = copy.deepcopy(layer)
+    assert twin.group is world1 and copy.copy(world1) is world1
+    assert twin.weight is not layer.weight and torch.equal(twin.weight, layer.weight)
+    x = torch.randn(3, 2, 4)
+    with torch.no_grad():
+        assert torch.equal(twin(x), layer(x))
+    with pytest.raises(TypeError, match="a TPGroup cannot be pickled"):
+        pickle.dumps(layer)

@@ -132,6 +132,18 @@ class TPGroup:
         self.key = next(_GROUP_KEYS)
         _GROUPS[self.key] = self
 
+    # A group is a handle to this process's communicators: copies of what holds one (a layer
+    # deep-copied for an EMA or a reference model) run in the same group.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("a TPGroup cannot be pickled: its communicators belong to this process; "
+                        "make the group again where the object is unpickled")
+
     def plan(self, op, dtype, m, n, k, trans_b, bias, return_gathered, tuning: Tuning):
         if self.comm is None:
             raise ValueError(
