@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
-#   tests/gpu/job.sh COMMIT [suite] [bench] [grouped-bench] [solver-bench] [cusolvermp-bench]
+#   tests/gpu/job.sh COMMIT [suite] [bench] [mlp-bench] [grouped-bench] [solver-bench] [cusolvermp-bench]
 #   (default: suite and bench; SUITE_MODELS picks suite models; CUSOLVERMP_GPUS the world sizes
 #   of cusolvermp-bench, CUSOLVERMP_BENCH_ARGS its grids, sizes and blocks)
 set -uo pipefail
@@ -52,6 +52,18 @@ for step in $steps; do
           bench/cusolvermp_potrf.py --library /tmp/libcusolvermp_potrf.so --commit "$commit" --out "$json" \
           ${CUSOLVERMP_BENCH_ARGS:-} 2>&1 | grep -v '^W1' >"$OUT/cusolvermp_p$p.txt"
         grep -v -E '^\s|^Traceback|^torch\.distributed' "$OUT/cusolvermp_p$p.txt" | tail -40
+      done
+      ;;
+    mlp-bench)
+      # A tensor-parallel MLP's training step, meshla's layers against PyTorch's (MLP_BENCH_TP:
+      # the group sizes, 2 and 4 by default; MLP_BENCH_ARGS: bench/tp_mlp.py's options).
+      json="$OUT/tp_mlp_$(date -u +%Y%m%dT%H%M%SZ).json"
+      for tp in ${MLP_BENCH_TP:-2 4}; do
+        [ "$gpus" -ge "$tp" ] || continue
+        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((tp - 1))) timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node=$tp \
+          bench/tp_mlp.py --commit "$commit" --out "$json" ${MLP_BENCH_ARGS:-} \
+          2>&1 | grep -v '^W1' >"$OUT/mlp_bench_tp$tp.txt"
+        tail -25 "$OUT/mlp_bench_tp$tp.txt"
       done
       ;;
     bench)
