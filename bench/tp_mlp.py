@@ -116,7 +116,7 @@ def gemm_step(whole: torch.nn.Sequential, m: int, tp: int, rank: int, device):
         a = F.gelu(h)
         _ = a @ w2.t()  # the partial sums a reduce-scatter would add
         da = dy_full @ w2
-        _ = da.t() @ a, dy_full.sum(0)  # fc2's weight and bias gradients
+        _ = dy_full.t() @ a, dy_full.sum(0)  # fc2's weight and bias gradients
         dh = torch.ops.aten.gelu_backward(da, h)
         _ = dh @ w1, dh.t() @ x_full, dh.sum(0)  # fc1's input, weight and bias gradients
     return step
