@@ -36,6 +36,8 @@ import meshla.torch as mt
 from reporting import Reporter, relative_error
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+# Which of (a, b, bias) need gradients in the reduce-scatter's autograd cases with frozen inputs.
+FROZEN_RS = ((False, True, True), (True, False, False), (False, False, True))
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 # (backend, algorithm, comm_ctas): every NCCL algorithm, the NCCL ring on its own communicator
 # limited to 8 thread blocks, the symmetric backend, and meshla's own choice.
@@ -175,7 +177,7 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
 def check_autograd(group, reporter, label, seed_base):
     """Every op's gradients (a, b, bias; bf16, fp32, and fp32 under a bf16 torch.autocast; each
     backend; b as [k, n] and [n, k]; all_gather_matmul keeping its gathered rows for b's gradient
-    and gathering them again; the reduce-scatter with a frozen a) against float64 autograd over
+    and gathering them again; the reduce-scatter with frozen inputs) against float64 autograd over
     the whole tensor-parallel computation, drawn identically on every rank: all-gather's backward
     reduce-scatters, reduce-scatter's all-gathers, all-reduce's passes the gradient on, the
     column-parallel matmul's all-reduces it (see meshla.torch's docstrings)."""
@@ -257,13 +259,19 @@ def check_autograd(group, reporter, label, seed_base):
                 got = torch.autograd.grad(mine_loss, mine)
                 worst = max(worst, worst_error(got, [dx[:, cols], as_b(dw[cols]), dbias]))
                 dtypes |= {z.dtype} | {g.dtype for g in got}
-                if not all_reduce:  # a frozen: b's and bias's gradients from a plain all-gather
-                    frozen = [mine[0].detach(), leaf(as_b(w[cols])), leaf(bias)]
+                # Some inputs frozen: the reduce-scatter's backward all-gathers plainly (a
+                # frozen) or keeps no gathered rows (only a trains).
+                wanted = [dx[:, cols], as_b(dw[cols]), dbias]
+                for needs in () if all_reduce else FROZEN_RS:
+                    inputs = [leaf(t) if need else t.to(leaf_dtype)
+                              for t, need in zip((x[:, cols], as_b(w[cols]), bias), needs)]
                     with autocast:
-                        z = run(*frozen[:2], group, bias=frozen[2], trans_b=trans_b,
+                        z = run(*inputs[:2], group, bias=inputs[2], trans_b=trans_b,
                                 backend=backend)
-                    got = torch.autograd.grad((z.double() * g_rs[r]).sum(), frozen[1:])
-                    worst = max(worst, worst_error(got, [as_b(dw[cols]), dbias]))
+                    trained = [t for t in inputs if t.requires_grad]
+                    got = torch.autograd.grad((z.double() * g_rs[r]).sum(), trained)
+                    worst = max(worst, worst_error(got, [e for e, need in zip(wanted, needs)
+                                                         if need]))
             torch.cuda.synchronize(device)
             ok = worst < TOLERANCE[dtype] and dtypes == {dtype, leaf_dtype}
             detail = f"worst gradient rel_err={worst:.2e} dtypes={sorted(map(str, dtypes))}"

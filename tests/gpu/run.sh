@@ -47,7 +47,8 @@ launch() {
 check=tests/gpu/check_collective_matmul.py
 models=${*:-grouped solver solver-processes watchdog processes cublasmp threads network}
 wants() { [[ " $models " == *" $1 "* ]]; }
-# The grouped GEMM and the watchdog need one GPU; the collective models but processes-tp1 two.
+# The grouped GEMM, the watchdog and the processes model's tp=1 group need one GPU; the other
+# collective models two or more.
 if [ "$gpus" -ge 1 ] && wants grouped; then
   launch grouped python3 tests/gpu/check_grouped.py --results "$results" --model grouped
 fi

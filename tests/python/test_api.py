@@ -106,22 +106,37 @@ def test_gathered_rows_carry_no_gradient(world1):
     assert product.requires_grad and not gathered.requires_grad
 
 
-def test_collective_ops_pass_opcheck(world1):
+def _opcheck_worker(rank, size):
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        group = mt.group_from_process_group(device="cpu")
+        a, b, bias = torch.randn(4, 8), torch.randn(8, 5), torch.randn(5)
+        tuning = mt.Tuning.of(algorithm="pipelined", chunks=2).ints()
+        key = group.key
+        ops = torch.ops.meshla
+        cases = [
+            (ops.all_gather_matmul.default, (a, b, bias, key, False, True, tuning)),
+            (ops.all_gather_matmul.default, (a, b.t(), None, key, True, False, tuning)),
+            (ops.matmul_reduce_scatter.default, (a, b, bias, key, False, tuning)),
+            (ops.matmul_all_reduce.default, (a, b.t(), bias, key, True, tuning)),
+            (ops.all_gather.default, (a, key)),
+        ]
+        for op, args in cases:
+            torch.library.opcheck(op, args)
+        assert mt.Tuning.of_ints(tuning) == mt.Tuning.of(algorithm="pipelined", chunks=2)
+        with pytest.raises(ValueError, match=r"tuning=\[3\] must be 5 ints"):
+            ops.matmul_all_reduce(a, b, None, key, False, [3])
+        with pytest.raises(NotImplementedError, match=r"torch.ops.meshla.matmul_all_reduce has "
+                                                      r"no autograd"):
+            ops.matmul_all_reduce(a.requires_grad_(), b, None, key, False, tuning)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collective_ops_pass_opcheck(gloo_env):
     """The torch.ops.meshla collectives' schemas and fake implementations agree with their
-    kernels (on the CPU path, over a one-rank group)."""
-    a, b, bias = torch.randn(4, 8), torch.randn(8, 5), torch.randn(5)
-    tuning = mt.Tuning.of(algorithm="pipelined", chunks=2).ints()
-    key = world1.key
-    cases = [
-        (torch.ops.meshla.all_gather_matmul.default, (a, b, bias, key, False, True, tuning)),
-        (torch.ops.meshla.all_gather_matmul.default, (a, b.t(), None, key, True, False, tuning)),
-        (torch.ops.meshla.matmul_reduce_scatter.default, (a, b, bias, key, False, tuning)),
-        (torch.ops.meshla.matmul_all_reduce.default, (a, b.t(), bias, key, True, tuning)),
-        (torch.ops.meshla.all_gather.default, (a, key)),
-    ]
-    for op, args in cases:
-        torch.library.opcheck(op, args)
-    assert mt.Tuning.of_ints(tuning) == mt.Tuning.of(algorithm="pipelined", chunks=2)
+    kernels (the CPU path) on every rank of a group of 2, and the ops refuse autograd."""
+    mp.spawn(_opcheck_worker, args=(2,), nprocs=2, join=True)
 
 
 def test_collective_ops_compile_whole(world1):

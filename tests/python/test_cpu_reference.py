@@ -87,6 +87,10 @@ def _draw_problem(seed, size):
     }
 
 
+# Which of (a, b, bias) need gradients in the reduce-scatter cases with frozen inputs.
+FROZEN_RS = ((False, True, True), (True, False, False), (False, False, True))
+
+
 def _grads(loss, inputs):
     return [g.detach() for g in torch.autograd.grad(loss, inputs)]
 
@@ -121,10 +125,16 @@ def _grad_worker(rank, size, seed, results):
             a, w, bias = leaf(p["x"][:, cols]), leaf(as_b(p["w"][cols])), leaf(p["bias"])
             z = mt.matmul_reduce_scatter(a, w, group, bias=bias, trans_b=trans_b)
             got["rs"] = _grads((z * p["g_rs"][rank]).sum(), [a, w, bias])
-            # Only the weight and bias need gradients (a frozen input): a plain all-gather.
-            w, bias = leaf(as_b(p["w"][cols])), leaf(p["bias"])
-            z = mt.matmul_reduce_scatter(p["x"][:, cols], w, group, bias=bias, trans_b=trans_b)
-            got["rs_weights"] = [None, *_grads((z * p["g_rs"][rank]).sum(), [w, bias])]
+            # Some inputs frozen: the output's gradient all-gathered plainly (a frozen), or not
+            # kept (only a trains).
+            for needs in FROZEN_RS:
+                tensors = [p["x"][:, cols], as_b(p["w"][cols]), p["bias"]]
+                inputs = [t.clone().requires_grad_(need) for t, need in zip(tensors, needs)]
+                z = mt.matmul_reduce_scatter(inputs[0], inputs[1], group, bias=inputs[2],
+                                             trans_b=trans_b)
+                grads = iter(_grads((z * p["g_rs"][rank]).sum(),
+                                    [t for t in inputs if t.requires_grad]))
+                got[("rs", needs)] = [next(grads) if need else None for need in needs]
 
             a, w, bias = leaf(p["x"][:, cols]), leaf(as_b(p["w"][cols])), leaf(p["bias"])
             z = mt.matmul_all_reduce(a, w, group, bias=bias, trans_b=trans_b)
@@ -170,13 +180,17 @@ def test_gradients_are_those_of_the_whole_computation(gloo_env, size):
             ("ag", True): [ag[0][rows], as_b(ag[1 + rank]), ag[1 + size + rank]],
             "cp": [ag[0], as_b(ag[1 + rank]), ag[1 + size + rank]],
             "rs": [rs[0][:, cols], as_b(rs[1][cols]), rs[2]],
-            "rs_weights": [None, as_b(rs[1][cols]), rs[2]],
+            **{("rs", needs): [e if need else None for e, need in
+                               zip([rs[0][:, cols], as_b(rs[1][cols]), rs[2]], needs)]
+               for needs in FROZEN_RS},
             "ar": [ar[0][:, cols], as_b(ar[1][cols]), ar[2]],
         }
         assert got[("kept", False)] == (m, k) and got[("kept", True)] == (m // size, k)
         for op, expected in want.items():
             for name, g, e in zip(("a", "b", "bias"), got[op], expected):
-                if e is None:
+                case = (op, name, rank, trans_b, seed)
+                if e is None:  # a frozen input
+                    assert g is None, case
                     continue
-                assert g.shape == e.shape, (op, name, rank, trans_b)
-                assert _rel(g.double(), e) < 1e-5, (op, name, rank, trans_b, _rel(g.double(), e))
+                assert g.shape == e.shape, case
+                assert _rel(g.double(), e) < 1e-5, (*case, _rel(g.double(), e))

@@ -43,9 +43,10 @@ def _mlp_worker(rank, size, seed, results):
                 hidden = col(x)
                 return hidden, row(F.gelu(hidden))
 
-            # Compiled whole (fullgraph: no break around the ops, whose fake shapes are tp's),
-            # forward and backward, by AOTAutograd without code generation.
-            run = torch.compile(mlp, backend="aot_eager", fullgraph=True) if compiled else mlp
+            # Compiled whole (fullgraph: no break around the ops, whose fake shapes are tp's, with
+            # symbolic sizes), forward and backward, by AOTAutograd without code generation.
+            run = (torch.compile(mlp, backend="aot_eager", fullgraph=True, dynamic=True)
+                   if compiled else mlp)
             x_in = (x[own] if sp else x).clone().requires_grad_()
             hidden, y = run(x_in)
             loss = (y * (g[own] if sp else g)).sum()
@@ -101,8 +102,8 @@ def test_mlp_matches_the_whole_layers(gloo_env, size):
         # This rank's shards of each parameter (and of its gradient); the row bias is whole.
         shards = [lambda t: t[cols], lambda t: t[cols], lambda t: t[:, cols], lambda t: t]
         for (sp, recompute), compiled in itertools.product(MODES, (False, True)):
-            case = (rank, sp, recompute, compiled)
-            got = results[case]
+            got = results[(rank, sp, recompute, compiled)]
+            case = (rank, sp, recompute, compiled, seed)
             seq = slice(None) if not sp else own
             assert got["hidden_shape"] == (SEQ_PER_RANK * size, BATCH, FFN_PER_RANK), case
             assert got["y"].shape == y[seq].shape, case
@@ -147,6 +148,8 @@ def test_layers_check_their_arguments(world1):
         mt.ColumnParallelLinear(4, 6, world1, device="cuda:0")
     with pytest.raises(ValueError, match=r"linear must be a torch.nn.Linear, got Conv1d"):
         mt.RowParallelLinear.from_linear(torch.nn.Conv1d(4, 6, 1), world1)
+    with pytest.raises(ValueError, match=r"from_linear: dtype= comes from linear"):
+        mt.RowParallelLinear.from_linear(torch.nn.Linear(4, 6), world1, dtype=torch.float16)
     col = mt.ColumnParallelLinear(4, 6, world1, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"x must be a tensor \[s, \.\.\., 4\] \(sequence first\)"
                                          r", got \[4\]"):
@@ -174,6 +177,7 @@ def test_layers_at_one_rank_are_linear(world1):
 
             deferred = cls(4, 6, world1, device="meta")
             assert deferred.weight.is_meta and deferred.bias.is_meta
+            assert deferred(x.to("meta")).shape == (2, 3, 6)  # shapes without data
             deferred.to_empty(device="cpu")
             deferred.reset_parameters(torch.Generator().manual_seed(5))
             layer.reset_parameters(torch.Generator().manual_seed(5))

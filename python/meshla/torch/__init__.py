@@ -18,6 +18,7 @@ machine without GPUs.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -84,6 +85,9 @@ class Tuning:
 
     @staticmethod
     def of_ints(values) -> Tuning:
+        if len(values) != 5:
+            raise ValueError(f"tuning={list(values)} must be 5 ints: algorithm, chunks, "
+                             "comm_sms, comm_ctas, backend (Tuning.ints())")
         algorithm, chunks, comm_sms, comm_ctas, backend = values
         return Tuning(_meshla.Algorithm(algorithm), chunks, comm_sms, comm_ctas,
                       _meshla.Backend(backend))
@@ -93,6 +97,7 @@ class Tuning:
 # are tensors and numbers); a group is dropped from here when its last user lets it go.
 _GROUPS: weakref.WeakValueDictionary[int, TPGroup] = weakref.WeakValueDictionary()
 _GROUP_KEYS = itertools.count()
+_GROUPS_LOCK = threading.Lock()  # for free-threaded Python: next() on a count is not atomic
 
 
 def _group_of(key: int) -> TPGroup:
@@ -129,8 +134,9 @@ class TPGroup:
         # Plain attributes, which torch.compile reads as constants.
         self.device = (torch.device("cpu") if self.comm is None
                        else torch.device("cuda", self.comm.device))
-        self.key = next(_GROUP_KEYS)
-        _GROUPS[self.key] = self
+        with _GROUPS_LOCK:
+            self.key = next(_GROUP_KEYS)
+            _GROUPS[self.key] = self
 
     # A group is a handle to this process's communicators: copies of what holds one (a layer
     # deep-copied for an EMA or a reference model) run in the same group.
@@ -322,7 +328,8 @@ def _autocast(a, b, bias, *outputs):
     """The operands as torch.autocast would give them to a matmul: its dtype where it is on for
     their device (e.g. bf16 activations beside fp32 weights); float64 and calls with outputs
     given (as torch leaves ``out=`` calls) unchanged."""
-    if (not isinstance(a, torch.Tensor) or not torch.is_autocast_enabled(a.device.type)
+    if (not isinstance(a, torch.Tensor) or a.device.type not in ("cpu", "cuda")
+            or not torch.is_autocast_enabled(a.device.type)
             or any(given is not None for given in outputs)):
         return a, b, bias
     dtype = torch.get_autocast_dtype(a.device.type)
@@ -404,8 +411,9 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     a row-parallel linear layer. The bias is added once, not once per rank.
 
     Differentiable in ``a``, ``b`` and ``bias`` (a row-parallel layer with sequence parallelism):
-    the output's gradient is all-gathered (an :func:`all_gather_matmul` gives ``a``'s gradient
-    and the gathered rows), so ``b``'s gradient is complete, and so is ``bias``'s: summed over
+    the output's gradient is all-gathered (fused with ``a``'s gradient in an
+    :func:`all_gather_matmul` where ``a`` needs one, a plain all-gather otherwise), so ``b``'s
+    gradient is complete, and so is ``bias``'s: summed over
     every rank's rows, on every rank (do not all-reduce it again, unlike Megatron-LM's
     sequence-parallel bias, whose partial sums it all-reduces later). Every rank of the group must
     run the backward, as it runs the forward, with the same inputs requiring grad.
@@ -471,6 +479,15 @@ def _local_product(a, b, bias, trans_b: bool):
 # graph on CUDA tensors.
 
 
+def _refuse_autograd(op: str, *tensors):
+    """The ops carry no autograd (the autograd.Functions below call them without grad): called
+    directly on inputs that require grad, their gradients would be missing, or on CPU wrong."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            f"torch.ops.meshla.{op} has no autograd: call meshla.torch's function of that name, "
+            "its differentiable form, or call the op under torch.no_grad()")
+
+
 def _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning, out,
                             gathered_out):
     """(product, gathered a or None), into the outputs given or fresh ones."""
@@ -491,6 +508,7 @@ def _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning,
 @_library.op("all_gather_matmul(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
              "bool return_gathered, int[] tuning) -> (Tensor, Tensor)")
 def _all_gather_matmul_op(a, b, bias, group, trans_b, return_gathered, tuning):
+    _refuse_autograd("all_gather_matmul", a, b, bias)
     # The gathered a is [0, k] where it is not asked for: an op returns tensors.
     product, gathered = _all_gather_matmul_into(a, b, bias, _group_of(group), trans_b,
                                                 return_gathered, Tuning.of_ints(tuning), None,
@@ -521,7 +539,9 @@ def _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out):
     if a.device.type == "cpu":
         total = _summed_over_ranks(a, b, bias, trans_b, group)
         block = m // group.size
-        own_rows = total[group.rank * block:(group.rank + 1) * block].to(a.dtype)
+        # A copy: a view would keep the whole sum alive (and an op's output must start at
+        # offset 0, as its fake does).
+        own_rows = total[group.rank * block:(group.rank + 1) * block].to(a.dtype, copy=True)
         return _deliver(op.name, "out", own_rows, out)
     out = _output(op.name, "out", out, (m // group.size, n), a)
     _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
@@ -531,6 +551,7 @@ def _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out):
 @_library.op("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
              "int[] tuning) -> Tensor")
 def _matmul_reduce_scatter_op(a, b, bias, group, trans_b, tuning):
+    _refuse_autograd("matmul_reduce_scatter", a, b, bias)
     return _matmul_reduce_scatter_into(a, b, bias, _group_of(group), trans_b,
                                        Tuning.of_ints(tuning), None)
 
@@ -560,6 +581,7 @@ def _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out):
 @_library.op("matmul_all_reduce(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
              "int[] tuning) -> Tensor")
 def _matmul_all_reduce_op(a, b, bias, group, trans_b, tuning):
+    _refuse_autograd("matmul_all_reduce", a, b, bias)
     return _matmul_all_reduce_into(a, b, bias, _group_of(group), trans_b, Tuning.of_ints(tuning),
                                    None)
 
@@ -591,6 +613,7 @@ def _all_gather_rows(rows, group: TPGroup):
 
 @_library.op("all_gather(Tensor rows, int group) -> Tensor")
 def _all_gather_op(rows, group):
+    _refuse_autograd("all_gather", rows)
     return _all_gather_rows(rows, _group_of(group))
 
 

@@ -11,7 +11,9 @@ is a local GEMM whose input gradient is all-reduced in the backward
 the pair are split along their first dimension (the sequence, in Megatron-LM's ``[s, b, h]``
 layout): the column-parallel layer all-gathers its input
 (:func:`~meshla.torch.all_gather_matmul`) and the row-parallel layer reduce-scatters its product
-(:func:`~meshla.torch.matmul_reduce_scatter`). Every collective is overlapped with its GEMM.
+(:func:`~meshla.torch.matmul_reduce_scatter`). Each collective is fused with its GEMM, except the
+backward's re-gather of the column-parallel layer's input under ``recompute_gathered``, a plain
+all-gather.
 """
 
 from __future__ import annotations
@@ -89,11 +91,16 @@ class _ParallelLinear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group: TPGroup, **options):
         """This rank's shard of ``linear`` (e.g. a pretrained layer, on any device), on the
-        group's device in ``linear``'s dtype; ``options`` as the constructor's keywords."""
+        group's device in ``linear``'s dtype, with and without a bias as ``linear``;
+        ``options`` as the constructor's other keywords."""
         name = cls.__name__
         if not isinstance(linear, torch.nn.Linear):
             raise ValueError(f"{name}.from_linear: linear must be a torch.nn.Linear, got "
                              f"{type(linear).__name__}")
+        for taken in ("device", "dtype", "bias"):
+            if taken in options:
+                raise ValueError(f"{name}.from_linear: {taken}= comes from linear (and device "
+                                 "from the group); convert linear first")
         layer = cls(linear.in_features, linear.out_features, group, bias=linear.bias is not None,
                     device="meta", dtype=linear.weight.dtype, **options)
         layer.to_empty(device=group.device)
