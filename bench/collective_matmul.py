@@ -374,14 +374,47 @@ def parse_args() -> argparse.Namespace:
         args.sweep = [tuple(k + [0] * (3 - len(k))) for k in knobs]
     except ValueError:
         parser.error("--sweep takes comm_sms:chunks or comm_sms:chunks:comm_ctas integers")
+    check_launch(parser, args)
+    return args
+
+
+def check_launch(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The checks of a torchrun launch and of the timing options (--tokens as args.m, --iters,
+    --warmup-ms, --reps) that this benchmark and bench/tp_mlp.py share."""
     if "LOCAL_RANK" not in os.environ:
         parser.error("launch with torchrun --nproc-per-node=TP (one process per GPU)")
     tp = int(os.environ["WORLD_SIZE"])
     if INTERMEDIATE % tp or any(m % tp for m in args.m):
-        parser.error(f"the world size {tp} must divide {INTERMEDIATE} and every --m")
+        parser.error(f"the world size {tp} must divide {INTERMEDIATE} and every --tokens")
     if min(args.iters, args.reps) < 1 or args.warmup_ms < 0:
         parser.error("--iters and --reps must be at least 1, --warmup-ms at least 0")
-    return args
+
+
+def init_world() -> torch.device:
+    """This process's GPU, with the NCCL process group of the torchrun world initialised."""
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl", device_id=device)
+    return device
+
+
+def run_record(device: torch.device, args: argparse.Namespace, rows: list[dict],
+               **fields) -> dict:
+    """A run as append_run stores it: the machine, software, date and timing options, the
+    benchmark's own `fields`, and its rows."""
+    return {
+        **fields,
+        "device": torch.cuda.get_device_name(device),
+        "device_count": torch.cuda.device_count(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": args.commit,
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "env": {name: os.environ.get(name) for name in MULTICAST_OFF},
+        "dtype": "bfloat16", "iters": args.iters, "warmup_ms": args.warmup_ms, "reps": args.reps,
+        "tp": dist.get_world_size(),
+        "rows": rows,
+    }
 
 
 def main():
@@ -389,10 +422,7 @@ def main():
     # Imported after parsing so that --help works on a machine without meshla's CUDA build.
     import meshla.torch as mt
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl", device_id=device)
+    device = init_world()
     rank, tp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234 + rank)  # ranks hold different shards
     group = mt.group_from_process_group(device=device)
@@ -417,18 +447,7 @@ def main():
                 print(f"done: {op} M={m}", flush=True)
 
     if rank == 0:
-        append_run(args.out, {
-            "device": torch.cuda.get_device_name(device),
-            "device_count": torch.cuda.device_count(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": args.commit,
-            "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "env": {name: os.environ.get(name) for name in MULTICAST_OFF},
-            "dtype": "bfloat16", "iters": args.iters, "warmup_ms": args.warmup_ms, "reps": args.reps,
-            "tp": tp,
-            "rows": rows,
-        })
+        append_run(args.out, run_record(device, args, rows))
         print_table(rows)
     dist.destroy_process_group()
 

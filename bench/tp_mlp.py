@@ -22,16 +22,18 @@ over repetitions of `iters` steps (bench/collective_matmul.py's time_ms), on the
 """
 
 import argparse
-import os
-from datetime import datetime, timezone
 from typing import Callable
 
 # First: it sets the multicast-off environment before torch, NCCL or NVSHMEM can read it.
 from collective_matmul import (
-    MULTICAST_OFF,
+    HIDDEN,
+    INTERMEDIATE,
     agreed_error,
     append_run,
+    check_launch,
     enable_symm_mem,
+    init_world,
+    run_record,
     slowest_rank,
     time_ms,
 )
@@ -40,7 +42,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-HIDDEN, INTERMEDIATE = 8192, 28672
 CHECK_TOLERANCE = 2e-2
 
 
@@ -204,13 +205,7 @@ def parse_args() -> argparse.Namespace:
                         help="untimed steps of each variant before its timings, in ms")
     parser.add_argument("--reps", type=int, default=5, help="timings; the median is reported")
     args = parser.parse_args()
-    if "LOCAL_RANK" not in os.environ:
-        parser.error("launch with torchrun --nproc-per-node=TP (one process per GPU)")
-    tp = int(os.environ["WORLD_SIZE"])
-    if INTERMEDIATE % tp or any(m % tp for m in args.m):
-        parser.error(f"the world size {tp} must divide {INTERMEDIATE} and every --tokens")
-    if min(args.iters, args.reps) < 1 or args.warmup_ms < 0:
-        parser.error("--iters and --reps must be at least 1, --warmup-ms at least 0")
+    check_launch(parser, args)
     return args
 
 
@@ -219,10 +214,7 @@ def main():
     # Imported after parsing so that --help works on a machine without meshla's CUDA build.
     import meshla.torch as mt
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl", device_id=device)
+    device = init_world()
     rank, tp = dist.get_rank(), dist.get_world_size()
     group = mt.group_from_process_group(device=device)
     symm_mem_error = enable_symm_mem()
@@ -233,18 +225,7 @@ def main():
         if rank == 0:
             print(f"done: M={m}", flush=True)
     if rank == 0:
-        append_run(args.out, {
-            "bench": "tp_mlp",
-            "device": torch.cuda.get_device_name(device),
-            "device_count": torch.cuda.device_count(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "commit": args.commit,
-            "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "env": {name: os.environ.get(name) for name in MULTICAST_OFF},
-            "dtype": "bfloat16", "iters": args.iters, "warmup_ms": args.warmup_ms,
-            "reps": args.reps, "tp": tp, "rows": rows,
-        })
+        append_run(args.out, run_record(device, args, rows, bench="tp_mlp"))
         print_table(rows)
     dist.destroy_process_group()
 
