@@ -195,6 +195,9 @@ NB_MODULE(_meshla, m) {
       .value("symmetric", Backend::kSymmetric)
       .value("cublasmp", Backend::kCublasMp);
 
+  m.def("set_leak_warnings", &nb::set_leak_warnings, "enabled"_a,
+        "Whether nanobind reports objects of these bindings still alive when the extension is "
+        "torn down (on by default).");
   m.def("backend_unavailable_reason", &backend_unavailable_reason, "backend"_a,
         "Why the collective-matmul backend cannot run in this process, or '' when it can.");
 

@@ -25,6 +25,8 @@ import functools
 import itertools
 import os
 import random
+import subprocess
+import sys
 import threading
 import traceback
 
@@ -362,6 +364,43 @@ def check_layers(group, reporter, label, seed_base):
         except Exception as e:  # a check that raises is a failed check, not a crash
             ok, detail = False, f"{type(e).__name__}: {e}"
         reporter.record(name, r, ok, detail)
+
+
+# A child's program: the layers' forward and backward on one GPU (a group of one process),
+# eager or compiled, then a normal exit.
+EXIT_CHILD = """
+import torch, meshla.torch as mt
+group = mt.local_groups([{device}])[0]
+column = mt.ColumnParallelLinear(64, 128, group, sequence_parallel=True, dtype=torch.bfloat16)
+row = mt.RowParallelLinear(128, 64, group, sequence_parallel=True, dtype=torch.bfloat16)
+def mlp(x):
+    return row(torch.nn.functional.gelu(column(x)))
+run = torch.compile(mlp, fullgraph=True) if {compiled} else mlp
+x = torch.randn(32, 2, 64, device="cuda:{device}", dtype=torch.bfloat16, requires_grad=True)
+run(x).sum().backward()
+torch.cuda.synchronize()
+print("finished", flush=True)
+"""
+
+
+def check_clean_exit(reporter, label, device: int):
+    """A program that ran the layers, eager or compiled, exits with status 0 and without
+    nanobind's leak report (torch.compile's caches hold meshla's objects past the extension's
+    teardown; meshla.torch silences that report only where something was compiled)."""
+    for compiled in (False, True):
+        name = f"{label}/clean-exit/compiled={int(compiled)}"
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", EXIT_CHILD.format(device=device, compiled=compiled)],
+                capture_output=True, text=True, timeout=240)
+            leaked = [line for line in proc.stderr.splitlines() if "nanobind: leaked" in line]
+            ok = proc.returncode == 0 and "finished" in proc.stdout and not leaked
+            detail = f"exit {proc.returncode}; leak reports: {leaked[:3]}"
+            if proc.returncode != 0:
+                detail += f"; stderr's end: {proc.stderr.strip()[-300:]!r}"
+        except Exception as e:  # a check that raises is a failed check, not a crash
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, 0, ok, detail)
 
 
 def capture(group, ops):
@@ -855,6 +894,8 @@ def main_processes(args, reporter):
     run_all(world, reporter, f"tp{size}", seed[0], args.quick)
     if not args.quick:
         check_gather_forms(world, reporter, f"tp{size}", seed[0] + 80_000)
+    if size == 1 and not args.quick:
+        check_clean_exit(reporter, f"tp{size}", local_rank)
     if size == 4 and not args.quick:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         sub = mt.group_from_process_group(pairs[rank // 2], device=device)

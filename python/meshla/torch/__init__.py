@@ -17,7 +17,9 @@ machine without GPUs.
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field, fields
@@ -98,6 +100,17 @@ class Tuning:
 _GROUPS: weakref.WeakValueDictionary[int, TPGroup] = weakref.WeakValueDictionary()
 _GROUP_KEYS = itertools.count()
 _GROUPS_LOCK = threading.Lock()  # for free-threaded Python: next() on a count is not atomic
+
+
+@atexit.register
+def _quiet_leaks_after_compile():
+    """torch.compile's caches (guards, graphs) hold meshla's types and functions, and the plans of
+    the groups that compiled code ran on, until after the extension is torn down, where nanobind
+    would report them as leaks of the bindings (its switch for this exists for PyTorch's case).
+    Programs that compiled nothing keep the warnings, so the bindings' own leaks still show."""
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    if counters is not None and counters["stats"]["unique_graphs"]:
+        _meshla.set_leak_warnings(False)
 
 
 def _group_of(key: int) -> TPGroup:
