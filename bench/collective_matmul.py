@@ -27,7 +27,7 @@ import math  # noqa: E402
 import statistics  # noqa: E402
 import warnings  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
+from datetime import datetime, timedelta, timezone  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
@@ -391,10 +391,12 @@ def check_launch(parser: argparse.ArgumentParser, args: argparse.Namespace):
 
 
 def init_world() -> torch.device:
-    """This process's GPU, with the NCCL process group of the torchrun world initialised."""
+    """This process's GPU, with the NCCL process group of the torchrun world initialised. Its
+    collectives time out after 3 minutes (NCCL's default is 10), so that a rank left waiting ends
+    the run inside job.sh's time limit with an error instead of at the limit."""
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl", device_id=device)
+    dist.init_process_group(backend="nccl", device_id=device, timeout=timedelta(minutes=3))
     return device
 
 

@@ -3,9 +3,10 @@
 One process per GPU; the whole world is the tensor-parallel group:
   torchrun --nproc-per-node=TP bench/tp_mlp.py --commit SHA --out bench/results/F.json
 
-The step is the forward and backward (input, weight and bias gradients) of a Llama-70B-sized MLP
-with sequence parallelism in bf16: x [M/tp, 8192] -> column-parallel 8192 -> 28672 -> gelu ->
-row-parallel 28672 -> 8192 -> y [M/tp, 8192]. Variants, all on the same weights and inputs:
+The step is the forward and backward (input and weight gradients) of a Llama-70B-sized MLP
+with sequence parallelism in bf16, without biases as Llama's: x [M/tp, 8192] -> column-parallel
+8192 -> 28672 -> gelu -> row-parallel 28672 -> 8192 -> y [M/tp, 8192]; each rank draws its own x
+and y's gradient. Variants, all on the same weights and inputs:
 
 - meshla, meshla_compiled: mt.ColumnParallelLinear and mt.RowParallelLinear (backend "auto"),
   eager and under torch.compile(fullgraph=True).
@@ -14,11 +15,16 @@ row-parallel 28672 -> 8192 -> y [M/tp, 8192]. Variants, all on the same weights 
   sharded on it: NCCL all-gather and reduce-scatter beside the GEMMs), eager.
 - torch_async_tp: that compiled with inductor's micro-pipeline tensor parallelism (PyTorch's
   async TP, as TorchTitan enables it): the collectives fused with the GEMMs over symmetric memory.
-- gemm: the step's GEMMs, gelu and gradient sums on local shapes without any communication (the
-  input already gathered, the outputs not reduced): the limit that hiding communication reaches.
+  Its row records how many collectives inductor fused ("fused_collectives", of 4: the forward's
+  all-gather and reduce-scatter and the backward's), as the pass fuses only matmuls it recognises
+  and says little when it finds none. Biases would keep the forward's from fusing (addmm).
+- gemm: the step's GEMMs and gelu on local shapes without any communication (the input already
+  gathered, the outputs not reduced): the limit that hiding communication reaches.
 
 Every variant's output and gradients are checked against torch_dtensor's; a time is the median
 over repetitions of `iters` steps (bench/collective_matmul.py's time_ms), on the slowest rank.
+Each token count is appended to --out as its own run as soon as it is measured, so a run cut short
+keeps the sizes done. Its compiles take minutes: on a lent machine, run one group size per call.
 """
 
 import argparse
@@ -46,11 +52,11 @@ CHECK_TOLERANCE = 2e-2
 
 
 def whole_mlp(device) -> torch.nn.Sequential:
-    """The unsharded MLP, drawn alike on every rank (the same seed), in bf16."""
+    """The unsharded MLP, drawn alike on every rank (the same seed), in bf16, without biases."""
     torch.manual_seed(1234)
     return torch.nn.Sequential(
-        torch.nn.Linear(HIDDEN, INTERMEDIATE), torch.nn.GELU(),
-        torch.nn.Linear(INTERMEDIATE, HIDDEN)).to(device=device, dtype=torch.bfloat16)
+        torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False), torch.nn.GELU(),
+        torch.nn.Linear(INTERMEDIATE, HIDDEN, bias=False)).to(device=device, dtype=torch.bfloat16)
 
 
 class MeshlaMLP(torch.nn.Module):
@@ -104,7 +110,7 @@ def training_step(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor,
 
 def gemm_step(whole: torch.nn.Sequential, m: int, tp: int, rank: int, device):
     """The step's local work with no communication: the GEMMs of this rank's shards on the whole
-    (already gathered) rows, gelu, and the gradient sums."""
+    (already gathered) rows, and gelu."""
     ffn = INTERMEDIATE // tp
     cols = slice(rank * ffn, (rank + 1) * ffn)
     w1 = whole[0].weight.detach()[cols].contiguous()
@@ -117,9 +123,9 @@ def gemm_step(whole: torch.nn.Sequential, m: int, tp: int, rank: int, device):
         a = F.gelu(h)
         _ = a @ w2.t()  # the partial sums a reduce-scatter would add
         da = dy_full @ w2
-        _ = dy_full.t() @ a, dy_full.sum(0)  # fc2's weight and bias gradients
+        _ = dy_full.t() @ a  # fc2's weight gradient
         dh = torch.ops.aten.gelu_backward(da, h)
-        _ = dh @ w1, dh.t() @ x_full, dh.sum(0)  # fc1's input, weight and bias gradients
+        _ = dh @ w1, dh.t() @ x_full  # fc1's input and weight gradients
     return step
 
 
@@ -127,8 +133,19 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def fused_collectives(step: Callable[[], None]) -> int:
+    """Runs step (its first call, which compiles it) and counts the collectives that inductor's
+    micro-pipeline pass fused with a matmul in the code it generated, forward and backward."""
+    from torch._inductor.utils import run_and_get_code
+    with torch._inductor.config.patch(force_disable_caches=True):  # generated, not from a cache
+        _, codes = run_and_get_code(step)
+    return sum(code.count("symm_mem.fused_all_gather_matmul")
+               + code.count("symm_mem.fused_matmul_reduce_scatter") for code in codes)
+
+
 def bench_tokens(m: int, tp: int, rank: int, group, symm_mem_error, args, device) -> list[dict]:
     whole = whole_mlp(device)
+    torch.manual_seed(1234 + rank)  # each rank its own rows, so a block out of place shows
     x = (torch.randn(m // tp, HIDDEN, device=device, dtype=torch.bfloat16)
          .requires_grad_())
     dy = torch.randn(m // tp, HIDDEN, device=device, dtype=torch.bfloat16)
@@ -147,9 +164,18 @@ def bench_tokens(m: int, tp: int, rank: int, group, symm_mem_error, args, device
     unavailable = {}
     if symm_mem_error:
         unavailable["torch_async_tp"] = symm_mem_error
-    for name, step in steps.items():
+    fused = {}
+
+    def first_steps(name):
         # The first steps build meshla's plans and compile the compiled variants, untimed.
-        error = agreed_error(lambda: (step(), step()))
+        if name == "torch_async_tp":
+            fused[name] = fused_collectives(steps[name])
+        else:
+            steps[name]()
+        steps[name]()
+
+    for name in steps:
+        error = agreed_error(lambda: first_steps(name))
         if error:
             unavailable[name] = error
     errors = {}
@@ -174,6 +200,7 @@ def bench_tokens(m: int, tp: int, rank: int, group, symm_mem_error, args, device
         "speedup_vs_torch_dtensor": (times["torch_dtensor"] / times[name]
                                      if name in times and "torch_dtensor" in times else None),
         "check_error": errors.get(name), "unavailable": unavailable.get(name),
+        "fused_collectives": fused.get(name),
     } for name in names]
 
 
@@ -185,6 +212,8 @@ def print_table(rows: list[dict]):
           f"{'check':>8}  note")
     for r in rows:
         note = f"unavailable: {r['unavailable']}" if r["unavailable"] else ""
+        if r["fused_collectives"] is not None:
+            note += f"fused collectives: {r['fused_collectives']} of 4"
         print(f"{r['m']:>6} {r['tp']:>3} {r['variant']:<16} {number(r['time_ms'], 3):>9} "
               f"{number(r['ratio_to_gemm'], 2):>6} {number(r['speedup_vs_torch_dtensor'], 2):>10} "
               f"{number(r['check_error'], 4):>8}  {note}".rstrip())
@@ -218,15 +247,12 @@ def main():
     rank, tp = dist.get_rank(), dist.get_world_size()
     group = mt.group_from_process_group(device=device)
     symm_mem_error = enable_symm_mem()
-    rows = []
     for m in args.m:
-        rows += bench_tokens(m, tp, rank, group, symm_mem_error, args, device)
+        rows = bench_tokens(m, tp, rank, group, symm_mem_error, args, device)
         torch._dynamo.reset()  # the next size's models compile afresh
         if rank == 0:
-            print(f"done: M={m}", flush=True)
-    if rank == 0:
-        append_run(args.out, run_record(device, args, rows, bench="tp_mlp"))
-        print_table(rows)
+            append_run(args.out, run_record(device, args, rows, bench="tp_mlp"))
+            print_table(rows)
     dist.destroy_process_group()
 
 
