@@ -317,10 +317,12 @@ def bench_case(op: str, m: int, tp: int, case: Case, symm_mem_error, args) -> li
     return rows
 
 
-def print_table(rows: list[dict]):
-    def number(x, digits):
-        return "-" if x is None else f"{x:.{digits}f}"
+def number(x: float | None, digits: int) -> str:
+    """A table cell: x to `digits` decimals, or "-" where there is none."""
+    return "-" if x is None else f"{x:.{digits}f}"
 
+
+def print_table(rows: list[dict]):
     print(f"{'op':<22} {'M':>6} {'tp':>3} {'variant':<18} {'time_ms':>9} {'ratio':>6} "
           f"{'speedup':>8}  note")
     for r in rows:
@@ -344,18 +346,25 @@ def append_run(path: str, run: dict):
         f.write("\n")
 
 
-def parse_args() -> argparse.Namespace:
+def bench_parser(description: str, tokens: list[int], iters: int) -> argparse.ArgumentParser:
+    """The options this benchmark and bench/tp_mlp.py share: the commit, the output file, the
+    token counts (args.m) and the timing (see time_ms), with each one's defaults."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--commit", required=True, help="the meshla commit being measured")
     parser.add_argument("--out", required=True, help="JSON file; an existing one gets this run "
                         "appended to its 'runs'")
-    parser.add_argument("--tokens", dest="m", type=int, nargs="+", default=[4096, 8192, 16384],
-                        help="token counts M (rows of the full product); divisible by tp")
-    parser.add_argument("--iters", type=int, default=20, help="back-to-back calls per timing")
+    parser.add_argument("--tokens", dest="m", type=int, nargs="+", default=tokens,
+                        help="token counts M (rows of the whole activation); divisible by tp")
+    parser.add_argument("--iters", type=int, default=iters, help="back-to-back calls per timing")
     parser.add_argument("--warmup-ms", type=float, default=500.0,
                         help="untimed calls of each variant before its timings, in ms")
     parser.add_argument("--reps", type=int, default=5, help="timings; the median is reported")
+    return parser
+
+
+def parse_args() -> argparse.Namespace:
+    parser = bench_parser(__doc__, tokens=[4096, 8192, 16384], iters=20)
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), metavar="OP",
                         help=f"ops to time, of: {', '.join(OPS)} (default: all)")
     parser.add_argument("--sweep", nargs="*", default=[], metavar="SMS:CHUNKS[:CTAS]",

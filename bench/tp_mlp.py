@@ -36,9 +36,11 @@ from collective_matmul import (
     INTERMEDIATE,
     agreed_error,
     append_run,
+    bench_parser,
     check_launch,
     enable_symm_mem,
     init_world,
+    number,
     run_record,
     slowest_rank,
     time_ms,
@@ -205,15 +207,12 @@ def bench_tokens(m: int, tp: int, rank: int, group, symm_mem_error, args, device
 
 
 def print_table(rows: list[dict]):
-    def number(x, digits):
-        return "-" if x is None else f"{x:.{digits}f}"
-
     print(f"{'M':>6} {'tp':>3} {'variant':<16} {'time_ms':>9} {'/gemm':>6} {'vs dtensor':>10} "
           f"{'check':>8}  note")
     for r in rows:
         note = f"unavailable: {r['unavailable']}" if r["unavailable"] else ""
         if r["fused_collectives"] is not None:
-            note += f"fused collectives: {r['fused_collectives']} of 4"
+            note += f" fused collectives: {r['fused_collectives']} of 4"
         print(f"{r['m']:>6} {r['tp']:>3} {r['variant']:<16} {number(r['time_ms'], 3):>9} "
               f"{number(r['ratio_to_gemm'], 2):>6} {number(r['speedup_vs_torch_dtensor'], 2):>10} "
               f"{number(r['check_error'], 4):>8}  {note}".rstrip())
@@ -222,17 +221,7 @@ def print_table(rows: list[dict]):
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--commit", required=True, help="the meshla commit being measured")
-    parser.add_argument("--out", required=True, help="JSON file; an existing one gets this run "
-                        "appended to its 'runs'")
-    parser.add_argument("--tokens", dest="m", type=int, nargs="+", default=[8192, 16384],
-                        help="token counts M (rows of the whole activation); divisible by tp")
-    parser.add_argument("--iters", type=int, default=10, help="back-to-back steps per timing")
-    parser.add_argument("--warmup-ms", type=float, default=500.0,
-                        help="untimed steps of each variant before its timings, in ms")
-    parser.add_argument("--reps", type=int, default=5, help="timings; the median is reported")
+    parser = bench_parser(__doc__, tokens=[8192, 16384], iters=10)
     args = parser.parse_args()
     check_launch(parser, args)
     return args
