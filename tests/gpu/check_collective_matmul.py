@@ -19,8 +19,10 @@ per-dtype threshold. tests/gpu/run.sh runs every model and prints "N passed, N f
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import ctypes
+import faulthandler
 import functools
 import itertools
 import os
@@ -934,6 +936,21 @@ def main_threads(args, reporter):
         reporter.record("threads/driver", -1, False, error)
 
 
+# After the last check, the seconds a process has to exit.
+EXIT_WITHIN_S = 60
+
+
+def exit_within(seconds: float):
+    """Ends the process if it has not exited `seconds` from now, printing every thread's Python
+    stack first: where its exit (atexit handlers, the destruction of plans, groups and compiled
+    code) waits. On 2 H200s at 69e4667, processes-tp2's ranks wrote their last result 40 s in, then
+    did not exit until their launcher's 300 s limit; this says where that time goes."""
+    print(f"checks done; exiting (a stack dump follows if not gone within {seconds:.0f} s)",
+          flush=True)
+    atexit.register(lambda: print("interpreter exit: atexit handlers start", flush=True))
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", required=True, help="JSON-lines file to append to")
@@ -945,3 +962,4 @@ if __name__ == "__main__":
     model = args.model or ("threads" if args.threads else "processes")
     reporter = Reporter(args.results, model)
     (main_threads if args.threads else main_processes)(args, reporter)
+    exit_within(EXIT_WITHIN_S)
