@@ -41,6 +41,7 @@ from collective_matmul import (
     enable_symm_mem,
     init_world,
     number,
+    relative_error,
     run_record,
     slowest_rank,
     time_ms,
@@ -129,10 +130,6 @@ def gemm_step(whole: torch.nn.Sequential, m: int, tp: int, rank: int, device):
         dh = torch.ops.aten.gelu_backward(da, h)
         _ = dh @ w1, dh.t() @ x_full  # fc1's input and weight gradients
     return step
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def fused_collectives(step: Callable[[], None]) -> int:

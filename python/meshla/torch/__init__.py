@@ -18,6 +18,7 @@ machine without GPUs.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import sys
 import threading
@@ -87,12 +88,18 @@ class Tuning:
 
     @staticmethod
     def of_ints(values) -> Tuning:
-        if len(values) != 5:
-            raise ValueError(f"tuning={list(values)} must be 5 ints: algorithm, chunks, "
-                             "comm_sms, comm_ctas, backend (Tuning.ints())")
-        algorithm, chunks, comm_sms, comm_ctas, backend = values
-        return Tuning(_meshla.Algorithm(algorithm), chunks, comm_sms, comm_ctas,
-                      _meshla.Backend(backend))
+        return _tuning_of_ints(tuple(values))
+
+
+# Every op call converts its int[] tuning back: built once per distinct list, not per call.
+@functools.lru_cache(maxsize=None)
+def _tuning_of_ints(values: tuple) -> Tuning:
+    if len(values) != 5:
+        raise ValueError(f"tuning={list(values)} must be 5 ints: algorithm, chunks, comm_sms, "
+                         "comm_ctas, backend (Tuning.ints())")
+    algorithm, chunks, comm_sms, comm_ctas, backend = values
+    return Tuning(_meshla.Algorithm(algorithm), chunks, comm_sms, comm_ctas,
+                  _meshla.Backend(backend))
 
 
 # Every TPGroup by its key, which the torch.ops.meshla ops take in its place (an op's arguments
