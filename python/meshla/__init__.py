@@ -5,6 +5,8 @@ The native extension ``_meshla`` holds the communicator and the plans; framework
 run their reference path on CPU tensors.
 """
 
+import atexit
+
 
 def _load_wheel_nccl():
     # PyTorch and JAX load NCCL from the nvidia-nccl wheel. One process can hold only one
@@ -35,6 +37,11 @@ from meshla._meshla import (  # noqa: E402
     Communicator,
     unique_id,
 )
+
+# Registered before meshla.torch's and meshla.jax's handlers, so run after them: groups, plans and
+# solvers let go of during interpreter exit leave their communicators to the process's end (an
+# abort would wait for peers that may be waiting for this process).
+atexit.register(_meshla.begin_process_exit)
 
 
 def backend_unavailable_reason(backend: str) -> str:

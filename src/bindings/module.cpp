@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 
+#include "comm/comm_state.hpp"
 #include "core/checks.hpp"
 #include "meshla/meshla.hpp"
 #include "solver/block_cyclic.hpp"
@@ -198,6 +199,9 @@ NB_MODULE(_meshla, m) {
   m.def("set_leak_warnings", &nb::set_leak_warnings, "enabled"_a,
         "Whether nanobind reports objects of these bindings still alive when the extension is "
         "torn down (on by default).");
+  m.def("begin_process_exit", &detail::begin_process_exit,
+        "The process is ending: communicators let go of from now on are left to the process's end "
+        "instead of aborted, since an abort waits for every peer to abort too, or to exit.");
   m.def("backend_unavailable_reason", &backend_unavailable_reason, "backend"_a,
         "Why the collective-matmul backend cannot run in this process, or '' when it can.");
 

@@ -31,10 +31,12 @@ struct PeerAccess {
 };
 
 struct CommState {
-  // `release` ends an NCCL communicator; production code passes release_nccl_comm, CPU tests a
-  // recorder. It runs exactly once for each communicator, when the last owner lets go.
+  // `release` ends the state's NCCL communicators (the working one, then its bootstrap, each
+  // present); production code passes release_nccl_comms, CPU tests a recorder. It runs exactly
+  // once, when the last owner lets go.
   CommState(ncclComm_t comm, ncclComm_t bootstrap, int rank, int size, int device,
-            std::chrono::milliseconds timeout, std::function<void(ncclComm_t)> release);
+            std::chrono::milliseconds timeout,
+            std::function<void(std::vector<ncclComm_t>)> release);
   ~CommState();
   CommState(const CommState&) = delete;
   CommState& operator=(const CommState&) = delete;
@@ -62,16 +64,29 @@ struct CommState {
   std::weak_ptr<GroupWorkspace> group_workspace;
 
  private:
-  std::function<void(ncclComm_t)> release_;
+  std::function<void(std::vector<ncclComm_t>)> release_;
 };
 
 // "rank 1 of 4, cuda:1": this rank of the group, for messages.
 std::string rank_description(const CommState& state);
 
-// Ends a communicator with ncclCommAbort: local, so teardown in any order on any rank never waits
-// for a peer (ncclCommFinalize is collective and would hang when ranks drop their handles in
-// different orders). Plans synchronise their own last execution before they let go.
-void release_nccl_comm(ncclComm_t comm);
+// Ends one rank's communicators, in order, with ncclCommAbort on a thread of their own, and returns
+// at once. ncclCommAbort is not local: NCCL's proxy thread serves its peers' connections until
+// they close, so an abort returns only when every other process of the communicator has ended it
+// too, or exited (NCCL 2.28, src/proxy.cc). Ranks let go of their groups in orders that differ
+// (garbage collection, interpreter exit), and a rank waiting in one abort while its peer waits in
+// another would hang both; off the caller's thread each abort waits for its own peers only.
+// ncclCommFinalize would be worse: it waits for the peers' matching calls on the caller's thread.
+// Plans synchronise their own last execution before they let go. After begin_process_exit the
+// communicators are left to the process's end instead.
+void release_nccl_comms(std::vector<ncclComm_t> comms);
+
+// From now on the process is ending: communicators let go of are no longer aborted (the driver and
+// the operating system reclaim them, and a peer still waiting in an abort sees this process's
+// connections close). An abort started at exit could wait for a peer that waits for this process
+// to exit. Called by meshla's Python package at interpreter exit and, for C++ programs, by an
+// atexit handler registered with the first communicator.
+void begin_process_exit();
 
 // A blocking communicator over the same ranks as `parent` whose kernels use at most `max_ctas`
 // thread blocks. Collective over the parent's ranks; every rank passes the same max_ctas.

@@ -1,5 +1,7 @@
 #include "meshla/communicator.hpp"
 
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -12,7 +14,8 @@ namespace meshla {
 namespace detail {
 
 CommState::CommState(ncclComm_t comm_, ncclComm_t bootstrap_, int rank_, int size_, int device_,
-                     std::chrono::milliseconds timeout_, std::function<void(ncclComm_t)> release)
+                     std::chrono::milliseconds timeout_,
+                     std::function<void(std::vector<ncclComm_t>)> release)
     : comm(comm_),
       bootstrap(bootstrap_),
       rank(rank_),
@@ -23,11 +26,31 @@ CommState::CommState(ncclComm_t comm_, ncclComm_t bootstrap_, int rank_, int siz
 
 CommState::~CommState() {
   if (!release_) return;
-  if (comm != nullptr) release_(comm);
-  if (bootstrap != nullptr) release_(bootstrap);
+  std::vector<ncclComm_t> comms;
+  for (ncclComm_t handle : {comm, bootstrap}) {
+    if (handle != nullptr) comms.push_back(handle);
+  }
+  if (!comms.empty()) release_(std::move(comms));
 }
 
-void release_nccl_comm(ncclComm_t comm) { ncclCommAbort(comm); }
+namespace {
+
+std::atomic<bool> process_exiting{false};
+
+}  // namespace
+
+void begin_process_exit() { process_exiting.store(true); }
+
+void release_nccl_comms(std::vector<ncclComm_t> comms) {
+  if (process_exiting.load()) return;
+  std::thread([comms = std::move(comms)] {
+    // NCCL frees device memory here: in relaxed mode, that never invalidates a CUDA graph that
+    // another thread is capturing in the default, global mode.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    for (ncclComm_t comm : comms) ncclCommAbort(comm);
+  }).detach();
+}
 
 std::string rank_description(const CommState& state) {
   return "rank " + std::to_string(state.rank) + " of " + std::to_string(state.size) +
@@ -46,7 +69,7 @@ std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_
   MESHLA_CHECK_NCCL(ncclCommSplit(parent.comm, 0, parent.rank, &child, &config));
   MESHLA_CHECK(kNccl, child != nullptr, "ncclCommSplit returned no communicator");
   auto state = std::make_shared<CommState>(child, nullptr, parent.rank, parent.size, parent.device,
-                                           parent.timeout, release_nccl_comm);
+                                           parent.timeout, release_nccl_comms);
   state->ranks_in_process = parent.ranks_in_process;
   return state;
 }
@@ -150,6 +173,9 @@ struct PendingComms {
 std::vector<Communicator> create_ranks(const ncclUniqueId& id, const std::vector<int>& ranks,
                                        const std::vector<int>& devices, int size,
                                        std::chrono::milliseconds timeout) {
+  // Communicators that C++ statics still hold at exit are left to the process's end.
+  static const bool exit_registered = std::atexit(begin_process_exit) == 0;
+  static_cast<void>(exit_registered);
   const std::size_t count = ranks.size();
   // Declared first so destroyed last: on failure the parents are aborted first, which stops a
   // split job of theirs that may still be writing a twin's handle.
@@ -202,7 +228,7 @@ std::vector<Communicator> create_ranks(const ncclUniqueId& id, const std::vector
   std::vector<Communicator> result;
   for (std::size_t i = 0; i < count; ++i) {
     result.emplace_back(std::make_shared<CommState>(made[i], parents[i], ranks[i], size, devices[i],
-                                                    timeout, release_nccl_comm));
+                                                    timeout, release_nccl_comms));
     result.back().state()->ranks_in_process = static_cast<int>(count);
   }
   return result;

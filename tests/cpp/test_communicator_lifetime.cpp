@@ -23,7 +23,9 @@ ncclComm_t fake_bootstrap() { return reinterpret_cast<ncclComm_t>(0x5678); }
 Communicator make_fake(Recorder& recorder) {
   auto state = std::make_shared<detail::CommState>(
       fake_handle(), fake_bootstrap(), 1, 4, 0, std::chrono::milliseconds(1000),
-      [&recorder](ncclComm_t comm) { recorder.released.push_back(comm); });
+      [&recorder](std::vector<ncclComm_t> comms) {
+        recorder.released.insert(recorder.released.end(), comms.begin(), comms.end());
+      });
   return Communicator(std::move(state));
 }
 

@@ -24,12 +24,14 @@ import copy
 import ctypes
 import faulthandler
 import functools
+import gc
 import itertools
 import os
 import random
 import subprocess
 import sys
 import threading
+import time
 import traceback
 
 import torch
@@ -403,6 +405,57 @@ def check_clean_exit(reporter, label, device: int):
         except Exception as e:  # a check that raises is a failed check, not a crash
             ok, detail = False, f"{type(e).__name__}: {e}"
         reporter.record(name, 0, ok, detail)
+
+
+# The seconds a rank may take to let go of two groups.
+DROP_WITHIN_S = 30
+
+
+def check_drop_order(world, reporter, label, seed):
+    """Two groups let go of in opposite orders on different ranks (rank 0 drops its first group
+    first, the others their second) are released without waiting for each other: each drop returns
+    at once, and the world group still computes right. ncclCommAbort waits until the peers have
+    aborted too, so ending the communicators on the dropping thread would hang every rank here."""
+    name = f"{label}/drop-order"
+    try:
+        groups = [mt.group_from_process_group(device=world.device) for _ in range(2)]
+
+        def connect(index):
+            # NCCL connects the peers of a group at its first collective: after this, an abort
+            # waits for them.
+            group = groups[index]
+            p = Problem("matmul_all_reduce", group, torch.bfloat16, 256, 128, 64, seed + index,
+                        False, False)
+            run_op("matmul_all_reduce", p, group, "sequential", False, backend="nccl")
+            torch.cuda.synchronize(group.device)
+            return relative_error(p.out, p.ref)
+
+        worst = max(connect(index) for index in range(2))
+        order = (0, 1) if world.rank == 0 else (1, 0)
+        durations = []
+
+        def drop():
+            for index in order:
+                start = time.perf_counter()
+                groups[index] = None  # the last reference: its plans and communicators go here
+                gc.collect()
+                durations.append(time.perf_counter() - start)
+
+        worker = threading.Thread(target=drop, daemon=True)
+        worker.start()
+        worker.join(DROP_WITHIN_S)
+        p = Problem("all_gather_matmul", world, torch.bfloat16, 128 * world.size, 96, 64,
+                    seed + 2, False, True)
+        out, _ = run_op("all_gather_matmul", p, world, "auto", False)
+        after = relative_error(out, p.ref)
+        ok = (len(durations) == 2 and max(durations) < 5.0 and worst < TOLERANCE[torch.bfloat16]
+              and after < TOLERANCE[torch.bfloat16])
+        detail = (f"dropped groups {order} in {', '.join(f'{d * 1e3:.1f} ms' for d in durations)}"
+                  f"{'' if len(durations) == 2 else f' (still waiting after {DROP_WITHIN_S} s)'}; "
+                  f"before: worst rel_err={worst:.2e}; the world group after: rel_err={after:.2e}")
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, world.rank, ok, detail)
 
 
 def capture(group, ops):
@@ -898,6 +951,8 @@ def main_processes(args, reporter):
         check_gather_forms(world, reporter, f"tp{size}", seed[0] + 80_000)
     if size == 1 and not args.quick:
         check_clean_exit(reporter, f"tp{size}", local_rank)
+    if size >= 2:
+        check_drop_order(world, reporter, f"tp{size}", seed[0] + 90_000)
     if size == 4 and not args.quick:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         sub = mt.group_from_process_group(pairs[rank // 2], device=device)
