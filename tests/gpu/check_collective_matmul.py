@@ -286,6 +286,47 @@ def check_autograd(group, reporter, label, seed_base):
         reporter.record(name, r, ok, detail)
 
 
+class MlpProblem:
+    """A float64 torch.nn.Linear pair (fc1: hidden -> ffn, fc2: ffn -> hidden) with gelu between,
+    its input x [s, b, h] and the loss weights g, all rounded to `dtype` and identical on every
+    rank; the reference gradients `want` of (y * g).sum() for x, fc1's and fc2's weight and bias;
+    and this rank's shard of each parameter (fc1's rows, fc2's columns, fc2's bias whole)."""
+
+    def __init__(self, group, dtype, seed):
+        tp, r, device = group.size, group.rank, group.device
+        seq, batch, hidden, ffn = 32 * tp, 4, 128, 96 * tp
+        self.own_seq = slice(r * seq // tp, (r + 1) * seq // tp)
+        own_ffn = slice(r * ffn // tp, (r + 1) * ffn // tp)
+        self.shards = (lambda t: t[own_ffn], lambda t: t[own_ffn], lambda t: t[:, own_ffn],
+                       lambda t: t)
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def draw(*shape, scale=1.0):  # rounded to dtype, so the reference sees the same
+            t = torch.randn(*shape, generator=gen, device=device, dtype=torch.float64)
+            return (t * scale).to(dtype).double()
+
+        self.fc1 = torch.nn.Linear(hidden, ffn, device=device, dtype=torch.float64)
+        self.fc2 = torch.nn.Linear(ffn, hidden, device=device, dtype=torch.float64)
+        with torch.no_grad():
+            for layer in (self.fc1, self.fc2):
+                layer.weight.copy_(draw(*layer.weight.shape, scale=layer.in_features**-0.5))
+                layer.bias.copy_(draw(*layer.bias.shape))
+        self.x, self.g = draw(seq, batch, hidden), draw(seq, batch, hidden)
+        x_ref = self.x.clone().requires_grad_()
+        self.y_ref = self.fc2(torch.nn.functional.gelu(self.fc1(x_ref)))
+        params_ref = [self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias]
+        self.want = torch.autograd.grad((self.y_ref * self.g).sum(), [x_ref, *params_ref])
+
+    def layers(self, group, dtype, sp, recompute=False, **options):
+        """This rank's ColumnParallelLinear and RowParallelLinear of the pair, in `dtype`."""
+        column = mt.ColumnParallelLinear.from_linear(
+            copy.deepcopy(self.fc1).to(dtype), group, sequence_parallel=sp,
+            recompute_gathered=recompute, **options)
+        row = mt.RowParallelLinear.from_linear(copy.deepcopy(self.fc2).to(dtype), group,
+                                               sequence_parallel=sp, **options)
+        return column, row
+
+
 def check_layers(group, reporter, label, seed_base):
     """An MLP of mt.ColumnParallelLinear, gelu and mt.RowParallelLinear (x [s, b, h], sequence
     first; without sequence parallelism, with it, with it re-gathering x in the backward, and
@@ -293,13 +334,7 @@ def check_layers(group, reporter, label, seed_base):
     on a replay)), each layer sharded by from_linear from a torch.nn.Linear: the output and every
     gradient (x, both weights and biases) against that float64 pair, drawn identically on every
     rank."""
-    tp, r = group.size, group.rank
-    device = group.device
-    seq, batch, hidden, ffn = 32 * tp, 4, 128, 96 * tp
-    own_seq = slice(r * seq // tp, (r + 1) * seq // tp)
-    own_ffn = slice(r * ffn // tp, (r + 1) * ffn // tp)
-    # This rank's shard of each parameter: fc1's rows, fc2's columns; fc2's bias is whole.
-    shards = (lambda t: t[own_ffn], lambda t: t[own_ffn], lambda t: t[:, own_ffn], lambda t: t)
+    r, device = group.rank, group.device
     # (sequence_parallel, recompute_gathered, torch.compile's mode or None: eager). Compiled only
     # where one thread drives the group: the threads model's threads would each recompile the
     # same code (dynamo caches per process) past its recompile limit.
@@ -312,31 +347,10 @@ def check_layers(group, reporter, label, seed_base):
         name = (f"{label}/layers/{backend}/{str(dtype).removeprefix('torch.')}/"
                 f"sequence_parallel={int(sp)}/recompute={int(recompute)}/compiled={mode}")
         try:
-            gen = torch.Generator(device=device).manual_seed(seed_base + case)
-
-            def draw(*shape, scale=1.0):  # rounded to dtype, so the reference sees the same
-                t = torch.randn(*shape, generator=gen, device=device, dtype=torch.float64)
-                return (t * scale).to(dtype).double()
-
-            fc1 = torch.nn.Linear(hidden, ffn, device=device, dtype=torch.float64)
-            fc2 = torch.nn.Linear(ffn, hidden, device=device, dtype=torch.float64)
-            with torch.no_grad():
-                for layer in (fc1, fc2):
-                    layer.weight.copy_(draw(*layer.weight.shape, scale=layer.in_features**-0.5))
-                    layer.bias.copy_(draw(*layer.bias.shape))
-            x, g = draw(seq, batch, hidden), draw(seq, batch, hidden)
-            x_ref = x.clone().requires_grad_()
-            y_ref = fc2(torch.nn.functional.gelu(fc1(x_ref)))
-            params_ref = [fc1.weight, fc1.bias, fc2.weight, fc2.bias]
-            want = torch.autograd.grad((y_ref * g).sum(), [x_ref, *params_ref])
-
-            column = mt.ColumnParallelLinear.from_linear(
-                copy.deepcopy(fc1).to(dtype), group, sequence_parallel=sp,
-                recompute_gathered=recompute, backend=backend)
-            row = mt.RowParallelLinear.from_linear(copy.deepcopy(fc2).to(dtype), group,
-                                                   sequence_parallel=sp, backend=backend)
-            rows = own_seq if sp else slice(None)
-            x_in = x[rows].to(dtype).requires_grad_()
+            p = MlpProblem(group, dtype, seed_base + case)
+            column, row = p.layers(group, dtype, sp, recompute, backend=backend)
+            rows = p.own_seq if sp else slice(None)
+            x_in = p.x[rows].to(dtype).requires_grad_()
 
             def mlp(x):
                 return row(torch.nn.functional.gelu(column(x)))
@@ -353,19 +367,61 @@ def check_layers(group, reporter, label, seed_base):
                 torch.autograd.grad(run(other).float().sum(), [other, *params])
             torch.compiler.cudagraph_mark_step_begin()
             y = run(x_in)
-            got = torch.autograd.grad((y.double() * g[rows]).sum(), [x_in, *params])
+            got = torch.autograd.grad((y.double() * p.g[rows]).sum(), [x_in, *params])
             torch.cuda.synchronize(device)
-            errors = [relative_error(y, y_ref[rows].detach()),
-                      relative_error(got[0], want[0][rows])]
+            errors = [relative_error(y, p.y_ref[rows].detach()),
+                      relative_error(got[0], p.want[0][rows])]
             errors += [relative_error(mine, shard(whole))
-                       for shard, mine, whole in zip(shards, got[1:], want[1:])]
-            shapes_ok = y.shape == y_ref[rows].shape and all(
+                       for shard, mine, whole in zip(p.shards, got[1:], p.want[1:])]
+            shapes_ok = y.shape == p.y_ref[rows].shape and all(
                 mine.shape == shard(whole).shape
-                for shard, mine, whole in zip(shards, got[1:], want[1:]))
+                for shard, mine, whole in zip(p.shards, got[1:], p.want[1:]))
             ok = max(errors) < TOLERANCE[dtype] and shapes_ok
             detail = (f"rel_err y={errors[0]:.2e}, worst gradient={max(errors[1:]):.2e}, "
                       f"shapes_ok={shapes_ok}")
         except Exception as e:  # a check that raises is a failed check, not a crash
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, r, ok, detail)
+
+
+def check_fused_wgrad(group, reporter, label, seed_base):
+    """The layers with fuse_wgrad_accumulation: each weight's gradient is added, in float32, to a
+    random main_grad already there (without and with sequence parallelism, bf16 and fp32); the
+    difference against the float64 reference; the weight without Megatron's mark gets no .grad,
+    the one with it the mark set and a placeholder; x's and the biases' gradients as usual."""
+    r = group.rank
+    settings = itertools.product((torch.bfloat16, torch.float32), (False, True))
+    for case, (dtype, sp) in enumerate(settings):
+        name = (f"{label}/layers/fused-wgrad/{str(dtype).removeprefix('torch.')}/"
+                f"sequence_parallel={int(sp)}")
+        try:
+            p = MlpProblem(group, dtype, seed_base + case)
+            layers = p.layers(group, dtype, sp, fuse_wgrad_accumulation=True)
+            gen = torch.Generator(device=group.device).manual_seed(seed_base + 100 + case)
+            priors = [torch.randn(layer.weight.shape, generator=gen, device=group.device)
+                      for layer in layers]
+            for layer, prior in zip(layers, priors):
+                layer.weight.main_grad = prior.clone()
+            layers[1].weight.grad_added_to_main_grad = False
+            rows = p.own_seq if sp else slice(None)
+            x_in = p.x[rows].to(dtype).requires_grad_()
+            y = layers[1](torch.nn.functional.gelu(layers[0](x_in)))
+            (y.double() * p.g[rows]).sum().backward()
+            torch.cuda.synchronize(group.device)
+            errors = [relative_error(layer.weight.main_grad.double() - prior, shard(whole))
+                      for layer, prior, shard, whole in zip(layers, priors, p.shards[::2],
+                                                            p.want[1::2])]
+            errors += [relative_error(x_in.grad, p.want[0][rows]),
+                       relative_error(layers[0].bias.grad, p.shards[1](p.want[2])),
+                       relative_error(layers[1].bias.grad, p.want[4])]
+            marked = layers[1].weight
+            grads_ok = (layers[0].weight.grad is None and marked.grad_added_to_main_grad is True
+                        and marked.grad is not None and marked.grad.shape == marked.shape)
+            ok = max(errors) < TOLERANCE[dtype] and grads_ok
+            detail = (f"main_grad additions rel_err {errors[0]:.2e}, {errors[1]:.2e}; "
+                      f"x and biases worst {max(errors[2:]):.2e}; .grad and mark as expected: "
+                      f"{grads_ok}")
+        except Exception as e:
             ok, detail = False, f"{type(e).__name__}: {e}"
         reporter.record(name, r, ok, detail)
 
@@ -920,6 +976,7 @@ def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
     check_correctness(group, reporter, label, seed_base)
     check_autograd(group, reporter, label, seed_base + 40_000)
     check_layers(group, reporter, label, seed_base + 45_000)
+    check_fused_wgrad(group, reporter, label, seed_base + 47_000)
     check_graph_replay(group, reporter, label, seed_base + 50_000)
     check_graph_sequence(group, reporter, label, seed_base + 60_000)
     check_graph_two_streams(group, reporter, label, seed_base + 65_000)
@@ -952,7 +1009,7 @@ def main_processes(args, reporter):
     if size == 1 and not args.quick:
         check_clean_exit(reporter, f"tp{size}", local_rank)
     if size >= 2:
-        check_drop_order(world, reporter, f"tp{size}", seed[0] + 90_000)
+        check_drop_order(world, reporter, f"tp{size}", seed[0] + 88_000)
     if size == 4 and not args.quick:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         sub = mt.group_from_process_group(pairs[rank // 2], device=device)

@@ -58,6 +58,31 @@ def _mlp_worker(rank, size, seed, results):
                 "params": [p.detach().clone() for p in params],
             }
 
+        for sp, recompute in MODES:
+            # fuse_wgrad_accumulation: the weights' gradients go to their main_grad, on top of
+            # what is there; Megatron's mark is on one of the two.
+            col = mt.ColumnParallelLinear.from_linear(fc1, group, sequence_parallel=sp,
+                                                      recompute_gathered=recompute,
+                                                      fuse_wgrad_accumulation=True)
+            row = mt.RowParallelLinear.from_linear(fc2, group, sequence_parallel=sp,
+                                                   fuse_wgrad_accumulation=True)
+            layers = (col, row)
+            generator = torch.Generator().manual_seed(seed + rank)
+            priors = [torch.randn(layer.weight.shape, generator=generator) for layer in layers]
+            for layer, prior in zip(layers, priors):
+                layer.weight.main_grad = prior.clone()
+            row.weight.grad_added_to_main_grad = False
+            x_in = (x[own] if sp else x).clone().requires_grad_()
+            y = row(F.gelu(col(x_in)))
+            (y * (g[own] if sp else g)).sum().backward()
+            results[(rank, sp, recompute, "fused")] = {
+                "added": [layer.weight.main_grad - prior for layer, prior in zip(layers, priors)],
+                "weight_grads": [None if layer.weight.grad is None else
+                                 tuple(layer.weight.grad.shape) for layer in layers],
+                "mark": row.weight.grad_added_to_main_grad,
+                "grads": [x_in.grad, col.bias.grad, row.bias.grad],
+            }
+
         # Drawn as torch.nn.Linear draws, from the same state on every rank: the shards of the
         # layer torch.nn.Linear would have made.
         torch.manual_seed(seed + 1)
@@ -116,6 +141,17 @@ def test_mlp_matches_the_whole_layers(gloo_env, size):
                                                 got["grads"][1:], want[1:]):
                 assert mine.shape == shard(whole).shape, (case, name)
                 assert _rel(mine, shard(whole)) < 1e-5, (case, name)
+        for sp, recompute in MODES:
+            fused = results[(rank, sp, recompute, "fused")]
+            case = (rank, sp, recompute, "fused", seed)
+            seq = slice(None) if not sp else own
+            for mine, shard, whole in zip(fused["added"], shards[::2], want[1::2]):
+                assert _rel(mine, shard(whole)) < 1e-5, case
+            # No .grad where unmarked; marked: the mark set, a placeholder of the weight's shape.
+            assert fused["weight_grads"] == [None, tuple(shards[2](want[3]).shape)], case
+            assert fused["mark"] is True, case
+            for mine, whole in zip(fused["grads"], (want[0][seq], shards[1](want[2]), want[4])):
+                assert _rel(mine, whole) < 1e-5, case
 
         torch.manual_seed(seed + 1)
         column = torch.nn.Linear(HIDDEN, ffn)
@@ -157,6 +193,29 @@ def test_layers_check_their_arguments(world1):
     row = mt.RowParallelLinear(4, 6, world1)
     with pytest.raises(ValueError, match=r"x must be a tensor \[\.\.\., 4\], got \[2, 5\]"):
         row(torch.randn(2, 5))
+
+
+def test_fused_wgrad_accumulation_refuses_what_it_cannot_do(world1):
+    """fuse_wgrad_accumulation: a missing or mismatched main_grad is named with the shapes at the
+    backward; an autocast copy of the weight (which has no main_grad) and torch.compile are
+    refused at the forward."""
+    x = torch.randn(3, 4, requires_grad=True)
+    for cls in (mt.ColumnParallelLinear, mt.RowParallelLinear):
+        layer = cls(4, 6, world1, fuse_wgrad_accumulation=True)
+        with pytest.raises(ValueError, match=r"fuse_wgrad_accumulation=True\): the weight needs a "
+                                             r"\.main_grad, torch\.float32 \[6, 4\] on cpu, "
+                                             r"before the backward; it has none"):
+            layer(x).sum().backward()
+        layer.weight.main_grad = torch.zeros(4, 6)
+        with pytest.raises(ValueError, match=r"it has torch\.float32 \[4, 6\] on cpu"):
+            layer(x).sum().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with pytest.raises(ValueError, match=r"b is torch\.float32 but the call computes in "
+                                                 r"torch\.bfloat16 \(torch\.autocast\)"):
+                layer(x)
+        torch._dynamo.reset()
+        with pytest.raises((NotImplementedError, RuntimeError), match=r"runs eagerly only"):
+            torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
 
 
 def test_layers_at_one_rank_are_linear(world1):

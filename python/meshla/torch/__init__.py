@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 from meshla import _meshla
 from meshla.torch import _library
 from meshla.torch._dtypes import DTYPE_NAMES
+from meshla.torch._main_grad import accumulate_weight_grad, added_to_main_grad
 
 __all__ = [
     "ColumnParallelLinear",
@@ -387,7 +388,8 @@ def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:
 def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
                       return_gathered: bool = False, out=None, gathered_out=None,
                       algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
-                      backend="auto", recompute_gathered: bool = False):
+                      backend="auto", recompute_gathered: bool = False,
+                      fuse_wgrad_accumulation: bool = False):
     """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
 
     ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
@@ -407,16 +409,19 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     rows, which the backward does not hold on to). Every rank of the group must run the
     backward, as it runs the forward, with the same inputs requiring grad and the same
     ``recompute_gathered``. Under torch.autocast the operands are cast to its dtype as for a
-    matmul, unless outputs are given.
+    matmul, unless outputs are given. ``fuse_wgrad_accumulation`` adds ``b``'s gradient to
+    ``b.main_grad`` instead (see :func:`column_parallel_matmul`).
     """
     op = _meshla.CollectiveOp.all_gather_matmul
+    weight = b
     a, b, bias, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
                                   comm_sms, comm_ctas, backend, out, gathered_out)
     if gathered_out is not None and not return_gathered:
         raise ValueError(f"{op.name}: gathered_out is given but return_gathered=False")
     if _wants_grad(op.name, (a, b, bias), tuning, out=out, gathered_out=gathered_out):
         return _AllGatherMatmul.apply(a, b, bias, group, trans_b, tuning, return_gathered,
-                                      recompute_gathered)
+                                      recompute_gathered,
+                                      _fused_wgrad(op.name, weight, b, fuse_wgrad_accumulation))
     product, gathered = _all_gather_matmul(a, b, bias, group, trans_b, return_gathered, tuning,
                                            out, gathered_out)
     return (product, gathered) if return_gathered else product
@@ -424,7 +429,8 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
 
 def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
                           algorithm="auto", chunks: int = 0, comm_sms: int = -1,
-                          comm_ctas: int = 0, backend="auto"):
+                          comm_ctas: int = 0, backend="auto",
+                          fuse_wgrad_accumulation: bool = False):
     """This rank's [m/tp, n] row block of ``sum over ranks(a @ b) (+ bias)``.
 
     ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``): the slices of
@@ -437,39 +443,46 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     every rank's rows, on every rank (do not all-reduce it again, unlike Megatron-LM's
     sequence-parallel bias, whose partial sums it all-reduces later). Every rank of the group must
     run the backward, as it runs the forward, with the same inputs requiring grad.
+    ``fuse_wgrad_accumulation`` as in :func:`column_parallel_matmul`.
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
+    weight = b
     a, b, bias, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
                                   comm_sms, comm_ctas, backend, out)
     m, k = a.shape
     if m % group.size != 0:
         raise ValueError(f"{op.name}: a.shape[0]={m} is not divisible by tp_size={group.size}")
     if _wants_grad(op.name, (a, b, bias), tuning, out=out):
-        return _MatmulReduceScatter.apply(a, b, bias, group, trans_b, tuning)
+        return _MatmulReduceScatter.apply(
+            a, b, bias, group, trans_b, tuning,
+            _fused_wgrad(op.name, weight, b, fuse_wgrad_accumulation))
     return _matmul_reduce_scatter(a, b, bias, group, trans_b, tuning, out)
 
 
 def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
                       algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
-                      backend="auto"):
+                      backend="auto", fuse_wgrad_accumulation: bool = False):
     """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank.
 
     Differentiable in ``a``, ``b`` and ``bias`` (a row-parallel layer without sequence
     parallelism): the result is the same on every rank, so each rank's loss is taken as the same
     function of it and its gradient is used as it is, with no communication (as Megatron-LM's
-    row-parallel layer does).
+    row-parallel layer does). ``fuse_wgrad_accumulation`` as in :func:`column_parallel_matmul`.
     """
     op = _meshla.CollectiveOp.matmul_all_reduce
+    weight = b
     a, b, bias, tuning = _prepare(op.name, a, b, bias, trans_b, group, algorithm, chunks,
                                   comm_sms, comm_ctas, backend, out)
     if _wants_grad(op.name, (a, b, bias), tuning, out=out):
-        return _MatmulAllReduce.apply(a, b, bias, group, trans_b, tuning)
+        return _MatmulAllReduce.apply(a, b, bias, group, trans_b, tuning,
+                                      _fused_wgrad(op.name, weight, b, fuse_wgrad_accumulation))
     return _matmul_all_reduce(a, b, bias, group, trans_b, tuning, out)
 
 
 def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
                            algorithm="auto", chunks: int = 0, comm_sms: int = -1,
-                           comm_ctas: int = 0, backend="auto"):
+                           comm_ctas: int = 0, backend="auto",
+                           fuse_wgrad_accumulation: bool = False):
     """``a @ b (+ bias)`` for a column-parallel layer without sequence parallelism: ``a`` [m, k]
     is the same on every rank, ``b`` this rank's [k, n] column slice ([n, k] with ``trans_b``).
 
@@ -480,12 +493,21 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
     Megatron-LM's column-parallel layer is of its row-parallel one; with sequence parallelism, use
     :func:`all_gather_matmul`. Every rank of the group must run the backward, with the same
     inputs requiring grad.
+
+    ``fuse_wgrad_accumulation``: the backward adds ``b``'s gradient to ``b.main_grad`` (float32,
+    ``b``'s shape and device, made by the caller, e.g. Megatron-LM's distributed optimizer) in one
+    GEMM with a float32 output, and gives ``b`` no ``.grad``; ``b`` carrying Megatron's
+    ``grad_added_to_main_grad`` mark gets it set and an uninitialized placeholder ``.grad``, which
+    Megatron's DDP drops (as TransformerEngine's layers do). ``b`` must be in the compute dtype:
+    under torch.autocast it is not cast. Eager only: torch.compile refuses it.
     """
     name = "column_parallel_matmul"
+    weight = b
     a, b, bias, tuning = _prepare(name, a, b, bias, trans_b, group, algorithm, chunks,
                                   comm_sms, comm_ctas, backend)
     if _wants_grad(name, (a, b, bias), tuning):
-        return _ColumnParallelMatmul.apply(a, b, bias, group, trans_b, tuning)
+        return _ColumnParallelMatmul.apply(a, b, bias, group, trans_b, tuning,
+                                           _fused_wgrad(name, weight, b, fuse_wgrad_accumulation))
     return _local_product(a, b, bias, trans_b)
 
 
@@ -658,20 +680,46 @@ def _weight_grad(rows, grad, trans_b: bool):
     return grad.t() @ rows if trans_b else rows.t() @ grad
 
 
+def _fused_wgrad(name: str, weight, b, fuse: bool) -> str:
+    """The name the backward's messages give when it adds b's gradient to weight.main_grad
+    (fuse_wgrad_accumulation), "" when it returns the gradient. The call's b must be the weight
+    itself, not autocast's copy, which has no main_grad."""
+    if not fuse:
+        return ""
+    if b is not weight:
+        raise ValueError(f"{name}(fuse_wgrad_accumulation=True): b is {weight.dtype} but the call "
+                         f"computes in {b.dtype} (torch.autocast): give b in the compute dtype, "
+                         "whose main_grad is accumulated")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(f"{name}(fuse_wgrad_accumulation=True) runs eagerly only: "
+                                  "torch.compile cannot trace its backward's write to b.main_grad")
+    return name
+
+
+def _b_grad(ctx, b, rows, grad):
+    """b's gradient, or with fuse_wgrad_accumulation its addition to b.main_grad and what autograd
+    gets in its place (see meshla.torch._main_grad)."""
+    if not ctx.fused_wgrad:
+        return _weight_grad(rows, grad, ctx.trans_b)
+    accumulate_weight_grad(ctx.fused_wgrad, b, rows, grad, ctx.trans_b)
+    return added_to_main_grad(b)
+
+
 def _n_of(b, trans_b: bool) -> int:
     return b.shape[0] if trans_b else b.shape[1]
 
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, bias, group, trans_b, tuning, return_gathered, recompute_gathered):
+    def forward(ctx, a, b, bias, group, trans_b, tuning, return_gathered, recompute_gathered,
+                fused_wgrad):
         # b's gradient needs the gathered rows: kept, or this rank's kept and gathered again.
         keep = ctx.needs_input_grad[1] and not recompute_gathered
         gather = return_gathered or keep
         product, gathered = _all_gather_matmul(a, b, bias, group, trans_b, gather, tuning)
         ctx.save_for_backward(gathered if keep else a if ctx.needs_input_grad[1] else None, b)
         ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
-        ctx.recompute_gathered = recompute_gathered
+        ctx.recompute_gathered, ctx.fused_wgrad = recompute_gathered, fused_wgrad
         if not return_gathered:
             return product
         ctx.mark_non_differentiable(gathered)
@@ -688,19 +736,20 @@ class _AllGatherMatmul(torch.autograd.Function):
                                            backend=ctx.backend)
         if needs_b:
             gathered = _all_gather(rows, ctx.group) if ctx.recompute_gathered else rows
-            grad_b = _weight_grad(gathered, grad, ctx.trans_b)
+            grad_b = _b_grad(ctx, b, gathered, grad)
         if needs_bias:
             grad_bias = grad.sum(0)
-        return grad_a, grad_b, grad_bias, None, None, None, None, None
+        return grad_a, grad_b, grad_bias, None, None, None, None, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, bias, group, trans_b, tuning):
-        # Each operand only for the other's gradient.
+    def forward(ctx, a, b, bias, group, trans_b, tuning, fused_wgrad):
+        # Each operand only for the other's gradient, and b for its main_grad.
         needs_a, needs_b = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
+        ctx.save_for_backward(a if needs_b else None, b if needs_a or fused_wgrad else None)
         ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
+        ctx.fused_wgrad = fused_wgrad
         return _matmul_reduce_scatter(a, b, bias, group, trans_b, tuning)
 
     @staticmethod
@@ -718,18 +767,18 @@ class _MatmulReduceScatter(torch.autograd.Function):
             grad_a, gathered = result if needs_rows else (result, None)
         elif needs_rows:
             gathered = _all_gather(grad, ctx.group)
-        grad_b = _weight_grad(a, gathered, ctx.trans_b) if needs_b else None
+        grad_b = _b_grad(ctx, b, a, gathered) if needs_b else None
         grad_bias = gathered.sum(0) if needs_bias else None
-        return grad_a, grad_b, grad_bias, None, None, None
+        return grad_a, grad_b, grad_bias, None, None, None, None
 
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, bias, group, trans_b, tuning):
-        # Each operand only for the other's gradient.
+    def forward(ctx, a, b, bias, group, trans_b, tuning, fused_wgrad):
+        # Each operand only for the other's gradient, and b for its main_grad.
         needs_a, needs_b = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
-        ctx.trans_b = trans_b
+        ctx.save_for_backward(a if needs_b else None, b if needs_a or fused_wgrad else None)
+        ctx.trans_b, ctx.fused_wgrad = trans_b, fused_wgrad
         return _matmul_all_reduce(a, b, bias, group, trans_b, tuning)
 
     @staticmethod
@@ -738,17 +787,18 @@ class _MatmulAllReduce(torch.autograd.Function):
         a, b = ctx.saved_tensors
         needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
         grad_a = (grad @ b if ctx.trans_b else grad @ b.t()) if needs_a else None
-        grad_b = _weight_grad(a, grad, ctx.trans_b) if needs_b else None
+        grad_b = _b_grad(ctx, b, a, grad) if needs_b else None
         grad_bias = grad.sum(0) if needs_bias else None
-        return grad_a, grad_b, grad_bias, None, None, None
+        return grad_a, grad_b, grad_bias, None, None, None, None
 
 
 class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, bias, group, trans_b, tuning):
+    def forward(ctx, a, b, bias, group, trans_b, tuning, fused_wgrad):
         needs_a, needs_b = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
+        ctx.save_for_backward(a if needs_b else None, b if needs_a or fused_wgrad else None)
         ctx.group, ctx.trans_b, ctx.tuning = group, trans_b, tuning
+        ctx.fused_wgrad = fused_wgrad
         return _local_product(a, b, bias, trans_b)
 
     @staticmethod
@@ -758,9 +808,9 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
         grad_a = matmul_all_reduce(grad, b, ctx.group, trans_b=not ctx.trans_b,
                                    **ctx.tuning.options()) if needs_a else None
-        grad_b = _weight_grad(a, grad, ctx.trans_b) if needs_b else None
+        grad_b = _b_grad(ctx, b, a, grad) if needs_b else None
         grad_bias = grad.sum(0) if needs_bias else None
-        return grad_a, grad_b, grad_bias, None, None, None
+        return grad_a, grad_b, grad_bias, None, None, None, None
 
 
 from meshla.torch.grouped import (  # noqa: E402

@@ -34,6 +34,7 @@ from torch.autograd.function import once_differentiable
 from meshla import _meshla
 from meshla.torch._dtypes import DTYPE_NAMES
 from meshla.torch._library import capsule, op
+from meshla.torch._main_grad import added_to_main_grad
 
 __all__ = ["GroupedLinear", "check_device_errors", "grouped_linear", "packed_group_stride"]
 
@@ -368,7 +369,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         elif any(wants_weight):
             weight_grads = module._weight_grads(x, dy, m_splits)
             if module.fuse_wgrad_accumulation:
-                weight_grads = module._mark_added_to_main_grad(placeholders=True)
+                weight_grads = [added_to_main_grad(weight) for weight in module.weights()]
             weight_grads = [grad if wanted else None
                             for grad, wanted in zip(weight_grads, wants_weight)]
         bias_grads = [None] * num_groups
@@ -498,20 +499,6 @@ class GroupedLinear(torch.nn.Module):
             return [None] * self.num_groups
         return list(_weight_grad(x, dy, m_splits, self.num_groups, x.dtype).unbind(0))
 
-    def _mark_added_to_main_grad(self, placeholders: bool):
-        """Megatron's DDP marks its parameters with grad_added_to_main_grad (False before each
-        step) and, when it overlaps the gradient reduction, asserts that every backward gives a
-        .grad, which it drops unread once the mark is set. Weights so marked get the mark set and,
-        with `placeholders`, an uninitialized placeholder gradient (as TransformerEngine's layers
-        give it); the others None."""
-        grads = []
-        for weight in self.weights():
-            marked = hasattr(weight, "grad_added_to_main_grad")
-            if marked:
-                weight.grad_added_to_main_grad = True
-            grads.append(torch.empty_like(weight) if marked and placeholders else None)
-        return grads
-
     def backward_dw(self) -> None:
         """Computes the weight gradients that backward delayed, on the current stream: it waits
         for the backward that produced them and keeps their inputs alive for the allocator until
@@ -525,7 +512,8 @@ class GroupedLinear(torch.nn.Module):
                     t.record_stream(stream)
             grads = self._weight_grads(x, dy, m_splits)
             if self.fuse_wgrad_accumulation:
-                self._mark_added_to_main_grad(placeholders=False)
+                for weight in self.weights():
+                    added_to_main_grad(weight, placeholder=False)
             for weight, grad in zip(self.weights(), grads):
                 if grad is None or not weight.requires_grad:
                     continue

@@ -42,7 +42,8 @@ class _ParallelLinear(torch.nn.Module):
     _split_dim: int  # of the whole weight: 0 splits the output features, 1 the input features
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, bias: bool,
-                 sequence_parallel: bool, device, dtype, tuning: dict):
+                 sequence_parallel: bool, fuse_wgrad_accumulation: bool, device, dtype,
+                 tuning: dict):
         super().__init__()
         name = type(self).__name__
         if not isinstance(group, TPGroup):
@@ -60,6 +61,7 @@ class _ParallelLinear(torch.nn.Module):
         self.out_features = out_features
         self.group = group
         self.sequence_parallel = sequence_parallel
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.tuning = Tuning.of(**tuning)
         shape = [out_features, in_features]
         shape[self._split_dim] //= group.size
@@ -116,6 +118,11 @@ class _ParallelLinear(torch.nn.Module):
             if bias is not None:
                 self.bias.copy_(bias.chunk(size)[rank] if self._split_dim == 0 else bias)
 
+    def _options(self) -> dict:
+        """The keywords of this layer's collective matmuls besides the operands and the group."""
+        return dict(self.tuning.options(), trans_b=True, bias=self.bias,
+                    fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+
     def _rows(self, x, features: int):
         """``x`` [..., features] as a [rows, features] matrix, checked."""
         least = 2 if self.sequence_parallel else 1
@@ -147,7 +154,11 @@ class ColumnParallelLinear(_ParallelLinear):
       :func:`~meshla.torch.all_gather_matmul`).
 
     ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas`` tune the collective
-    matmuls of the forward and backward (:class:`~meshla.torch.Tuning`). Parameters are created
+    matmuls of the forward and backward (:class:`~meshla.torch.Tuning`).
+    ``fuse_wgrad_accumulation`` adds the weight's gradient to ``weight.main_grad`` (float32, made
+    by the caller, e.g. Megatron-LM's distributed optimizer) instead of giving a ``.grad``, as
+    TransformerEngine's layers do (see :func:`~meshla.torch.column_parallel_matmul`; eager
+    only). Parameters are created
     on the group's device (``device="meta"`` defers them) and drawn by :meth:`reset_parameters`;
     :meth:`from_linear` shards an existing layer instead. Every rank of the group must call the
     layer (and its backward) with the same shapes.
@@ -156,26 +167,27 @@ class ColumnParallelLinear(_ParallelLinear):
     _split_dim = 0
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, bias: bool = True, *,
-                 sequence_parallel: bool = False, recompute_gathered: bool = False, device=None,
-                 dtype=None, algorithm="auto", chunks: int = 0, comm_sms: int = -1,
-                 comm_ctas: int = 0, backend="auto"):
+                 sequence_parallel: bool = False, recompute_gathered: bool = False,
+                 fuse_wgrad_accumulation: bool = False, device=None, dtype=None,
+                 algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
+                 backend="auto"):
         if recompute_gathered and not sequence_parallel:
             raise ValueError("ColumnParallelLinear: recompute_gathered=True needs "
                              "sequence_parallel=True (without it no rows are gathered)")
-        super().__init__(in_features, out_features, group, bias, sequence_parallel, device, dtype,
+        super().__init__(in_features, out_features, group, bias, sequence_parallel,
+                         fuse_wgrad_accumulation, device, dtype,
                          dict(algorithm=algorithm, chunks=chunks, comm_sms=comm_sms,
                               comm_ctas=comm_ctas, backend=backend))
         self.recompute_gathered = recompute_gathered
 
     def forward(self, x):
         rows = self._rows(x, self.in_features)
-        options = self.tuning.options()
+        options = self._options()
         if self.sequence_parallel:
-            y = all_gather_matmul(rows, self.weight, self.group, bias=self.bias, trans_b=True,
+            y = all_gather_matmul(rows, self.weight, self.group,
                                   recompute_gathered=self.recompute_gathered, **options)
             return y.view(x.shape[0] * self.group.size, *x.shape[1:-1], y.shape[1])
-        y = column_parallel_matmul(rows, self.weight, self.group, bias=self.bias, trans_b=True,
-                                   **options)
+        y = column_parallel_matmul(rows, self.weight, self.group, **options)
         return y.view(*x.shape[:-1], y.shape[1])
 
 
@@ -193,32 +205,33 @@ class RowParallelLinear(_ParallelLinear):
       bias's is the same on every rank and must not be all-reduced over the group again (as
       Megatron-LM does for the partial sums of its sequence-parallel biases).
 
-    Tuning, parameters and :meth:`from_linear` as in :class:`ColumnParallelLinear`.
+    Tuning, ``fuse_wgrad_accumulation``, parameters and :meth:`from_linear` as in
+    :class:`ColumnParallelLinear`.
     """
 
     _split_dim = 1
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, bias: bool = True, *,
-                 sequence_parallel: bool = False, device=None, dtype=None, algorithm="auto",
-                 chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0, backend="auto"):
-        super().__init__(in_features, out_features, group, bias, sequence_parallel, device, dtype,
+                 sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
+                 device=None, dtype=None, algorithm="auto", chunks: int = 0, comm_sms: int = -1,
+                 comm_ctas: int = 0, backend="auto"):
+        super().__init__(in_features, out_features, group, bias, sequence_parallel,
+                         fuse_wgrad_accumulation, device, dtype,
                          dict(algorithm=algorithm, chunks=chunks, comm_sms=comm_sms,
                               comm_ctas=comm_ctas, backend=backend))
 
     def forward(self, x):
         tp = self.group.size
         rows = self._rows(x, self.in_features // tp)
-        options = self.tuning.options()
+        options = self._options()
         if self.sequence_parallel:
             if x.shape[0] % tp != 0:
                 raise ValueError(f"RowParallelLinear: sequence_parallel scatters x's first "
                                  f"dimension, but x.shape={list(x.shape)} has {x.shape[0]} there, "
                                  f"not divisible by tp_size={tp}")
-            y = matmul_reduce_scatter(rows, self.weight, self.group, bias=self.bias,
-                                      trans_b=True, **options)
+            y = matmul_reduce_scatter(rows, self.weight, self.group, **options)
             return y.view(x.shape[0] // tp, *x.shape[1:-1], self.out_features)
-        y = matmul_all_reduce(rows, self.weight, self.group, bias=self.bias, trans_b=True,
-                              **options)
+        y = matmul_all_reduce(rows, self.weight, self.group, **options)
         return y.view(*x.shape[:-1], self.out_features)
 
 
