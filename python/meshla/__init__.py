@@ -38,10 +38,17 @@ from meshla._meshla import (  # noqa: E402
     unique_id,
 )
 
-# Registered before meshla.torch's and meshla.jax's handlers, so run after them: groups, plans and
-# solvers let go of during interpreter exit leave their communicators to the process's end (an
-# abort would wait for peers that may be waiting for this process).
-atexit.register(_meshla.begin_process_exit)
+def _release_communicators_no_more_at_exit():
+    """Makes begin_process_exit the first of the exit handlers (atexit runs the last registered
+    first): it waits briefly for the communicators being released, and groups let go of after it
+    (by later handlers, then the interpreter's teardown) leave theirs to the process's end, since
+    an abort would wait for peers that may be waiting for this process. Called again by every
+    group made, so that it stays first."""
+    atexit.unregister(_meshla.begin_process_exit)
+    atexit.register(_meshla.begin_process_exit)
+
+
+_release_communicators_no_more_at_exit()
 
 
 def backend_unavailable_reason(backend: str) -> str:

@@ -199,9 +199,13 @@ NB_MODULE(_meshla, m) {
   m.def("set_leak_warnings", &nb::set_leak_warnings, "enabled"_a,
         "Whether nanobind reports objects of these bindings still alive when the extension is "
         "torn down (on by default).");
-  m.def("begin_process_exit", &detail::begin_process_exit,
-        "The process is ending: communicators let go of from now on are left to the process's end "
-        "instead of aborted, since an abort waits for every peer to abort too, or to exit.");
+  m.def("begin_process_exit", &detail::begin_process_exit, nb::call_guard<nb::gil_scoped_release>(),
+        "The process is ending: waits a few seconds at most for the communicators being released, "
+        "and leaves those let go of from now on to the process's end instead of aborting them (an "
+        "abort waits for the peers to abort too, or to exit).");
+  m.def("communicators_being_released", &detail::communicators_being_released,
+        "How many communicators let go of are still being aborted (an abort returns once the "
+        "peers have ended them too).");
   m.def("backend_unavailable_reason", &backend_unavailable_reason, "backend"_a,
         "Why the collective-matmul backend cannot run in this process, or '' when it can.");
 

@@ -1,8 +1,9 @@
 #include "meshla/communicator.hpp"
 
-#include <atomic>
-#include <cstdlib>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -35,21 +36,68 @@ CommState::~CommState() {
 
 namespace {
 
-std::atomic<bool> process_exiting{false};
+// The releases under way and whether the process is ending. Never destroyed: a release thread may
+// still use it while static destructors run.
+struct Releases {
+  std::mutex mutex;
+  std::condition_variable done;
+  int in_flight = 0;
+  bool exiting = false;
+};
+
+Releases& releases() {
+  static Releases* const state = new Releases();
+  return *state;
+}
+
+// How long the process's end waits for the releases under way: an abort returns once the peers
+// have ended the communicator too, which at exit is usually moments away; a wait for a peer that
+// itself waits for this process to end is cut short.
+constexpr std::chrono::seconds kExitWaitForReleases{5};
 
 }  // namespace
 
-void begin_process_exit() { process_exiting.store(true); }
+void begin_process_exit() {
+  Releases& state = releases();
+  std::unique_lock lock(state.mutex);
+  state.exiting = true;
+  state.done.wait_for(lock, kExitWaitForReleases, [&] { return state.in_flight == 0; });
+}
+
+int communicators_being_released() {
+  Releases& state = releases();
+  std::lock_guard lock(state.mutex);
+  return state.in_flight;
+}
 
 void release_nccl_comms(std::vector<ncclComm_t> comms) {
-  if (process_exiting.load()) return;
-  std::thread([comms = std::move(comms)] {
-    // NCCL frees device memory here: in relaxed mode, that never invalidates a CUDA graph that
-    // another thread is capturing in the default, global mode.
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    for (ncclComm_t comm : comms) ncclCommAbort(comm);
-  }).detach();
+  Releases& state = releases();
+  {
+    std::lock_guard lock(state.mutex);
+    if (state.exiting) return;
+    ++state.in_flight;
+  }
+  try {
+    std::thread([comms] {
+      // The communicator's GPU first: a CUDA call on a new thread would otherwise make a context
+      // on GPU 0. In relaxed capture mode, NCCL's frees never invalidate a CUDA graph that another
+      // thread is capturing in the default, global mode.
+      int device = 0;
+      if (ncclCommCuDevice(comms.front(), &device) == ncclSuccess) cudaSetDevice(device);
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      for (ncclComm_t comm : comms) ncclCommAbort(comm);
+      Releases& state = releases();
+      std::lock_guard lock(state.mutex);
+      --state.in_flight;
+      state.done.notify_all();
+    }).detach();
+  } catch (const std::system_error&) {
+    // No thread to be had (a destructor must not throw): the communicators are left to the
+    // process's end.
+    std::lock_guard lock(state.mutex);
+    --state.in_flight;
+  }
 }
 
 std::string rank_description(const CommState& state) {
@@ -173,9 +221,6 @@ struct PendingComms {
 std::vector<Communicator> create_ranks(const ncclUniqueId& id, const std::vector<int>& ranks,
                                        const std::vector<int>& devices, int size,
                                        std::chrono::milliseconds timeout) {
-  // Communicators that C++ statics still hold at exit are left to the process's end.
-  static const bool exit_registered = std::atexit(begin_process_exit) == 0;
-  static_cast<void>(exit_registered);
   const std::size_t count = ranks.size();
   // Declared first so destroyed last: on failure the parents are aborted first, which stops a
   // split job of theirs that may still be writing a twin's handle.

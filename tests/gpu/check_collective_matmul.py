@@ -463,15 +463,18 @@ def check_clean_exit(reporter, label, device: int):
         reporter.record(name, 0, ok, detail)
 
 
-# The seconds a rank may take to let go of two groups.
-DROP_WITHIN_S = 30
+# The seconds a drop may take to return, and the communicators' aborts to complete once every
+# rank has dropped them.
+DROP_RETURNS_WITHIN_S = 5
+RELEASED_WITHIN_S = 30
 
 
 def check_drop_order(world, reporter, label, seed):
     """Two groups let go of in opposite orders on different ranks (rank 0 drops its first group
     first, the others their second) are released without waiting for each other: each drop returns
-    at once, and the world group still computes right. ncclCommAbort waits until the peers have
-    aborted too, so ending the communicators on the dropping thread would hang every rank here."""
+    at once, every abort completes once all ranks have dropped (no release left under way), and
+    the world group still computes right. ncclCommAbort waits until the peers have aborted too, so
+    ending the communicators on the dropping thread would hang every rank here."""
     name = f"{label}/drop-order"
     try:
         groups = [mt.group_from_process_group(device=world.device) for _ in range(2)]
@@ -499,16 +502,21 @@ def check_drop_order(world, reporter, label, seed):
 
         worker = threading.Thread(target=drop, daemon=True)
         worker.start()
-        worker.join(DROP_WITHIN_S)
+        worker.join(RELEASED_WITHIN_S)
+        deadline = time.monotonic() + RELEASED_WITHIN_S
+        while meshla._meshla.communicators_being_released() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pending = meshla._meshla.communicators_being_released()
         p = Problem("all_gather_matmul", world, torch.bfloat16, 128 * world.size, 96, 64,
                     seed + 2, False, True)
         out, _ = run_op("all_gather_matmul", p, world, "auto", False)
         after = relative_error(out, p.ref)
-        ok = (len(durations) == 2 and max(durations) < 5.0 and worst < TOLERANCE[torch.bfloat16]
-              and after < TOLERANCE[torch.bfloat16])
+        ok = (len(durations) == 2 and max(durations) < DROP_RETURNS_WITHIN_S and pending == 0
+              and worst < TOLERANCE[torch.bfloat16] and after < TOLERANCE[torch.bfloat16])
+        waiting = '' if len(durations) == 2 else f' (still waiting after {RELEASED_WITHIN_S} s)'
         detail = (f"dropped groups {order} in {', '.join(f'{d * 1e3:.1f} ms' for d in durations)}"
-                  f"{'' if len(durations) == 2 else f' (still waiting after {DROP_WITHIN_S} s)'}; "
-                  f"before: worst rel_err={worst:.2e}; the world group after: rel_err={after:.2e}")
+                  f"{waiting}; releases under way after that: {pending}; before: worst "
+                  f"rel_err={worst:.2e}; the world group after: rel_err={after:.2e}")
     except Exception as e:
         ok, detail = False, f"{type(e).__name__}: {e}"
     reporter.record(name, world.rank, ok, detail)

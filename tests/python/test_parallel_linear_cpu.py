@@ -197,14 +197,15 @@ def test_layers_check_their_arguments(world1):
 
 def test_fused_wgrad_accumulation_refuses_what_it_cannot_do(world1):
     """fuse_wgrad_accumulation: a missing or mismatched main_grad is named with the shapes at the
-    backward; an autocast copy of the weight (which has no main_grad) and torch.compile are
-    refused at the forward."""
+    backward; an autocast copy of a trained weight (which has no main_grad) and torch.compile's
+    fullgraph are refused at the forward; a frozen weight is left alone."""
     x = torch.randn(3, 4, requires_grad=True)
     for cls in (mt.ColumnParallelLinear, mt.RowParallelLinear):
         layer = cls(4, 6, world1, fuse_wgrad_accumulation=True)
+        assert "fuse_wgrad_accumulation=True" in repr(layer)
         with pytest.raises(ValueError, match=r"fuse_wgrad_accumulation=True\): the weight needs a "
-                                             r"\.main_grad, torch\.float32 \[6, 4\] on cpu, "
-                                             r"before the backward; it has none"):
+                                             r"\.main_grad of torch\.float32, shape \[6, 4\], on "
+                                             r"cpu, before the backward; it has none"):
             layer(x).sum().backward()
         layer.weight.main_grad = torch.zeros(4, 6)
         with pytest.raises(ValueError, match=r"it has torch\.float32 \[4, 6\] on cpu"):
@@ -213,9 +214,38 @@ def test_fused_wgrad_accumulation_refuses_what_it_cannot_do(world1):
             with pytest.raises(ValueError, match=r"b is torch\.float32 but the call computes in "
                                                  r"torch\.bfloat16 \(torch\.autocast\)"):
                 layer(x)
+            layer.weight.requires_grad_(False)
+            layer(x).sum().backward()  # frozen: nothing to accumulate, nothing refused
+            layer.weight.requires_grad_(True)
         torch._dynamo.reset()
         with pytest.raises((NotImplementedError, RuntimeError), match=r"runs eagerly only"):
             torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+
+
+def test_fused_wgrad_accumulation_follows_megatron(world1):
+    """fuse_wgrad_accumulation under non-reentrant activation checkpointing (whose saved tensors
+    are detached copies, without main_grad), with a main_grad in the weight's dtype, and with
+    Megatron's zero_out_wgrad (tied weights, whose placeholder .grad its DDP adds: zeros)."""
+    for cls in (mt.ColumnParallelLinear, mt.RowParallelLinear):
+        for dtype in (torch.float32, torch.bfloat16):
+            layer = cls(4, 6, world1, fuse_wgrad_accumulation=True, dtype=dtype)
+            reference = torch.nn.Linear(4, 6, dtype=torch.float64)
+            with torch.no_grad():
+                reference.weight.copy_(layer.weight)
+                reference.bias.copy_(layer.bias)
+            prior = torch.randn(6, 4).to(dtype)
+            layer.weight.main_grad = prior.clone()
+            layer.weight.grad_added_to_main_grad = False
+            layer.weight.zero_out_wgrad = True
+            x = torch.randn(5, 4).to(dtype)
+            y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            g = torch.randn(5, 6).to(dtype)
+            (y * g).sum().backward()
+            (reference(x.double()) * g.double()).sum().backward()
+            added = layer.weight.main_grad.double() - prior.double()
+            assert _rel(added, reference.weight.grad) < (1e-5 if dtype == torch.float32 else 2e-2)
+            assert layer.weight.grad_added_to_main_grad is True
+            assert torch.equal(layer.weight.grad, torch.zeros_like(layer.weight))
 
 
 def test_layers_at_one_rank_are_linear(world1):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+import meshla
 from meshla import _meshla
 from meshla.torch import _library
 from meshla.torch._dtypes import DTYPE_NAMES
@@ -158,6 +159,8 @@ class TPGroup:
         with _GROUPS_LOCK:
             self.key = next(_GROUP_KEYS)
             _GROUPS[self.key] = self
+        if self.comm is not None:
+            meshla._release_communicators_no_more_at_exit()
 
     # A group is a handle to this process's communicators: copies of what holds one (a layer
     # deep-copied for an EMA or a reference model) run in the same group.
@@ -494,12 +497,15 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
     :func:`all_gather_matmul`. Every rank of the group must run the backward, with the same
     inputs requiring grad.
 
-    ``fuse_wgrad_accumulation``: the backward adds ``b``'s gradient to ``b.main_grad`` (float32,
-    ``b``'s shape and device, made by the caller, e.g. Megatron-LM's distributed optimizer) in one
-    GEMM with a float32 output, and gives ``b`` no ``.grad``; ``b`` carrying Megatron's
-    ``grad_added_to_main_grad`` mark gets it set and an uninitialized placeholder ``.grad``, which
-    Megatron's DDP drops (as TransformerEngine's layers do). ``b`` must be in the compute dtype:
-    under torch.autocast it is not cast. Eager only: torch.compile refuses it.
+    ``fuse_wgrad_accumulation``: the backward adds ``b``'s gradient to ``b.main_grad`` (float32 or
+    ``b``'s dtype, ``b``'s shape and device, made by the caller, e.g. Megatron-LM's distributed
+    optimizer) and gives ``b`` no ``.grad``; a float32 main_grad of 16-bit operands takes one GEMM
+    with a float32 output (torch >= 2.10; before, the 16-bit product is added). ``b`` carrying
+    Megatron's ``grad_added_to_main_grad`` mark gets it set and a placeholder ``.grad`` that
+    Megatron's DDP drops (zeros where ``b`` has ``zero_out_wgrad``, which it adds), as
+    TransformerEngine's layers give them. A trained ``b`` must be in the compute dtype: under
+    torch.autocast it is not cast. Eager only: torch.compile breaks its graph at the call
+    (``fullgraph=True`` refuses it).
     """
     name = "column_parallel_matmul"
     weight = b
@@ -680,12 +686,12 @@ def _weight_grad(rows, grad, trans_b: bool):
     return grad.t() @ rows if trans_b else rows.t() @ grad
 
 
-def _fused_wgrad(name: str, weight, b, fuse: bool) -> str:
-    """The name the backward's messages give when it adds b's gradient to weight.main_grad
-    (fuse_wgrad_accumulation), "" when it returns the gradient. The call's b must be the weight
-    itself, not autocast's copy, which has no main_grad."""
-    if not fuse:
-        return ""
+def _fused_wgrad(name: str, weight, b, fuse: bool) -> bool:
+    """Whether the backward adds b's gradient to weight.main_grad (fuse_wgrad_accumulation): where
+    asked and the weight trains. The call's b must then be the weight itself, not autocast's copy,
+    which has no main_grad."""
+    if not fuse or not weight.requires_grad:
+        return False
     if b is not weight:
         raise ValueError(f"{name}(fuse_wgrad_accumulation=True): b is {weight.dtype} but the call "
                          f"computes in {b.dtype} (torch.autocast): give b in the compute dtype, "
@@ -693,16 +699,23 @@ def _fused_wgrad(name: str, weight, b, fuse: bool) -> str:
     if torch.compiler.is_compiling():
         raise NotImplementedError(f"{name}(fuse_wgrad_accumulation=True) runs eagerly only: "
                                   "torch.compile cannot trace its backward's write to b.main_grad")
-    return name
+    return True
 
 
-def _b_grad(ctx, b, rows, grad):
+def _b_grad(ctx, name: str, rows, grad):
     """b's gradient, or with fuse_wgrad_accumulation its addition to b.main_grad and what autograd
     gets in its place (see meshla.torch._main_grad)."""
-    if not ctx.fused_wgrad:
+    if ctx.fused_weight is None:
         return _weight_grad(rows, grad, ctx.trans_b)
-    accumulate_weight_grad(ctx.fused_wgrad, b, rows, grad, ctx.trans_b)
-    return added_to_main_grad(b)
+    accumulate_weight_grad(name, ctx.fused_weight, rows, grad, ctx.trans_b)
+    return added_to_main_grad(ctx.fused_weight)
+
+
+def _keep_fused_weight(ctx, b, fused_wgrad: bool):
+    """The weight whose main_grad the backward adds to: the object itself, which has the
+    attribute, not the saved tensors' unpacked b (a detached copy under activation checkpointing
+    or offloading)."""
+    ctx.fused_weight = b if fused_wgrad else None
 
 
 def _n_of(b, trans_b: bool) -> int:
@@ -719,7 +732,8 @@ class _AllGatherMatmul(torch.autograd.Function):
         product, gathered = _all_gather_matmul(a, b, bias, group, trans_b, gather, tuning)
         ctx.save_for_backward(gathered if keep else a if ctx.needs_input_grad[1] else None, b)
         ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
-        ctx.recompute_gathered, ctx.fused_wgrad = recompute_gathered, fused_wgrad
+        ctx.recompute_gathered = recompute_gathered
+        _keep_fused_weight(ctx, b, fused_wgrad)
         if not return_gathered:
             return product
         ctx.mark_non_differentiable(gathered)
@@ -736,7 +750,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                                            backend=ctx.backend)
         if needs_b:
             gathered = _all_gather(rows, ctx.group) if ctx.recompute_gathered else rows
-            grad_b = _b_grad(ctx, b, gathered, grad)
+            grad_b = _b_grad(ctx, "all_gather_matmul", gathered, grad)
         if needs_bias:
             grad_bias = grad.sum(0)
         return grad_a, grad_b, grad_bias, None, None, None, None, None, None
@@ -745,11 +759,11 @@ class _AllGatherMatmul(torch.autograd.Function):
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, group, trans_b, tuning, fused_wgrad):
-        # Each operand only for the other's gradient, and b for its main_grad.
+        # Each operand only for the other's gradient.
         needs_a, needs_b = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(a if needs_b else None, b if needs_a or fused_wgrad else None)
+        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
         ctx.group, ctx.trans_b, ctx.backend = group, trans_b, tuning.backend
-        ctx.fused_wgrad = fused_wgrad
+        _keep_fused_weight(ctx, b, fused_wgrad)
         return _matmul_reduce_scatter(a, b, bias, group, trans_b, tuning)
 
     @staticmethod
@@ -767,7 +781,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
             grad_a, gathered = result if needs_rows else (result, None)
         elif needs_rows:
             gathered = _all_gather(grad, ctx.group)
-        grad_b = _b_grad(ctx, b, a, gathered) if needs_b else None
+        grad_b = _b_grad(ctx, "matmul_reduce_scatter", a, gathered) if needs_b else None
         grad_bias = gathered.sum(0) if needs_bias else None
         return grad_a, grad_b, grad_bias, None, None, None, None
 
@@ -775,10 +789,11 @@ class _MatmulReduceScatter(torch.autograd.Function):
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, group, trans_b, tuning, fused_wgrad):
-        # Each operand only for the other's gradient, and b for its main_grad.
+        # Each operand only for the other's gradient.
         needs_a, needs_b = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(a if needs_b else None, b if needs_a or fused_wgrad else None)
-        ctx.trans_b, ctx.fused_wgrad = trans_b, fused_wgrad
+        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
+        ctx.trans_b = trans_b
+        _keep_fused_weight(ctx, b, fused_wgrad)
         return _matmul_all_reduce(a, b, bias, group, trans_b, tuning)
 
     @staticmethod
@@ -787,7 +802,7 @@ class _MatmulAllReduce(torch.autograd.Function):
         a, b = ctx.saved_tensors
         needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
         grad_a = (grad @ b if ctx.trans_b else grad @ b.t()) if needs_a else None
-        grad_b = _b_grad(ctx, b, a, grad) if needs_b else None
+        grad_b = _b_grad(ctx, "matmul_all_reduce", a, grad) if needs_b else None
         grad_bias = grad.sum(0) if needs_bias else None
         return grad_a, grad_b, grad_bias, None, None, None, None
 
@@ -796,9 +811,9 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, group, trans_b, tuning, fused_wgrad):
         needs_a, needs_b = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(a if needs_b else None, b if needs_a or fused_wgrad else None)
+        ctx.save_for_backward(a if needs_b else None, b if needs_a else None)
         ctx.group, ctx.trans_b, ctx.tuning = group, trans_b, tuning
-        ctx.fused_wgrad = fused_wgrad
+        _keep_fused_weight(ctx, b, fused_wgrad)
         return _local_product(a, b, bias, trans_b)
 
     @staticmethod
@@ -808,7 +823,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         needs_a, needs_b, needs_bias = ctx.needs_input_grad[:3]
         grad_a = matmul_all_reduce(grad, b, ctx.group, trans_b=not ctx.trans_b,
                                    **ctx.tuning.options()) if needs_a else None
-        grad_b = _b_grad(ctx, b, a, grad) if needs_b else None
+        grad_b = _b_grad(ctx, "column_parallel_matmul", a, grad) if needs_b else None
         grad_bias = grad.sum(0) if needs_bias else None
         return grad_a, grad_b, grad_bias, None, None, None, None
 

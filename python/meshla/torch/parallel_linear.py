@@ -136,7 +136,8 @@ class _ParallelLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp_size={self.group.size}, rank={self.group.rank}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}"
+                + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else ""))
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -155,13 +156,14 @@ class ColumnParallelLinear(_ParallelLinear):
 
     ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas`` tune the collective
     matmuls of the forward and backward (:class:`~meshla.torch.Tuning`).
-    ``fuse_wgrad_accumulation`` adds the weight's gradient to ``weight.main_grad`` (float32, made
-    by the caller, e.g. Megatron-LM's distributed optimizer) instead of giving a ``.grad``, as
+    ``fuse_wgrad_accumulation`` adds the weight's gradient to ``weight.main_grad`` (made by the
+    caller, e.g. Megatron-LM's distributed optimizer) instead of giving a ``.grad``, as
     TransformerEngine's layers do (see :func:`~meshla.torch.column_parallel_matmul`; eager
-    only). Parameters are created
-    on the group's device (``device="meta"`` defers them) and drawn by :meth:`reset_parameters`;
-    :meth:`from_linear` shards an existing layer instead. Every rank of the group must call the
-    layer (and its backward) with the same shapes.
+    only).
+
+    Parameters are created on the group's device (``device="meta"`` defers them) and drawn by
+    :meth:`reset_parameters`; :meth:`from_linear` shards an existing layer instead. Every rank of
+    the group must call the layer (and its backward) with the same shapes.
     """
 
     _split_dim = 0
