@@ -12,9 +12,12 @@
 // grown when a plan needs more; so those plans' executions run one at a time, in call order
 // (cublasmp plans own theirs). A CUDA graph that captured runs of a group's plans uses that same
 // memory when it replays: order its replays with the group's other work (eager runs, other
-// graphs), as for any captured buffer; one stream does. execute() only
-// enqueues work on the caller's stream and forks/joins its side stream there, so it can be
-// captured in a CUDA graph.
+// graphs), as for any captured buffer; one stream does. execute() only enqueues work on the
+// caller's stream and forks/joins its side stream there, so it can be captured in a CUDA graph;
+// the graph then holds the plan (its state, memory and communicator) until the graph and the
+// executable graphs made from it are destroyed, and lets go of it on a thread of its own. Except
+// a cublasmp plan, whose NVSHMEM memory is freed collectively, in the order the ranks let go of
+// their plans: a graph must not outlive it.
 #pragma once
 
 #include <cstdint>
@@ -116,7 +119,7 @@ class CollectiveMatmul {
 
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;
 };
 
 // all_gather: each rank's rows [rows, cols] -> gathered [tp * rows, cols], rank r's at r * rows.
@@ -140,14 +143,15 @@ class AllGather {
   AllGather& operator=(const AllGather&) = delete;
 
   // Enqueues the all-gather on `stream`. Every rank must call it, in the same order as its other
-  // collective work on this communicator.
+  // collective work on this communicator. A CUDA graph capturing it holds the plan, as for
+  // CollectiveMatmul.
   void execute(const TensorView& rows, const TensorView& gathered, cudaStream_t stream);
 
   const AllGatherConfig& config() const;
 
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;
 };
 
 }  // namespace meshla

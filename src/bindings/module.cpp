@@ -13,8 +13,8 @@
 #include <optional>
 #include <string>
 
-#include "comm/comm_state.hpp"
 #include "core/checks.hpp"
+#include "core/releases.hpp"
 #include "meshla/meshla.hpp"
 #include "solver/block_cyclic.hpp"
 #ifdef MESHLA_WITH_JAX
@@ -173,6 +173,10 @@ NB_MODULE(_meshla, m) {
       .def_prop_ro("rank", &Communicator::rank)
       .def_prop_ro("size", &Communicator::size)
       .def_prop_ro("device", &Communicator::device)
+      .def_prop_ro(
+          "holders", [](const Communicator& c) { return c.state().use_count(); },
+          "How many objects share this communicator: its handles, the plans made on it, and "
+          "through them the CUDA graphs that captured their runs (released with the last).")
       .def("__repr__", [](const Communicator& c) {
         return "Communicator(rank=" + std::to_string(c.rank()) +
                ", size=" + std::to_string(c.size()) + ", device=" + std::to_string(c.device()) +
@@ -200,12 +204,14 @@ NB_MODULE(_meshla, m) {
         "Whether nanobind reports objects of these bindings still alive when the extension is "
         "torn down (on by default).");
   m.def("begin_process_exit", &detail::begin_process_exit, nb::call_guard<nb::gil_scoped_release>(),
-        "The process is ending: waits a few seconds at most for the communicators being released, "
-        "and leaves those let go of from now on to the process's end instead of aborting them (an "
-        "abort waits for the peers to abort too, or to exit).");
-  m.def("communicators_being_released", &detail::communicators_being_released,
-        "How many communicators let go of are still being aborted (an abort returns once the "
-        "peers have ended them too).");
+        "The process is ending: waits a few seconds at most for the releases under way, and "
+        "leaves what is let go of from now on (communicators, plans held by CUDA graphs) to the "
+        "process's end instead of releasing it (an abort waits for the peers to abort too, or to "
+        "exit).");
+  m.def("releases_under_way", &detail::releases_under_way,
+        "How many releases are still running on threads of their own: communicators being "
+        "aborted (an abort returns once the peers have ended them too), plans let go of by the "
+        "CUDA graphs that captured them.");
   m.def("backend_unavailable_reason", &backend_unavailable_reason, "backend"_a,
         "Why the collective-matmul backend cannot run in this process, or '' when it can.");
 

@@ -70,26 +70,17 @@ struct CommState {
 // "rank 1 of 4, cuda:1": this rank of the group, for messages.
 std::string rank_description(const CommState& state);
 
-// Ends one rank's communicators, in order, with ncclCommAbort on a thread of their own, and returns
-// at once. ncclCommAbort is not local: NCCL's proxy thread serves the connections of this rank's
-// peers on the node until they close, so an abort returns only when those peers have ended the
-// communicator too, or exited (NCCL 2.28, src/proxy.cc). Ranks let go of their groups in orders
-// that differ (garbage collection, interpreter exit), and a rank waiting in one abort while its
-// peer waits in another would hang both; off the caller's thread each abort waits for its own
-// peers only. ncclCommFinalize would wait on the caller's thread for the peers' matching calls.
-// Plans synchronise their own last execution before they let go. After begin_process_exit the
-// communicators are left to the process's end instead.
+// Ends one rank's communicators, in order, with ncclCommAbort on a thread of their own
+// (release_on_own_thread), and returns at once. ncclCommAbort is not local: NCCL's proxy thread
+// serves the connections of this rank's peers on the node until they close, so an abort returns
+// only when those peers have ended the communicator too, or exited (NCCL 2.28, src/proxy.cc).
+// Ranks let go of their groups in orders that differ (garbage collection, interpreter exit), and a
+// rank waiting in one abort while its peer waits in another would hang both; off the caller's
+// thread each abort waits for its own peers only. Hence a thread per release, too: one thread
+// aborting in turn would wait in the first abort for peers that abort in another order.
+// ncclCommFinalize would wait on the caller's thread for the peers' matching calls. Plans
+// synchronise their own last execution before they let go.
 void release_nccl_comms(std::vector<ncclComm_t> comms);
-
-// The process is ending: waits a few seconds at most for the releases under way, and from then on
-// leaves communicators to the process's end (the driver and the operating system reclaim them, and
-// a peer waiting in an abort sees this process's connections close). An abort started now could
-// wait for a peer that waits for this process to exit. meshla's Python package calls it first
-// thing at interpreter exit.
-void begin_process_exit();
-
-// The releases under way (release_nccl_comms): for tests and diagnostics.
-int communicators_being_released();
 
 // A blocking communicator over the same ranks as `parent` whose kernels use at most `max_ctas`
 // thread blocks. Collective over the parent's ranks; every rank passes the same max_ctas.

@@ -1,15 +1,13 @@
 #include "meshla/communicator.hpp"
 
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
-#include <system_error>
 #include <thread>
 #include <utility>
 
 #include "comm/comm_state.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
+#include "core/releases.hpp"
 
 namespace meshla {
 namespace detail {
@@ -34,70 +32,12 @@ CommState::~CommState() {
   if (!comms.empty()) release_(std::move(comms));
 }
 
-namespace {
-
-// The releases under way and whether the process is ending. Never destroyed: a release thread may
-// still use it while static destructors run.
-struct Releases {
-  std::mutex mutex;
-  std::condition_variable done;
-  int in_flight = 0;
-  bool exiting = false;
-};
-
-Releases& releases() {
-  static Releases* const state = new Releases();
-  return *state;
-}
-
-// How long the process's end waits for the releases under way: an abort returns once the peers
-// have ended the communicator too, which at exit is usually moments away; a wait for a peer that
-// itself waits for this process to end is cut short.
-constexpr std::chrono::seconds kExitWaitForReleases{5};
-
-}  // namespace
-
-void begin_process_exit() {
-  Releases& state = releases();
-  std::unique_lock lock(state.mutex);
-  state.exiting = true;
-  state.done.wait_for(lock, kExitWaitForReleases, [&] { return state.in_flight == 0; });
-}
-
-int communicators_being_released() {
-  Releases& state = releases();
-  std::lock_guard lock(state.mutex);
-  return state.in_flight;
-}
-
 void release_nccl_comms(std::vector<ncclComm_t> comms) {
-  Releases& state = releases();
-  {
-    std::lock_guard lock(state.mutex);
-    if (state.exiting) return;
-    ++state.in_flight;
-  }
-  try {
-    std::thread([comms] {
-      // The communicator's GPU first: a CUDA call on a new thread would otherwise make a context
-      // on GPU 0. In relaxed capture mode, NCCL's frees never invalidate a CUDA graph that another
-      // thread is capturing in the default, global mode.
-      int device = 0;
-      if (ncclCommCuDevice(comms.front(), &device) == ncclSuccess) cudaSetDevice(device);
-      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-      cudaThreadExchangeStreamCaptureMode(&mode);
-      for (ncclComm_t comm : comms) ncclCommAbort(comm);
-      Releases& state = releases();
-      std::lock_guard lock(state.mutex);
-      --state.in_flight;
-      state.done.notify_all();
-    }).detach();
-  } catch (const std::system_error&) {
-    // No thread to be had (a destructor must not throw): the communicators are left to the
-    // process's end.
-    std::lock_guard lock(state.mutex);
-    --state.in_flight;
-  }
+  int device = 0;  // left 0 only if NCCL cannot say, which a live communicator always can
+  ncclCommCuDevice(comms.front(), &device);
+  release_on_own_thread(device, [comms] {
+    for (ncclComm_t comm : comms) ncclCommAbort(comm);
+  });
 }
 
 std::string rank_description(const CommState& state) {

@@ -17,6 +17,7 @@
 #include "comm/peer_memory.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
+#include "core/releases.hpp"
 #include "overlap/executor.hpp"
 #ifdef MESHLA_WITH_CUBLASMP
 #include "overlap/cublasmp_library.hpp"
@@ -189,9 +190,9 @@ std::unique_ptr<overlap::Executor> make_executor(const Communicator& comm,
 }
 
 // Before a plan goes, with the buffers and the communicator it may take along: waits for the last
-// eager execution in `order` (graphs captured from the plan must not outlive it, like any
-// captured buffer). One that never finishes ends the process through the order's watchdog, at
-// its timeout counted from its enqueue, so before this wait gives up; should the watchdog not
+// eager execution in `order` (a graph that captured the plan's runs holds the plan itself, see
+// hold_in_captured_graph). One that never finishes ends the process through the order's watchdog,
+// at its timeout counted from its enqueue, so before this wait gives up; should the watchdog not
 // have, this says so and returns false, and the plan leaks its whole state (memory, and the
 // communicator whose abort would cut the stalled execution short), since freeing memory that the
 // execution may use would wait for it.
@@ -203,6 +204,15 @@ bool finished_before_teardown(const detail::ExecutionOrder& order, const Communi
                "after %lld ms; its buffers are left allocated\n",
                std::string(plan).c_str(), static_cast<long long>(comm.timeout().count()));
   return false;
+}
+
+// A plan's state, shared by the plan and by the CUDA graphs that captured its runs, and deleted
+// with the last of them unless its last execution never finished (finished_before_teardown).
+template <typename Impl>
+std::shared_ptr<Impl> shared_plan_state(std::unique_ptr<Impl> state) {
+  return std::shared_ptr<Impl>(state.release(), [](Impl* last) {
+    if (finished_before_teardown(last->order(), last->comm, last->name())) delete last;
+  });
 }
 
 // Resolves the config, once every rank of the group has given the same one, asking the group
@@ -261,24 +271,27 @@ struct CollectiveMatmul::Impl {
     order.end(stream);
   }
 
+  const detail::ExecutionOrder& order() const { return executor->order(); }
+  std::string_view name() const { return collective_op_name(config.op); }
+
   Communicator comm;
   CollectiveMatmulConfig config;
   std::unique_ptr<overlap::Executor> executor;
 };
 
 CollectiveMatmul::CollectiveMatmul(Communicator comm, const CollectiveMatmulConfig& config)
-    : impl_(std::make_unique<Impl>(std::move(comm), config)) {}
-CollectiveMatmul::~CollectiveMatmul() {
-  if (impl_ != nullptr && !finished_before_teardown(impl_->executor->order(), impl_->comm,
-                                                    collective_op_name(impl_->config.op))) {
-    static_cast<void>(impl_.release());
-  }
-}
+    : impl_(shared_plan_state(std::make_unique<Impl>(std::move(comm), config))) {}
+CollectiveMatmul::~CollectiveMatmul() = default;
 CollectiveMatmul::CollectiveMatmul(CollectiveMatmul&&) noexcept = default;
 CollectiveMatmul& CollectiveMatmul::operator=(CollectiveMatmul&&) noexcept = default;
 
 void CollectiveMatmul::execute(const CollectiveMatmulArgs& args, cudaStream_t stream) {
   impl_->execute(args, stream);
+  // Not cublasmp's: its NVSHMEM memory is freed collectively, in the order in which the ranks let
+  // go of their plans, which a graph's release on a thread of its own would not keep.
+  if (impl_->config.backend != Backend::kCublasMp) {
+    detail::hold_in_captured_graph(stream, impl_->comm.device(), impl_);
+  }
 }
 
 const CollectiveMatmulConfig& CollectiveMatmul::config() const { return impl_->config; }
@@ -309,6 +322,9 @@ struct AllGather::Impl {
     order.end(stream);
   }
 
+  const detail::ExecutionOrder& order() const { return workspace->order(); }
+  std::string_view name() const { return "all_gather"; }
+
   Communicator comm;
   AllGatherConfig config;
   ncclDataType_t type;
@@ -318,18 +334,14 @@ struct AllGather::Impl {
 };
 
 AllGather::AllGather(Communicator comm, const AllGatherConfig& config)
-    : impl_(std::make_unique<Impl>(std::move(comm), config)) {}
-AllGather::~AllGather() {
-  if (impl_ != nullptr &&
-      !finished_before_teardown(impl_->workspace->order(), impl_->comm, "all_gather")) {
-    static_cast<void>(impl_.release());
-  }
-}
+    : impl_(shared_plan_state(std::make_unique<Impl>(std::move(comm), config))) {}
+AllGather::~AllGather() = default;
 AllGather::AllGather(AllGather&&) noexcept = default;
 AllGather& AllGather::operator=(AllGather&&) noexcept = default;
 
 void AllGather::execute(const TensorView& rows, const TensorView& gathered, cudaStream_t stream) {
   impl_->execute(rows, gathered, stream);
+  detail::hold_in_captured_graph(stream, impl_->comm.device(), impl_);
 }
 
 const AllGatherConfig& AllGather::config() const { return impl_->config; }

@@ -504,9 +504,9 @@ def check_drop_order(world, reporter, label, seed):
         worker.start()
         worker.join(RELEASED_WITHIN_S)
         deadline = time.monotonic() + RELEASED_WITHIN_S
-        while meshla._meshla.communicators_being_released() and time.monotonic() < deadline:
+        while meshla._meshla.releases_under_way() and time.monotonic() < deadline:
             time.sleep(0.05)
-        pending = meshla._meshla.communicators_being_released()
+        pending = meshla._meshla.releases_under_way()
         p = Problem("all_gather_matmul", world, torch.bfloat16, 128 * world.size, 96, 64,
                     seed + 2, False, True)
         out, _ = run_op("all_gather_matmul", p, world, "auto", False)
@@ -563,6 +563,68 @@ def worst_over_replays(group, graph, problems, fresh, replays, gathered=True):
                 problems["all_gather_matmul"].gathered, new["all_gather_matmul"].x):
             worst = float("inf")
     return worst
+
+
+def check_graph_outlives_group(world, reporter, label, seed_base, replays=20):
+    """A CUDA graph holds the plans whose runs it captured, and through them their communicator:
+    with the group and its plans let go of before the graph (one op per backend, and the
+    all-gather of recompute_gathered's backward), every replay still computes right, nothing freed
+    or aborted under it; once the graph goes, so do the plans, on threads of their own (the
+    communicator's holders fall back to this check's handle alone) within RELEASED_WITHIN_S."""
+    name = f"{label}/graph-outlives-group"
+    try:
+        dtype, m, n, k = torch.bfloat16, 128 * world.size, 256, 192
+        backends = dict(zip(OPS, ("symmetric", "nccl", "symmetric")))
+        group = mt.group_from_process_group(device=world.device)
+        comm = group.comm
+        alone = comm.holders
+
+        def fresh(replay):
+            return {op: Problem(op, world, dtype, m, n, k, seed_base + 10 * replay + i, False, True)
+                    for i, op in enumerate(OPS)}
+
+        problems = fresh(0)
+
+        def run_all_ops():
+            for op, backend in backends.items():
+                run_op(op, problems[op], group, "ring", False, backend=backend)
+            return torch.ops.meshla.all_gather(problems["all_gather_matmul"].a, group.key)
+
+        run_all_ops()  # eager first: builds the plans outside capture
+        torch.cuda.synchronize(world.device)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(world.device)
+        stream.wait_stream(torch.cuda.current_stream(world.device))
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream,
+                                                         capture_error_mode="thread_local"):
+            gathered = run_all_ops()
+        torch.cuda.current_stream(world.device).wait_stream(stream)
+        group = run_all_ops = None  # the group, its plans (held by the group), all let go of
+        gc.collect()
+        held = comm.holders
+        worst, rows_exact = 0.0, True
+        for replay in range(1, replays + 1):
+            new = fresh(replay)
+            for op, problem in problems.items():
+                refill(problem, new[op])
+            gathered.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize(world.device)
+            worst = max([worst] + [relative_error(problems[op].out, new[op].ref) for op in OPS])
+            rows_exact = rows_exact and torch.equal(gathered, new["all_gather_matmul"].x)
+        graph = None
+        gc.collect()
+        deadline = time.monotonic() + RELEASED_WITHIN_S
+        while comm.holders != alone and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = comm.holders
+        ok = worst < TOLERANCE[dtype] and rows_exact and held > alone and after == alone
+        detail = (f"worst rel_err over {replays} replays after the group went={worst:.2e}, "
+                  f"gathered rows exact={rows_exact}; communicator holders: {alone} alone, "
+                  f"{held} while the graph held the plans, {after} after it went")
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, world.rank, ok, detail)
 
 
 def check_graph_replay(group, reporter, label, seed_base, replays=20):
@@ -1016,6 +1078,8 @@ def main_processes(args, reporter):
         check_gather_forms(world, reporter, f"tp{size}", seed[0] + 80_000)
     if size == 1 and not args.quick:
         check_clean_exit(reporter, f"tp{size}", local_rank)
+    if not args.quick:
+        check_graph_outlives_group(world, reporter, f"tp{size}", seed[0] + 57_000)
     if size >= 2:
         check_drop_order(world, reporter, f"tp{size}", seed[0] + 88_000)
     if size == 4 and not args.quick:
