@@ -388,12 +388,14 @@ def check_fused_wgrad(group, reporter, label, seed_base):
     """The layers with fuse_wgrad_accumulation: each weight's gradient is added, in float32, to a
     random main_grad already there (without and with sequence parallelism, bf16 and fp32); the
     difference against the float64 reference; the weight without Megatron's mark gets no .grad,
-    the one with it the mark set and a placeholder; x's and the biases' gradients as usual."""
+    the one with it the mark set and a placeholder; x's and the biases' gradients as usual. With
+    fsdp-overwrite, the column layer's weight is Megatron-FSDP's: its main_grad comes from
+    get_main_grad(), full of NaN, and overwrite_main_grad makes the gradient replace it."""
     r = group.rank
-    settings = itertools.product((torch.bfloat16, torch.float32), (False, True))
-    for case, (dtype, sp) in enumerate(settings):
+    settings = itertools.product((torch.bfloat16, torch.float32), (False, True), (False, True))
+    for case, (dtype, sp, overwrite) in enumerate(settings):
         name = (f"{label}/layers/fused-wgrad/{str(dtype).removeprefix('torch.')}/"
-                f"sequence_parallel={int(sp)}")
+                f"sequence_parallel={int(sp)}{'/fsdp-overwrite' if overwrite else ''}")
         try:
             p = MlpProblem(group, dtype, seed_base + case)
             layers = p.layers(group, dtype, sp, fuse_wgrad_accumulation=True)
@@ -402,6 +404,13 @@ def check_fused_wgrad(group, reporter, label, seed_base):
                       for layer in layers]
             for layer, prior in zip(layers, priors):
                 layer.weight.main_grad = prior.clone()
+            if overwrite:
+                fsdp = layers[0].weight
+                del fsdp.main_grad
+                priors[0] = torch.zeros_like(priors[0])  # what the gradient is compared against
+                buffer = torch.full_like(priors[0], float("nan"))
+                fsdp.__fsdp_param__, fsdp.overwrite_main_grad = True, True
+                fsdp.get_main_grad = lambda: buffer
             layers[1].weight.grad_added_to_main_grad = False
             rows = p.own_seq if sp else slice(None)
             x_in = p.x[rows].to(dtype).requires_grad_()
@@ -417,10 +426,12 @@ def check_fused_wgrad(group, reporter, label, seed_base):
             marked = layers[1].weight
             grads_ok = (layers[0].weight.grad is None and marked.grad_added_to_main_grad is True
                         and marked.grad is not None and marked.grad.shape == marked.shape)
+            if overwrite:
+                grads_ok = grads_ok and layers[0].weight.main_grad is buffer
             ok = max(errors) < TOLERANCE[dtype] and grads_ok
-            detail = (f"main_grad additions rel_err {errors[0]:.2e}, {errors[1]:.2e}; "
-                      f"x and biases worst {max(errors[2:]):.2e}; .grad and mark as expected: "
-                      f"{grads_ok}")
+            detail = (f"main_grad {'written' if overwrite else 'additions'} rel_err "
+                      f"{errors[0]:.2e}, additions {errors[1]:.2e}; x and biases worst "
+                      f"{max(errors[2:]):.2e}; .grad, mark and buffer as expected: {grads_ok}")
         except Exception as e:
             ok, detail = False, f"{type(e).__name__}: {e}"
         reporter.record(name, r, ok, detail)

@@ -364,6 +364,38 @@ def check_main_grads_anywhere(report, dtype):
                   f"marked with placeholder grads: {marked}; replay's worst group error {err:.2e}")
 
 
+def check_main_grads_fsdp(report, dtype):
+    """The module's backward with Megatron-FSDP's weights: each main_grad is asked of
+    get_main_grad(); the even groups' weights carry overwrite_main_grad and their buffers start
+    full of NaN, which the gradient replaces; the odd groups' buffers are added to."""
+    groups, in_features, out_features, rows = 6, 256, 128, 3000
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(23)
+    sizes = random_splits(groups, rows, gen)
+    m_splits = sizes.to(dev)
+    x = torch.randn(rows, in_features, generator=gen).to(dev, dtype)
+    dy = torch.randn(rows, out_features, generator=gen).to(dev, dtype)
+    starts = [torch.full((out_features, in_features), float("nan"), device=dev) if g % 2 == 0
+              else torch.randn(out_features, in_features, generator=gen).to(dev)
+              for g in range(groups)]
+    buffers = [start.clone() for start in starts]
+    layer = mt.GroupedLinear(groups, in_features, out_features, device=dev, dtype=dtype,
+                             fuse_wgrad_accumulation=True)
+    for g, weight in enumerate(layer.weights()):
+        weight.__fsdp_param__ = True
+        weight.get_main_grad = lambda buffer=buffers[g]: buffer
+        weight.overwrite_main_grad = g % 2 == 0
+    layer(x.detach().requires_grad_(), m_splits).backward(dy)
+    torch.cuda.synchronize()
+    want = reference("wgrad", x, dy, None, None, sizes)
+    err = max(relative_error(buffers[g], want[g] if g % 2 == 0 else starts[g].double() + want[g])
+              for g in range(groups))
+    asked = all(w.main_grad is b for w, b in zip(layer.weights(), buffers))
+    report.record(f"main-grads-fsdp/{str(dtype)[6:]}", 0, err <= TOLERANCE[dtype] and asked,
+                  f"worst group's relative error {err:.2e} (even groups overwritten, odd added "
+                  f"to); buffers from get_main_grad: {asked}")
+
+
 def check_graph_capture(report, dtype):
     """Forward and backward of the functional op captured once; replays with new inputs and new
     device-side splits (the host never learns them) must all be right."""
@@ -560,6 +592,8 @@ def main():
     checks += [(f"graph/{d}", lambda d=d: check_graph_capture(report, d))
                for d in (torch.bfloat16, torch.float32)]
     checks += [(f"main-grads-anywhere/{d}", lambda d=d: check_main_grads_anywhere(report, d))
+               for d in (torch.bfloat16, torch.float32)]
+    checks += [(f"main-grads-fsdp/{d}", lambda d=d: check_main_grads_fsdp(report, d))
                for d in (torch.bfloat16, torch.float32)]
     checks += [("edge-shapes", lambda: check_edge_shapes(report)),
                ("delayed-wgrad", lambda: check_delayed_wgrad_side_stream(report)),

@@ -188,6 +188,25 @@ def test_main_grad_accumulation():
         layer(x, splits([2, 0, 4])).sum().backward()
 
 
+def test_main_grad_of_megatron_fsdp():
+    """Megatron-FSDP's parameters: each main_grad is asked of get_main_grad() at the backward, and
+    overwrite_main_grad makes the gradient replace that buffer's contents (a NaN there included)
+    instead of adding to them; weights without it are added to."""
+    torch.manual_seed(4)
+    layer = mt.GroupedLinear(3, 4, 8, bias=False, fuse_wgrad_accumulation=True)
+    buffers = [torch.full((8, 4), float("nan")), torch.full((8, 4), 2.0), torch.ones(8, 4)]
+    for w, buffer, overwrite in zip(layer.weights(), buffers, (True, True, False)):
+        w.__fsdp_param__ = True
+        w.get_main_grad = lambda buffer=buffer: buffer
+        w.overwrite_main_grad = overwrite
+    x = torch.randn(6, 4)
+    layer(x, splits([2, 0, 4])).sum().backward()
+    assert all(w.main_grad is buffer for w, buffer in zip(layer.weights(), buffers))
+    torch.testing.assert_close(buffers[0], torch.ones(2, 8).T @ x[:2])
+    torch.testing.assert_close(buffers[1], torch.zeros(8, 4))  # an empty group's gradient
+    torch.testing.assert_close(buffers[2], 1 + torch.ones(4, 8).T @ x[2:])
+
+
 def test_argument_errors():
     x = torch.randn(6, 4)
     w = torch.randn(2, 3, 4)

@@ -248,6 +248,44 @@ def test_fused_wgrad_accumulation_follows_megatron(world1):
             assert torch.equal(layer.weight.grad, torch.zeros_like(layer.weight))
 
 
+class _FsdpWeight:
+    """What Megatron-FSDP gives a parameter: ``__fsdp_param__`` and ``get_main_grad()``, which
+    hands out the buffer (here: counting the calls)."""
+
+    def __init__(self, weight, buffer):
+        self.buffer, self.calls = buffer, 0
+        weight.__fsdp_param__ = True
+        weight.get_main_grad = self
+
+    def __call__(self):
+        self.calls += 1
+        return self.buffer
+
+
+def test_fused_wgrad_accumulation_follows_megatron_fsdp(world1):
+    """Megatron-FSDP's parameters: the main_grad is asked of get_main_grad() at the backward, and
+    overwrite_main_grad makes the gradient replace the buffer's contents (a NaN there is not read)
+    instead of adding to them."""
+    for cls, overwrite in itertools.product((mt.ColumnParallelLinear, mt.RowParallelLinear),
+                                            (False, True)):
+        layer = cls(4, 6, world1, fuse_wgrad_accumulation=True)
+        reference = torch.nn.Linear(4, 6, dtype=torch.float64)
+        with torch.no_grad():
+            reference.weight.copy_(layer.weight)
+            reference.bias.copy_(layer.bias)
+        prior = torch.full((6, 4), float("nan")) if overwrite else torch.randn(6, 4)
+        fsdp = _FsdpWeight(layer.weight, prior.clone())
+        layer.weight.overwrite_main_grad = overwrite
+        x = torch.randn(5, 4)
+        g = torch.randn(5, 6)
+        (layer(x) * g).sum().backward()
+        (reference(x.double()) * g.double()).sum().backward()
+        assert fsdp.calls == 1 and layer.weight.main_grad is fsdp.buffer
+        written = fsdp.buffer.double() - (0 if overwrite else prior.double())
+        assert _rel(written, reference.weight.grad) < 1e-5, (cls.__name__, overwrite)
+        assert layer.weight.grad is None
+
+
 def test_layers_at_one_rank_are_linear(world1):
     """At tp=1 both layers compute torch.nn.Linear's product: any leading dimensions, a 1-D input,
     no bias; parameters deferred on meta and drawn later; from_linear keeps the dtype; autocast

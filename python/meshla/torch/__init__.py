@@ -34,7 +34,7 @@ import meshla
 from meshla import _meshla
 from meshla.torch import _library
 from meshla.torch._dtypes import DTYPE_NAMES
-from meshla.torch._main_grad import accumulate_weight_grad, added_to_main_grad
+from meshla.torch._main_grad import added_to_main_grad, weight_grad_into_main_grad
 
 __all__ = [
     "ColumnParallelLinear",
@@ -503,7 +503,9 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
     with a float32 output (torch >= 2.10; before, the 16-bit product is added). ``b`` carrying
     Megatron's ``grad_added_to_main_grad`` mark gets it set and a placeholder ``.grad`` that
     Megatron's DDP drops (zeros where ``b`` has ``zero_out_wgrad``, which it adds), as
-    TransformerEngine's layers give them. A trained ``b`` must be in the compute dtype: under
+    TransformerEngine's layers give them. Megatron-FSDP's ``b`` (``__fsdp_param__``) gives its
+    main_grad through ``get_main_grad()``, and with ``overwrite_main_grad`` the gradient replaces
+    the main_grad's contents instead. A trained ``b`` must be in the compute dtype: under
     torch.autocast it is not cast. Eager only: torch.compile breaks its graph at the call
     (``fullgraph=True`` refuses it).
     """
@@ -707,7 +709,7 @@ def _b_grad(ctx, name: str, rows, grad):
     gets in its place (see meshla.torch._main_grad)."""
     if ctx.fused_weight is None:
         return _weight_grad(rows, grad, ctx.trans_b)
-    accumulate_weight_grad(name, ctx.fused_weight, rows, grad, ctx.trans_b)
+    weight_grad_into_main_grad(name, ctx.fused_weight, rows, grad, ctx.trans_b)
     return added_to_main_grad(ctx.fused_weight)
 
 

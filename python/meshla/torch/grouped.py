@@ -34,7 +34,7 @@ from torch.autograd.function import once_differentiable
 from meshla import _meshla
 from meshla.torch._dtypes import DTYPE_NAMES
 from meshla.torch._library import capsule, op
-from meshla.torch._main_grad import added_to_main_grad
+from meshla.torch._main_grad import added_to_main_grad, main_grad_buffer, overwrites_main_grad
 
 __all__ = ["GroupedLinear", "check_device_errors", "grouped_linear", "packed_group_stride"]
 
@@ -391,7 +391,9 @@ class GroupedLinear(torch.nn.Module):
       allocated by the caller anywhere, e.g. in Megatron's gradient buffer) gets ``+= dW_g`` and no
       ``.grad`` is produced; every weight needs one while any expert trains. A weight that carries
       Megatron's ``grad_added_to_main_grad`` mark gets it set, and an uninitialized placeholder
-      ``.grad`` that Megatron's DDP drops (as TransformerEngine's layers do).
+      ``.grad`` that Megatron's DDP drops (as TransformerEngine's layers do). Megatron-FSDP's
+      weights give their main_grad through ``get_main_grad()``; one with ``overwrite_main_grad``
+      has it zeroed first, so the gradient replaces its contents.
     - ``delay_wgrad_compute``: backward computes only input and bias gradients; call
       :meth:`backward_dw` later (on any stream) for the weight gradients.
     """
@@ -491,10 +493,14 @@ class GroupedLinear(torch.nn.Module):
         """Weight gradients as views of one packed buffer, or None per weight after
         accumulating into main_grad."""
         if self.fuse_wgrad_accumulation:
-            main_grads = [getattr(w, "main_grad", None) for w in self.weights()]
+            main_grads = [main_grad_buffer(w) for w in self.weights()]
             if any(g is None for g in main_grads):
                 raise ValueError("GroupedLinear(fuse_wgrad_accumulation=True): every weight needs "
                                  "a float32 .main_grad of shape [out_features, in_features]")
+            # Megatron-FSDP's buffers that the gradient replaces: zeroed, then added to.
+            overwritten = [g for w, g in zip(self.weights(), main_grads) if overwrites_main_grad(w)]
+            if overwritten:
+                torch._foreach_zero_(overwritten)
             torch.ops.meshla.grouped_mm_wgrad_accumulate_(x, dy, m_splits, main_grads)
             return [None] * self.num_groups
         return list(_weight_grad(x, dy, m_splits, self.num_groups, x.dtype).unbind(0))
