@@ -7,17 +7,17 @@
 //   matmul_all_reduce      the same product                    -> out [m, n], the whole sum
 //
 // A CollectiveMatmul is a plan: built once per shape (collectively, by every rank of the group),
-// it owns the GEMM handle, the side stream and the events. Its buffers (staging, peer memory) are
-// its group's, shared by the group's nccl and symmetric plans, sized by the largest of them and
-// grown when a plan needs more; so those plans' executions run one at a time, in call order
-// (cublasmp plans own theirs). A CUDA graph that captured runs of a group's plans uses that same
-// memory when it replays: order its replays with the group's other work (eager runs, other
-// graphs), as for any captured buffer; one stream does. execute() only enqueues work on the
-// caller's stream and forks/joins its side stream there, so it can be captured in a CUDA graph;
-// the graph then holds the plan (its state, memory and communicator) until the graph and the
-// executable graphs made from it are destroyed, and lets go of it on a thread of its own. Except
-// a cublasmp plan, whose NVSHMEM memory is freed collectively, in the order the ranks let go of
-// their plans: a graph must not outlive it.
+// it owns the side stream and the events. Its buffers (staging, peer memory) and cuBLASLt
+// workspace are its group's, shared by the group's nccl and symmetric plans, sized by the largest
+// of them, grown when a plan needs more and kept while the communicator lives; so those plans'
+// executions run one at a time, in call order (cublasmp plans own theirs). A CUDA graph that
+// captured runs of a group's plans uses that same memory when it replays: order its replays with
+// the group's other work (eager runs, other graphs), as for any captured buffer; one stream does.
+// execute() only enqueues work on the caller's stream and forks/joins its side stream there, so it
+// can be captured in a CUDA graph; the graph then holds the plan (its state, memory and
+// communicator) until the graph and the executable graphs made from it are destroyed, and lets go
+// of it on a thread of its own. Except a cublasmp plan, whose NVSHMEM memory is freed collectively,
+// in the order the ranks let go of their plans: a graph must not outlive it.
 #pragma once
 
 #include <cstdint>

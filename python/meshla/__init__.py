@@ -40,10 +40,11 @@ from meshla._meshla import (  # noqa: E402
 
 def _release_communicators_no_more_at_exit():
     """Makes begin_process_exit the first of the exit handlers (atexit runs the last registered
-    first): it waits briefly for the communicators being released, and groups let go of after it
-    (by later handlers, then the interpreter's teardown) leave theirs to the process's end, since
-    an abort would wait for peers that may be waiting for this process. Called again by every
-    group made, so that it stays first."""
+    first): it waits briefly for the releases under way (communicators being aborted, plans let
+    go of by CUDA graphs), and what is let go of after it (by later handlers, then the
+    interpreter's teardown) is left to the process's end, since an abort would wait for peers
+    that may be waiting for this process. Called again by every group made, so that it stays
+    first."""
     atexit.unregister(_meshla.begin_process_exit)
     atexit.register(_meshla.begin_process_exit)
 

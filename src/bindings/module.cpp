@@ -173,10 +173,6 @@ NB_MODULE(_meshla, m) {
       .def_prop_ro("rank", &Communicator::rank)
       .def_prop_ro("size", &Communicator::size)
       .def_prop_ro("device", &Communicator::device)
-      .def_prop_ro(
-          "holders", [](const Communicator& c) { return c.state().use_count(); },
-          "How many objects share this communicator: its handles, the plans made on it, and "
-          "through them the CUDA graphs that captured their runs (released with the last).")
       .def("__repr__", [](const Communicator& c) {
         return "Communicator(rank=" + std::to_string(c.rank()) +
                ", size=" + std::to_string(c.size()) + ", device=" + std::to_string(c.device()) +
@@ -212,6 +208,11 @@ NB_MODULE(_meshla, m) {
         "How many releases are still running on threads of their own: communicators being "
         "aborted (an abort returns once the peers have ended them too), plans let go of by the "
         "CUDA graphs that captured them.");
+  m.def(
+      "communicator_holders", [](const Communicator& c) { return c.state().use_count(); }, "comm"_a,
+      "How many handles share the communicator's state: its Communicator objects and those of the "
+      "plans made on it, which CUDA graphs that captured their runs keep (for tests and "
+      "diagnostics).");
   m.def("backend_unavailable_reason", &backend_unavailable_reason, "backend"_a,
         "Why the collective-matmul backend cannot run in this process, or '' when it can.");
 

@@ -59,9 +59,11 @@ struct CommState {
   // enable_peer_access's answer for this group, once asked. A property of the group, so each plan
   // need not ask again. Like the NCCL communicator itself, used by one thread at a time.
   std::optional<PeerAccess> peer_access;
-  // The memory that this group's collective-matmul plans share (GroupWorkspace::of), while a
-  // plan holds it.
-  std::weak_ptr<GroupWorkspace> group_workspace;
+  // The memory that this group's collective-matmul plans share (GroupWorkspace::of), made by the
+  // first plan and kept until the communicator goes. Kept, not dropped with the last plan: plans
+  // go at moments that differ between ranks (with the last CUDA graph that held them), and a rank
+  // that made the workspace again would grow it, collectively, where its peers do not.
+  std::shared_ptr<GroupWorkspace> group_workspace;
 
  private:
   std::function<void(std::vector<ncclComm_t>)> release_;

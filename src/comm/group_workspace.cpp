@@ -19,12 +19,10 @@ std::size_t grown_size(std::size_t needed, std::size_t capacity, bool keep_old) 
 }  // namespace
 
 std::shared_ptr<GroupWorkspace> GroupWorkspace::of(CommState& state) {
-  std::shared_ptr<GroupWorkspace> workspace = state.group_workspace.lock();
-  if (workspace == nullptr) {
-    workspace = std::make_shared<GroupWorkspace>(state);
-    state.group_workspace = workspace;
+  if (state.group_workspace == nullptr) {
+    state.group_workspace = std::make_shared<GroupWorkspace>(state);
   }
-  return workspace;
+  return state.group_workspace;
 }
 
 GroupWorkspace::GroupWorkspace(const CommState& state)

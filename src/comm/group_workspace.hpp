@@ -29,8 +29,7 @@ class GroupWorkspace {
     std::size_t scratch_bytes = 0;  // local memory
   };
 
-  // The group's workspace, made on first use. The group holds it weakly: it goes with the last
-  // plan that holds it.
+  // The group's workspace, made on first use; it goes with the group's communicator.
   static std::shared_ptr<GroupWorkspace> of(CommState& state);
 
   explicit GroupWorkspace(const CommState& state);

@@ -165,22 +165,24 @@ ExecutionOrder::ExecutionOrder(int device, std::string context, std::chrono::mil
   Watchdog::instance().add(watched_, device);
 }
 
-void ExecutionOrder::begin(cudaStream_t stream, const char* run) {
+cudaGraph_t ExecutionOrder::begin(cudaStream_t stream, const char* run) {
   beginning_ = run;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   unsigned long long capture_id = 0;
-  MESHLA_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &capture, &capture_id));
+  cudaGraph_t graph = nullptr;
+  MESHLA_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &capture, &capture_id, &graph));
   ending_eager_ = capture == cudaStreamCaptureStatusNone;
   if (ending_eager_) {
     if (executed_) MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, watched_->done.get(), 0));
     executed_ = true;
-    return;
+    return nullptr;
   }
   if (captured_in_ == capture_id) {
     MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, captured_done_.get(), 0));
   }
   captured_in_ = capture_id;
   ++captured_runs_;
+  return capture == cudaStreamCaptureStatusActive ? graph : nullptr;
 }
 
 void ExecutionOrder::end(cudaStream_t stream) { MESHLA_CHECK_CUDA(record_end(stream)); }

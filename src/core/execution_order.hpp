@@ -3,6 +3,7 @@
 // that ends the process when an eager run never finishes.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -33,8 +34,9 @@ class ExecutionOrder {
   // into a CUDA graph for the last run captured in the same capture (an event recorded inside a
   // capture cannot be waited on outside it; between a graph's replays and other work the caller
   // orders, as for any captured buffer). `run` names the run for the watchdog: a string with
-  // static storage duration ("all_gather_matmul (backend=nccl)").
-  void begin(cudaStream_t stream, const char* run);
+  // static storage duration ("all_gather_matmul (backend=nccl)"). Returns the graph that
+  // `stream` is capturing, nullptr for an eager run.
+  cudaGraph_t begin(cudaStream_t stream, const char* run);
   // Marks the end of the run begun last, once its work is enqueued on `stream`; an eager run is
   // watched from here.
   void end(cudaStream_t stream);
@@ -56,7 +58,9 @@ class ExecutionOrder {
   // The eager runs' event and what the watchdog knows of them; shared with the watchdog, which
   // may still be querying the event while this order goes.
   std::shared_ptr<WatchedRuns> watched_;
-  bool executed_ = false;
+  // Whether an eager run began: read by a plan's teardown, which may run on another thread than
+  // the one beginning a sibling plan's runs.
+  std::atomic<bool> executed_ = false;
   Event captured_done_;  // recorded after the last captured run, inside capture captured_in_
   std::optional<unsigned long long> captured_in_;
   std::uint64_t captured_runs_ = 0;

@@ -31,7 +31,7 @@ Releases& releases() {
 // itself waits for this process to end is cut short.
 constexpr std::chrono::seconds kExitWaitForReleases{5};
 
-// What a captured graph holds (hold_in_captured_graph).
+// What a captured graph holds (hold_in_graph).
 struct HeldByGraph {
   int device;
   std::shared_ptr<const void> owner;
@@ -87,11 +87,7 @@ int releases_under_way() {
   return state.in_flight;
 }
 
-void hold_in_captured_graph(cudaStream_t stream, int device, std::shared_ptr<const void> owner) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaGraph_t graph = nullptr;
-  MESHLA_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &capture, nullptr, &graph));
-  if (capture != cudaStreamCaptureStatusActive) return;
+void hold_in_graph(cudaGraph_t graph, int device, std::shared_ptr<const void> owner) {
   auto* held = new HeldByGraph{device, std::move(owner)};
   cudaUserObject_t object = nullptr;
   const cudaError_t created =

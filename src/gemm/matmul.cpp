@@ -4,6 +4,7 @@
 #include <array>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -272,17 +273,29 @@ class Descriptors {
   bool tuned_ = false;
 };
 
-}  // namespace
-
-struct Matmul::Impl {
-  explicit Impl(int device_) : device(device_), workspace(device_, kWorkspaceBytes) {
+// The device's cuBLASLt handle, made on first use and kept for the process's life: a registry
+// keyed by device. cublasLtDestroy invalidates the CUDA graph captures under way on the device,
+// whatever their thread and capture mode, and plans go at moments no thread chose (with the last
+// graph that held them, on a thread of their own). A cuBLASLt handle keeps no per-call state (the
+// stream, workspace and algorithm are each call's), so the plans of a device share it, from any
+// thread.
+cublasLtHandle_t device_handle(int device) {
+  static std::mutex* const mutex = new std::mutex();
+  static auto* const handles = new std::map<int, cublasLtHandle_t>();
+  std::lock_guard lock(*mutex);
+  cublasLtHandle_t& handle = (*handles)[device];
+  if (handle == nullptr) {
     detail::DeviceGuard guard(device);
     MESHLA_CHECK_CUBLAS(cublasLtCreate(&handle));
   }
-  ~Impl() {
-    cache.clear();
-    if (handle) cublasLtDestroy(handle);
-  }
+  return handle;
+}
+
+}  // namespace
+
+struct Matmul::Impl {
+  explicit Impl(int device_)
+      : device(device_), handle(device_handle(device_)), workspace(device_, kWorkspaceBytes) {}
 
   Descriptors& lookup(const ResolvedShape& resolved) {
     auto key = resolved.key();

@@ -191,11 +191,11 @@ std::unique_ptr<overlap::Executor> make_executor(const Communicator& comm,
 
 // Before a plan goes, with the buffers and the communicator it may take along: waits for the last
 // eager execution in `order` (a graph that captured the plan's runs holds the plan itself, see
-// hold_in_captured_graph). One that never finishes ends the process through the order's watchdog,
-// at its timeout counted from its enqueue, so before this wait gives up; should the watchdog not
-// have, this says so and returns false, and the plan leaks its whole state (memory, and the
-// communicator whose abort would cut the stalled execution short), since freeing memory that the
-// execution may use would wait for it.
+// hold_in_graph; a cublasmp plan's it does not, and must not outlive). One that never finishes ends
+// the process through the order's watchdog, at its timeout counted from its enqueue, so before this
+// wait gives up; should the watchdog not have, this says so and returns false, and the plan leaks
+// its whole state (memory, and the communicator whose abort would cut the stalled execution short),
+// since freeing memory that the execution may use would wait for it.
 bool finished_before_teardown(const detail::ExecutionOrder& order, const Communicator& comm,
                               std::string_view plan) {
   if (order.wait_for_last_eager(comm.timeout()) != cudaErrorNotReady) return true;
@@ -248,7 +248,7 @@ CollectiveMatmulConfig resolve_for_group(const Communicator& comm,
 
 }  // namespace
 
-struct CollectiveMatmul::Impl {
+struct CollectiveMatmul::Impl : std::enable_shared_from_this<CollectiveMatmul::Impl> {
   Impl(Communicator comm_, const CollectiveMatmulConfig& requested)
       : comm(std::move(comm_)),
         config(resolve_for_group(comm, requested)),
@@ -261,8 +261,13 @@ struct CollectiveMatmul::Impl {
     // stream-ordered, also across streams and within one capture (two micro-batches of one layer
     // in one graph).
     detail::ExecutionOrder& order = executor->order();
-    order.begin(stream, run_name(config.op, config.backend));
+    const cudaGraph_t capture = order.begin(stream, run_name(config.op, config.backend));
     try {
+      // Not a cublasmp plan: its NVSHMEM memory is freed collectively, in the order in which the
+      // ranks let go of their plans, which a graph's release, whenever it comes, would not keep.
+      if (capture != nullptr && config.backend != Backend::kCublasMp) {
+        detail::hold_in_graph(capture, comm.device(), shared_from_this());
+      }
       executor->enqueue(args, stream);
     } catch (...) {
       order.end_after_failure(stream);
@@ -287,17 +292,12 @@ CollectiveMatmul& CollectiveMatmul::operator=(CollectiveMatmul&&) noexcept = def
 
 void CollectiveMatmul::execute(const CollectiveMatmulArgs& args, cudaStream_t stream) {
   impl_->execute(args, stream);
-  // Not cublasmp's: its NVSHMEM memory is freed collectively, in the order in which the ranks let
-  // go of their plans, which a graph's release on a thread of its own would not keep.
-  if (impl_->config.backend != Backend::kCublasMp) {
-    detail::hold_in_captured_graph(stream, impl_->comm.device(), impl_);
-  }
 }
 
 const CollectiveMatmulConfig& CollectiveMatmul::config() const { return impl_->config; }
 const Communicator& CollectiveMatmul::communicator() const { return impl_->comm; }
 
-struct AllGather::Impl {
+struct AllGather::Impl : std::enable_shared_from_this<AllGather::Impl> {
   Impl(Communicator comm_in, const AllGatherConfig& config_in)
       : comm(std::move(comm_in)),
         config((overlap::check_all_gather_config(config_in), config_in)),
@@ -310,8 +310,9 @@ struct AllGather::Impl {
     // After the group's previous execution, whose NCCL calls on this communicator may be on
     // another stream, and before its next.
     detail::ExecutionOrder& order = workspace->order();
-    order.begin(stream, "all_gather (backend=nccl)");
+    const cudaGraph_t capture = order.begin(stream, "all_gather (backend=nccl)");
     try {
+      if (capture != nullptr) detail::hold_in_graph(capture, comm.device(), shared_from_this());
       MESHLA_CHECK_NCCL(ncclAllGather(rows.data, gathered.data,
                                       static_cast<std::size_t>(config.rows * config.cols), type,
                                       comm.state()->comm, stream));
@@ -341,7 +342,6 @@ AllGather& AllGather::operator=(AllGather&&) noexcept = default;
 
 void AllGather::execute(const TensorView& rows, const TensorView& gathered, cudaStream_t stream) {
   impl_->execute(rows, gathered, stream);
-  detail::hold_in_captured_graph(stream, impl_->comm.device(), impl_);
 }
 
 const AllGatherConfig& AllGather::config() const { return impl_->config; }

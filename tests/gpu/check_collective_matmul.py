@@ -576,63 +576,135 @@ def worst_over_replays(group, graph, problems, fresh, replays, gathered=True):
     return worst
 
 
+def holders(comm):
+    return meshla._meshla.communicator_holders(comm)
+
+
+def wait_until(condition, within_s):
+    """Polls `condition` until it holds or `within_s` seconds have passed; whether it holds."""
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
 def check_graph_outlives_group(world, reporter, label, seed_base, replays=20):
-    """A CUDA graph holds the plans whose runs it captured, and through them their communicator:
-    with the group and its plans let go of before the graph (one op per backend, and the
-    all-gather of recompute_gathered's backward), every replay still computes right, nothing freed
-    or aborted under it; once the graph goes, so do the plans, on threads of their own (the
-    communicator's holders fall back to this check's handle alone) within RELEASED_WITHIN_S."""
+    """A CUDA graph holds the plans whose runs it captured, and through them their communicator
+    and memory: with the group and its plans let go of before the graph (one op per backend, and
+    the all-gather of recompute_gathered's backward), every replay still computes right; once the
+    graph goes, so do the plans, on threads of their own (the communicator's holders fall back to
+    this check's handle alone) within RELEASED_WITHIN_S. Without the graph's hold, the plans
+    would go with the group (holders back to one before the replays)."""
     name = f"{label}/graph-outlives-group"
     try:
         dtype, m, n, k = torch.bfloat16, 128 * world.size, 256, 192
         backends = dict(zip(OPS, ("symmetric", "nccl", "symmetric")))
         group = mt.group_from_process_group(device=world.device)
         comm = group.comm
-        alone = comm.holders
+        alone = holders(comm)
 
         def fresh(replay):
             return {op: Problem(op, world, dtype, m, n, k, seed_base + 10 * replay + i, False, True)
                     for i, op in enumerate(OPS)}
 
-        problems = fresh(0)
+        problems, gathered = fresh(0), []
 
         def run_all_ops():
             for op, backend in backends.items():
                 run_op(op, problems[op], group, "ring", False, backend=backend)
-            return torch.ops.meshla.all_gather(problems["all_gather_matmul"].a, group.key)
+            gathered[:] = [torch.ops.meshla.all_gather(problems["all_gather_matmul"].a, group.key)]
 
         run_all_ops()  # eager first: builds the plans outside capture
         torch.cuda.synchronize(world.device)
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(world.device)
-        stream.wait_stream(torch.cuda.current_stream(world.device))
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream,
-                                                         capture_error_mode="thread_local"):
-            gathered = run_all_ops()
-        torch.cuda.current_stream(world.device).wait_stream(stream)
+        graph = capture(world, [run_all_ops])
         group = run_all_ops = None  # the group, its plans (held by the group), all let go of
         gc.collect()
-        held = comm.holders
+        held = holders(comm)
         worst, rows_exact = 0.0, True
         for replay in range(1, replays + 1):
             new = fresh(replay)
             for op, problem in problems.items():
                 refill(problem, new[op])
-            gathered.fill_(float("nan"))
+            gathered[0].fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize(world.device)
             worst = max([worst] + [relative_error(problems[op].out, new[op].ref) for op in OPS])
-            rows_exact = rows_exact and torch.equal(gathered, new["all_gather_matmul"].x)
+            rows_exact = rows_exact and torch.equal(gathered[0], new["all_gather_matmul"].x)
         graph = None
         gc.collect()
-        deadline = time.monotonic() + RELEASED_WITHIN_S
-        while comm.holders != alone and time.monotonic() < deadline:
-            time.sleep(0.05)
-        after = comm.holders
-        ok = worst < TOLERANCE[dtype] and rows_exact and held > alone and after == alone
+        released = wait_until(lambda: holders(comm) == alone, RELEASED_WITHIN_S)
+        ok = worst < TOLERANCE[dtype] and rows_exact and held > alone and released
         detail = (f"worst rel_err over {replays} replays after the group went={worst:.2e}, "
                   f"gathered rows exact={rows_exact}; communicator holders: {alone} alone, "
-                  f"{held} while the graph held the plans, {after} after it went")
+                  f"{held} while the graph held the plans, {holders(comm)} after it went")
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, world.rank, ok, detail)
+
+
+def check_release_during_capture(world, reporter, label, seed_base):
+    """Plans let go of by the graph that held them last, on a thread of their own, and then their
+    group's communicator and memory let go of by this thread, all while another thread captures a
+    graph of its own (thread_local, as one thread per GPU does): nothing of that teardown may
+    synchronise the device (cublasLtDestroy did, invalidating every capture under way), so the
+    other capture ends without error and its graph replays right."""
+    name = f"{label}/release-during-capture"
+    try:
+        dtype, m, n, k = torch.bfloat16, 128 * world.size, 256, 192
+        group = mt.group_from_process_group(device=world.device)
+        comm = group.comm
+        alone = holders(comm)
+        p = Problem("matmul_all_reduce", world, dtype, m, n, k, seed_base, False, True)
+
+        def run():
+            run_op("matmul_all_reduce", p, group, "ring", False, backend="symmetric")
+
+        run()
+        torch.cuda.synchronize(world.device)
+        holding = capture(world, [run])
+        group = run = None
+        gc.collect()
+        gen = torch.Generator(device=world.device).manual_seed(seed_base + 1)
+        x = torch.randn(512, 512, generator=gen, device=world.device) / 512**0.5
+        began, torn_down, outcome = threading.Event(), threading.Event(), {}
+
+        def capture_meanwhile():
+            try:
+                torch.cuda.set_device(world.device)
+                graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(world.device)
+                with torch.cuda.stream(stream), torch.cuda.graph(
+                        graph, stream=stream, capture_error_mode="thread_local"):
+                    y = x @ x
+                    began.set()
+                    torn_down.wait(RELEASED_WITHIN_S)
+                    y = y @ x
+                outcome.update(graph=graph, y=y)
+            except Exception as e:
+                outcome["error"] = f"{type(e).__name__}: {e}"
+                began.set()
+
+        other = threading.Thread(target=capture_meanwhile)
+        other.start()
+        began.wait(RELEASED_WITHIN_S)
+        del holding  # the graph goes; its plans go on a thread of their own
+        gc.collect()
+        plans_gone = wait_until(lambda: holders(comm) == alone, RELEASED_WITHIN_S)
+        comm = None  # the communicator (aborted on a thread of its own) and the workspace
+        gc.collect()
+        aborted = wait_until(lambda: meshla._meshla.releases_under_way() == 0, RELEASED_WITHIN_S)
+        torn_down.set()
+        other.join(RELEASED_WITHIN_S)
+        err = float("inf")
+        if "graph" in outcome:
+            outcome["y"].fill_(float("nan"))
+            outcome["graph"].replay()
+            torch.cuda.synchronize(world.device)
+            err = relative_error(outcome["y"], x.double() @ x.double() @ x.double())
+        # TF32 or not, a stale or missing result would be far off.
+        ok = plans_gone and aborted and err < TOLERANCE[torch.bfloat16]
+        detail = (f"plans released during the capture: {plans_gone}; communicator aborted: "
+                  f"{aborted}; the other thread's capture: "
+                  f"{outcome.get('error', f'ended, replay rel_err={err:.2e}')}")
     except Exception as e:
         ok, detail = False, f"{type(e).__name__}: {e}"
     reporter.record(name, world.rank, ok, detail)
@@ -1091,6 +1163,7 @@ def main_processes(args, reporter):
         check_clean_exit(reporter, f"tp{size}", local_rank)
     if not args.quick:
         check_graph_outlives_group(world, reporter, f"tp{size}", seed[0] + 57_000)
+        check_release_during_capture(world, reporter, f"tp{size}", seed[0] + 58_000)
     if size >= 2:
         check_drop_order(world, reporter, f"tp{size}", seed[0] + 88_000)
     if size == 4 and not args.quick:

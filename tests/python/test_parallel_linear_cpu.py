@@ -205,7 +205,8 @@ def test_fused_wgrad_accumulation_refuses_what_it_cannot_do(world1):
         assert "fuse_wgrad_accumulation=True" in repr(layer)
         with pytest.raises(ValueError, match=r"fuse_wgrad_accumulation=True\): the weight needs a "
                                              r"\.main_grad of torch\.float32, shape \[6, 4\], on "
-                                             r"cpu, before the backward; it has none"):
+                                             r"cpu, before the backward \(Megatron-FSDP.s: from "
+                                             r"get_main_grad\(\)\); it has none"):
             layer(x).sum().backward()
         layer.weight.main_grad = torch.zeros(4, 6)
         with pytest.raises(ValueError, match=r"it has torch\.float32 \[4, 6\] on cpu"):

@@ -18,6 +18,8 @@ _ADDMM_INTO_FLOAT32 = TorchVersion(torch.__version__) >= "2.10"
 def main_grad_buffer(weight: torch.Tensor):
     """``weight.main_grad``, or None; asked of Megatron-FSDP first."""
     if hasattr(weight, "__fsdp_param__"):
+        # Kept as the attribute too, as TransformerEngine keeps it: Megatron-FSDP hands out the
+        # buffer of the current step, and code after the backward reads weight.main_grad.
         weight.main_grad = weight.get_main_grad()
     return getattr(weight, "main_grad", None)
 
@@ -41,7 +43,7 @@ def main_grad_of(name: str, weight: torch.Tensor) -> torch.Tensor:
         dtypes = " or ".join(dict.fromkeys(str(t) for t in (torch.float32, weight.dtype)))
         raise ValueError(f"{name}(fuse_wgrad_accumulation=True): the weight needs a .main_grad of "
                          f"{dtypes}, shape {list(weight.shape)}, on {weight.device}, before the "
-                         f"backward; it has {got}")
+                         f"backward (Megatron-FSDP's: from get_main_grad()); it has {got}")
     return main_grad
 
 
@@ -60,7 +62,10 @@ def weight_grad_into_main_grad(name: str, weight, rows, grad, trans_b: bool):
         torch.addmm(main_grad, left, right, out_dtype=torch.float32, beta=beta, out=main_grad)
     elif main_grad.is_cuda:  # older torch: the 16-bit product, then its addition or copy
         product = left @ right
-        main_grad.add_(product) if beta else main_grad.copy_(product)
+        if beta:
+            main_grad.add_(product)
+        else:
+            main_grad.copy_(product)
     else:  # the CPU reference path, in float32
         main_grad.addmm_(left.float(), right.float(), beta=beta)
 

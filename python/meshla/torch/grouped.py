@@ -496,7 +496,8 @@ class GroupedLinear(torch.nn.Module):
             main_grads = [main_grad_buffer(w) for w in self.weights()]
             if any(g is None for g in main_grads):
                 raise ValueError("GroupedLinear(fuse_wgrad_accumulation=True): every weight needs "
-                                 "a float32 .main_grad of shape [out_features, in_features]")
+                                 "a float32 .main_grad of shape [out_features, in_features] "
+                                 "(Megatron-FSDP's: from get_main_grad())")
             # Megatron-FSDP's buffers that the gradient replaces: zeroed, then added to.
             overwritten = [g for w, g in zip(self.weights(), main_grads) if overwrites_main_grad(w)]
             if overwritten:
