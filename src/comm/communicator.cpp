@@ -144,7 +144,9 @@ void wait_until_done(ncclComm_t comm, const char* what, int rank, int size, int 
 }
 
 // Owns the communicators of one creation until they are handed to CommStates, aborting them if
-// creation fails part-way.
+// creation fails part-way: here, on the failing thread, not with release_nccl_comms, since a
+// parent's split job may still be writing a twin's handle into `comms` until the parent's abort
+// has returned. The peers, failing too, abort theirs within their own timeout.
 struct PendingComms {
   std::vector<ncclComm_t> comms;
   explicit PendingComms(std::size_t count) : comms(count, nullptr) {}
