@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <memory>
 #include <thread>
@@ -71,6 +72,34 @@ TEST(Releases, ThatWaitForEachOtherAllFinish) {
   EXPECT_TRUE(first_result.get()) << "the first release waited in vain for the second";
   EXPECT_TRUE(second_result.get()) << "the second release waited in vain for the first";
   EXPECT_TRUE(all_released());
+}
+
+// At the process's end: begin_process_exit waits for the releases under way, and a release asked
+// for after it is left unrun, with what it holds. In a child process, since the process's end
+// cannot be undone.
+TEST(ReleasesDeathTest, AfterTheProcessBeginsToEndAreLeftUnrun) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        std::promise<void> finish;
+        std::shared_future<void> may_finish = finish.get_future().share();
+        bool first_ran = false;
+        detail::release_on_own_thread(0, [may_finish, &first_ran] {
+          may_finish.wait();
+          first_ran = true;
+        });
+        std::thread finisher([&finish] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          finish.set_value();
+        });
+        detail::begin_process_exit();  // waits for the first release
+        finisher.join();
+        bool second_ran = false;
+        detail::release_on_own_thread(0, [&second_ran] { second_ran = true; });
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        std::exit(first_ran && !second_ran && detail::releases_under_way() == 0 ? 0 : 1);
+      },
+      testing::ExitedWithCode(0), "");
 }
 
 }  // namespace
