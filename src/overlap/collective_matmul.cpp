@@ -329,8 +329,8 @@ struct AllGather::Impl : std::enable_shared_from_this<AllGather::Impl> {
   Communicator comm;
   AllGatherConfig config;
   ncclDataType_t type;
-  // For its order, with the nccl and symmetric plans' executions: so this plan keeps the
-  // group's workspace (made here if the group has none yet) as long as they do.
+  // For its order, with the nccl and symmetric plans' executions (the group's workspace, made
+  // here if the group has none yet).
   std::shared_ptr<detail::GroupWorkspace> workspace;
 };
 
