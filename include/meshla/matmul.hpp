@@ -39,7 +39,8 @@ struct MatmulOperands {
 
 class Matmul {
  public:
-  // Creates the cuBLASLt handle and a workspace on `device`.
+  // A workspace on `device`, and the device's cuBLASLt handle (made on first use, kept for the
+  // process's life).
   explicit Matmul(int device);
   ~Matmul();
   Matmul(Matmul&&) noexcept;

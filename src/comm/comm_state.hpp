@@ -60,9 +60,10 @@ struct CommState {
   // need not ask again. Like the NCCL communicator itself, used by one thread at a time.
   std::optional<PeerAccess> peer_access;
   // The memory that this group's collective-matmul plans share (GroupWorkspace::of), made by the
-  // first plan and kept until the communicator goes. Kept, not dropped with the last plan: plans
-  // go at moments that differ between ranks (with the last CUDA graph that held them), and a rank
-  // that made the workspace again would grow it, collectively, where its peers do not.
+  // first plan and kept until the communicator goes (then freed on a thread of its own). Kept, not
+  // dropped with the last plan: plans go at moments that differ between ranks (with the last CUDA
+  // graph that held them), and a rank that made the workspace again would grow it, collectively,
+  // where its peers do not.
   std::shared_ptr<GroupWorkspace> group_workspace;
 
  private:

@@ -24,6 +24,13 @@ CommState::CommState(ncclComm_t comm_, ncclComm_t bootstrap_, int rank_, int siz
       release_(std::move(release)) {}
 
 CommState::~CommState() {
+  // The workspace goes on a thread of its own: its cudaFree waits for the work queued on the peer
+  // devices, which, where one process drives several ranks, may wait for a thread that the one
+  // letting go here holds up (Python's, holding the GIL).
+  if (group_workspace != nullptr) {
+    release_on_own_thread(
+        device, [workspace = std::move(group_workspace)]() mutable { workspace.reset(); });
+  }
   if (!release_) return;
   std::vector<ncclComm_t> comms;
   for (ncclComm_t handle : {comm, bootstrap}) {

@@ -1,5 +1,5 @@
 // What the collective-matmul plans of one group share: peer memory (the symmetric backend's flags
-// and blocks), local scratch (staged products, gathered rows), and the cuBLASLt handle with its
+// and blocks), local scratch (staged products, gathered rows), and a Matmul: the cuBLASLt
 // workspace and tuned algorithms. The memory is sized by the largest plan built so far and grown
 // at plan time when a new plan needs more, so that a group that runs many shapes holds one of
 // each, not one per shape. The plans' executions share all of it, so they run one at a time, in

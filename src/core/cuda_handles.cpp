@@ -95,16 +95,30 @@ StreamBuffer& StreamBuffer::operator=(StreamBuffer&& other) noexcept {
   return *this;
 }
 
-cudaError_t wait_for_event(cudaEvent_t event, std::chrono::milliseconds timeout) {
+namespace {
+
+// Calls `query` until it reports anything but cudaErrorNotReady, or `timeout` has passed.
+template <typename Query>
+cudaError_t poll(Query query, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::microseconds(10);
-  cudaError_t status = cudaEventQuery(event);
+  cudaError_t status = query();
   while (status == cudaErrorNotReady && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(1000));
-    status = cudaEventQuery(event);
+    status = query();
   }
   return status;
+}
+
+}  // namespace
+
+cudaError_t wait_for_event(cudaEvent_t event, std::chrono::milliseconds timeout) {
+  return poll([event] { return cudaEventQuery(event); }, timeout);
+}
+
+cudaError_t wait_for_stream(cudaStream_t stream, std::chrono::milliseconds timeout) {
+  return poll([stream] { return cudaStreamQuery(stream); }, timeout);
 }
 
 }  // namespace meshla::detail

@@ -93,5 +93,7 @@ class StreamBuffer {
 // Polls `event` until it has completed or `timeout` has passed: cudaSuccess, cudaErrorNotReady
 // on timeout, or the error the event reports. Never throws, so destructors may use it.
 cudaError_t wait_for_event(cudaEvent_t event, std::chrono::milliseconds timeout);
+// The same for all the work enqueued on `stream` so far.
+cudaError_t wait_for_stream(cudaStream_t stream, std::chrono::milliseconds timeout);
 
 }  // namespace meshla::detail

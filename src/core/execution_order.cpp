@@ -161,6 +161,7 @@ class Watchdog {
 
 ExecutionOrder::ExecutionOrder(int device, std::string context, std::chrono::milliseconds timeout)
     : watched_(std::make_shared<WatchedRuns>(device, std::move(context), timeout)),
+      waiter_(device, /*high_priority=*/false),
       captured_done_(device) {
   Watchdog::instance().add(watched_, device);
 }
@@ -201,7 +202,9 @@ cudaError_t ExecutionOrder::record_end(cudaStream_t stream) noexcept {
 }
 
 cudaError_t ExecutionOrder::wait_for_last_eager(std::chrono::milliseconds timeout) const {
-  return executed_ ? wait_for_event(watched_->done.get(), timeout) : cudaSuccess;
+  if (!executed_) return cudaSuccess;
+  const cudaError_t snapshot = cudaStreamWaitEvent(waiter_.get(), watched_->done.get(), 0);
+  return snapshot == cudaSuccess ? wait_for_stream(waiter_.get(), timeout) : snapshot;
 }
 
 }  // namespace meshla::detail

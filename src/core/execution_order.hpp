@@ -35,7 +35,7 @@ class ExecutionOrder {
   // capture cannot be waited on outside it; between a graph's replays and other work the caller
   // orders, as for any captured buffer). `run` names the run for the watchdog: a string with
   // static storage duration ("all_gather_matmul (backend=nccl)"). Returns the graph that
-  // `stream` is capturing, nullptr for an eager run.
+  // `stream` is capturing, nullptr for an eager run or an invalidated capture.
   cudaGraph_t begin(cudaStream_t stream, const char* run);
   // Marks the end of the run begun last, once its work is enqueued on `stream`; an eager run is
   // watched from here.
@@ -44,8 +44,9 @@ class ExecutionOrder {
   // recorded: best effort, never throws, so the first error stays the one reported.
   void end_after_failure(cudaStream_t stream) noexcept;
 
-  // Polls until the last eager run has finished on the device or `timeout` has passed:
-  // wait_for_event's status, cudaSuccess when nothing ran. Never throws.
+  // Polls until the last eager run begun so far has finished on the device or `timeout` has
+  // passed: wait_for_event's status, cudaSuccess when nothing ran. Runs begun meanwhile, on other
+  // threads, do not prolong the wait. Never throws.
   cudaError_t wait_for_last_eager(std::chrono::milliseconds timeout) const;
 
   // Runs begun inside a capture so far: their graphs may replay them at any later time.
@@ -61,6 +62,10 @@ class ExecutionOrder {
   // Whether an eager run began: read by a plan's teardown, which may run on another thread than
   // the one beginning a sibling plan's runs.
   std::atomic<bool> executed_ = false;
+  // Waits for the eager runs' event as it stands when wait_for_last_eager is called: polling the
+  // event itself would follow it to every later record, and a plan let go of by a graph, on a
+  // thread of its own, could wait behind its siblings' eager runs until the timeout.
+  Stream waiter_;
   Event captured_done_;  // recorded after the last captured run, inside capture captured_in_
   std::optional<unsigned long long> captured_in_;
   std::uint64_t captured_runs_ = 0;

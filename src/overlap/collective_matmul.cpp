@@ -261,12 +261,12 @@ struct CollectiveMatmul::Impl : std::enable_shared_from_this<CollectiveMatmul::I
     // stream-ordered, also across streams and within one capture (two micro-batches of one layer
     // in one graph).
     detail::ExecutionOrder& order = executor->order();
-    const cudaGraph_t capture = order.begin(stream, run_name(config.op, config.backend));
+    const cudaGraph_t capturing_graph = order.begin(stream, run_name(config.op, config.backend));
     try {
       // Not a cublasmp plan: its NVSHMEM memory is freed collectively, in the order in which the
       // ranks let go of their plans, which a graph's release, whenever it comes, would not keep.
-      if (capture != nullptr && config.backend != Backend::kCublasMp) {
-        detail::hold_in_graph(capture, comm.device(), shared_from_this());
+      if (capturing_graph != nullptr && config.backend != Backend::kCublasMp) {
+        detail::hold_in_graph(capturing_graph, comm.device(), shared_from_this());
       }
       executor->enqueue(args, stream);
     } catch (...) {
@@ -310,9 +310,11 @@ struct AllGather::Impl : std::enable_shared_from_this<AllGather::Impl> {
     // After the group's previous execution, whose NCCL calls on this communicator may be on
     // another stream, and before its next.
     detail::ExecutionOrder& order = workspace->order();
-    const cudaGraph_t capture = order.begin(stream, "all_gather (backend=nccl)");
+    const cudaGraph_t capturing_graph = order.begin(stream, "all_gather (backend=nccl)");
     try {
-      if (capture != nullptr) detail::hold_in_graph(capture, comm.device(), shared_from_this());
+      if (capturing_graph != nullptr) {
+        detail::hold_in_graph(capturing_graph, comm.device(), shared_from_this());
+      }
       MESHLA_CHECK_NCCL(ncclAllGather(rows.data, gathered.data,
                                       static_cast<std::size_t>(config.rows * config.cols), type,
                                       comm.state()->comm, stream));

@@ -4,6 +4,7 @@
 // here, and the release runs all the same.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <future>
@@ -83,7 +84,7 @@ TEST(ReleasesDeathTest, AfterTheProcessBeginsToEndAreLeftUnrun) {
       {
         std::promise<void> finish;
         std::shared_future<void> may_finish = finish.get_future().share();
-        bool first_ran = false;
+        std::atomic<bool> first_ran = false;
         detail::release_on_own_thread(0, [may_finish, &first_ran] {
           may_finish.wait();
           first_ran = true;
@@ -93,11 +94,12 @@ TEST(ReleasesDeathTest, AfterTheProcessBeginsToEndAreLeftUnrun) {
           finish.set_value();
         });
         detail::begin_process_exit();  // waits for the first release
+        const bool waited = first_ran;
         finisher.join();
-        bool second_ran = false;
+        std::atomic<bool> second_ran = false;
         detail::release_on_own_thread(0, [&second_ran] { second_ran = true; });
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        std::exit(first_ran && !second_ran && detail::releases_under_way() == 0 ? 0 : 1);
+        std::exit(waited && !second_ran && detail::releases_under_way() == 0 ? 0 : 1);
       },
       testing::ExitedWithCode(0), "");
 }

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -646,9 +647,10 @@ def check_teardown_during_capture(world, reporter, label, seed_base):
     """A group and its plans (both backends), let go of by this thread while another thread
     captures a CUDA graph of its own (thread_local, as one thread per GPU does): nothing of the
     teardown may synchronise the device (cublasLtDestroy did, and invalidated every capture under
-    way), so the other capture ends without error and its graph replays right. A graph that held
-    the plans last runs the same teardown on a thread of its own, when CUDA calls it back (seen
-    deferred until the captures under way end)."""
+    way), so the other capture ends without error and its graph replays right. The group must be
+    gone by then (a weak reference), and its communicator's abort done. A graph that held the
+    plans last lets go of them on a thread of its own, when CUDA calls it back (seen deferred
+    until the captures under way end)."""
     name = f"{label}/teardown-during-capture"
     try:
         dtype, m, n, k = torch.bfloat16, 128 * world.size, 256, 192
@@ -683,9 +685,11 @@ def check_teardown_during_capture(world, reporter, label, seed_base):
         other = threading.Thread(target=capture_meanwhile)
         other.start()
         began.wait(RELEASED_WITHIN_S)
-        del group  # its plans, workspace (cuBLASLt's included) and communicator go here
+        gone = weakref.ref(group)
+        del group  # its plans here, its communicator and workspace on threads of their own
         gc.collect()
-        aborted = wait_until(lambda: meshla._meshla.releases_under_way() == 0, RELEASED_WITHIN_S)
+        aborted = gone() is None and wait_until(
+            lambda: meshla._meshla.releases_under_way() == 0, RELEASED_WITHIN_S)
         torn_down.set()
         other.join(RELEASED_WITHIN_S)
         err = float("inf")
@@ -696,7 +700,8 @@ def check_teardown_during_capture(world, reporter, label, seed_base):
             err = relative_error(outcome["y"], x.double() @ x.double() @ x.double())
         # TF32 or not, a stale or missing result would be far off.
         ok = aborted and err < TOLERANCE[torch.bfloat16]
-        detail = (f"communicator aborted meanwhile: {aborted}; the other thread's capture: "
+        detail = (f"group gone and its releases done meanwhile: {aborted}; the other thread's "
+                  f"capture: "
                   f"{outcome.get('error', f'ended, replay rel_err={err:.2e}')}")
     except Exception as e:
         ok, detail = False, f"{type(e).__name__}: {e}"
