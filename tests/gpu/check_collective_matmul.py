@@ -643,6 +643,33 @@ def check_graph_outlives_group(world, reporter, label, seed_base, replays=20):
     reporter.record(name, world.rank, ok, detail)
 
 
+def check_workspace_outlives_plans(world, reporter, label, seed_base):
+    """Rank 0 lets go of all its plans of a group (as a graph that held them last would, at a
+    moment of its own), then every rank runs a smaller shape on the symmetric backend: the group's
+    workspace is kept by its communicator, so no rank grows it (a growth is collective) and the
+    result is right. Were it made again on rank 0 alone, rank 0 would wait in a growth that its
+    peers never join, until the group's timeout (30 s here)."""
+    name = f"{label}/workspace-outlives-plans"
+    try:
+        dtype, n, k = torch.bfloat16, 512, 256
+        group = mt.group_from_process_group(device=world.device, timeout_s=30.0)
+        errors = []
+        for index, m in enumerate((1024 * world.size, 128 * world.size)):
+            if index == 1 and world.rank == 0:
+                group._plans.clear()  # rank 0's plans go; the other ranks keep theirs
+                gc.collect()
+            p = Problem("matmul_all_reduce", world, dtype, m, n, k, seed_base + index, False, True)
+            run_op("matmul_all_reduce", p, group, "ring", False, backend="symmetric")
+            torch.cuda.synchronize(world.device)
+            errors.append(relative_error(p.out, p.ref))
+        ok = max(errors) < TOLERANCE[dtype]
+        detail = (f"rel_err before and after rank 0 let go of its plans: {errors[0]:.2e}, "
+                  f"{errors[1]:.2e}")
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, world.rank, ok, detail)
+
+
 def check_teardown_during_capture(world, reporter, label, seed_base):
     """A group and its plans (both backends), let go of by this thread while another thread
     captures a CUDA graph of its own (thread_local, as one thread per GPU does): nothing of the
@@ -1164,6 +1191,7 @@ def main_processes(args, reporter):
         check_teardown_during_capture(world, reporter, f"tp{size}", seed[0] + 58_000)
     if size >= 2:
         check_drop_order(world, reporter, f"tp{size}", seed[0] + 88_000)
+        check_workspace_outlives_plans(world, reporter, f"tp{size}", seed[0] + 89_000)
     if size == 4 and not args.quick:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         sub = mt.group_from_process_group(pairs[rank // 2], device=device)
