@@ -94,6 +94,10 @@ class NcclExecutor final : public Executor {
             config_.k);
     at.bind(Buffer::kPartial, workspace_->scratch() + partial_offset_, config_.n);
     at.bind(Buffer::kOutput, args.out.data, config_.n);
+    if (schedule_.comms.empty()) {  // one rank's sequential run: its GEMM alone
+      enqueue_tasks(at, args, stream);
+      return;
+    }
     comm_stream_.fork(stream);
     try {
       enqueue_tasks(at, args, stream);

@@ -494,6 +494,31 @@ TEST(Schedule, SequentialGemmsRunAlone) {
   }
 }
 
+TEST(Schedule, SequentialOnOneRankIsItsGemmInPlace) {
+  for (CollectiveOp op : kOps) {
+    for (bool gathered : {false, true}) {
+      if (gathered && op != CollectiveOp::kAllGatherMatmul) continue;
+      const Schedule s = make_schedule({.op = op,
+                                        .algorithm = Algorithm::kSequential,
+                                        .tp = 1,
+                                        .m = 6,
+                                        .chunks = 1,
+                                        .bias = true,
+                                        .return_gathered = gathered});
+      ASSERT_EQ(s.gemms.size(), 1u) << collective_op_name(op);
+      EXPECT_EQ(s.gemms[0].a.buffer, Buffer::kInput);
+      EXPECT_EQ(s.gemms[0].d.buffer, Buffer::kOutput);
+      EXPECT_EQ(s.gemms[0].rows, 6);
+      EXPECT_TRUE(s.gemms[0].bias);
+      EXPECT_EQ(s.partial_rows, 0);
+      // The gathered rows are the caller's own, copied out only when asked for.
+      ASSERT_EQ(s.comms.size(), gathered ? 1u : 0u) << collective_op_name(op);
+      if (gathered) EXPECT_EQ(s.comms[0].kind, CommKind::kCopy);
+      EXPECT_EQ(s.gathered_rows, gathered ? 6 : 0);
+    }
+  }
+}
+
 TEST(Schedule, RingAllGatherOverlapsOnlyWhileBlocksTravel) {
   // Own block beside the ring passes; blocks below (arrived mid-ring) beside the last pass;
   // blocks above wait for the last pass and run alone, also when only a copy engine copy follows.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
-#   tests/gpu/job.sh COMMIT [suite] [bench] [mlp-bench] [grouped-bench] [solver-bench] [cusolvermp-bench]
+#   tests/gpu/job.sh COMMIT [suite] [bench] [mlp-bench] [grouped-bench] [one-rank-bench] [solver-bench]
+#     [cusolvermp-bench]
 #   (default: suite and bench; SUITE_MODELS picks suite models; CUSOLVERMP_GPUS the world sizes
 #   of cusolvermp-bench, CUSOLVERMP_BENCH_ARGS its grids, sizes and blocks)
 set -uo pipefail
@@ -32,6 +33,12 @@ for step in $steps; do
       timeout "${BENCH_TIMEOUT:-400}" python3 bench/grouped_linear.py --commit "$commit" \
         --out "$OUT/grouped_linear_$(date -u +%Y%m%dT%H%M%SZ).json" >"$OUT/grouped_bench.txt" 2>&1
       tail -45 "$OUT/grouped_bench.txt"
+      ;;
+    one-rank-bench)
+      # The collective matmuls on a group of one rank against torch.mm (bench/one_rank.py).
+      timeout "${BENCH_TIMEOUT:-400}" python3 bench/one_rank.py --commit "$commit" \
+        --out "$OUT/one_rank_$(date -u +%Y%m%dT%H%M%SZ).json" >"$OUT/one_rank_bench.txt" 2>&1
+      tail -12 "$OUT/one_rank_bench.txt"
       ;;
     solver-bench)
       timeout "${BENCH_TIMEOUT:-400}" python3 bench/dense_solver.py --commit "$commit" \

@@ -325,11 +325,10 @@ def _deliver(op: str, name: str, result, out):
 def _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning):
     plan = group.plan(op, a.dtype, m, n, k, trans_b, bias is not None, gathered is not None,
                       tuning)
-    stream = torch.cuda.current_stream(a.device).cuda_stream
     capsule = _library.capsule
     plan.execute(capsule(a.contiguous()), capsule(b.contiguous()),
                  capsule(None if bias is None else bias.contiguous()), capsule(out),
-                 capsule(gathered), stream)
+                 capsule(gathered), _library.current_stream(a.get_device()))
 
 
 def _summed_over_ranks(a, b, bias, trans_b: bool, group: TPGroup):
@@ -657,7 +656,7 @@ def _all_gather_rows(rows, group: TPGroup):
                            device=rows.device)
     plan = group.all_gather_plan(rows.dtype, rows.shape[0], rows.shape[1])
     plan.execute(_library.capsule(rows.contiguous()), _library.capsule(gathered),
-                 torch.cuda.current_stream(rows.device).cuda_stream)
+                 _library.current_stream(rows.get_device()))
     return gathered
 
 

@@ -28,3 +28,10 @@ def op(schema: str):
 def capsule(t):
     """``t`` as a DLPack capsule for the extension, None as None."""
     return None if t is None else to_dlpack(t)
+
+
+def current_stream(index: int) -> int:
+    """The current CUDA stream of device ``index`` as the extension takes it, its raw handle: every
+    call pays this on the host, and ``torch.cuda.current_stream(device).cuda_stream``, which builds
+    a Stream object, took 3 to 7 us of it on an H100 host."""
+    return torch._C._cuda_getCurrentRawStream(index)

@@ -33,7 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from meshla import _meshla
 from meshla.torch._dtypes import DTYPE_NAMES
-from meshla.torch._library import capsule, op
+from meshla.torch._library import capsule, current_stream, op
 from meshla.torch._main_grad import added_to_main_grad, main_grad_buffer, overwrites_main_grad
 
 __all__ = ["GroupedLinear", "check_device_errors", "grouped_linear", "packed_group_stride"]
@@ -84,7 +84,7 @@ def check_device_errors(device=None) -> None:
     device-side check of ``m_splits`` recorded there, if any."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    _engine(index).check_device_errors(torch.cuda.current_stream(index).cuda_stream)
+    _engine(index).check_device_errors(current_stream(index))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -97,16 +97,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _run(grouped_pass, m_splits, lead, out_features, accumulate=False, **tensors):
     """Runs one pass on the current stream of ``lead``'s device with a workspace from the caching
-    allocator, so concurrent calls on different streams never share one. Every call pays this
-    on the host, so it keeps to the fastest accessors: the device's index and the raw stream
-    (``torch.cuda.current_stream(device)`` alone took 3 us)."""
+    allocator, so concurrent calls on different streams never share one."""
     index = lead.get_device()
     size = _workspace_bytes(index, grouped_pass, _dtype_name(lead.dtype), m_splits.shape[0],
                             out_features)
     # int64 words: DLPack hands the extension no uint8, and the size is counted in bytes.
     workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    _engine(index).run(grouped_pass, capsule(m_splits), capsule(workspace), stream,
+    _engine(index).run(grouped_pass, capsule(m_splits), capsule(workspace), current_stream(index),
                        accumulate=accumulate, **{name: capsule(t) for name, t in tensors.items()})
 
 
