@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import copy
 import ctypes
 import faulthandler
@@ -894,6 +895,38 @@ def check_argument_errors(group, reporter, label):
     reporter.record(name, group.rank, ok, detail)
 
 
+def check_observed_calls(group, reporter, label, seed_base):
+    """A plain eager call runs an op's kernel without the dispatcher; under the profiler and under
+    a dispatch mode (FlopCounterMode) the same call goes through its torch.ops.meshla op, which
+    the profile names. Each way gets the reference's result on inputs of its own (so that no
+    output can hold another way's result)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ways = {"eager": contextlib.nullcontext,
+            "profiled": lambda: profile(activities=[ProfilerActivity.CPU]),
+            "flop-counted": lambda: FlopCounterMode(display=False)}
+    for index, op in enumerate(OPS):
+        name = f"{label}/observed-calls/{op}/bfloat16"
+        try:
+            errors, named = {}, False
+            for way_index, (way, observing) in enumerate(ways.items()):
+                p = Problem(op, group, torch.bfloat16, 128 * group.size, 256, 128,
+                            seed_base + 10 * index + way_index, False, True)
+                with observing() as observer:
+                    out = getattr(mt, op)(p.a, p.b, group, bias=p.bias)
+                torch.cuda.synchronize(group.device)
+                errors[way] = relative_error(out, p.ref)
+                if way == "profiled":
+                    named = any(event.key == f"meshla::{op}" for event in observer.key_averages())
+            ok = named and all(error < TOLERANCE[torch.bfloat16] for error in errors.values())
+            detail = (f"profile names meshla::{op}: {named}; rel_err "
+                      + ", ".join(f"{way} {error:.2e}" for way, error in errors.items()))
+        except Exception as e:
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, group.rank, ok, detail)
+
+
 def check_plans_must_agree(group, reporter, label, seed):
     """Ranks that call with different shapes (the last rank's a has more rows) get a ValueError on
     every rank, naming the rank and both shapes, instead of writes at offsets their peers do not
@@ -1160,6 +1193,7 @@ def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
     check_graph_two_streams(group, reporter, label, seed_base + 65_000)
     check_stress(group, reporter, label, seed_base + 70_000, stress_calls)
     check_argument_errors(group, reporter, label)
+    check_observed_calls(group, reporter, label, seed_base + 85_000)
     if group.size > 1:  # a group of one has no rank to disagree with
         check_plans_must_agree(group, reporter, label, seed_base + 90_000)
     for index, backend in enumerate(("nccl", "symmetric")):

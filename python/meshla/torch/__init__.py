@@ -522,10 +522,10 @@ def _local_product(a, b, bias, trans_b: bool):
     return torch.nn.functional.linear(a, b if trans_b else b.t(), bias)
 
 
-# The collectives run as torch.ops.meshla ops (see meshla.torch._library), which take the group
-# by its key and the Tuning as ints. Calls with outputs given run the same kernels outside the ops
-# (an op that fills an output given needs a schema of its own), where torch.compile breaks its
-# graph on CUDA tensors.
+# The collectives are torch.ops.meshla ops (see meshla.torch._library, which also says when a
+# call skips the op for its kernel), which take the group by its key and the Tuning as ints.
+# Calls with outputs given run the same kernels outside the ops (an op that fills an output given
+# needs a schema of its own), where torch.compile breaks its graph on CUDA tensors.
 
 
 def _refuse_autograd(op: str, *tensors):
@@ -577,8 +577,8 @@ def _all_gather_matmul(a, b, bias, group, trans_b, return_gathered, tuning, out=
     if out is not None or gathered_out is not None:
         return _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning, out,
                                        gathered_out)
-    product, gathered = torch.ops.meshla.all_gather_matmul(a, b, bias, group.key, trans_b,
-                                                           return_gathered, tuning.ints())
+    product, gathered = _all_gather_matmul_op(a, b, bias, group.key, trans_b, return_gathered,
+                                              tuning.ints())
     return product, gathered if return_gathered else None
 
 
@@ -613,7 +613,7 @@ def _(a, b, bias, group, trans_b, tuning):
 def _matmul_reduce_scatter(a, b, bias, group, trans_b, tuning, out=None):
     if out is not None:
         return _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out)
-    return torch.ops.meshla.matmul_reduce_scatter(a, b, bias, group.key, trans_b, tuning.ints())
+    return _matmul_reduce_scatter_op(a, b, bias, group.key, trans_b, tuning.ints())
 
 
 def _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out):
@@ -643,7 +643,7 @@ def _(a, b, bias, group, trans_b, tuning):
 def _matmul_all_reduce(a, b, bias, group, trans_b, tuning, out=None):
     if out is not None:
         return _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out)
-    return torch.ops.meshla.matmul_all_reduce(a, b, bias, group.key, trans_b, tuning.ints())
+    return _matmul_all_reduce_op(a, b, bias, group.key, trans_b, tuning.ints())
 
 
 def _all_gather_rows(rows, group: TPGroup):
@@ -672,7 +672,7 @@ def _(rows, group):
 
 
 def _all_gather(rows, group: TPGroup):
-    return torch.ops.meshla.all_gather(rows, group.key)
+    return _all_gather_op(rows, group.key)
 
 
 # Autograd. Each op's backward is its conjugate, as in Megatron-LM's tensor and sequence

@@ -274,7 +274,7 @@ def _weight_grad(x, dy, m_splits, num_groups, dtype):
     groups start on 256-byte boundaries."""
     out_features, in_features = dy.shape[1], x.shape[1]
     stride = packed_group_stride(out_features, in_features, dtype)
-    flat = torch.ops.meshla.grouped_mm_wgrad(x, dy, m_splits, stride)
+    flat = _grouped_mm_wgrad(x, dy, m_splits, stride)
     return _packed(flat, num_groups, out_features, in_features, stride)
 
 
@@ -282,7 +282,7 @@ def _forward_saving_inputs(ctx, x, m_splits, weight, bias):
     """The forward op of both autograd Functions below, keeping what their backward needs."""
     ctx.save_for_backward(x, m_splits, weight)
     ctx.has_bias = bias is not None
-    return torch.ops.meshla.grouped_mm(x, m_splits, weight, bias)
+    return _grouped_mm(x, m_splits, weight, bias)
 
 
 class _GroupedMatmulFunction(torch.autograd.Function):
@@ -299,11 +299,11 @@ class _GroupedMatmulFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dweight = dbias = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.meshla.grouped_mm_dgrad(dy, m_splits, weight)
+            dx = _grouped_mm_dgrad(dy, m_splits, weight)
         if ctx.needs_input_grad[2]:
             dweight = _weight_grad(x, dy, m_splits, weight.shape[0], weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            dbias = torch.ops.meshla.grouped_bias_grad(dy, m_splits, weight.shape[0])
+            dbias = _grouped_bias_grad(dy, m_splits, weight.shape[0])
         return dx, None, dweight, dbias
 
 
@@ -352,7 +352,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         module = ctx.module
         num_groups = weight.shape[0]
         dy = dy.contiguous()
-        dx = torch.ops.meshla.grouped_mm_dgrad(dy, m_splits, weight) if ctx.needs_input_grad[0] else None
+        dx = _grouped_mm_dgrad(dy, m_splits, weight) if ctx.needs_input_grad[0] else None
         # forward's inputs: x, m_splits, weight, bias, module, then the weights and the biases.
         wants_weight = ctx.needs_input_grad[5:5 + num_groups]
         wants_bias = ctx.needs_input_grad[5 + num_groups:]
@@ -371,7 +371,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                             for grad, wanted in zip(weight_grads, wants_weight)]
         bias_grads = [None] * num_groups
         if ctx.has_bias and any(wants_bias):
-            dbias = torch.ops.meshla.grouped_bias_grad(dy, m_splits, num_groups)
+            dbias = _grouped_bias_grad(dy, m_splits, num_groups)
             bias_grads = [grad if wanted else None
                           for grad, wanted in zip(dbias.unbind(0), wants_bias)]
         return (dx, None, None, None, None, *weight_grads, *bias_grads)
@@ -499,7 +499,7 @@ class GroupedLinear(torch.nn.Module):
             overwritten = [g for w, g in zip(self.weights(), main_grads) if overwrites_main_grad(w)]
             if overwritten:
                 torch._foreach_zero_(overwritten)
-            torch.ops.meshla.grouped_mm_wgrad_accumulate_(x, dy, m_splits, main_grads)
+            _grouped_mm_wgrad_accumulate(x, dy, m_splits, main_grads)
             return [None] * self.num_groups
         return list(_weight_grad(x, dy, m_splits, self.num_groups, x.dtype).unbind(0))
 
