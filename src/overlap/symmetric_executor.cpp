@@ -60,7 +60,7 @@ class SymmetricExecutor final : public Executor {
         batches_(config.op == CollectiveOp::kAllGatherMatmul ? arrival_batches(tp_, rank_)
                                                              : std::vector<std::vector<int>>{}),
         arrivals_(arrival_order(tp_, rank_)),
-        timeout_(comm.timeout()),
+        trap_after_(2 * comm.timeout()),
         push_(comm.device(), 1, /*high_priority=*/true),
         collect_(comm.device(), 1, /*high_priority=*/true),
         workspace_(std::move(workspace)) {
@@ -198,7 +198,7 @@ class SymmetricExecutor final : public Executor {
                                           ops.slots + source * block_bytes, block_bytes,
                                           cudaMemcpyDeviceToDevice, collect_[0]));
       }
-      gathered_gemm_->run(blocks, ops.b, ops.bias, timeout_, stream);
+      gathered_gemm_->run(blocks, ops.b, ops.bias, trap_after_, stream);
       // Cleared after the kernel and after the copies into `gathered`, which wait for them too.
       if (gathered != nullptr) collect_.join(stream);
       for (int source : arrivals_) {
@@ -362,7 +362,11 @@ class SymmetricExecutor final : public Executor {
   std::vector<int> peers_;  // ring order; push_[0] carries everything sent to peers_[j]
   std::vector<std::vector<int>> batches_;  // all_gather_matmul: arrival_batches
   std::vector<int> arrivals_;              // all_gather_matmul: arrival_order
-  std::chrono::milliseconds timeout_;
+  // The one-launch GEMM's device-side limit on a wait for a peer's block: twice the group's
+  // timeout, so that on an eager run the watchdog ends the process first, with a message naming
+  // the run (a trap only loses the context). It ends what the watchdog does not watch: replays
+  // of captured graphs.
+  std::chrono::milliseconds trap_after_;
   // One stream carries every push, in ring order: a GPU's copy engine runs its pushes one after
   // another anyway (measured), and from several streams it took them in any order, so a rank
   // could wait for the block its peer happened to push last.
