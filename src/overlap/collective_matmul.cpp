@@ -302,22 +302,30 @@ struct AllGather::Impl : std::enable_shared_from_this<AllGather::Impl> {
       : comm(std::move(comm_in)),
         config((overlap::check_all_gather_config(config_in), config_in)),
         type(overlap::nccl_type(config.dtype)),
-        workspace(detail::GroupWorkspace::of(*comm.state())) {}
+        execution_order(overlap::workspace_order(detail::GroupWorkspace::of(*comm.state()))) {}
 
   void execute(const TensorView& rows, const TensorView& gathered, cudaStream_t stream) {
     overlap::validate_all_gather(config, comm.size(), comm.device(), rows, gathered);
     detail::DeviceGuard guard(comm.device());
     // After the group's previous execution, whose NCCL calls on this communicator may be on
     // another stream, and before its next.
-    detail::ExecutionOrder& order = workspace->order();
+    detail::ExecutionOrder& order = *execution_order;
     const cudaGraph_t capturing_graph = order.begin(stream, "all_gather (backend=nccl)");
     try {
       if (capturing_graph != nullptr) {
         detail::hold_in_graph(capturing_graph, comm.device(), shared_from_this());
       }
-      MESHLA_CHECK_NCCL(ncclAllGather(rows.data, gathered.data,
-                                      static_cast<std::size_t>(config.rows * config.cols), type,
-                                      comm.state()->comm, stream));
+      const auto count = static_cast<std::size_t>(config.rows * config.cols);
+      if (comm.size() == 1) {
+        // One rank's rows are all there is: a copy, without NCCL's host time (see the one-rank
+        // sequential schedules).
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(gathered.data, rows.data,
+                                          count * dtype_size(config.dtype),
+                                          cudaMemcpyDeviceToDevice, stream));
+      } else {
+        MESHLA_CHECK_NCCL(
+            ncclAllGather(rows.data, gathered.data, count, type, comm.state()->comm, stream));
+      }
     } catch (...) {
       order.end_after_failure(stream);
       throw;
@@ -325,15 +333,15 @@ struct AllGather::Impl : std::enable_shared_from_this<AllGather::Impl> {
     order.end(stream);
   }
 
-  const detail::ExecutionOrder& order() const { return workspace->order(); }
+  const detail::ExecutionOrder& order() const { return *execution_order; }
   std::string_view name() const { return "all_gather"; }
 
   Communicator comm;
   AllGatherConfig config;
   ncclDataType_t type;
-  // For its order, with the nccl and symmetric plans' executions (the group's workspace, made
-  // here if the group has none yet).
-  std::shared_ptr<detail::GroupWorkspace> workspace;
+  // The group's workspace's, shared with the nccl and symmetric plans' executions (the workspace
+  // is made here if the group has none yet).
+  std::shared_ptr<detail::ExecutionOrder> execution_order;
 };
 
 AllGather::AllGather(Communicator comm, const AllGatherConfig& config)

@@ -1,5 +1,7 @@
 """Argument checks of the Python API and the extension, and the unique-id exchange."""
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -168,6 +170,35 @@ def test_collective_ops_compile_whole(world1):
     code = graphs[0]
     for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_gather("):
         assert f"torch.ops.meshla.{name}" in code, name
+
+
+def test_calls_go_through_the_op_where_something_watches():
+    """An eager call skips the dispatcher only where nothing needs to see the op: no tracer (compile,
+    jit.trace), functorch transform, dispatch mode or Python-started profiler, and plain CUDA
+    tensors (no tensors here, so only the context decides; a CPU tensor always takes the op)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+    from meshla.torch._library import _needs_the_op as needs
+
+    assert not needs(())
+    assert needs((torch.zeros(1),))
+    with FakeTensorMode():
+        assert needs(())
+    with FlopCounterMode(display=False):
+        assert needs(())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert needs(())
+    seen = []
+    torch.vmap(lambda x: seen.append(needs(())) or x)(torch.zeros(2, 1))
+    with warnings.catch_warnings():  # torch.jit.trace is deprecated in newer torch
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.jit.trace(lambda x: seen.append(needs(())) or x * 2, torch.zeros(1),
+                        check_trace=False)
+    assert seen and all(seen), seen
+    compiled = torch.compile(lambda x: x + 1 if needs(()) else x - 1, backend="eager",
+                             fullgraph=True)
+    assert compiled(torch.zeros(1)).item() == 1
+    assert not needs(())
 
 
 def _reduce_scatter_uneven(rank, size):

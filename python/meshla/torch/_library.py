@@ -33,11 +33,16 @@ def _plain_cuda(arg) -> bool:
 
 
 def _needs_the_op(args) -> bool:
-    """Whether a call must go through the dispatcher: while torch.compile or torch.export traces
-    (they record the op), under a dispatch mode (FakeTensorMode, FlopCounterMode) or the profiler
-    (which names the op in its trace), and on tensors other than plain CUDA ones (subclasses, meta
-    tensors for the op's fake, CPU tensors, kept on one path)."""
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+    """Whether a call must go through the dispatcher: while torch.compile, torch.export or
+    torch.jit.trace traces (they record the op; the tracer would record the kernel's empty outputs
+    instead), under functorch transforms (vmap, functionalize: their tensors wrap others and have
+    no data of their own), under a dispatch mode (FakeTensorMode, FlopCounterMode) or a profiler
+    started from Python (torch.profiler, emit_nvtx: the trace names the op), and on tensors other
+    than plain CUDA ones (subclasses, meta tensors for the op's fake, CPU tensors, kept on one
+    path). A TorchFunctionMode sees the op, or else the torch calls inside its kernel."""
+    return (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+            or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() > 0
             or torch.autograd.profiler._is_profiler_enabled
             or not all(_plain_cuda(arg) for arg in args))
 
