@@ -1270,6 +1270,9 @@ def main_threads(args, reporter):
 
 # After the last check, the seconds a process has to exit.
 EXIT_WITHIN_S = 60
+# The checks' own limit, a little under the launcher's (tests/gpu/run.sh): a model that hangs
+# prints every thread's stack before it is killed.
+CHECKS_WITHIN_S = float(os.environ.get("MESHLA_LAUNCH_TIMEOUT", "300")) - 20
 
 
 def exit_within(seconds: float):
@@ -1293,5 +1296,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     model = args.model or ("threads" if args.threads else "processes")
     reporter = Reporter(args.results, model)
+    faulthandler.dump_traceback_later(CHECKS_WITHIN_S, exit=True)
     (main_threads if args.threads else main_processes)(args, reporter)
     exit_within(EXIT_WITHIN_S)
