@@ -87,13 +87,17 @@ void validate(const ScheduleParams& p) {
                                               << ", tp_size=" << p.tp << ")");
 }
 
+// A group of one rank's whole product, from its rows in place into the output.
+GemmTask gemm_in_place(const ScheduleParams& p) {
+  return {.a = {Buffer::kInput, 0}, .d = {Buffer::kOutput, 0}, .rows = p.m, .bias = p.bias};
+}
+
 Schedule all_gather_sequential(const ScheduleParams& p, Schedule s) {
   if (p.tp == 1) {
     // Nothing to gather: the GEMM reads the rows in place, and they are copied out beside it
     // only where the gathered rows are asked for. (NCCL's all-gather over one rank is a copy,
     // whose host time made the whole call 1.2 to 4.5 times the GEMM's 46 us on an H100.)
-    s.gemms.push_back(
-        {.a = {Buffer::kInput, 0}, .d = {Buffer::kOutput, 0}, .rows = p.m, .bias = p.bias});
+    s.gemms.push_back(gemm_in_place(p));
     if (p.return_gathered) {
       s.comms.push_back({.kind = CommKind::kCopy,
                          .src = {Buffer::kInput, 0},
@@ -207,9 +211,8 @@ bool partial_bias(const ScheduleParams& p) { return p.bias && p.rank == 0; }
 
 Schedule reduce_sequential(const ScheduleParams& p, Schedule s) {
   if (p.tp == 1) {
-    // The sum over one rank is its own product, written in place (see all_gather_sequential).
-    s.gemms.push_back(
-        {.a = {Buffer::kInput, 0}, .d = {Buffer::kOutput, 0}, .rows = p.m, .bias = p.bias});
+    // The sum over one rank is its own product (see all_gather_sequential).
+    s.gemms.push_back(gemm_in_place(p));
     return s;
   }
   s.gemms.push_back(
