@@ -75,8 +75,16 @@ class NcclExecutor final : public Executor {
     partial_offset_ = detail::align_up(gathered_bytes);
     workspace_->reserve(*comm.state(), {.scratch_bytes = partial_offset_ + schedule_.partial_rows *
                                                                                config.n * element});
-    for (std::size_t i = 0; i < schedule_.gemms.size(); ++i) gemm_done_.emplace_back(device);
-    for (std::size_t i = 0; i < schedule_.comms.size(); ++i) comm_done_.emplace_back(device);
+    // Events only for the tasks that another task waits on: a record that nothing waits on costs
+    // host time (a one-rank run is a GEMM alone; the join waits for the last transfers itself).
+    gemm_done_.resize(schedule_.gemms.size());
+    comm_done_.resize(schedule_.comms.size());
+    for (const CommTask& comm_task : schedule_.comms) {
+      if (comm_task.wait_gemm >= 0) gemm_done_[comm_task.wait_gemm] = detail::Event(device);
+    }
+    for (const GemmTask& gemm : schedule_.gemms) {
+      if (gemm.wait_comm >= 0) comm_done_[gemm.wait_comm] = detail::Event(device);
+    }
     for (const GemmTask& gemm : schedule_.gemms) workspace_->matmul().prepare(shape_of(gemm));
     // Last: the split is a meeting of the ranks, and with several GPUs in one process nothing
     // between it and the first execution may free device memory (cudaFree waits for the peer
@@ -139,7 +147,9 @@ class NcclExecutor final : public Executor {
                               .addend = gemm.has_addend ? at.at(gemm.addend) : nullptr,
                               .d = at.at(gemm.d)},
                              stream);
-    MESHLA_CHECK_CUDA(cudaEventRecord(gemm_done_[index].get(), stream));
+    if (gemm_done_[index].get() != nullptr) {
+      MESHLA_CHECK_CUDA(cudaEventRecord(gemm_done_[index].get(), stream));
+    }
   }
 
   void run_comm(std::size_t index, const Bindings& at) {
@@ -182,7 +192,9 @@ class NcclExecutor final : public Executor {
                                         state.comm, stream));
         break;
     }
-    MESHLA_CHECK_CUDA(cudaEventRecord(comm_done_[index].get(), stream));
+    if (comm_done_[index].get() != nullptr) {
+      MESHLA_CHECK_CUDA(cudaEventRecord(comm_done_[index].get(), stream));
+    }
   }
 
   // A stream wait binds to the latest record of its event, so each task is enqueued after the
@@ -209,8 +221,8 @@ class NcclExecutor final : public Executor {
   Communicator transfers_;  // the plan's communicator, or its split with at most comm_ctas CTAs
   Schedule schedule_;
   SideStreams comm_stream_;
-  std::vector<detail::Event> gemm_done_;
-  std::vector<detail::Event> comm_done_;
+  std::vector<detail::Event> gemm_done_;  // null where no task waits for the GEMM
+  std::vector<detail::Event> comm_done_;  // null where no task waits for the transfer
   // The gathered rows, the partial products and the GEMMs, shared with the group's other plans.
   std::shared_ptr<detail::GroupWorkspace> workspace_;
   std::size_t partial_offset_ = 0;  // in the scratch

@@ -174,8 +174,9 @@ def test_collective_ops_compile_whole(world1):
 
 def test_calls_go_through_the_op_where_something_watches():
     """An eager call skips the dispatcher only where nothing needs to see the op: no tracer (compile,
-    jit.trace), functorch transform, dispatch mode or Python-started profiler, and plain CUDA
-    tensors (no tensors here, so only the context decides; a CPU tensor always takes the op)."""
+    jit.trace), functorch transform, dispatch or torch function mode or Python-started profiler,
+    and plain CUDA tensors (no tensors here, so only the context decides; a CPU tensor always takes
+    the op)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
     from meshla.torch._library import _needs_the_op as needs
@@ -185,6 +186,8 @@ def test_calls_go_through_the_op_where_something_watches():
     with FakeTensorMode():
         assert needs(())
     with FlopCounterMode(display=False):
+        assert needs(())
+    with torch.overrides.TorchFunctionMode():
         assert needs(())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert needs(())

@@ -75,9 +75,10 @@ class Tuning:
     @staticmethod
     def of(algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
            backend="auto") -> Tuning:
-        # One spelling per choice, so "ring" and Algorithm.ring share a plan.
-        return Tuning(_choice(_meshla.Algorithm, "algorithm", algorithm), chunks, comm_sms,
-                      comm_ctas, _choice(_meshla.Backend, "backend", backend))
+        try:
+            return _tuning_of(algorithm, chunks, comm_sms, comm_ctas, backend)
+        except TypeError:  # an unhashable argument, which the uncached path names
+            return _tuning_of.__wrapped__(algorithm, chunks, comm_sms, comm_ctas, backend)
 
     def options(self) -> dict:
         """The op keywords that give this Tuning, e.g. ``matmul_all_reduce(..., **t.options())``."""
@@ -91,6 +92,15 @@ class Tuning:
     @staticmethod
     def of_ints(values) -> Tuning:
         return _tuning_of_ints(tuple(values))
+
+
+# Every call builds its Tuning (a frozen dataclass takes 1 to 2 us to make): once per distinct set
+# of arguments, each of its own type (1 and 1.0 are not taken for one another).
+@functools.lru_cache(maxsize=1024, typed=True)
+def _tuning_of(algorithm, chunks, comm_sms, comm_ctas, backend) -> Tuning:
+    # One spelling per choice, so "ring" and Algorithm.ring share a plan.
+    return Tuning(_choice(_meshla.Algorithm, "algorithm", algorithm), chunks, comm_sms, comm_ctas,
+                  _choice(_meshla.Backend, "backend", backend))
 
 
 # Every op call converts its int[] tuning back: built once per distinct list, not per call.
@@ -351,11 +361,13 @@ def _autocast(a, b, bias, *outputs):
     """The operands as torch.autocast would give them to a matmul: its dtype where it is on for
     their device (e.g. bf16 activations beside fp32 weights); float64 and calls with outputs
     given (as torch leaves ``out=`` calls) unchanged."""
-    if (not isinstance(a, torch.Tensor) or a.device.type not in ("cpu", "cuda")
-            or not torch.is_autocast_enabled(a.device.type)
+    if not isinstance(a, torch.Tensor):
+        return a, b, bias
+    device_type = a.device.type
+    if (device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type)
             or any(given is not None for given in outputs)):
         return a, b, bias
-    dtype = torch.get_autocast_dtype(a.device.type)
+    dtype = torch.get_autocast_dtype(device_type)
     castable = (torch.float32, torch.float16, torch.bfloat16)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t
                  for t in (a, b, bias))

@@ -28,7 +28,7 @@ def _plain_cuda(arg) -> bool:
     if isinstance(arg, torch.Tensor):
         return type(arg) in _PLAIN_TENSORS and arg.is_cuda
     if isinstance(arg, (list, tuple)):
-        return all(_plain_cuda(item) for item in arg)
+        return all(map(_plain_cuda, arg))  # map: a generator costs its frames on every call
     return True
 
 
@@ -36,15 +36,17 @@ def _needs_the_op(args) -> bool:
     """Whether a call must go through the dispatcher: while torch.compile, torch.export or
     torch.jit.trace traces (they record the op; the tracer would record the kernel's empty outputs
     instead), under functorch transforms (vmap, functionalize: their tensors wrap others and have
-    no data of their own), under a dispatch mode (FakeTensorMode, FlopCounterMode) or a profiler
-    started from Python (torch.profiler, emit_nvtx: the trace names the op), and on tensors other
-    than plain CUDA ones (subclasses, meta tensors for the op's fake, CPU tensors, kept on one
-    path). A TorchFunctionMode sees the op, or else the torch calls inside its kernel."""
+    no data of their own), under a dispatch mode (FakeTensorMode, FlopCounterMode) or a torch
+    function mode (which would see the torch calls inside the kernel instead of the op; also
+    ``with torch.device(...)``), under a profiler started from Python (torch.profiler, emit_nvtx:
+    the trace names the op), and on tensors other than plain CUDA ones (subclasses, meta tensors
+    for the op's fake, CPU tensors, kept on one path)."""
     return (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
             or torch._C._are_functorch_transforms_active()
             or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled()
             or torch.autograd.profiler._is_profiler_enabled
-            or not all(_plain_cuda(arg) for arg in args))
+            or not all(map(_plain_cuda, args)))
 
 
 def op(schema: str):
