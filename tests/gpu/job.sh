@@ -2,8 +2,9 @@
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
 #   tests/gpu/job.sh COMMIT [suite] [bench] [mlp-bench] [grouped-bench] [one-rank-bench] [solver-bench]
 #     [cusolvermp-bench]
-#   (default: suite and bench; SUITE_MODELS picks suite models; CUSOLVERMP_GPUS the world sizes
-#   of cusolvermp-bench, CUSOLVERMP_BENCH_ARGS its grids, sizes and blocks)
+#   (default: suite and bench; SUITE_MODELS picks suite models; BENCH_TP the group sizes of bench,
+#   2 and 4 by default; CUSOLVERMP_GPUS the world sizes of cusolvermp-bench, CUSOLVERMP_BENCH_ARGS
+#   its grids, sizes and blocks)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -76,7 +77,7 @@ for step in $steps; do
     bench)
       stamp=$(date -u +%Y%m%dT%H%M%SZ)
       json="$OUT/collective_matmul_${stamp}.json"
-      for tp in 2 4; do
+      for tp in ${BENCH_TP:-2 4}; do
         [ "$gpus" -ge "$tp" ] || continue
         devices=$(seq -s, 0 $((tp - 1)))
         CUDA_VISIBLE_DEVICES=$devices timeout "${BENCH_TIMEOUT:-400}" torchrun --nproc-per-node=$tp \
