@@ -897,21 +897,34 @@ def check_argument_errors(group, reporter, label):
     reporter.record(name, group.rank, ok, detail)
 
 
+class _FunctionsSeen(torch.overrides.TorchFunctionMode):
+    """The names of the torch functions and ops called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def check_observed_calls(group, reporter, label, seed_base):
-    """A plain eager call runs an op's kernel without the dispatcher; under the profiler and under
-    a dispatch mode (FlopCounterMode) the same call goes through its torch.ops.meshla op, which
-    the profile names. Each way gets the reference's result on inputs of its own (so that no
-    output can hold another way's result)."""
+    """A plain eager call runs an op's kernel without the dispatcher; under the profiler, a
+    dispatch mode (FlopCounterMode) and a torch function mode the same call goes through its
+    torch.ops.meshla op, which the profile and the function mode name. Each way gets the
+    reference's result on inputs of its own (so that no output can hold another way's result)."""
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
 
     ways = {"eager": contextlib.nullcontext,
             "profiled": lambda: profile(activities=[ProfilerActivity.CPU]),
-            "flop-counted": lambda: FlopCounterMode(display=False)}
+            "flop-counted": lambda: FlopCounterMode(display=False),
+            "function-mode": _FunctionsSeen}
     for index, op in enumerate(OPS):
         name = f"{label}/observed-calls/{op}/bfloat16"
         try:
-            errors, named = {}, False
+            errors, named = {}, {}
             for way_index, (way, observing) in enumerate(ways.items()):
                 p = Problem(op, group, torch.bfloat16, 128 * group.size, 256, 128,
                             seed_base + 10 * index + way_index, False, True)
@@ -920,9 +933,14 @@ def check_observed_calls(group, reporter, label, seed_base):
                 torch.cuda.synchronize(group.device)
                 errors[way] = relative_error(out, p.ref)
                 if way == "profiled":
-                    named = any(event.key == f"meshla::{op}" for event in observer.key_averages())
-            ok = named and all(error < TOLERANCE[torch.bfloat16] for error in errors.values())
-            detail = (f"profile names meshla::{op}: {named}; rel_err "
+                    named[way] = any(event.key == f"meshla::{op}"
+                                     for event in observer.key_averages())
+                elif way == "function-mode":
+                    named[way] = f"meshla.{op}" in observer.names
+            ok = (all(named.values())
+                  and all(error < TOLERANCE[torch.bfloat16] for error in errors.values()))
+            detail = (", ".join(f"{way} names meshla::{op}: {seen}" for way, seen in named.items())
+                      + "; rel_err "
                       + ", ".join(f"{way} {error:.2e}" for way, error in errors.items()))
         except Exception as e:
             ok, detail = False, f"{type(e).__name__}: {e}"
