@@ -395,12 +395,16 @@ Schedule make_schedule(const ScheduleParams& p) {
   validate(p);
   Schedule s{.params = p};
   const std::int64_t block = rows_per_rank(p);
+  // One rank has nothing to move, whatever the algorithm asked (and validated above, as on more
+  // ranks): its GEMM alone, sequential's one-rank schedule. Pipelined would copy the rows and
+  // make NCCL calls over one rank for nothing.
+  const Algorithm algorithm = p.tp == 1 ? Algorithm::kSequential : p.algorithm;
   switch (p.op) {
     case CollectiveOp::kAllGatherMatmul:
       s.input_rows = block;
       s.output_rows = p.m;
       s.gathered_rows = p.m;
-      switch (p.algorithm) {
+      switch (algorithm) {
         case Algorithm::kSequential:
           return with_overlap_marked(all_gather_sequential(p, std::move(s)));
         case Algorithm::kPipelined:
@@ -411,7 +415,7 @@ Schedule make_schedule(const ScheduleParams& p) {
     case CollectiveOp::kMatmulReduceScatter:
       s.input_rows = p.m;
       s.output_rows = block;
-      switch (p.algorithm) {
+      switch (algorithm) {
         case Algorithm::kSequential:
           return with_overlap_marked(reduce_sequential(p, std::move(s)));
         case Algorithm::kPipelined:
@@ -422,7 +426,7 @@ Schedule make_schedule(const ScheduleParams& p) {
     case CollectiveOp::kMatmulAllReduce:
       s.input_rows = p.m;
       s.output_rows = p.m;
-      switch (p.algorithm) {
+      switch (algorithm) {
         case Algorithm::kSequential:
           return with_overlap_marked(reduce_sequential(p, std::move(s)));
         case Algorithm::kPipelined:

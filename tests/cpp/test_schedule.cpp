@@ -494,29 +494,44 @@ TEST(Schedule, SequentialGemmsRunAlone) {
   }
 }
 
-TEST(Schedule, SequentialOnOneRankIsItsGemmInPlace) {
+TEST(Schedule, OneRankIsItsGemmInPlaceWhateverTheAlgorithm) {
   for (CollectiveOp op : kOps) {
-    for (bool gathered : {false, true}) {
-      if (gathered && op != CollectiveOp::kAllGatherMatmul) continue;
-      const Schedule s = make_schedule({.op = op,
-                                        .algorithm = Algorithm::kSequential,
-                                        .tp = 1,
-                                        .m = 6,
-                                        .chunks = 1,
-                                        .bias = true,
-                                        .return_gathered = gathered});
-      ASSERT_EQ(s.gemms.size(), 1u) << collective_op_name(op);
-      EXPECT_EQ(s.gemms[0].a.buffer, Buffer::kInput);
-      EXPECT_EQ(s.gemms[0].d.buffer, Buffer::kOutput);
-      EXPECT_EQ(s.gemms[0].rows, 6);
-      EXPECT_TRUE(s.gemms[0].bias);
-      EXPECT_EQ(s.partial_rows, 0);
-      // The gathered rows are the caller's own, copied out only when asked for.
-      ASSERT_EQ(s.comms.size(), gathered ? 1u : 0u) << collective_op_name(op);
-      if (gathered) EXPECT_EQ(s.comms[0].kind, CommKind::kCopy);
-      EXPECT_EQ(s.gathered_rows, gathered ? 6 : 0);
+    for (Algorithm algorithm : {Algorithm::kSequential, Algorithm::kPipelined, Algorithm::kRing}) {
+      for (bool gathered : {false, true}) {
+        if (gathered && op != CollectiveOp::kAllGatherMatmul) continue;
+        const Schedule s = make_schedule({.op = op,
+                                          .algorithm = algorithm,
+                                          .tp = 1,
+                                          .m = 6,
+                                          .chunks = algorithm == Algorithm::kSequential ? 1 : 3,
+                                          .bias = true,
+                                          .return_gathered = gathered});
+        SCOPED_TRACE(std::string(collective_op_name(op)) + " " +
+                     std::string(algorithm_name(algorithm)));
+        ASSERT_EQ(s.gemms.size(), 1u);
+        EXPECT_EQ(s.gemms[0].a.buffer, Buffer::kInput);
+        EXPECT_EQ(s.gemms[0].d.buffer, Buffer::kOutput);
+        EXPECT_EQ(s.gemms[0].rows, 6);
+        EXPECT_TRUE(s.gemms[0].bias);
+        EXPECT_FALSE(s.gemms[0].overlaps_comm);
+        EXPECT_EQ(s.partial_rows, 0);
+        // The gathered rows are the caller's own, copied out only when asked for.
+        ASSERT_EQ(s.comms.size(), gathered ? 1u : 0u);
+        if (gathered) EXPECT_EQ(s.comms[0].kind, CommKind::kCopy);
+        EXPECT_EQ(s.gathered_rows, gathered ? 6 : 0);
+      }
     }
   }
+}
+
+TEST(Schedule, OneRankStillRefusesWhatMoreRanksWould) {
+  // The one-rank schedule ignores the algorithm's chunks, but not their checks.
+  EXPECT_THROW(make_schedule({.op = CollectiveOp::kMatmulReduceScatter,
+                              .algorithm = Algorithm::kPipelined,
+                              .tp = 1,
+                              .m = 6,
+                              .chunks = 7}),
+               Error);
 }
 
 TEST(Schedule, RingAllGatherOverlapsOnlyWhileBlocksTravel) {
