@@ -179,7 +179,7 @@ def test_calls_go_through_the_op_where_something_watches():
     the op)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
-    from meshla.torch._library import _needs_the_op as needs
+    from meshla.torch._library import needs_the_op as needs
 
     assert not needs(())
     assert needs((torch.zeros(1),))

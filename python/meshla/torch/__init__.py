@@ -534,10 +534,11 @@ def _local_product(a, b, bias, trans_b: bool):
     return torch.nn.functional.linear(a, b if trans_b else b.t(), bias)
 
 
-# The collectives are torch.ops.meshla ops (see meshla.torch._library, which also says when a
-# call skips the op for its kernel), which take the group by its key and the Tuning as ints.
-# Calls with outputs given run the same kernels outside the ops (an op that fills an output given
-# needs a schema of its own), where torch.compile breaks its graph on CUDA tensors.
+# The collectives are torch.ops.meshla ops, which take the group by its key and the Tuning as
+# ints. A call goes through its op only where something needs to see it (see
+# meshla.torch._library); otherwise it runs the op's work (the *_into functions) on the group and
+# Tuning themselves, as do calls with outputs given (an op that fills an output given needs a
+# schema of its own), where torch.compile breaks its graph on CUDA tensors.
 
 
 def _refuse_autograd(op: str, *tensors):
@@ -566,7 +567,7 @@ def _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning,
     return out, gathered
 
 
-@_library.op("all_gather_matmul(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
+@_library.define("all_gather_matmul(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
              "bool return_gathered, int[] tuning) -> (Tensor, Tensor)")
 def _all_gather_matmul_op(a, b, bias, group, trans_b, return_gathered, tuning):
     _refuse_autograd("all_gather_matmul", a, b, bias)
@@ -585,13 +586,13 @@ def _(a, b, bias, group, trans_b, return_gathered, tuning):
 
 def _all_gather_matmul(a, b, bias, group, trans_b, return_gathered, tuning, out=None,
                        gathered_out=None):
-    """(product, gathered a or None): the op, or its kernel where outputs are given."""
-    if out is not None or gathered_out is not None:
-        return _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning, out,
-                                       gathered_out)
-    product, gathered = _all_gather_matmul_op(a, b, bias, group.key, trans_b, return_gathered,
-                                              tuning.ints())
-    return product, gathered if return_gathered else None
+    """(product, gathered a or None): the op where something needs to see it, else its work."""
+    if out is None and gathered_out is None and _library.needs_the_op((a, b, bias)):
+        product, gathered = _all_gather_matmul_op(a, b, bias, group.key, trans_b,
+                                                  return_gathered, tuning.ints())
+        return product, gathered if return_gathered else None
+    return _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning, out,
+                                   gathered_out)
 
 
 def _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out):
@@ -609,7 +610,7 @@ def _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out):
     return out
 
 
-@_library.op("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
+@_library.define("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
              "int[] tuning) -> Tensor")
 def _matmul_reduce_scatter_op(a, b, bias, group, trans_b, tuning):
     _refuse_autograd("matmul_reduce_scatter", a, b, bias)
@@ -623,9 +624,9 @@ def _(a, b, bias, group, trans_b, tuning):
 
 
 def _matmul_reduce_scatter(a, b, bias, group, trans_b, tuning, out=None):
-    if out is not None:
-        return _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out)
-    return _matmul_reduce_scatter_op(a, b, bias, group.key, trans_b, tuning.ints())
+    if out is None and _library.needs_the_op((a, b, bias)):
+        return _matmul_reduce_scatter_op(a, b, bias, group.key, trans_b, tuning.ints())
+    return _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out)
 
 
 def _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out):
@@ -639,7 +640,7 @@ def _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out):
     return out
 
 
-@_library.op("matmul_all_reduce(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
+@_library.define("matmul_all_reduce(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
              "int[] tuning) -> Tensor")
 def _matmul_all_reduce_op(a, b, bias, group, trans_b, tuning):
     _refuse_autograd("matmul_all_reduce", a, b, bias)
@@ -653,9 +654,9 @@ def _(a, b, bias, group, trans_b, tuning):
 
 
 def _matmul_all_reduce(a, b, bias, group, trans_b, tuning, out=None):
-    if out is not None:
-        return _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out)
-    return _matmul_all_reduce_op(a, b, bias, group.key, trans_b, tuning.ints())
+    if out is None and _library.needs_the_op((a, b, bias)):
+        return _matmul_all_reduce_op(a, b, bias, group.key, trans_b, tuning.ints())
+    return _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out)
 
 
 def _all_gather_rows(rows, group: TPGroup):
@@ -672,7 +673,7 @@ def _all_gather_rows(rows, group: TPGroup):
     return gathered
 
 
-@_library.op("all_gather(Tensor rows, int group) -> Tensor")
+@_library.define("all_gather(Tensor rows, int group) -> Tensor")
 def _all_gather_op(rows, group):
     _refuse_autograd("all_gather", rows)
     return _all_gather_rows(rows, _group_of(group))
@@ -684,7 +685,9 @@ def _(rows, group):
 
 
 def _all_gather(rows, group: TPGroup):
-    return _all_gather_op(rows, group.key)
+    if _library.needs_the_op((rows,)):
+        return _all_gather_op(rows, group.key)
+    return _all_gather_rows(rows, group)
 
 
 # Autograd. Each op's backward is its conjugate, as in Megatron-LM's tensor and sequence

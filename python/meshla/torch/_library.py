@@ -7,9 +7,9 @@ small MoE layer; an autograd kernel on the op would cost another 11 us, so autog
 autograd.Functions that call the ops. Being ops, they are opaque to torch.compile, which traces
 the Python around them (checks, autocast, autograd) into its graphs.
 
-meshla's functions call an op only where something needs to see it, and otherwise run its kernel
-themselves (see :func:`op`): the dispatcher's round trip into Python and back cost about 18 us of
-a collective matmul's 70 us on the host.
+meshla's functions call an op only where something needs to see it (:func:`needs_the_op`), and
+otherwise do its work themselves (see :func:`op`): the dispatcher's round trip into Python and
+back cost about 18 us of a collective matmul's 70 us on the host.
 """
 
 import functools
@@ -32,7 +32,7 @@ def _plain_cuda(arg) -> bool:
     return True
 
 
-def _needs_the_op(args) -> bool:
+def needs_the_op(args) -> bool:
     """Whether a call must go through the dispatcher: while torch.compile, torch.export or
     torch.jit.trace traces (they record the op; the tracer would record the kernel's empty outputs
     instead), under functorch transforms (vmap, functionalize: their tensors wrap others and have
@@ -49,22 +49,31 @@ def _needs_the_op(args) -> bool:
             or not all(map(_plain_cuda, args)))
 
 
-def op(schema: str):
+def define(schema: str):
     """Defines ``torch.ops.meshla.<name>`` from ``schema`` with the decorated function as its
-    kernel on every device (it branches on CPU and CUDA itself). Returns the function that meshla
-    calls it by: the op where something needs to see it (see _needs_the_op), else the kernel
-    directly, which is all the op would run."""
-    def define(kernel):
+    kernel on every device (it branches on CPU and CUDA itself), and returns the op. Its callers
+    call it only where ``needs_the_op``, and otherwise do its work themselves (see :func:`op`)."""
+    def decorate(kernel):
         name = schema.split("(", 1)[0]
         _LIBRARY.define(schema)
         _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
-        the_op = getattr(torch.ops.meshla, name)
+        return getattr(torch.ops.meshla, name)
+    return decorate
+
+
+def op(schema: str):
+    """:func:`define`, for ops whose arguments are their callers' own: returns the function that
+    meshla calls the op by, which runs the op where something needs to see it, else the kernel
+    directly, which is all the op would run. (The collective matmuls, whose ops take the group by
+    its key and the Tuning as ints, skip that encoding too: they choose themselves.)"""
+    def decorate(kernel):
+        the_op = define(schema)(kernel)
 
         @functools.wraps(kernel)
         def call(*args):
-            return the_op(*args) if _needs_the_op(args) else kernel(*args)
+            return the_op(*args) if needs_the_op(args) else kernel(*args)
         return call
-    return define
+    return decorate
 
 
 def capsule(t):
