@@ -88,8 +88,8 @@ class NcclExecutor final : public Executor {
     for (const GemmTask& gemm : schedule_.gemms) workspace_->matmul().prepare(shape_of(gemm));
     // Last: the split is a meeting of the ranks, and with several GPUs in one process nothing
     // between it and the first execution may free device memory (cudaFree waits for the peer
-    // devices, whose queued NCCL kernels may wait for this thread).
-    if (config.comm_ctas > 0) {
+    // devices, whose queued NCCL kernels may wait for this thread). One rank makes no NCCL call.
+    if (config.comm_ctas > 0 && comm.size() > 1) {
       transfers_ = Communicator(detail::split_with_max_ctas(*comm.state(), config.comm_ctas));
     }
   }
@@ -102,7 +102,7 @@ class NcclExecutor final : public Executor {
             config_.k);
     at.bind(Buffer::kPartial, workspace_->scratch() + partial_offset_, config_.n);
     at.bind(Buffer::kOutput, args.out.data, config_.n);
-    if (schedule_.comms.empty()) {  // one rank's sequential run: its GEMM alone
+    if (schedule_.comms.empty()) {  // one rank's run: its GEMM alone
       enqueue_tasks(at, args, stream);
       return;
     }

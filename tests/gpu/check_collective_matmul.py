@@ -909,11 +909,29 @@ class _FunctionsSeen(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _op_calls_counted(op: str):
+    """Counts the calls of meshla.torch's torch.ops.meshla.<op> (the module's name for it) while
+    it is active: a list whose length is the count."""
+    attribute = f"_{op}_op"
+    the_op = getattr(mt, attribute)
+    calls = []
+
+    def counted(*args):
+        calls.append(None)
+        return the_op(*args)
+    setattr(mt, attribute, counted)
+    try:
+        yield calls
+    finally:
+        setattr(mt, attribute, the_op)
+
+
 def check_observed_calls(group, reporter, label, seed_base):
-    """A plain eager call runs an op's kernel without the dispatcher; under the profiler, a
-    dispatch mode (FlopCounterMode) and a torch function mode the same call goes through its
-    torch.ops.meshla op, which the profile and the function mode name. Each way gets the
-    reference's result on inputs of its own (so that no output can hold another way's result)."""
+    """A plain eager call does an op's work without the op; under the profiler, a dispatch mode
+    (FlopCounterMode) and a torch function mode the same call goes through its torch.ops.meshla
+    op, which the profile and the function mode name. Each way gets the reference's result on
+    inputs of its own (so that no output can hold another way's result)."""
     from torch.profiler import ProfilerActivity, profile
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -924,22 +942,24 @@ def check_observed_calls(group, reporter, label, seed_base):
     for index, op in enumerate(OPS):
         name = f"{label}/observed-calls/{op}/bfloat16"
         try:
-            errors, named = {}, {}
+            errors, named, op_calls = {}, {}, {}
             for way_index, (way, observing) in enumerate(ways.items()):
                 p = Problem(op, group, torch.bfloat16, 128 * group.size, 256, 128,
                             seed_base + 10 * index + way_index, False, True)
-                with observing() as observer:
+                with _op_calls_counted(op) as calls, observing() as observer:
                     out = getattr(mt, op)(p.a, p.b, group, bias=p.bias)
                 torch.cuda.synchronize(group.device)
-                errors[way] = relative_error(out, p.ref)
+                errors[way], op_calls[way] = relative_error(out, p.ref), len(calls)
                 if way == "profiled":
                     named[way] = any(event.key == f"meshla::{op}"
                                      for event in observer.key_averages())
                 elif way == "function-mode":
                     named[way] = f"meshla.{op}" in observer.names
             ok = (all(named.values())
+                  and all(calls == (0 if way == "eager" else 1) for way, calls in op_calls.items())
                   and all(error < TOLERANCE[torch.bfloat16] for error in errors.values()))
             detail = (", ".join(f"{way} names meshla::{op}: {seen}" for way, seen in named.items())
+                      + "; op calls " + ", ".join(f"{way} {n}" for way, n in op_calls.items())
                       + "; rel_err "
                       + ", ".join(f"{way} {error:.2e}" for way, error in errors.items()))
         except Exception as e:
@@ -1020,7 +1040,8 @@ def check_shared_workspace(group, reporter, label, seed_base, backend):
         stages = group.size > 1 or backend == "symmetric"
         ok = (max(big_err, replayed, worst) < TOLERANCE[dtype]
               and (grown >= 60 if stages else grown < 8) and allocated < 8)
-        detail = (f"an all-reduce plan grew the workspace by {grown:.0f} MiB, "
+        detail = (("" if stages else "one rank on nccl stages nothing: ")
+                  + f"an all-reduce plan grew the workspace by {grown:.0f} MiB, "
                   f"rel_err={big_err:.2e}; graph captured before the growth: "
                   f"worst rel_err={replayed:.2e} over 5 replays; a reduce-scatter plan that fits "
                   f"allocated {allocated:.0f} MiB; interleaved runs worst rel_err={worst:.2e}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import operator
 import sys
 import threading
 import weakref
@@ -75,9 +76,14 @@ class Tuning:
     @staticmethod
     def of(algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
            backend="auto") -> Tuning:
+        # Uncached while torch.compile traces, which warns at every lru_cache call it meets (the
+        # Tuning becomes a constant of the graph anyway), and for an unhashable argument, which
+        # the uncached path then names.
+        if torch.compiler.is_compiling():
+            return _tuning_of.__wrapped__(algorithm, chunks, comm_sms, comm_ctas, backend)
         try:
             return _tuning_of(algorithm, chunks, comm_sms, comm_ctas, backend)
-        except TypeError:  # an unhashable argument, which the uncached path names
+        except TypeError:
             return _tuning_of.__wrapped__(algorithm, chunks, comm_sms, comm_ctas, backend)
 
     def options(self) -> dict:
@@ -95,12 +101,21 @@ class Tuning:
 
 
 # Every call builds its Tuning (a frozen dataclass takes 1 to 2 us to make): once per distinct set
-# of arguments, each of its own type (1 and 1.0 are not taken for one another).
+# of arguments, each of its own type, so that 1.0 is refused whether or not 1 came first.
 @functools.lru_cache(maxsize=1024, typed=True)
 def _tuning_of(algorithm, chunks, comm_sms, comm_ctas, backend) -> Tuning:
-    # One spelling per choice, so "ring" and Algorithm.ring share a plan.
-    return Tuning(_choice(_meshla.Algorithm, "algorithm", algorithm), chunks, comm_sms, comm_ctas,
-                  _choice(_meshla.Backend, "backend", backend))
+    # One spelling per choice, so "ring" and Algorithm.ring share a plan; plain ints for the
+    # numbers, as the ops' int[] tuning has them (numpy integers included).
+    return Tuning(_choice(_meshla.Algorithm, "algorithm", algorithm),
+                  _integer("chunks", chunks), _integer("comm_sms", comm_sms),
+                  _integer("comm_ctas", comm_ctas), _choice(_meshla.Backend, "backend", backend))
+
+
+def _integer(argument: str, value) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{argument}={value!r} is not an integer") from None
 
 
 # Every op call converts its int[] tuning back: built once per distinct list, not per call.

@@ -15,6 +15,7 @@ back cost about 18 us of a collective matmul's 70 us on the host.
 import functools
 
 import torch
+from torch.utils._device import DeviceContext
 from torch.utils.dlpack import to_dlpack
 
 _LIBRARY = torch.library.Library("meshla", "FRAGMENT")
@@ -37,16 +38,24 @@ def needs_the_op(args) -> bool:
     torch.jit.trace traces (they record the op; the tracer would record the kernel's empty outputs
     instead), under functorch transforms (vmap, functionalize: their tensors wrap others and have
     no data of their own), under a dispatch mode (FakeTensorMode, FlopCounterMode) or a torch
-    function mode (which would see the torch calls inside the kernel instead of the op; also
-    ``with torch.device(...)``), under a profiler started from Python (torch.profiler, emit_nvtx:
+    function mode (which would see the torch calls inside the kernel instead of the op; a default
+    device's excepted, see _watching_function_mode), under a profiler started from Python (torch.profiler, emit_nvtx:
     the trace names the op), and on tensors other than plain CUDA ones (subclasses, meta tensors
     for the op's fake, CPU tensors, kept on one path)."""
     return (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
             or torch._C._are_functorch_transforms_active()
             or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._is_torch_function_mode_enabled()
+            or (torch._C._is_torch_function_mode_enabled() and _watching_function_mode())
             or torch.autograd.profiler._is_profiler_enabled
             or not all(map(_plain_cuda, args)))
+
+
+def _watching_function_mode() -> bool:
+    """Whether a torch function mode other than a default device's is on. torch.device(...) as
+    a context and torch.set_default_device are modes too, which only fill in the device of
+    factory calls (the kernels name theirs): a program that sets one keeps the direct calls."""
+    return not all(isinstance(mode, DeviceContext)
+                   for mode in torch.overrides._get_current_function_mode_stack())
 
 
 def define(schema: str):
