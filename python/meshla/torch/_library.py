@@ -39,9 +39,9 @@ def needs_the_op(args) -> bool:
     instead), under functorch transforms (vmap, functionalize: their tensors wrap others and have
     no data of their own), under a dispatch mode (FakeTensorMode, FlopCounterMode) or a torch
     function mode (which would see the torch calls inside the kernel instead of the op; a default
-    device's excepted, see _watching_function_mode), under a profiler started from Python (torch.profiler, emit_nvtx:
-    the trace names the op), and on tensors other than plain CUDA ones (subclasses, meta tensors
-    for the op's fake, CPU tensors, kept on one path)."""
+    device's excepted, see _watching_function_mode), under a profiler started from Python
+    (torch.profiler, emit_nvtx: the trace names the op), and on tensors other than plain CUDA ones
+    (subclasses, meta tensors for the op's fake, CPU tensors, kept on one path)."""
     return (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
             or torch._C._are_functorch_transforms_active()
             or torch._C._len_torch_dispatch_stack() > 0
