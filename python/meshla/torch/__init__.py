@@ -79,12 +79,12 @@ class Tuning:
         # Uncached while torch.compile traces, which warns at every lru_cache call it meets (the
         # Tuning becomes a constant of the graph anyway), and for an unhashable argument, which
         # the uncached path then names.
-        if torch.compiler.is_compiling():
-            return _tuning_of.__wrapped__(algorithm, chunks, comm_sms, comm_ctas, backend)
-        try:
-            return _tuning_of(algorithm, chunks, comm_sms, comm_ctas, backend)
-        except TypeError:
-            return _tuning_of.__wrapped__(algorithm, chunks, comm_sms, comm_ctas, backend)
+        if not torch.compiler.is_compiling():
+            try:
+                return _tuning_of(algorithm, chunks, comm_sms, comm_ctas, backend)
+            except TypeError:
+                pass
+        return _tuning_of.__wrapped__(algorithm, chunks, comm_sms, comm_ctas, backend)
 
     def options(self) -> dict:
         """The op keywords that give this Tuning, e.g. ``matmul_all_reduce(..., **t.options())``."""
@@ -582,8 +582,8 @@ def _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning,
     return out, gathered
 
 
-@_library.define("all_gather_matmul(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
-             "bool return_gathered, int[] tuning) -> (Tensor, Tensor)")
+@_library.define("all_gather_matmul(Tensor a, Tensor b, Tensor? bias, int group, "
+                 "bool trans_b, bool return_gathered, int[] tuning) -> (Tensor, Tensor)")
 def _all_gather_matmul_op(a, b, bias, group, trans_b, return_gathered, tuning):
     _refuse_autograd("all_gather_matmul", a, b, bias)
     # The gathered a is [0, k] where it is not asked for: an op returns tensors.
@@ -625,8 +625,8 @@ def _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out):
     return out
 
 
-@_library.define("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
-             "int[] tuning) -> Tensor")
+@_library.define("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int group, "
+                 "bool trans_b, int[] tuning) -> Tensor")
 def _matmul_reduce_scatter_op(a, b, bias, group, trans_b, tuning):
     _refuse_autograd("matmul_reduce_scatter", a, b, bias)
     return _matmul_reduce_scatter_into(a, b, bias, _group_of(group), trans_b,
@@ -655,8 +655,8 @@ def _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out):
     return out
 
 
-@_library.define("matmul_all_reduce(Tensor a, Tensor b, Tensor? bias, int group, bool trans_b, "
-             "int[] tuning) -> Tensor")
+@_library.define("matmul_all_reduce(Tensor a, Tensor b, Tensor? bias, int group, "
+                 "bool trans_b, int[] tuning) -> Tensor")
 def _matmul_all_reduce_op(a, b, bias, group, trans_b, tuning):
     _refuse_autograd("matmul_all_reduce", a, b, bias)
     return _matmul_all_reduce_into(a, b, bias, _group_of(group), trans_b, Tuning.of_ints(tuning),
