@@ -6,12 +6,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3.12}
+gpu_jax=${GPU_JAX:-0.11.2}  # the GPU machines' jax and jaxlib
 "$python" -c "import sys; assert sys.version_info[:2] == (3, 12), sys.version" ||
   { echo "the GPU machines run Python 3.12: set PYTHON to one"; exit 1; }
 # Without jax the build leaves out the JAX solvers' handlers (XLA's FFI headers come with jaxlib),
 # and the GPU suite's JAX solver checks fail on such a wheel.
 "$python" -c "import jax.ffi" 2>/dev/null ||
-  { echo "$python cannot import jax.ffi: pip install 'jax[cpu]' for it first"; exit 1; }
+  { echo "$python cannot import jax.ffi: pip install 'jax[cpu]==$gpu_jax' for it first"; exit 1; }
+# The handlers take the FFI API version of the headers they were built with, and a jaxlib older
+# than those headers refuses to register them (a wheel built with jaxlib 0.12's failed on the GPU
+# machines' 0.11.2): build with the machines' version.
+built_jax=$("$python" -c "import jaxlib; print(jaxlib.__version__)")
+[ "$built_jax" = "$gpu_jax" ] ||
+  { echo "$python has jaxlib $built_jax, the GPU machines $gpu_jax: pip install 'jax[cpu]==$gpu_jax'"; exit 1; }
 # Without cuBLASMp's header the build leaves out that backend, and the suite's cublasmp model
 # fails (a new machine's first wheel did). Asked for explicitly below, so that a build directory
 # configured without it turns it on.

@@ -36,6 +36,26 @@ struct BlockCyclicLayout {
   // Columns each part holds in the solver's layout (its local array is padded_n() x this).
   MESHLA_HOST_DEVICE std::int64_t local_columns() const { return tiles_per_part * tile; }
   MESHLA_HOST_DEVICE bool padded() const { return padded_n() != n; }
+  // Whether any row or column moves: not where one part holds everything, or every part one tile,
+  // with no padding (the solver's order is then the original order, and the kernels that convert
+  // between them are copies, or nothing where the working array is the input itself).
+  MESHLA_HOST_DEVICE bool renumbers() const {
+    return padded() || (parts > 1 && tiles_per_part > 1);
+  }
+
+  // Solver tile `t` (rows t*tile to (t+1)*tile - 1 of the solver's order) holds original rows
+  // [first, first + count) in order, then padding: the unit in which the conversion kernels copy,
+  // so that their index arithmetic is done once per tile and not per element.
+  struct TileRows {
+    std::int64_t first;
+    std::int64_t count;
+  };
+  MESHLA_HOST_DEVICE TileRows original_rows_of_tile(std::int64_t t) const {
+    const std::int64_t part = t % parts;
+    const std::int64_t local = t / parts * tile;
+    const std::int64_t left = rows_per_part - local;
+    return {part * rows_per_part + local, left < 0 ? 0 : (left < tile ? left : tile)};
+  }
 
   // Solver index of original row/column `original` (0 <= original < n).
   MESHLA_HOST_DEVICE std::int64_t solver_index(std::int64_t original) const {

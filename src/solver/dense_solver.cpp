@@ -72,6 +72,11 @@ bool uses_meshla_cholesky(SolverOp op, const SolverProblem& problem) {
          problem.cholesky == CholeskyFactorization::kMeshla;
 }
 
+// A solve on one GPU after meshla's factorization runs cusolverDn's potrs, not cuSolverMg's.
+bool solves_with_cusolver_dn(SolverOp op, const SolverProblem& problem, int parts) {
+  return op == SolverOp::kCholeskySolve && parts == 1 && uses_meshla_cholesky(op, problem);
+}
+
 Working working_location(SolverOp op, const SolverProblem& problem,
                          const BlockCyclicLayout& layout) {
   if (layout.padded()) return Working::kWorkspace;
@@ -130,6 +135,7 @@ struct DenseSolver::Impl {
     }
     switch (op) {
       case SolverOp::kCholeskySolve: {
+        if (solves_with_cusolver_dn(op, problem, parts())) break;
         MatrixDescriptor b(n, problem.nrhs, problem.nrhs, problem.dtype, grid);
         MESHLA_CHECK_CUSOLVER(cusolverMgPotrs_bufferSize(
             handle, CUBLAS_FILL_MODE_LOWER, n, static_cast<int>(problem.nrhs), arrays.data(), 1, 1,
@@ -167,9 +173,11 @@ struct DenseSolver::Impl {
           align_up(static_cast<std::size_t>(layout.padded_n() * layout.local_columns()) * element);
     }
     // Rows are shuffled in place, one tile of columns at a time through the panel, when the
-    // working array is A itself, or when the inverse is written over its own working array.
+    // working array is A itself, or when the inverse is written over its own working array (and
+    // some row moves).
     const bool in_place_panels =
-        where == Working::kA || (op == SolverOp::kCholeskyInverse && where != Working::kWorkspace);
+        layout.renumbers() && (where == Working::kA ||
+                               (op == SolverOp::kCholeskyInverse && where != Working::kWorkspace));
     if (in_place_panels) {
       w.panel = offset;
       offset += align_up(static_cast<std::size_t>(layout.n * layout.tile) * element);
@@ -322,10 +330,11 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
     pad_diagonal = 2.0 * bound + 1.0;
   }
 
-  // A's rows into the solver's order.
+  // A's rows into the solver's order: in place, nothing to do where no row moves.
   for_each_part([&](int part, cudaStream_t stream) {
     const SolverShard& shard = shards[part];
     if (where == Working::kA) {
+      if (!layout.renumbers()) return;
       void* panel = workspace(part, workspaces[part].panel);
       for (std::int64_t first = 0; first < layout.local_columns(); first += layout.tile) {
         char* columns = static_cast<char*>(shard.a.data) + first * n * element;
@@ -389,7 +398,12 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
       case SolverOp::kEigenvalues:
         break;
     }
-    if (op == SolverOp::kCholeskySolve && result.info == 0) {
+    if (op == SolverOp::kCholeskySolve && result.info == 0 &&
+        solves_with_cusolver_dn(op, problem, parts)) {
+      result.info =
+          self.cholesky->solve_on_one_gpu(dtype, working.data[0], layout, rhs, problem.nrhs,
+                                          workspace(0, workspaces[0].factor), shards[0].stream);
+    } else if (op == SolverOp::kCholeskySolve && result.info == 0) {
       MatrixDescriptor descriptor_b(ld, problem.nrhs, problem.nrhs, dtype, self.grid);
       std::vector<void*> rhs_arrays(parts, nullptr);
       rhs_arrays[0] = rhs;
@@ -481,6 +495,13 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
       } else if (where == Working::kWorkspace) {
         solver::rows_to_original_order(dtype, working.data[part], ld, shard.out.data, n, layout,
                                        layout.rows_per_part, stream);
+      } else if (!layout.renumbers()) {
+        // The inverse is in the original order already: in `out` itself, or in A (overwrite_a).
+        if (working.data[part] != shard.out.data) {
+          MESHLA_CHECK_CUDA(cudaMemcpyAsync(shard.out.data, working.data[part],
+                                            layout.rows_per_part * n * element,
+                                            cudaMemcpyDeviceToDevice, stream));
+        }
       } else {
         void* panel = workspace(part, workspaces[part].panel);
         for (std::int64_t first = 0; first < layout.local_columns(); first += layout.tile) {

@@ -49,6 +49,21 @@ TEST_P(BlockCyclicLayoutTest, RenumberingIsAPermutationThatKeepsColumnsInPlace) 
   }
   EXPECT_EQ(padding, layout.padded_n() - c.n);
   EXPECT_EQ(layout.padded(), padding > 0);
+
+  // Tile by tile, as the conversion kernels copy: a run of original rows, then padding.
+  for (std::int64_t t = 0; t < layout.padded_n() / layout.tile; ++t) {
+    const BlockCyclicLayout::TileRows rows = layout.original_rows_of_tile(t);
+    for (std::int64_t i = 0; i < layout.tile; ++i) {
+      ASSERT_EQ(layout.original_index(t * layout.tile + i), i < rows.count ? rows.first + i : -1)
+          << "tile " << t << ", row " << i;
+    }
+  }
+  // renumbers() is false exactly where every row keeps its index.
+  bool moves = layout.padded();
+  for (std::int64_t original = 0; original < c.n; ++original) {
+    moves = moves || layout.solver_index(original) != original;
+  }
+  EXPECT_EQ(layout.renumbers(), moves);
 }
 
 // A symmetric matrix read through the renumbering, as every part's local array holds it after
@@ -88,7 +103,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, BlockCyclicLayoutTest,
                          ::testing::Values(Case{1, 1, 0}, Case{2, 2, 0}, Case{12, 4, 3},
                                            Case{12, 4, 2}, Case{14, 2, 3}, Case{40, 4, 4},
                                            Case{96, 3, 5}, Case{200, 4, 16}, Case{4000, 4, 0},
-                                           Case{65536, 4, 1024}));
+                                           Case{4096, 1, 512}, Case{65536, 4, 1024}));
 
 TEST(ChooseTile, PrefersTheLargestDivisorUpTo2048) {
   EXPECT_EQ(choose_tile(65536, 4), 2048);
