@@ -143,7 +143,8 @@ def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles, gpu_counts):
                     solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh, tile=tile))
                     meshla_s = timed(lambda: solve(a, b), repeats)
                     residual = row_residual(np.asarray(solve(a, b)[:, 0]), n, dtype)
-                    tile_used = _meshla.solver_layout(n, g, tile)[0]
+                    tile_used = _meshla.solver_layout(_meshla.SolverOp.cholesky_solve, n, g,
+                                                      tile)[0]
                     try:
                         raw_s = raw_cusolvermg_seconds(
                             [d.local_hardware_id for d in devices[:g]], n, dtype, tile_used,

@@ -90,8 +90,8 @@ class DenseSolver {
 
   const std::vector<int>& devices() const;
 
-  // The tile run() uses for `problem` (its own, or the automatic choice).
-  std::int64_t tile(const SolverProblem& problem) const;
+  // The tile run() uses for `op` on `problem` (its own, or the automatic choice).
+  std::int64_t tile(SolverOp op, const SolverProblem& problem) const;
 
   // Bytes of workspace `part` needs for one call of `op` on `problem`.
   std::size_t workspace_bytes(SolverOp op, const SolverProblem& problem, int part) const;

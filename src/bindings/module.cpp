@@ -17,6 +17,7 @@
 #include "core/releases.hpp"
 #include "meshla/meshla.hpp"
 #include "solver/block_cyclic.hpp"
+#include "solver/solver_validation.hpp"
 #ifdef MESHLA_WITH_JAX
 #include "bindings/jax_ffi.hpp"
 #endif
@@ -365,13 +366,13 @@ NB_MODULE(_meshla, m) {
 
   m.def(
       "solver_layout",
-      [](std::int64_t n, std::int64_t parts, std::int64_t tile) {
-        const solver::BlockCyclicLayout layout = solver::make_block_cyclic_layout(n, parts, tile);
+      [](SolverOp op, std::int64_t n, std::int64_t parts, std::int64_t tile) {
+        const solver::BlockCyclicLayout layout = solver::solver_layout(op, n, parts, tile);
         return std::make_tuple(layout.tile, layout.padded());
       },
-      "n"_a, "parts"_a, "tile"_a = 0,
-      "(tile, padded): the tile a dense solver over `parts` GPUs uses for order n (tile=0: its "
-      "own choice), and whether n/parts needs padding to a multiple of it.");
+      "op"_a, "n"_a, "parts"_a, "tile"_a = 0,
+      "(tile, padded): the tile a dense solver over `parts` GPUs uses for `op` of order n "
+      "(tile=0: its own choice), and whether n/parts needs padding to a multiple of it.");
 
   nb::class_<DenseSolver>(m, "DenseSolver",
                           "cuSolverMg over the GPUs of this process (see "

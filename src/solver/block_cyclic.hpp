@@ -89,12 +89,19 @@ struct BlockCyclicLayout {
 };
 
 // Checks the arguments (n divisible by parts, tile >= 1) and builds the layout; tile == 0 picks
-// one with choose_tile().
-BlockCyclicLayout make_block_cyclic_layout(std::int64_t n, std::int64_t parts, std::int64_t tile);
+// one with choose_tile(n, parts, largest).
+BlockCyclicLayout make_block_cyclic_layout(std::int64_t n, std::int64_t parts, std::int64_t tile,
+                                           std::int64_t largest);
 
-// The tile meshla uses when the caller gives none: n/parts itself up to 2048 rows per GPU (one
-// tile each), else the largest of 2048, 1024, ... 64 that divides n/parts, else the largest that
-// pads at most 1/16 of the rows. cuSolverMg's potrf was measured fastest with 2048-column tiles.
-std::int64_t choose_tile(std::int64_t n, std::int64_t parts);
+// The largest tiles of the solvers' own choice: cuSolverMg's potrf was measured fastest with
+// 2048-column tiles (4x H200), and its syevd refuses tiles over 1024 columns
+// (CUSOLVER_STATUS_INVALID_VALUE; one H100, CUDA 13.0), which is also the most it is given.
+constexpr std::int64_t kLargestCholeskyTile = 2048;
+constexpr std::int64_t kLargestEigenTile = 1024;
+
+// The tile meshla uses when the caller gives none: n/parts itself up to `largest` rows per GPU
+// (one tile each), else the largest of 2048, 1024, ... 64 up to `largest` that divides n/parts,
+// else the largest that pads at most 1/16 of the rows.
+std::int64_t choose_tile(std::int64_t n, std::int64_t parts, std::int64_t largest);
 
 }  // namespace meshla::solver

@@ -114,8 +114,8 @@ struct DenseSolver::Impl {
 
   int parts() const { return static_cast<int>(devices.size()); }
 
-  BlockCyclicLayout layout(const SolverProblem& problem) const {
-    return solver::make_block_cyclic_layout(problem.n, parts(), problem.tile);
+  BlockCyclicLayout layout(SolverOp op, const SolverProblem& problem) const {
+    return solver::solver_layout(op, problem.n, parts(), problem.tile);
   }
 
   std::int64_t query_lwork(SolverOp op, const SolverProblem& problem,
@@ -162,7 +162,7 @@ struct DenseSolver::Impl {
   // `lwork` from query_lwork(), which every part shares.
   WorkspaceLayout workspace_layout(SolverOp op, const SolverProblem& problem, int part,
                                    std::int64_t lwork) const {
-    const BlockCyclicLayout layout = this->layout(problem);
+    const BlockCyclicLayout layout = this->layout(op, problem);
     const std::size_t element = dtype_size(problem.dtype);
     WorkspaceLayout w;
     std::size_t offset = align_up(static_cast<std::size_t>(lwork) * element);
@@ -244,8 +244,8 @@ DenseSolver& DenseSolver::operator=(DenseSolver&&) noexcept = default;
 
 const std::vector<int>& DenseSolver::devices() const { return impl_->devices; }
 
-std::int64_t DenseSolver::tile(const SolverProblem& problem) const {
-  return impl_->layout(problem).tile;
+std::int64_t DenseSolver::tile(SolverOp op, const SolverProblem& problem) const {
+  return impl_->layout(op, problem).tile;
 }
 
 std::size_t DenseSolver::workspace_bytes(SolverOp op, const SolverProblem& problem,
@@ -255,7 +255,7 @@ std::size_t DenseSolver::workspace_bytes(SolverOp op, const SolverProblem& probl
                        << ": part " << part << " of a solver over " << impl_->parts() << " GPUs");
   solver::check_solver_problem(op, problem);
   std::lock_guard lock(impl_->mutex);
-  const std::int64_t lwork = impl_->query_lwork(op, problem, impl_->layout(problem));
+  const std::int64_t lwork = impl_->query_lwork(op, problem, impl_->layout(op, problem));
   return impl_->workspace_layout(op, problem, part, lwork).total;
 }
 
@@ -264,7 +264,7 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   Impl& self = *impl_;
   solver::check_solver_problem(op, problem);
   std::lock_guard lock(self.mutex);
-  const BlockCyclicLayout layout = self.layout(problem);
+  const BlockCyclicLayout layout = self.layout(op, problem);
   const int parts = self.parts();
   std::vector<WorkspaceLayout> workspaces;
   const std::int64_t lwork = self.query_lwork(op, problem, layout);

@@ -26,6 +26,16 @@ void check_solver_problem(SolverOp op, const SolverProblem& problem) {
   }
 }
 
+BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
+                                std::int64_t tile) {
+  const bool eigen = op == SolverOp::kEigen || op == SolverOp::kEigenvalues;
+  MESHLA_CHECK_ARG(!eigen || tile <= kLargestEigenTile,
+                   solver_op_name(op) << ": tile=" << tile << " exceeds " << kLargestEigenTile
+                                      << ", the largest tile cuSolverMg's syevd takes (0: "
+                                         "meshla's choice)");
+  return make_block_cyclic_layout(n, parts, tile, eigen ? kLargestEigenTile : kLargestCholeskyTile);
+}
+
 void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,
                          const std::vector<int>& devices, const std::vector<SolverShard>& shards,
                          const std::vector<std::size_t>& workspace_bytes) {

@@ -17,6 +17,11 @@ bool is_complex(DType dtype);
 // The dtype is one the solvers take; nrhs is 1 to 256 for kCholeskySolve.
 void check_solver_problem(SolverOp op, const SolverProblem& problem);
 
+// The layout `op` runs order n on `parts` GPUs in, with `tile` columns a tile (0: choose_tile's,
+// up to kLargestCholeskyTile or kLargestEigenTile); a tile over kLargestEigenTile for the
+// eigensolver is an error.
+BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts, std::int64_t tile);
+
 // One shard per part, each on devices[part], with the shapes, dtypes and outputs `op` needs (see
 // SolverShard), and a 256-byte aligned workspace of at least workspace_bytes[part].
 void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,

@@ -18,7 +18,8 @@ class BlockCyclicLayoutTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(BlockCyclicLayoutTest, RenumberingIsAPermutationThatKeepsColumnsInPlace) {
   const Case c = GetParam();
-  const BlockCyclicLayout layout = make_block_cyclic_layout(c.n, c.parts, c.tile);
+  const BlockCyclicLayout layout =
+      make_block_cyclic_layout(c.n, c.parts, c.tile, kLargestCholeskyTile);
   EXPECT_EQ(layout.padded_n() % (layout.parts * layout.tile), 0);
   EXPECT_GE(layout.local_columns(), layout.rows_per_part);
   EXPECT_LT(layout.local_columns() - layout.rows_per_part, layout.tile);
@@ -71,7 +72,8 @@ TEST_P(BlockCyclicLayoutTest, RenumberingIsAPermutationThatKeepsColumnsInPlace) 
 TEST_P(BlockCyclicLayoutTest, LocalArraysHoldTheSymmetricPermutation) {
   const Case c = GetParam();
   if (c.n > 300) GTEST_SKIP() << "checked on the small cases";
-  const BlockCyclicLayout layout = make_block_cyclic_layout(c.n, c.parts, c.tile);
+  const BlockCyclicLayout layout =
+      make_block_cyclic_layout(c.n, c.parts, c.tile, kLargestCholeskyTile);
   auto a = [](std::int64_t i, std::int64_t j) { return 1.0 / (1.0 + i + j) + (i == j ? 3.0 : 0); };
   const std::int64_t ld = layout.padded_n();
   std::vector<std::vector<double>> local(c.parts);
@@ -106,29 +108,29 @@ INSTANTIATE_TEST_SUITE_P(Shapes, BlockCyclicLayoutTest,
                                            Case{4096, 1, 512}, Case{65536, 4, 1024}));
 
 TEST(ChooseTile, PrefersTheLargestDivisorUpTo2048) {
-  EXPECT_EQ(choose_tile(65536, 4), 2048);
-  EXPECT_EQ(choose_tile(16384, 4), 2048);
-  EXPECT_EQ(choose_tile(8192, 4), 2048);  // one tile per GPU
-  EXPECT_EQ(choose_tile(4 * 3072, 4), 1024);
-  EXPECT_EQ(choose_tile(4 * 6144, 4), 2048);
-  EXPECT_EQ(choose_tile(100, 4), 25);  // small: one tile per GPU
-  EXPECT_EQ(choose_tile(4000, 4), 1000);
+  EXPECT_EQ(choose_tile(65536, 4, kLargestCholeskyTile), 2048);
+  EXPECT_EQ(choose_tile(16384, 4, kLargestCholeskyTile), 2048);
+  EXPECT_EQ(choose_tile(8192, 4, kLargestCholeskyTile), 2048);  // one tile per GPU
+  EXPECT_EQ(choose_tile(4 * 3072, 4, kLargestCholeskyTile), 1024);
+  EXPECT_EQ(choose_tile(4 * 6144, 4, kLargestCholeskyTile), 2048);
+  EXPECT_EQ(choose_tile(100, 4, kLargestCholeskyTile), 25);  // small: one tile per GPU
+  EXPECT_EQ(choose_tile(4000, 4, kLargestCholeskyTile), 1000);
 }
 
 TEST(ChooseTile, PadsLittleWhenNothingDivides) {
   // 3000 rows per GPU past 2048: 2048 would pad to 4096; 1024 pads to 3072 (2.4%).
-  EXPECT_EQ(choose_tile(4 * 3000, 4), 1024);
+  EXPECT_EQ(choose_tile(4 * 3000, 4, kLargestCholeskyTile), 1024);
   const std::int64_t rows = 4099;  // prime
-  const std::int64_t tile = choose_tile(rows * 2, 2);
+  const std::int64_t tile = choose_tile(rows * 2, 2, kLargestCholeskyTile);
   EXPECT_LE(16 * ((rows + tile - 1) / tile * tile - rows), rows);
 }
 
 TEST(BlockCyclicLayout, RejectsBadArguments) {
-  EXPECT_THROW(make_block_cyclic_layout(10, 4, 0), Error);
-  EXPECT_THROW(make_block_cyclic_layout(0, 1, 0), Error);
-  EXPECT_THROW(make_block_cyclic_layout(8, 2, -1), Error);
+  EXPECT_THROW(make_block_cyclic_layout(10, 4, 0, kLargestCholeskyTile), Error);
+  EXPECT_THROW(make_block_cyclic_layout(0, 1, 0, kLargestCholeskyTile), Error);
+  EXPECT_THROW(make_block_cyclic_layout(8, 2, -1, kLargestCholeskyTile), Error);
   try {
-    make_block_cyclic_layout(10, 4, 0);
+    make_block_cyclic_layout(10, 4, 0, kLargestCholeskyTile);
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
     EXPECT_NE(std::string(error.what()).find("n=10"), std::string::npos) << error.what();

@@ -26,7 +26,8 @@ class CholeskyScheduleTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CholeskyScheduleTest, FactorsTheMatrixWithEveryStepInOrder) {
   const Case c = GetParam();
-  const BlockCyclicLayout layout = make_block_cyclic_layout(c.n, c.parts, c.tile);
+  const BlockCyclicLayout layout =
+      make_block_cyclic_layout(c.n, c.parts, c.tile, kLargestCholeskyTile);
   const std::int64_t ld = layout.padded_n(), tile = layout.tile, tiles = ld / tile;
   const int parts = static_cast<int>(layout.parts);
   // A' = M Mᵀ + ld I in solver order, spread over the parts' local arrays.
@@ -148,7 +149,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, CholeskyScheduleTest,
                                            Case{18, 3, 3}, Case{32, 2, 16}));
 
 TEST(CholeskySchedule, FirstFailedPivotIsTheEarliestInSolverOrder) {
-  const BlockCyclicLayout layout = make_block_cyclic_layout(16, 2, 2);  // 8 tiles of 2
+  const BlockCyclicLayout layout =
+      make_block_cyclic_layout(16, 2, 2, kLargestCholeskyTile);  // 8 tiles of 2
   // pivots[part][s] is global tile s * 2 + part.
   std::vector<std::vector<int>> pivots{{0, 0, 0, 1}, {0, 0, 0, 0}};
   EXPECT_EQ(first_failed_pivot(layout, pivots), 6 * 2 + 1);
@@ -158,7 +160,8 @@ TEST(CholeskySchedule, FirstFailedPivotIsTheEarliestInSolverOrder) {
 }
 
 TEST(CholeskySchedule, WorkspaceHoldsTwoPanelsAlignedPieces) {
-  const BlockCyclicLayout layout = make_block_cyclic_layout(1000, 4, 64);  // 250 rows: 4 tiles
+  const BlockCyclicLayout layout =
+      make_block_cyclic_layout(1000, 4, 64, kLargestCholeskyTile);  // 250 rows: 4 tiles
   const CholeskyWorkspace w = cholesky_workspace(DType::kFloat64, layout, 1000);
   const std::size_t panel = static_cast<std::size_t>(layout.padded_n() * 64) * 8;
   EXPECT_GE(w.potrf - w.panels, 2 * panel);

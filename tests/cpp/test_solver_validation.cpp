@@ -38,8 +38,9 @@ struct Call {
 
   void check() const {
     check_solver_problem(op, problem);
-    check_solver_shards(op, problem, make_block_cyclic_layout(problem.n, 2, 2), devices, shards,
-                        workspace_bytes);
+    check_solver_shards(op, problem,
+                        make_block_cyclic_layout(problem.n, 2, 2, kLargestCholeskyTile), devices,
+                        shards, workspace_bytes);
   }
 };
 
@@ -84,6 +85,29 @@ TEST(SolverValidation, RejectsBadProblems) {
                   "bfloat16 is not float32, float64, complex64 or complex128");
   expect_rejected([](Call& c) { c.problem.nrhs = 257; }, "nrhs=257");
   expect_rejected([](Call& c) { c.problem.nrhs = 0; }, "nrhs=0");
+}
+
+TEST(SolverLayout, TheEigensolverTakesTilesUpTo1024) {
+  // cuSolverMg's syevd refuses larger tiles; the Cholesky ops choose up to 2048.
+  EXPECT_EQ(solver_layout(SolverOp::kCholeskySolve, 8192, 1, 0).tile, 2048);
+  EXPECT_EQ(solver_layout(SolverOp::kCholeskyInverse, 4 * 2048, 4, 0).tile, 2048);
+  EXPECT_EQ(solver_layout(SolverOp::kEigen, 8192, 1, 0).tile, 1024);
+  EXPECT_EQ(solver_layout(SolverOp::kEigenvalues, 4 * 2048, 4, 0).tile, 1024);
+  EXPECT_EQ(solver_layout(SolverOp::kEigen, 4 * 1000, 4, 0).tile, 1000);  // one tile a GPU
+  EXPECT_EQ(solver_layout(SolverOp::kEigen, 2 * 1500, 2, 0).tile, 768);   // 1536: pads 36
+  EXPECT_EQ(solver_layout(SolverOp::kCholeskySolve, 2 * 1500, 2, 0).tile, 1500);
+  EXPECT_EQ(solver_layout(SolverOp::kEigen, 8192, 1, 1024).tile, 1024);
+  EXPECT_EQ(solver_layout(SolverOp::kCholeskySolve, 8192, 1, 4096).tile, 4096);
+  for (SolverOp op : {SolverOp::kEigen, SolverOp::kEigenvalues}) {
+    try {
+      solver_layout(op, 8192, 1, 2048);
+      FAIL() << "tile=2048 accepted for " << solver_op_name(op);
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(error.what()).find("tile=2048 exceeds 1024"), std::string::npos)
+          << error.what();
+    }
+  }
 }
 
 TEST(SolverValidation, RejectsBadShards) {

@@ -155,12 +155,18 @@ def test_torch_errors():
 
 
 def test_layout_query():
-    assert _meshla.solver_layout(65536, 4) == (2048, False)
-    assert _meshla.solver_layout(4000, 4) == (1000, False)
-    assert _meshla.solver_layout(4 * 3000, 4) == (1024, True)
-    assert _meshla.solver_layout(48, 4, 5) == (5, True)
+    solve, eigh = _meshla.SolverOp.cholesky_solve, _meshla.SolverOp.eigh
+    assert _meshla.solver_layout(solve, 65536, 4) == (2048, False)
+    assert _meshla.solver_layout(solve, 4000, 4) == (1000, False)
+    assert _meshla.solver_layout(solve, 4 * 3000, 4) == (1024, True)
+    assert _meshla.solver_layout(solve, 48, 4, 5) == (5, True)
     with pytest.raises(ValueError, match="n=10 rows are not divisible by the 4 GPUs"):
-        _meshla.solver_layout(10, 4)
+        _meshla.solver_layout(solve, 10, 4)
+    # cuSolverMg's syevd refuses tiles over 1024 columns.
+    assert _meshla.solver_layout(eigh, 65536, 4) == (1024, False)
+    assert _meshla.solver_layout(_meshla.SolverOp.eigvalsh, 2048, 1) == (1024, False)
+    with pytest.raises(ValueError, match="eigh: tile=2048 exceeds 1024"):
+        _meshla.solver_layout(eigh, 8192, 1, 2048)
 
 
 def _shard_forms(rank, size, results):

@@ -147,8 +147,8 @@ def _ffi_attributes(mesh: Mesh, axis: str, tile: int, timeout_s: float) -> dict:
     )
 
 
-def _layout(n: int, mesh: Mesh, axis: str, tile: int) -> tuple[int, bool]:
-    return _meshla.solver_layout(n, mesh.shape[axis], tile)
+def _layout(op, n: int, mesh: Mesh, axis: str, tile: int) -> tuple[int, bool]:
+    return _meshla.solver_layout(op, n, mesh.shape[axis], tile)
 
 
 def _working(a_block: jax.Array, padded: bool):
@@ -191,7 +191,7 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
         logdet = 2.0 * jnp.sum(jnp.log(jnp.real(jnp.diagonal(factor))))
         return CholeskySolve(_own_rows(x, axis, rows), logdet, info, a_block)
     _register_targets()
-    tile, padded = _layout(n, mesh, axis, tile)
+    tile, padded = _layout(_meshla.SolverOp.cholesky_solve, n, mesh, axis, tile)
     working, aliases = _working(a_block, padded)
     call = jax.ffi.ffi_call(
         "meshla_cholesky_solve",
@@ -219,7 +219,7 @@ def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile
         inverse = jax.scipy.linalg.cho_solve((factor, True), jnp.eye(n, dtype=a_block.dtype))
         return _own_rows(inverse, axis, rows), info
     _register_targets()
-    tile, padded = _layout(n, mesh, axis, tile)
+    tile, padded = _layout(_meshla.SolverOp.cholesky_inverse, n, mesh, axis, tile)
     call = jax.ffi.ffi_call(
         "meshla_cholesky_inverse",
         (jax.ShapeDtypeStruct(a_block.shape, a_block.dtype), jax.ShapeDtypeStruct((), jnp.int32)),
@@ -245,7 +245,8 @@ def eigh_shard(a_block, *, mesh: Mesh, axis: str | None = None, eigvals_only: bo
         return Eigh(values, _own_rows(vectors, axis, rows),
                     jnp.isnan(values).any().astype(jnp.int32))
     _register_targets()
-    tile, padded = _layout(n, mesh, axis, tile)
+    op = _meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh
+    tile, padded = _layout(op, n, mesh, axis, tile)
     working, aliases = _working(a_block, padded)
     values = jax.ShapeDtypeStruct((n,), _real_dtype(a_block.dtype))
     info = jax.ShapeDtypeStruct((), jnp.int32)
@@ -283,16 +284,16 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     axis = _axis_of(mesh, axis)
     if a.ndim != 2:
         raise ValueError(f"cho_solve: a has shape {a.shape}; expected [n, n]")
-    if overwrite_a and _layout(a.shape[-1], mesh, axis, tile)[1]:
+    # The working buffer is A's shape, or a zero-size placeholder when the solver pads.
+    tile_used, padded = _layout(_meshla.SolverOp.cholesky_solve, a.shape[-1], mesh, axis, tile)
+    if overwrite_a and padded:
         raise ValueError(
             f"cho_solve: overwrite_a needs n/GPUs = {a.shape[-1]}/{mesh.shape[axis]} to be a "
-            f"multiple of the tile ({_layout(a.shape[-1], mesh, axis, tile)[0]}); pass tile="
+            f"multiple of the tile ({tile_used}); pass tile= a divisor of it"
         )
     vector = b.ndim == 1
     solve = functools.partial(cho_solve_shard, mesh=mesh, axis=axis, tile=tile,
                               timeout_s=timeout_s)
-    # The working buffer is A's shape, or a zero-size placeholder when the solver pads.
-    padded = _layout(a.shape[-1], mesh, axis, tile)[1]
     x, logdet, info, working = _sharded(
         lambda a_block, b_block: tuple(solve(a_block, b_block)), mesh,
         (P(axis, None), P(axis, None)), (P(axis, None), P(), P(), P(axis) if padded else
