@@ -351,26 +351,12 @@ int BlockCyclicCholesky::factor(DType dtype, const PartPointers& working,
   return first_failed_pivot(layout, pivots);
 }
 
-int BlockCyclicCholesky::solve_on_one_gpu(DType dtype, const void* working,
-                                          const BlockCyclicLayout& layout, void* rhs,
-                                          std::int64_t nrhs, void* workspace, cudaStream_t stream) {
-  MESHLA_CHECK_ARG(impl_->parts.size() == 1,
-                   "cholesky solve: " << impl_->parts.size() << " GPUs where one is handled");
-  Part& part = *impl_->parts.front();
-  detail::DeviceGuard guard(part.device);
-  const cudaDataType type = detail::cuda_data_type(dtype);
-  const std::int64_t ld = layout.padded_n();
-  std::size_t host_bytes = 0;
-  const CholeskyWorkspace w =
-      cholesky_workspace(dtype, layout, impl_->potrf_bytes(dtype, layout, &host_bytes));
-  int* info = reinterpret_cast<int*>(static_cast<char*>(workspace) + w.pivots);
-  MESHLA_CHECK_CUSOLVER(cusolverDnSetStream(part.dense, stream));
-  MESHLA_CHECK_CUSOLVER(cusolverDnXpotrs(part.dense, part.params, CUBLAS_FILL_MODE_LOWER, ld, nrhs,
-                                         type, working, ld, type, rhs, ld, info));
-  int host_info = 0;
-  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&host_info, info, sizeof(int), cudaMemcpyDeviceToHost, stream));
-  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
-  return host_info;
+cusolverDnHandle_t BlockCyclicCholesky::dense_handle(int part) const {
+  return impl_->parts.at(static_cast<std::size_t>(part))->dense;
+}
+
+cusolverDnParams_t BlockCyclicCholesky::dense_params(int part) const {
+  return impl_->parts.at(static_cast<std::size_t>(part))->params;
 }
 
 }  // namespace meshla::solver

@@ -1,7 +1,7 @@
 // meshla's own Cholesky factorization of a matrix in the solver's 1-D column block-cyclic layout
 // (solver/block_cyclic.hpp), A' = L Lᴴ, L written over the lower triangle of the working arrays
 // exactly where cuSolverMg's potrf leaves it, so cuSolverMg's potrs and potri take it as theirs
-// (on one GPU, cusolverDn's potrs: solve_on_one_gpu).
+// (on one GPU, cusolverDn's potrs).
 //
 // Why not cusolverMgPotrf: on 4 H200s at n=16384 (float64) it takes as long as one GPU's
 // cusolverDn (0.0425 s), and it scales 2.6x at n=65536. It waits for every panel before the
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include <cuda_runtime_api.h>
+#include <cusolverDn.h>
 
 #include "meshla/tensor.hpp"
 #include "solver/block_cyclic.hpp"
@@ -84,12 +85,10 @@ class BlockCyclicCholesky {
   int factor(DType dtype, const PartPointers& working, const BlockCyclicLayout& layout,
              const std::vector<void*>& workspaces, const std::vector<cudaStream_t>& streams);
 
-  // One GPU only: solves L Lᴴ X = B in place for the `nrhs` columns of `rhs` (column-major,
-  // ld = layout.padded_n() rows) with the factor that factor() left in `working`, on `stream`,
-  // which it waits for; returns LAPACK's info. cusolverDn's potrs: cuSolverMg's took a quarter
-  // longer on one H100 (n=16384) and synchronised the host after every tile.
-  int solve_on_one_gpu(DType dtype, const void* working, const BlockCyclicLayout& layout, void* rhs,
-                       std::int64_t nrhs, void* workspace, cudaStream_t stream);
+  // Part `part`'s cusolverDn handle and its parameters, which the solver's calls on one GPU
+  // share (dense_solver.cpp).
+  cusolverDnHandle_t dense_handle(int part) const;
+  cusolverDnParams_t dense_params(int part) const;
 
  private:
   struct Impl;

@@ -60,6 +60,11 @@ struct WorkspaceLayout {
   std::size_t panel = 0;    // one tile of columns, for shuffling rows in place
   std::size_t rhs = 0;      // B' on part 0
   std::size_t scalars = 0;  // two float64 reductions
+  // One GPU's cusolverDn call (runs_cusolver_dn): its workspace, the eigenvalues it writes to the
+  // device, and its info.
+  std::size_t dense = 0;
+  std::size_t values = 0;
+  std::size_t info = 0;
   std::size_t total = 0;
 };
 
@@ -72,9 +77,19 @@ bool uses_meshla_cholesky(SolverOp op, const SolverProblem& problem) {
          problem.cholesky == CholeskyFactorization::kMeshla;
 }
 
-// A solve on one GPU after meshla's factorization runs cusolverDn's potrs, not cuSolverMg's.
-bool solves_with_cusolver_dn(SolverOp op, const SolverProblem& problem, int parts) {
-  return op == SolverOp::kCholeskySolve && parts == 1 && uses_meshla_cholesky(op, problem);
+bool is_eigen(SolverOp op) { return op == SolverOp::kEigen || op == SolverOp::kEigenvalues; }
+
+cusolverEigMode_t eigen_mode(SolverOp op) {
+  return op == SolverOp::kEigen ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR;
+}
+
+// On one GPU, cusolverDn where cuSolverMg is slower (one H100): the solve after meshla's
+// factorization (cuSolverMg's potrs took a quarter longer at n=16384 and synchronised the host
+// after every tile) and the eigensolver (cuSolverMg's syevd took 1.71 s at n=8192, jax's
+// cusolverDn 0.61 s).
+bool runs_cusolver_dn(SolverOp op, const SolverProblem& problem, int parts) {
+  return parts == 1 &&
+         (is_eigen(op) || (op == SolverOp::kCholeskySolve && uses_meshla_cholesky(op, problem)));
 }
 
 Working working_location(SolverOp op, const SolverProblem& problem,
@@ -120,6 +135,7 @@ struct DenseSolver::Impl {
 
   std::int64_t query_lwork(SolverOp op, const SolverProblem& problem,
                            const BlockCyclicLayout& layout) {
+    if (runs_cusolver_dn(op, problem, parts())) return 1;  // no cuSolverMg routine runs
     const int n = static_cast<int>(layout.padded_n());
     const cudaDataType type = detail::cuda_data_type(problem.dtype);
     MatrixDescriptor a(n, n, layout.tile, problem.dtype, grid);
@@ -135,7 +151,6 @@ struct DenseSolver::Impl {
     }
     switch (op) {
       case SolverOp::kCholeskySolve: {
-        if (solves_with_cusolver_dn(op, problem, parts())) break;
         MatrixDescriptor b(n, problem.nrhs, problem.nrhs, problem.dtype, grid);
         MESHLA_CHECK_CUSOLVER(cusolverMgPotrs_bufferSize(
             handle, CUBLAS_FILL_MODE_LOWER, n, static_cast<int>(problem.nrhs), arrays.data(), 1, 1,
@@ -150,13 +165,29 @@ struct DenseSolver::Impl {
       case SolverOp::kEigenvalues: {
         std::vector<double> eigenvalues(static_cast<std::size_t>(n));
         MESHLA_CHECK_CUSOLVER(cusolverMgSyevd_bufferSize(
-            handle, op == SolverOp::kEigen ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR,
-            CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), eigenvalues.data(),
-            detail::cuda_data_type(real_dtype(problem.dtype)), type, &lwork));
+            handle, eigen_mode(op), CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(),
+            eigenvalues.data(), detail::cuda_data_type(real_dtype(problem.dtype)), type, &lwork));
         break;
       }
     }
     return std::max<std::int64_t>({lwork, second, 1});
+  }
+
+  // cusolverDn's device workspace for `op` on one GPU (runs_cusolver_dn), and its host workspace
+  // in `host_bytes`: syevd's; potrs takes none.
+  std::size_t dense_bytes(SolverOp op, const SolverProblem& problem,
+                          const BlockCyclicLayout& layout, std::size_t* host_bytes) const {
+    *host_bytes = 0;
+    if (!is_eigen(op)) return 0;
+    detail::DeviceGuard guard(devices[0]);
+    const cudaDataType type = detail::cuda_data_type(problem.dtype);
+    std::size_t device_bytes = 0;
+    MESHLA_CHECK_CUSOLVER(cusolverDnXsyevd_bufferSize(
+        cholesky->dense_handle(0), cholesky->dense_params(0), eigen_mode(op),
+        CUBLAS_FILL_MODE_LOWER, layout.padded_n(), type, nullptr, layout.padded_n(),
+        detail::cuda_data_type(real_dtype(problem.dtype)), nullptr, type, &device_bytes,
+        host_bytes));
+    return device_bytes;
   }
 
   // `lwork` from query_lwork(), which every part shares.
@@ -192,6 +223,16 @@ struct DenseSolver::Impl {
     }
     w.scalars = offset;
     offset += detail::kWorkspaceAlignment;
+    if (runs_cusolver_dn(op, problem, parts())) {
+      std::size_t host_bytes = 0;
+      w.dense = offset;
+      offset += align_up(dense_bytes(op, problem, layout, &host_bytes));
+      w.values = offset;
+      offset += align_up(static_cast<std::size_t>(layout.padded_n()) *
+                         dtype_size(real_dtype(problem.dtype)));
+      w.info = offset;
+      offset += detail::kWorkspaceAlignment;
+    }
     w.total = offset;
     return w;
   }
@@ -313,7 +354,7 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   // value above every eigenvalue of A (twice the Gershgorin bound, plus one), so that the padded
   // eigenpairs are the last ones and are dropped.
   double pad_diagonal = 1.0;
-  if (layout.padded() && (op == SolverOp::kEigen || op == SolverOp::kEigenvalues)) {
+  if (layout.padded() && is_eigen(op)) {
     for_each_part([&](int part, cudaStream_t stream) {
       MESHLA_CHECK_CUDA(cudaMemsetAsync(scalars(part), 0, sizeof(double), stream));
       solver::max_abs_row_sum(dtype, shards[part].a.data, layout.rows_per_part, n, scalars(part),
@@ -398,11 +439,22 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
       case SolverOp::kEigenvalues:
         break;
     }
-    if (op == SolverOp::kCholeskySolve && result.info == 0 &&
-        solves_with_cusolver_dn(op, problem, parts)) {
-      result.info =
-          self.cholesky->solve_on_one_gpu(dtype, working.data[0], layout, rhs, problem.nrhs,
-                                          workspace(0, workspaces[0].factor), shards[0].stream);
+    // One GPU's cusolverDn call, on part 0's stream (runs_cusolver_dn); its info, read back.
+    const bool dense = runs_cusolver_dn(op, problem, parts);
+    int* dense_info = reinterpret_cast<int*>(workspace(0, workspaces[0].info));
+    auto read_dense_info = [&] {
+      MESHLA_CHECK_CUDA(cudaMemcpyAsync(&result.info, dense_info, sizeof(int),
+                                        cudaMemcpyDeviceToHost, shards[0].stream));
+      MESHLA_CHECK_CUDA(cudaStreamSynchronize(shards[0].stream));
+    };
+    if (dense) {
+      MESHLA_CHECK_CUSOLVER(cusolverDnSetStream(self.cholesky->dense_handle(0), shards[0].stream));
+    }
+    if (op == SolverOp::kCholeskySolve && result.info == 0 && dense) {
+      MESHLA_CHECK_CUSOLVER(cusolverDnXpotrs(
+          self.cholesky->dense_handle(0), self.cholesky->dense_params(0), CUBLAS_FILL_MODE_LOWER,
+          ld, problem.nrhs, type, working.data[0], ld, type, rhs, ld, dense_info));
+      read_dense_info();
     } else if (op == SolverOp::kCholeskySolve && result.info == 0) {
       MatrixDescriptor descriptor_b(ld, problem.nrhs, problem.nrhs, dtype, self.grid);
       std::vector<void*> rhs_arrays(parts, nullptr);
@@ -417,17 +469,31 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
                                             arrays.data(), 1, 1, descriptor_a.get(), type,
                                             work.data(), lwork, &result.info));
     }
-    if (op == SolverOp::kEigen || op == SolverOp::kEigenvalues) {
+    if (is_eigen(op)) {
       const cudaDataType real_type = detail::cuda_data_type(real_dtype(dtype));
       std::vector<double> values64(static_cast<std::size_t>(ld));
       std::vector<float> values32(real_type == CUDA_R_32F ? static_cast<std::size_t>(ld) : 0);
       void* values = real_type == CUDA_R_32F ? static_cast<void*>(values32.data())
                                              : static_cast<void*>(values64.data());
-      MESHLA_CHECK_CUSOLVER(cusolverMgSyevd(
-          self.handle,
-          op == SolverOp::kEigen ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR,
-          CUBLAS_FILL_MODE_LOWER, order, arrays.data(), 1, 1, descriptor_a.get(), values, real_type,
-          type, work.data(), lwork, &result.info));
+      if (dense) {
+        // cusolverDn writes the eigenvalues to the device.
+        std::size_t host_bytes = 0;
+        const std::size_t device_bytes = self.dense_bytes(op, problem, layout, &host_bytes);
+        std::vector<char> host_work(std::max<std::size_t>(host_bytes, 1));
+        void* device_values = workspace(0, workspaces[0].values);
+        MESHLA_CHECK_CUSOLVER(
+            cusolverDnXsyevd(self.cholesky->dense_handle(0), self.cholesky->dense_params(0),
+                             eigen_mode(op), CUBLAS_FILL_MODE_LOWER, ld, type, working.data[0], ld,
+                             real_type, device_values, type, workspace(0, workspaces[0].dense),
+                             device_bytes, host_work.data(), host_bytes, dense_info));
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(values, device_values, ld * dtype_size(real_dtype(dtype)),
+                                          cudaMemcpyDeviceToHost, shards[0].stream));
+        read_dense_info();  // after the values' copy, on the same stream: both are on the host
+      } else {
+        MESHLA_CHECK_CUSOLVER(cusolverMgSyevd(
+            self.handle, eigen_mode(op), CUBLAS_FILL_MODE_LOWER, order, arrays.data(), 1, 1,
+            descriptor_a.get(), values, real_type, type, work.data(), lwork, &result.info));
+      }
       if (real_type == CUDA_R_32F) std::copy(values32.begin(), values32.end(), values64.begin());
       values64.resize(static_cast<std::size_t>(n));  // the padded eigenvalues are the largest
       result.eigenvalues = std::move(values64);
@@ -437,7 +503,7 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   result.solver_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - solver_start).count();
   MESHLA_CHECK(kCusolver, result.info >= 0,
-               solver_op_name(op) << ": cuSolverMg reports parameter " << -result.info
+               solver_op_name(op) << ": cuSOLVER reports parameter " << -result.info
                                   << " as wrong (n=" << n << ", tile=" << layout.tile << ")");
   const bool failed = result.info > 0;
 
