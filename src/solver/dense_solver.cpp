@@ -4,6 +4,7 @@
 
 #include "meshla/dense_solver.hpp"
 
+#include <cusolverDn.h>
 #include <cusolverMg.h>
 
 #include <algorithm>
@@ -83,13 +84,57 @@ cusolverEigMode_t eigen_mode(SolverOp op) {
   return op == SolverOp::kEigen ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR;
 }
 
-// On one GPU, cusolverDn where cuSolverMg is slower (one H100): the solve after meshla's
-// factorization (cuSolverMg's potrs took a quarter longer at n=16384 and synchronised the host
-// after every tile) and the eigensolver (cuSolverMg's syevd took 1.71 s at n=8192, jax's
-// cusolverDn 0.61 s).
+// On one GPU, cusolverDn where cuSolverMg is slower (one H100, float64): after meshla's
+// factorization, the solve (cuSolverMg's potrs took a quarter longer at n=16384 and synchronised
+// the host after every tile) and the inverse (0.35 s with cuSolverMg's potri at n=16384, 0.27 s
+// with cusolverDn's), and the eigensolver (cuSolverMg's syevd took 1.71 s at n=8192, cusolverDn's
+// 0.61 s).
 bool runs_cusolver_dn(SolverOp op, const SolverProblem& problem, int parts) {
-  return parts == 1 &&
-         (is_eigen(op) || (op == SolverOp::kCholeskySolve && uses_meshla_cholesky(op, problem)));
+  return parts == 1 && (is_eigen(op) || uses_meshla_cholesky(op, problem));
+}
+
+// cusolverDn's potri (it has no generic 64-bit form): its workspace in elements, and the call.
+int potri_workspace(cusolverDnHandle_t handle, DType dtype, int n) {
+  int lwork = 0;
+  const cublasFillMode_t lower = CUBLAS_FILL_MODE_LOWER;
+  switch (dtype) {
+    case DType::kFloat32:
+      MESHLA_CHECK_CUSOLVER(cusolverDnSpotri_bufferSize(handle, lower, n, nullptr, n, &lwork));
+      break;
+    case DType::kFloat64:
+      MESHLA_CHECK_CUSOLVER(cusolverDnDpotri_bufferSize(handle, lower, n, nullptr, n, &lwork));
+      break;
+    case DType::kComplex64:
+      MESHLA_CHECK_CUSOLVER(cusolverDnCpotri_bufferSize(handle, lower, n, nullptr, n, &lwork));
+      break;
+    default:
+      MESHLA_ASSERT(dtype == DType::kComplex128);
+      MESHLA_CHECK_CUSOLVER(cusolverDnZpotri_bufferSize(handle, lower, n, nullptr, n, &lwork));
+  }
+  return lwork;
+}
+
+void potri(cusolverDnHandle_t handle, DType dtype, int n, void* a, void* work, int lwork,
+           int* info) {
+  const cublasFillMode_t lower = CUBLAS_FILL_MODE_LOWER;
+  switch (dtype) {
+    case DType::kFloat32:
+      MESHLA_CHECK_CUSOLVER(cusolverDnSpotri(handle, lower, n, static_cast<float*>(a), n,
+                                             static_cast<float*>(work), lwork, info));
+      break;
+    case DType::kFloat64:
+      MESHLA_CHECK_CUSOLVER(cusolverDnDpotri(handle, lower, n, static_cast<double*>(a), n,
+                                             static_cast<double*>(work), lwork, info));
+      break;
+    case DType::kComplex64:
+      MESHLA_CHECK_CUSOLVER(cusolverDnCpotri(handle, lower, n, static_cast<cuComplex*>(a), n,
+                                             static_cast<cuComplex*>(work), lwork, info));
+      break;
+    default:
+      MESHLA_ASSERT(dtype == DType::kComplex128);
+      MESHLA_CHECK_CUSOLVER(cusolverDnZpotri(handle, lower, n, static_cast<cuDoubleComplex*>(a), n,
+                                             static_cast<cuDoubleComplex*>(work), lwork, info));
+  }
 }
 
 Working working_location(SolverOp op, const SolverProblem& problem,
@@ -174,12 +219,17 @@ struct DenseSolver::Impl {
   }
 
   // cusolverDn's device workspace for `op` on one GPU (runs_cusolver_dn), and its host workspace
-  // in `host_bytes`: syevd's; potrs takes none.
+  // in `host_bytes` (syevd's; potrs and potri take none).
   std::size_t dense_bytes(SolverOp op, const SolverProblem& problem,
                           const BlockCyclicLayout& layout, std::size_t* host_bytes) const {
     *host_bytes = 0;
-    if (!is_eigen(op)) return 0;
     detail::DeviceGuard guard(devices[0]);
+    if (op == SolverOp::kCholeskySolve) return 0;
+    if (op == SolverOp::kCholeskyInverse) {
+      return static_cast<std::size_t>(potri_workspace(cholesky->dense_handle(0), problem.dtype,
+                                                      static_cast<int>(layout.padded_n()))) *
+             dtype_size(problem.dtype);
+    }
     const cudaDataType type = detail::cuda_data_type(problem.dtype);
     std::size_t device_bytes = 0;
     MESHLA_CHECK_CUSOLVER(cusolverDnXsyevd_bufferSize(
@@ -464,7 +514,13 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
           1, 1, descriptor_a.get(), rhs_arrays.data(), 1, 1, descriptor_b.get(), type, work.data(),
           lwork, &result.info));
     }
-    if (op == SolverOp::kCholeskyInverse && result.info == 0) {
+    if (op == SolverOp::kCholeskyInverse && result.info == 0 && dense) {
+      std::size_t host_bytes = 0;
+      const std::size_t bytes = self.dense_bytes(op, problem, layout, &host_bytes);
+      potri(self.cholesky->dense_handle(0), dtype, order, working.data[0],
+            workspace(0, workspaces[0].dense), static_cast<int>(bytes / element), dense_info);
+      read_dense_info();
+    } else if (op == SolverOp::kCholeskyInverse && result.info == 0) {
       MESHLA_CHECK_CUSOLVER(cusolverMgPotri(self.handle, CUBLAS_FILL_MODE_LOWER, order,
                                             arrays.data(), 1, 1, descriptor_a.get(), type,
                                             work.data(), lwork, &result.info));
