@@ -1,6 +1,6 @@
 // Distributed dense solvers for symmetric (Hermitian) matrices over the GPUs of one process:
 // Cholesky solve (with log-determinant), inverse of a positive-definite matrix, and the
-// eigen-decomposition, on cuSolverMg.
+// eigen-decomposition, on cuSolverMg (on one GPU, cusolverDn: it was faster there).
 //
 // The matrix arrives the way frameworks shard it: GPU p of P holds rows [p*n/P, (p+1)*n/P) of A,
 // row-major. meshla renumbers rows and columns so that these row blocks *are* cuSolverMg's 1-D
@@ -34,13 +34,15 @@ enum class SolverOp {
 
 std::string_view solver_op_name(SolverOp op);
 
-// Who factors A for kCholeskySolve and kCholeskyInverse; the solve and the inverse after it are
-// cuSolverMg's either way. meshla's own factorization (solver/block_cyclic_cholesky.hpp)
-// overlaps the panels with the trailing updates; cusolverMgPotrf stays as the reference.
+// Who factors A for kCholeskySolve and kCholeskyInverse. meshla's own factorization
+// (solver/block_cyclic_cholesky.hpp) overlaps the panels with the trailing updates, and the solve
+// and the inverse after it are cuSolverMg's (one GPU: cusolverDn's); with kCusolverMg,
+// cuSolverMg's potrf and everything after it (the benchmark's reference).
 enum class CholeskyFactorization { kMeshla, kCusolverMg };
 
 // The problem: order n over the solver's parts, element type, right-hand sides (kCholeskySolve),
-// the tile (columns per block-cyclic tile; 0 picks one), whether A's shards may be used as
+// the tile (columns per block-cyclic tile; 0 picks one; at most 1024 for the eigensolver on
+// several GPUs, which is cuSolverMg's syevd's limit), whether A's shards may be used as
 // the solver's working memory (then they hold garbage afterwards), and who factors A.
 struct SolverProblem {
   std::int64_t n = 0;
@@ -73,8 +75,8 @@ struct SolverResult {
   int info = 0;
   double logdet = 0.0;              // kCholeskySolve
   std::vector<double> eigenvalues;  // kEigen, kEigenvalues: ascending
-  double solver_seconds =
-      0.0;  // wall time of the factorization and cuSolverMg (what the layout work adds to)
+  // Wall time of the factorization and the cuSOLVER routines (what the layout work adds to).
+  double solver_seconds = 0.0;
 };
 
 class DenseSolver {

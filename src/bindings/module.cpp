@@ -375,7 +375,7 @@ NB_MODULE(_meshla, m) {
       "(tile=0: its own choice), and whether n/parts needs padding to a multiple of it.");
 
   nb::class_<DenseSolver>(m, "DenseSolver",
-                          "cuSolverMg over the GPUs of this process (see "
+                          "cuSolverMg over the GPUs of this process, cusolverDn on one (see "
                           "meshla/dense_solver.hpp).")
       .def(
           "__init__",
@@ -445,7 +445,8 @@ NB_MODULE(_meshla, m) {
           "op"_a, "n"_a, "dtype"_a, "nrhs"_a, "tile"_a, "overwrite_a"_a, "a"_a, "b"_a, "out"_a,
           "eigenvalues"_a, "logdet"_a, "workspace"_a, "streams"_a, "cholesky"_a = "meshla",
           "Runs one call over per-GPU lists (None where an op takes no such array); returns "
-          "(info, logdet, eigenvalues, seconds in the factorization and cuSolverMg). cholesky: "
+          "(info, logdet, eigenvalues, seconds in the factorization and the cuSOLVER routines). "
+          "cholesky: "
           "who factors A, 'meshla' or 'cusolvermg' (the reference).");
 
 #ifdef MESHLA_WITH_JAX

@@ -29,7 +29,6 @@ BlockCyclicLayout make_block_cyclic_layout(std::int64_t n, std::int64_t parts, s
 std::int64_t choose_tile(std::int64_t n, std::int64_t parts, std::int64_t largest) {
   MESHLA_CHECK_ARG(n >= 1 && parts >= 1 && n % parts == 0,
                    "choose_tile: n=" << n << " is not a positive multiple of parts=" << parts);
-  MESHLA_CHECK_ARG(largest >= 64, "choose_tile: largest=" << largest << " is below 64");
   const std::int64_t rows = n / parts;
   // Measured on 4x H200 (bench/results/dense_solver_*): cuSolverMg's potrf runs fastest with
   // the largest tiles, 2048 columns, down to one or two tiles per GPU.

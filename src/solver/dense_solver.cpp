@@ -277,9 +277,11 @@ struct DenseSolver::Impl {
       std::size_t host_bytes = 0;
       w.dense = offset;
       offset += align_up(dense_bytes(op, problem, layout, &host_bytes));
-      w.values = offset;
-      offset += align_up(static_cast<std::size_t>(layout.padded_n()) *
-                         dtype_size(real_dtype(problem.dtype)));
+      if (is_eigen(op)) {
+        w.values = offset;
+        offset += align_up(static_cast<std::size_t>(layout.padded_n()) *
+                           dtype_size(real_dtype(problem.dtype)));
+      }
       w.info = offset;
       offset += detail::kWorkspaceAlignment;
     }

@@ -29,6 +29,9 @@ void check_solver_problem(SolverOp op, const SolverProblem& problem) {
 BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
                                 std::int64_t tile) {
   const bool eigen = op == SolverOp::kEigen || op == SolverOp::kEigenvalues;
+  // One GPU runs cusolverDn's syevd on the whole matrix (dense_solver.cpp): any tile, and by
+  // default one, so that nothing is padded.
+  if (eigen && parts == 1) return make_block_cyclic_layout(n, parts, tile, n);
   MESHLA_CHECK_ARG(!eigen || tile <= kLargestEigenTile,
                    solver_op_name(op) << ": tile=" << tile << " exceeds " << kLargestEigenTile
                                       << ", the largest tile cuSolverMg's syevd takes (0: "

@@ -19,7 +19,8 @@ void check_solver_problem(SolverOp op, const SolverProblem& problem);
 
 // The layout `op` runs order n on `parts` GPUs in, with `tile` columns a tile (0: choose_tile's,
 // up to kLargestCholeskyTile or kLargestEigenTile); a tile over kLargestEigenTile for the
-// eigensolver is an error.
+// eigensolver on several GPUs is an error. On one GPU the eigensolver takes any tile, by default
+// the whole matrix.
 BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts, std::int64_t tile);
 
 // One shard per part, each on devices[part], with the shapes, dtypes and outputs `op` needs (see

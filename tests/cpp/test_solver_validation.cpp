@@ -87,20 +87,23 @@ TEST(SolverValidation, RejectsBadProblems) {
   expect_rejected([](Call& c) { c.problem.nrhs = 0; }, "nrhs=0");
 }
 
-TEST(SolverLayout, TheEigensolverTakesTilesUpTo1024) {
+TEST(SolverLayout, TheEigensolverTakesTilesUpTo1024OnSeveralGpus) {
   // cuSolverMg's syevd refuses larger tiles; the Cholesky ops choose up to 2048.
   EXPECT_EQ(solver_layout(SolverOp::kCholeskySolve, 8192, 1, 0).tile, 2048);
   EXPECT_EQ(solver_layout(SolverOp::kCholeskyInverse, 4 * 2048, 4, 0).tile, 2048);
-  EXPECT_EQ(solver_layout(SolverOp::kEigen, 8192, 1, 0).tile, 1024);
   EXPECT_EQ(solver_layout(SolverOp::kEigenvalues, 4 * 2048, 4, 0).tile, 1024);
   EXPECT_EQ(solver_layout(SolverOp::kEigen, 4 * 1000, 4, 0).tile, 1000);  // one tile a GPU
   EXPECT_EQ(solver_layout(SolverOp::kEigen, 2 * 1500, 2, 0).tile, 768);   // 1536: pads 36
   EXPECT_EQ(solver_layout(SolverOp::kCholeskySolve, 2 * 1500, 2, 0).tile, 1500);
-  EXPECT_EQ(solver_layout(SolverOp::kEigen, 8192, 1, 1024).tile, 1024);
+  EXPECT_EQ(solver_layout(SolverOp::kEigen, 2 * 8192, 2, 1024).tile, 1024);
   EXPECT_EQ(solver_layout(SolverOp::kCholeskySolve, 8192, 1, 4096).tile, 4096);
+  // One GPU runs cusolverDn's syevd, which has no tiles: the whole matrix is one, unpadded.
+  EXPECT_EQ(solver_layout(SolverOp::kEigen, 8192, 1, 0).tile, 8192);
+  EXPECT_FALSE(solver_layout(SolverOp::kEigenvalues, 1500, 1, 0).padded());
+  EXPECT_EQ(solver_layout(SolverOp::kEigen, 8192, 1, 2048).tile, 2048);
   for (SolverOp op : {SolverOp::kEigen, SolverOp::kEigenvalues}) {
     try {
-      solver_layout(op, 8192, 1, 2048);
+      solver_layout(op, 2 * 8192, 2, 2048);
       FAIL() << "tile=2048 accepted for " << solver_op_name(op);
     } catch (const Error& error) {
       EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);

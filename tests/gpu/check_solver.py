@@ -330,8 +330,8 @@ def main():
             checks.jax_routines(mesh, 300 * g, dtype)         # padded
             checks.jax_routines(mesh, 96 * g, dtype, tile=40)  # explicit tile, padded
             checks.torch_routines([d.local_hardware_id for d in devices[:g]], 192 * g, dtype)
-        # More than 1024 rows a GPU: the eigensolver's own tile (768) is below Cholesky's (1536),
-        # as cuSolverMg's syevd takes no tile over 1024.
+        # More than 1024 rows a GPU: on several GPUs the eigensolver's own tile (768) is below
+        # Cholesky's (1536), as cuSolverMg's syevd takes no tile over 1024 (one GPU: untiled).
         checks.jax_routines(mesh, 1536 * g, np.float64)
         checks.jax_special(mesh)
         if g > 1:

@@ -162,11 +162,12 @@ def test_layout_query():
     assert _meshla.solver_layout(solve, 48, 4, 5) == (5, True)
     with pytest.raises(ValueError, match="n=10 rows are not divisible by the 4 GPUs"):
         _meshla.solver_layout(solve, 10, 4)
-    # cuSolverMg's syevd refuses tiles over 1024 columns.
+    # cuSolverMg's syevd refuses tiles over 1024 columns; one GPU runs cusolverDn's, untiled.
     assert _meshla.solver_layout(eigh, 65536, 4) == (1024, False)
-    assert _meshla.solver_layout(_meshla.SolverOp.eigvalsh, 2048, 1) == (1024, False)
+    assert _meshla.solver_layout(_meshla.SolverOp.eigvalsh, 4096, 2) == (1024, False)
     with pytest.raises(ValueError, match="eigh: tile=2048 exceeds 1024"):
-        _meshla.solver_layout(eigh, 8192, 1, 2048)
+        _meshla.solver_layout(eigh, 8192, 2, 2048)
+    assert _meshla.solver_layout(eigh, 1500, 1) == (1500, False)
 
 
 def _shard_forms(rank, size, results):
