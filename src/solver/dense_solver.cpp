@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <complex>
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -88,9 +89,15 @@ cusolverEigMode_t eigen_mode(SolverOp op) {
 // factorization, the solve (cuSolverMg's potrs took a quarter longer at n=16384 and synchronised
 // the host after every tile) and the inverse (0.35 s with cuSolverMg's potri at n=16384, 0.27 s
 // with cusolverDn's), and the eigensolver (cuSolverMg's syevd took 1.71 s at n=8192, cusolverDn's
-// 0.61 s).
-bool runs_cusolver_dn(SolverOp op, const SolverProblem& problem, int parts) {
-  return parts == 1 && (is_eigen(op) || uses_meshla_cholesky(op, problem));
+// 0.61 s). cusolverDn's potri has 32-bit sizes only and refuses a matrix of 2^31 elements or more
+// (CUSOLVER_STATUS_INVALID_VALUE at n=49152; n=32768 solved): a larger inverse stays on
+// cuSolverMg's.
+bool runs_cusolver_dn(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout) {
+  if (layout.parts != 1) return false;
+  if (op == SolverOp::kCholeskyInverse) {
+    return uses_meshla_cholesky(op, problem) && layout.padded_n() * layout.padded_n() <= INT32_MAX;
+  }
+  return is_eigen(op) || uses_meshla_cholesky(op, problem);
 }
 
 // cusolverDn's potri (it has no generic 64-bit form): its workspace in elements, and the call.
@@ -180,7 +187,7 @@ struct DenseSolver::Impl {
 
   std::int64_t query_lwork(SolverOp op, const SolverProblem& problem,
                            const BlockCyclicLayout& layout) {
-    if (runs_cusolver_dn(op, problem, parts())) return 1;  // no cuSolverMg routine runs
+    if (runs_cusolver_dn(op, problem, layout)) return 1;  // no cuSolverMg routine runs
     const int n = static_cast<int>(layout.padded_n());
     const cudaDataType type = detail::cuda_data_type(problem.dtype);
     MatrixDescriptor a(n, n, layout.tile, problem.dtype, grid);
@@ -273,7 +280,7 @@ struct DenseSolver::Impl {
     }
     w.scalars = offset;
     offset += detail::kWorkspaceAlignment;
-    if (runs_cusolver_dn(op, problem, parts())) {
+    if (runs_cusolver_dn(op, problem, layout)) {
       std::size_t host_bytes = 0;
       w.dense = offset;
       offset += align_up(dense_bytes(op, problem, layout, &host_bytes));
@@ -492,7 +499,7 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
         break;
     }
     // One GPU's cusolverDn call, on part 0's stream (runs_cusolver_dn); its info, read back.
-    const bool dense = runs_cusolver_dn(op, problem, parts);
+    const bool dense = runs_cusolver_dn(op, problem, layout);
     int* dense_info = reinterpret_cast<int*>(workspace(0, workspaces[0].info));
     auto read_dense_info = [&] {
       MESHLA_CHECK_CUDA(cudaMemcpyAsync(&result.info, dense_info, sizeof(int),
