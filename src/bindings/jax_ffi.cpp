@@ -6,9 +6,11 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <string>
 
 #include "core/alignment.hpp"
 #include "core/checks.hpp"
+#include "core/timeout.hpp"
 #include "meshla/dense_solver.hpp"
 #include "solver/rendezvous.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -87,38 +89,47 @@ solver::CallNumbering& call_numbering() {
 }
 
 // One GPU's part of a call: allocate its workspace from XLA, meet the other GPUs of its group;
-// the first GPU's thread runs the call for all of them.
+// the first GPU's thread runs the call for all of them. A GPU whose preparation fails says so to
+// the meeting, which would otherwise keep the others waiting for it until their timeout.
 void participate(SolverOp op, const SolverProblem& problem, SolverShard shard, int ordinal,
                  ffi::ScratchAllocator& scratch, std::int64_t run_id,
                  ffi::Span<const std::int64_t> devices, std::int64_t group_size, double timeout_s) {
   const char* name = solver_op_name(op).data();
+  const std::chrono::milliseconds timeout = detail::timeout_from_seconds(timeout_s);
   const solver::DeviceGroup group = solver::find_device_group(
       std::vector<std::int64_t>(devices.begin(), devices.end()), group_size, ordinal, name);
-  const std::shared_ptr<DenseSolver> solver = solvers().get(group.devices);
-  const std::size_t bytes = solver->workspace_bytes(op, problem, group.index);
-  // XLA aligns scratch to at most 16 bytes; the solver wants 256.
-  const std::optional<void*> memory = scratch.Allocate(bytes + detail::kWorkspaceAlignment, 16);
-  MESHLA_CHECK(
-      kCuda, memory.has_value(),
-      name << ": XLA could not allocate " << bytes << " bytes of workspace on cuda:" << ordinal);
-  const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(*memory);
-  void* aligned = reinterpret_cast<void*>(detail::align_up(address));
-  shard.workspace =
-      make_tensor_view(aligned, DType::kInt32, {static_cast<std::int64_t>(bytes / 4)}, ordinal);
-
-  std::ostringstream key;
-  key << name << "/run " << run_id << "/cuda";
-  for (int device : group.devices) key << ":" << device;
-  const solver::MeetingId id{key.str(), call_numbering().next(key.str(), group.index, run_id)};
-  MESHLA_CHECK_ARG(timeout_s > 0, name << ": timeout_s=" << timeout_s << " must be positive");
+  const int count = static_cast<int>(group.devices.size());
+  // Calls are numbered per op and GPUs within each run; a meeting is one call of one run.
+  std::ostringstream calls;
+  calls << name << "/cuda";
+  for (int device : group.devices) calls << ":" << device;
+  const solver::MeetingId id{calls.str() + "/run " + std::to_string(run_id),
+                             call_numbering().next(calls.str(), group.index, run_id)};
+  std::shared_ptr<DenseSolver> solver;
+  try {
+    solver = solvers().get(group.devices);
+    const std::size_t bytes = solver->workspace_bytes(op, problem, group.index);
+    // XLA aligns scratch to at most 16 bytes; the solver wants 256.
+    const std::optional<void*> memory = scratch.Allocate(bytes + detail::kWorkspaceAlignment, 16);
+    MESHLA_CHECK(
+        kCuda, memory.has_value(),
+        name << ": XLA could not allocate " << bytes << " bytes of workspace on cuda:" << ordinal);
+    const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(*memory);
+    void* aligned = reinterpret_cast<void*>(detail::align_up(address));
+    shard.workspace =
+        make_tensor_view(aligned, DType::kInt32, {static_cast<std::int64_t>(bytes / 4)}, ordinal);
+  } catch (const Error& error) {
+    solver::abandon(id, group.index, count, error);
+    throw;
+  }
   solver::meet(
-      id, group.index, static_cast<int>(group.devices.size()), &shard,
+      id, group.index, count, &shard,
       [&](const std::vector<void*>& values) {
         std::vector<SolverShard> shards;
         for (void* value : values) shards.push_back(*static_cast<SolverShard*>(value));
         solver->run(op, problem, shards);
       },
-      std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000.0)));
+      timeout);
 }
 
 ffi::Error to_ffi_error(ErrorCode code, const std::string& message) {

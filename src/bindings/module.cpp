@@ -15,6 +15,7 @@
 
 #include "core/checks.hpp"
 #include "core/releases.hpp"
+#include "core/timeout.hpp"
 #include "meshla/meshla.hpp"
 #include "solver/block_cyclic.hpp"
 #include "solver/solver_validation.hpp"
@@ -85,11 +86,6 @@ CholeskyFactorization parse_cholesky(const std::string& name) {
                "cholesky='" << name << "' is not one of 'meshla' and 'cusolvermg'");
 }
 
-std::chrono::milliseconds to_timeout(double seconds) {
-  MESHLA_CHECK_ARG(seconds > 0, "timeout_s=" << seconds << " must be positive");
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0));
-}
-
 cudaStream_t to_stream(std::uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 void translate_errors() {
@@ -157,7 +153,7 @@ NB_MODULE(_meshla, m) {
                                                                << UniqueId::kSize);
             UniqueId unique;
             std::memcpy(unique.bytes.data(), id.c_str(), UniqueId::kSize);
-            CommunicatorOptions options{.timeout = to_timeout(timeout_s)};
+            CommunicatorOptions options{.timeout = detail::timeout_from_seconds(timeout_s)};
             nb::gil_scoped_release release;
             new (self) Communicator(Communicator::create(unique, rank, size, device, options));
           },
@@ -165,7 +161,7 @@ NB_MODULE(_meshla, m) {
       .def_static(
           "create_local",
           [](const std::vector<int>& devices, double timeout_s) {
-            CommunicatorOptions options{.timeout = to_timeout(timeout_s)};
+            CommunicatorOptions options{.timeout = detail::timeout_from_seconds(timeout_s)};
             nb::gil_scoped_release release;
             return Communicator::create_local(devices, options);
           },

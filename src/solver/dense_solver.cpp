@@ -146,8 +146,8 @@ void potri(cusolverDnHandle_t handle, DType dtype, int n, void* a, void* work, i
 
 Working working_location(SolverOp op, const SolverProblem& problem,
                          const BlockCyclicLayout& layout) {
+  if (problem.overwrite_a) return Working::kA;  // never padded (DenseSolver::Impl::layout)
   if (layout.padded()) return Working::kWorkspace;
-  if (problem.overwrite_a) return Working::kA;
   return op == SolverOp::kCholeskyInverse ? Working::kOut : Working::kWorkspace;
 }
 
@@ -182,7 +182,13 @@ struct DenseSolver::Impl {
   int parts() const { return static_cast<int>(devices.size()); }
 
   BlockCyclicLayout layout(SolverOp op, const SolverProblem& problem) const {
-    return solver::solver_layout(op, problem.n, parts(), problem.tile);
+    const BlockCyclicLayout layout = solver::solver_layout(op, problem.n, parts(), problem.tile);
+    // Padded, the solver works in a workspace of its own: A's buffers could not hold it.
+    MESHLA_CHECK_ARG(!problem.overwrite_a || !layout.padded(),
+                     solver_op_name(op) << ": overwrite_a needs n/GPUs = " << problem.n << "/"
+                                        << parts() << " to be a multiple of the tile ("
+                                        << layout.tile << "); pass tile= a divisor of it");
+    return layout;
   }
 
   std::int64_t query_lwork(SolverOp op, const SolverProblem& problem,

@@ -1,6 +1,8 @@
 #include "solver/rendezvous.hpp"
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstdio>
 #include <exception>
 #include <map>
 #include <memory>
@@ -22,15 +24,17 @@ struct Meeting {
   std::vector<bool> arrived;
   int arrivals = 0;
   int present = 0;        // arrived and not yet left
-  bool finished = false;  // the work ran, or the meeting was given up
+  bool finished = false;  // the work ran, or the meeting was given up or abandoned
   bool given_up = false;  // a participant timed out waiting for the others
+  std::string missing;    // who had not arrived when it was given up
   // What the work threw, kept as code and text so that every participant throws its own copy
   // (one exception object shared by several threads would be released by whichever ends last).
   std::optional<std::pair<ErrorCode, std::string>> error;
 };
 
 // The open meetings of this process, by (key, generation). An entry lives from the first arrival
-// to the departure of the last participant that arrived.
+// to the departure of the last participant; a meeting given up or abandoned stays until every
+// participant has come, so that a late one learns what happened at once.
 class Registry {
  public:
   std::shared_ptr<Meeting> join(const MeetingId& id, int count) {
@@ -45,7 +49,9 @@ class Registry {
     std::lock_guard lock(mutex_);
     std::lock_guard meeting_lock(meeting->mutex);
     auto found = meetings_.find({id.key, id.generation});
-    if (found != meetings_.end() && found->second == meeting && meeting->present == 0) {
+    const bool awaited =
+        meeting->finished && static_cast<std::size_t>(meeting->arrivals) < meeting->values.size();
+    if (found != meetings_.end() && found->second == meeting && meeting->present == 0 && !awaited) {
       meetings_.erase(found);
     }
   }
@@ -125,6 +131,7 @@ void meet(const MeetingId& id, int index, int count, void* value,
     // Give the meeting up, so that the participants already waiting stop too.
     meeting->finished = true;
     meeting->given_up = true;
+    meeting->missing = missing_participants(*meeting);
     meeting->changed.notify_all();
   } else if (index == 0 && !meeting->finished) {
     const std::vector<void*> values = meeting->values;
@@ -144,17 +151,39 @@ void meet(const MeetingId& id, int index, int count, void* value,
     meeting->error = std::move(error);
     meeting->finished = true;
     meeting->changed.notify_all();
-  } else {
-    const bool done = meeting->changed.wait_for(lock, timeout, [&] { return meeting->finished; });
-    MESHLA_CHECK(kTimeout, done,
-                 describe(id) << ": participant " << index << " waited " << timeout.count()
-                              << " ms for participant 0 to finish the work");
+  } else if (!meeting->changed.wait_for(lock, timeout, [&] { return meeting->finished; })) {
+    std::fprintf(stderr,
+                 "meshla: %s: participant %d has waited %lld ms for participant 0's work, which "
+                 "uses its buffers; waiting for it to end\n",
+                 describe(id).c_str(), index, static_cast<long long>(timeout.count()));
+    meeting->changed.wait(lock, [&] { return meeting->finished; });
   }
   MESHLA_CHECK(kTimeout, !meeting->given_up,
                describe(id) << ": given up after " << timeout.count() << " ms; participants "
-                            << missing_participants(*meeting) << " of " << count
-                            << " never arrived");
+                            << meeting->missing << " of " << count << " had not arrived");
   if (meeting->error) throw Error(meeting->error->first, meeting->error->second);
+}
+
+void abandon(const MeetingId& id, int index, int count, const Error& error) {
+  std::shared_ptr<Meeting> meeting = registry().join(id, count);
+  {
+    std::lock_guard lock(meeting->mutex);
+    const bool fits = static_cast<int>(meeting->values.size()) == count && index >= 0 &&
+                      index < count && !meeting->arrived[index];
+    if (fits) {
+      meeting->arrived[index] = true;
+      ++meeting->arrivals;
+    }
+    if (!meeting->finished) {
+      meeting->finished = true;
+      std::ostringstream message;
+      message << describe(id) << ": participant " << index
+              << " failed before the meeting: " << error.what();
+      meeting->error.emplace(error.code(), message.str());
+      meeting->changed.notify_all();
+    }
+  }
+  registry().leave(id, meeting);
 }
 
 std::size_t open_meetings() { return registry().size(); }
@@ -179,9 +208,22 @@ DeviceGroup find_device_group(const std::vector<std::int64_t>& mesh, std::int64_
 
 std::uint64_t CallNumbering::next(const std::string& key, int participant, std::int64_t run_id) {
   std::lock_guard lock(mutex_);
-  Entry& entry = entries_[{key, participant}];
-  if (entry.run_id != run_id) entry = Entry{run_id, 0};
-  return entry.count++;
+  std::map<std::int64_t, Count>& runs = counts_[{key, participant}];
+  Count& count = runs[run_id];
+  count.last_use = ++uses_;
+  const std::uint64_t number = count.calls++;
+  if (runs.size() > kRunsKept) {
+    runs.erase(std::min_element(runs.begin(), runs.end(), [](const auto& a, const auto& b) {
+      return a.second.last_use < b.second.last_use;
+    }));
+  }
+  return number;
+}
+
+std::size_t CallNumbering::runs_kept(const std::string& key, int participant) {
+  std::lock_guard lock(mutex_);
+  const auto found = counts_.find({key, participant});
+  return found == counts_.end() ? 0 : found->second.size();
 }
 
 }  // namespace meshla::solver

@@ -19,6 +19,8 @@
 #include <utility>
 #include <vector>
 
+#include "meshla/error.hpp"
+
 namespace meshla::solver {
 
 struct MeetingId {
@@ -30,11 +32,19 @@ struct MeetingId {
 // `leader_work` once every participant has arrived, with the values in participant order; the
 // others wait for it. Every participant returns when the work is done, and throws a meshla::Error
 // with the code and message of what the work threw (kInternal for other exception types).
-// Arrival and the work are each bounded by `timeout`: past it every waiting participant throws
-// kTimeout naming the participants that did not arrive (or the leader that did not finish).
+// Arrival is bounded by `timeout`: past it every waiting participant throws kTimeout naming the
+// participants that did not arrive, and so does each of them when it comes. The work is not:
+// it uses every participant's value (their buffers), so the others wait for it to end however
+// long it takes, saying so on stderr once `timeout` has passed; returning earlier would let
+// their callers free memory the work still writes.
 void meet(const MeetingId& id, int index, int count, void* value,
           const std::function<void(const std::vector<void*>& values)>& leader_work,
           std::chrono::milliseconds timeout);
+
+// Participant `index` of `count` cannot take part: its own preparation failed with `error`
+// before it could arrive. The meeting fails with that error, so that the others, already there
+// or still to come, throw it at once instead of waiting for this participant until their timeout.
+void abandon(const MeetingId& id, int index, int count, const Error& error);
 
 // Meetings currently open in this process (for tests: zero once every call has returned).
 std::size_t open_meetings();
@@ -48,20 +58,28 @@ struct DeviceGroup {
 DeviceGroup find_device_group(const std::vector<std::int64_t>& mesh, std::int64_t group_size,
                               int device, std::string_view what);
 
-// Numbers the calls each participant makes to one key within one run of a program, so that the
-// n-th call on one GPU meets the n-th on the others (MeetingId::generation). A new run id
-// restarts the count, so the table keeps one entry per key and participant.
+// Numbers the calls each participant makes to one key within one run of a program (an XLA
+// execution), so that the n-th call on one GPU meets the n-th on the others
+// (MeetingId::generation). Runs may overlap, so each keeps its own count; only the kRunsKept
+// runs of a key and participant used last are kept, so that a program that runs a million
+// times does not keep a million counts.
 class CallNumbering {
  public:
+  static constexpr std::size_t kRunsKept = 64;
+
   std::uint64_t next(const std::string& key, int participant, std::int64_t run_id);
 
+  // Runs counted for `key` and `participant` (for tests).
+  std::size_t runs_kept(const std::string& key, int participant);
+
  private:
-  struct Entry {
-    std::int64_t run_id = -1;
-    std::uint64_t count = 0;
+  struct Count {
+    std::uint64_t calls = 0;
+    std::uint64_t last_use = 0;
   };
   std::mutex mutex_;
-  std::map<std::pair<std::string, int>, Entry> entries_;
+  std::uint64_t uses_ = 0;
+  std::map<std::pair<std::string, int>, std::map<std::int64_t, Count>> counts_;
 };
 
 }  // namespace meshla::solver

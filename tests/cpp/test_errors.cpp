@@ -1,8 +1,11 @@
 // The check macros name the failing call, its status string and the error code.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "core/cuda_checks.hpp"
 #include "core/cuda_types.hpp"
+#include "core/timeout.hpp"
 
 namespace meshla {
 namespace {
@@ -79,6 +82,19 @@ TEST(Errors, CudaDataTypeCoversEveryFloatingDtype) {
   const Error error = caught([] { detail::cuda_data_type(DType::kInt64); });
   EXPECT_EQ(error.code(), ErrorCode::kNotImplemented);
   EXPECT_NE(std::string(error.what()).find("int64"), std::string::npos) << error.what();
+}
+
+TEST(Errors, TimeoutsArePositiveFiniteAndAtMostThirtyDays) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(detail::timeout_from_seconds(300.0), milliseconds(300000));
+  EXPECT_EQ(detail::timeout_from_seconds(1e-4), milliseconds(1));  // never a zero wait
+  EXPECT_EQ(detail::timeout_from_seconds(30.0 * 24 * 3600), milliseconds(2592000000LL));
+  for (double seconds : {0.0, -1.0, 1e10, std::numeric_limits<double>::infinity(),
+                         std::numeric_limits<double>::quiet_NaN()}) {
+    const Error error = caught([&] { detail::timeout_from_seconds(seconds); });
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << seconds;
+    EXPECT_NE(std::string(error.what()).find("timeout_s="), std::string::npos) << error.what();
+  }
 }
 
 }  // namespace

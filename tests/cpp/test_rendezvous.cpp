@@ -80,8 +80,74 @@ TEST(Rendezvous, MissingParticipantEndsInATimeoutNamingIt) {
   });
   EXPECT_FALSE(ran.load());
   for (int index : {0, 1, 3}) {
-    EXPECT_NE(errors[index].find("participants 2 of 4 never arrived"), std::string::npos)
+    EXPECT_NE(errors[index].find("participants 2 of 4 had not arrived"), std::string::npos)
         << errors[index];
+  }
+  // The meeting waits for its late participant, which learns at once that it was given up.
+  EXPECT_EQ(open_meetings(), 1u);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    meet(
+        {"potrs/missing", 0}, 2, 4, nullptr, [&](const std::vector<void*>&) { ran = true; }, 5s);
+    FAIL() << "the late participant ran";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kTimeout);
+    EXPECT_NE(std::string(error.what()).find("participants 2 of 4 had not arrived"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  EXPECT_FALSE(ran.load());
+  EXPECT_EQ(open_meetings(), 0u);
+}
+
+TEST(Rendezvous, AParticipantThatCannotComeFailsTheOthersAtOnce) {
+  // Participant 0 waits, participant 1's preparation fails, participant 2 comes after that.
+  std::atomic<bool> ran{false};
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = on_threads(3, [&](int index) {
+    if (index == 1) {
+      std::this_thread::sleep_for(50ms);
+      abandon({"syevd/abandoned", 0}, 1, 3,
+              Error(ErrorCode::kCuda, "eigh: XLA could not allocate 4096 bytes of workspace"));
+      return;
+    }
+    if (index == 2) std::this_thread::sleep_for(150ms);
+    meet(
+        {"syevd/abandoned", 0}, index, 3, nullptr, [&](const std::vector<void*>&) { ran = true; },
+        30s);
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);  // not the 30 s timeout
+  EXPECT_FALSE(ran.load());
+  EXPECT_EQ(errors[1], "");
+  for (int index : {0, 2}) {
+    EXPECT_NE(errors[index].find("participant 1 failed before the meeting: eigh: XLA could not "
+                                 "allocate 4096 bytes of workspace"),
+              std::string::npos)
+        << errors[index];
+  }
+  EXPECT_EQ(open_meetings(), 0u);
+}
+
+TEST(Rendezvous, TheOthersWaitForTheWorkPastTheTimeout) {
+  // The work uses every participant's value: none may return before it ends, even past the
+  // timeout (their callers would free what it still writes).
+  constexpr int kCount = 3;
+  std::vector<int> written(kCount, 0);
+  std::vector<int> seen_on_return(kCount, -1);
+  const auto errors = on_threads(kCount, [&](int index) {
+    meet(
+        {"potri/long", 0}, index, kCount, &written[index],
+        [&](const std::vector<void*>& values) {
+          std::this_thread::sleep_for(300ms);
+          for (void* value : values) *static_cast<int*>(value) = 1;
+        },
+        50ms);
+    seen_on_return[index] = written[index];
+  });
+  for (int index = 0; index < kCount; ++index) {
+    EXPECT_EQ(errors[index], "");
+    EXPECT_EQ(seen_on_return[index], 1) << "participant " << index << " returned before the work";
   }
   EXPECT_EQ(open_meetings(), 0u);
 }
@@ -120,10 +186,13 @@ TEST(Rendezvous, RejectsBadParticipants) {
   int refused = 0, timed_out = 0;
   for (const auto& error : errors) {
     refused += error.find("arrived twice") != std::string::npos;
-    timed_out += error.find("never arrived") != std::string::npos;
+    timed_out += error.find("participants 1 of 2 had not arrived") != std::string::npos;
   }
   EXPECT_EQ(refused, 1);
   EXPECT_EQ(timed_out, 1);
+  EXPECT_THROW(meet(
+                   {"twice", 0}, 1, 2, nullptr, [](const std::vector<void*>&) {}, 1s),
+               Error);  // the real participant 1, late
   EXPECT_EQ(open_meetings(), 0u);
 }
 
@@ -163,7 +232,7 @@ TEST(DeviceGroups, RejectsDevicesOutsideTheMeshAndRaggedGroups) {
   EXPECT_THROW(find_device_group(mesh, 0, 0, "eigh"), Error);
 }
 
-TEST(CallNumbering, CountsPerKeyAndParticipantAndRestartsWithEachRun) {
+TEST(CallNumbering, CountsPerKeyParticipantAndRun) {
   CallNumbering numbering;
   EXPECT_EQ(numbering.next("potrf/cuda:0:1", 0, 7), 0u);
   EXPECT_EQ(numbering.next("potrf/cuda:0:1", 0, 7), 1u);
@@ -172,6 +241,20 @@ TEST(CallNumbering, CountsPerKeyAndParticipantAndRestartsWithEachRun) {
   EXPECT_EQ(numbering.next("potrf/cuda:0:1", 1, 7), 1u);
   EXPECT_EQ(numbering.next("potrf/cuda:0:1", 0, 8), 0u);  // a new run starts again
   EXPECT_EQ(numbering.next("potrf/cuda:0:1", 0, 8), 1u);
+  EXPECT_EQ(numbering.next("potrf/cuda:0:1", 0, 7), 2u);  // and an overlapping run goes on
+}
+
+TEST(CallNumbering, KeepsTheRunsUsedLast) {
+  CallNumbering numbering;
+  const std::string key = "syevd/cuda:0:1:2:3";
+  for (std::int64_t run = 0; run < 1000; ++run) {
+    EXPECT_EQ(numbering.next(key, 2, run), 0u);
+    // A long run that calls between the short ones keeps its count.
+    EXPECT_EQ(numbering.next(key, 2, -1), static_cast<std::uint64_t>(run));
+  }
+  EXPECT_EQ(numbering.runs_kept(key, 2), CallNumbering::kRunsKept);
+  EXPECT_EQ(numbering.next(key, 2, 999), 1u);  // among the last used
+  EXPECT_EQ(numbering.next(key, 2, 3), 0u);    // long dropped: counted afresh
 }
 
 }  // namespace

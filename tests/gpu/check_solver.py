@@ -288,9 +288,21 @@ class Checks:
                                f"{logdet_error:.2e}")
             return ok, ", ".join(details) + f" (tol {tol:.1e})"
 
+        def overwrite_padded():
+            # A padded layout works in a workspace of its own: overwrite_a cannot be honoured.
+            a = random_spd(n, dtype, self.rng)
+            b = self.rng.standard_normal((n, 1)).astype(dtype)
+            tile = 5  # does not divide n/GPUs = 192
+            try:
+                torch_linalg.cho_solve(shards(a), shards(b), tile=tile, overwrite_a=True)
+            except ValueError as error:
+                return "overwrite_a needs n/GPUs" in str(error), str(error)
+            return False, f"overwrite_a accepted with tile={tile}, which pads n/GPUs={rows}"
+
         self.run(f"{label} cho_solve", solve)
         self.run(f"{label} cho_solve, meshla's and cuSolverMg's factorizations",
                  factorizations_agree)
+        self.run(f"{label} overwrite_a refused where the layout pads", overwrite_padded)
         self.run(f"{label} cholesky_inverse over a", inverse_in_place)
         self.run(f"{label} eigh and inverse on poisoned outputs", poisoned_outputs)
 

@@ -14,13 +14,16 @@ hands it a copy of ``a``: each GPU holds its row block twice (input and working 
 tile panels more. XLA reuses a donated buffer only for an output of the jitted function, so
 to solve in A's own memory, donate ``a`` and return the overwritten buffer
 (``cho_solve(..., overwrite_a=True)``; ``cholesky_inverse`` writes A⁻¹ over A, so donating ``a``
-is enough). When n / GPUs is not a multiple of the tile, the solver pads and works in XLA
-scratch instead of the copy.
+is enough where nothing is padded). When n / GPUs is not a multiple of the tile, the solver pads
+and works in XLA scratch instead of the copy.
 
 Errors inside jit cannot raise: a matrix that is not positive definite (or an eigensolver that
 does not converge) gives NaN outputs and ``info > 0`` (returned with ``return_info=True``).
-Bad shapes, dtypes or meshes raise at trace time or as ``XlaRuntimeError``; a GPU whose handler
-never arrives ends the call after ``timeout_s`` with an error.
+Bad shapes, dtypes or meshes raise at trace time or as ``XlaRuntimeError``. A GPU whose handler
+never arrives ends the call on the others after ``timeout_s`` with an error, and one whose own
+preparation fails (its workspace, say) ends it at once with that error. The solve itself is not
+cut short: the other GPUs' buffers are in use until it ends, so they wait for it (saying so on
+stderr once ``timeout_s`` has passed).
 
 Every function also has a ``*_shard`` form for use inside ``jax.shard_map`` over the same mesh.
 On CPU devices the same functions run a reference (gather the rows, solve with ``jax.numpy``), so

@@ -322,7 +322,8 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
         return _cho_solve_cuda(_devices("cho_solve_shard", a_shards), n, dtype, nrhs, a_shards,
                                b_shards, x_shards, tile, overwrite_a)
 
-    info, logdet = _on_first_rank("cho_solve_shard", group, [a, b.contiguous(), x], work)
+    info, logdet = _on_first_rank("cho_solve_shard", group, [a.contiguous(), b.contiguous(), x],
+                                  work)
     _raise_if_failed("cho_solve_shard", info, check_errors, "a is not positive definite")
     return CholeskySolve(x, logdet, info)
 
