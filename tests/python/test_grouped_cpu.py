@@ -187,6 +187,13 @@ def test_main_grad_accumulation():
     with pytest.raises(ValueError, match="every weight needs a float32 .main_grad"):
         layer(x, splits([2, 0, 4])).sum().backward()
 
+    # A frozen expert's main_grad would be added to all the same: refused.
+    layer.weights()[1].main_grad = torch.zeros(8, 4)
+    layer.weights()[2].main_grad = torch.zeros(8, 4)
+    layer.weights()[1].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"some experts are frozen \(requires_grad=False\)"):
+        layer(x, splits([2, 0, 4])).sum().backward()
+
 
 def test_main_grad_of_megatron_fsdp():
     """Megatron-FSDP's parameters: each main_grad is asked of get_main_grad() at the backward, and

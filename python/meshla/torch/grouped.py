@@ -357,7 +357,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         wants_weight = ctx.needs_input_grad[5:5 + num_groups]
         wants_bias = ctx.needs_input_grad[5 + num_groups:]
         weight_grads = [None] * num_groups
-        # Frozen experts (requires_grad=False) get no gradient, nor a main_grad accumulation.
+        # Frozen experts (requires_grad=False) get no gradient; with fuse_wgrad_accumulation every
+        # expert must train or none (_weight_grads).
         if any(wants_weight) and module.delay_wgrad_compute:
             event = torch.cuda.Event() if dy.is_cuda else None
             if event is not None:
@@ -490,6 +491,11 @@ class GroupedLinear(torch.nn.Module):
         """Weight gradients as views of one packed buffer, or None per weight after
         accumulating into main_grad."""
         if self.fuse_wgrad_accumulation:
+            if not all(w.requires_grad for w in self.weights()):
+                raise ValueError("GroupedLinear(fuse_wgrad_accumulation=True): some experts are "
+                                 "frozen (requires_grad=False) and others not; the fused "
+                                 "accumulation adds every expert's gradient to its main_grad, "
+                                 "so freeze all of them or none")
             main_grads = [main_grad_buffer(w) for w in self.weights()]
             if any(g is None for g in main_grads):
                 raise ValueError("GroupedLinear(fuse_wgrad_accumulation=True): every weight needs "
