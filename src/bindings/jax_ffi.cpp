@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -120,6 +121,9 @@ void participate(SolverOp op, const SolverProblem& problem, SolverShard shard, i
         make_tensor_view(aligned, DType::kInt32, {static_cast<std::int64_t>(bytes / 4)}, ordinal);
   } catch (const Error& error) {
     solver::abandon(id, group.index, count, error);
+    throw;
+  } catch (const std::exception& error) {
+    solver::abandon(id, group.index, count, Error(ErrorCode::kInternal, error.what()));
     throw;
   }
   solver::meet(
