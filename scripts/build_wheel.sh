@@ -17,8 +17,10 @@ gpu_jax=${GPU_JAX:-0.11.2}  # the GPU machines' jax and jaxlib
 # than those headers refuses to register them (a wheel built with jaxlib 0.12's failed on the GPU
 # machines' 0.11.2): build with the machines' version.
 built_jax=$("$python" -c "import jaxlib; print(jaxlib.__version__)")
-[ "$built_jax" = "$gpu_jax" ] ||
-  { echo "$python has jaxlib $built_jax, the GPU machines $gpu_jax: pip install 'jax[cpu]==$gpu_jax'"; exit 1; }
+[ "$built_jax" = "$gpu_jax" ] || {
+  echo "$python has jaxlib $built_jax, the GPU machines $gpu_jax: pip install 'jax[cpu]==$gpu_jax'"
+  exit 1
+}
 # Without cuBLASMp's header the build leaves out that backend, and the suite's cublasmp model
 # fails (a new machine's first wheel did). Asked for explicitly below, so that a build directory
 # configured without it turns it on.
