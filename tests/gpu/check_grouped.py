@@ -272,6 +272,21 @@ def check_bad_splits(report):
         raised = str(error)
     report.record("bad-splits/check_device_errors", 0, "sums to 6" in raised, raised)
 
+    # A bad call on a side stream, still queued behind a wait there (a delayed weight gradient's
+    # case): check_device_errors() from the current stream waits for it too.
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # about 30 ms on an H100
+        mt.grouped_linear(x, torch.tensor([1, 2, 3], device=dev), w)
+    try:
+        mt.check_device_errors()
+        raised = "nothing raised"
+    except ValueError as error:
+        raised = str(error)
+    torch.cuda.synchronize()
+    report.record("bad-splits/check_device_errors-side-stream", 0, "sums to 6" in raised, raised)
+
     # Every pass poisons its whole output when m_splits are bad: the CUTLASS passes (bf16) in their
     # table kernel, fp32 and the bias gradient in a kernel of their own.
     bad = torch.tensor([10, 10, 10], device=dev)

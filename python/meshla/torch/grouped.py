@@ -80,10 +80,14 @@ def packed_group_stride(out_features: int, in_features: int, dtype: torch.dtype)
 
 
 def check_device_errors(device=None) -> None:
-    """Waits for the current stream of ``device`` and raises the error that a grouped call's
-    device-side check of ``m_splits`` recorded there, if any."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    """Waits for every stream of ``device`` (a delayed weight gradient may run on a side stream)
+    and raises the error that a grouped call's device-side check of ``m_splits`` recorded there,
+    if any. Call it before an optimizer step to keep NaN from a bad ``m_splits`` out of the
+    weights: otherwise the error surfaces at the next grouped call."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else (
+        torch.device(device))
     index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.synchronize(index)
     _engine(index).check_device_errors(current_stream(index))
 
 
