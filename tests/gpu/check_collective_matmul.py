@@ -897,6 +897,35 @@ def check_argument_errors(group, reporter, label):
     reporter.record(name, group.rank, ok, detail)
 
 
+def check_out_written_seen_by_autograd(group, reporter, label, seed):
+    """A caller's out= that a backward saved, written again by a later call, makes that backward
+    refuse (as after torch's own out= ops) instead of computing from the new contents."""
+    name = f"{label}/out-version"
+    gen = torch.Generator(device=group.device).manual_seed(seed)
+    ok, details = True, []
+    for op in OPS:
+        tp = group.size
+        m, k, n = 16 * tp, 32, 24
+        a_rows = m // tp if op == "all_gather_matmul" else m
+        a, a2 = (torch.randn(a_rows, k, device=group.device, generator=gen) for _ in range(2))
+        b = torch.randn(k, n, device=group.device, generator=gen)
+        out_rows = m // tp if op == "matmul_reduce_scatter" else m
+        out = torch.empty(out_rows, n, device=group.device)
+        call = getattr(mt, op)
+        weight = torch.randn(out_rows, n, device=group.device, requires_grad=True)
+        loss = (call(a, b, group, out=out) * weight).sum()  # saves out for weight's gradient
+        call(a2, b, group, out=out)
+        try:
+            loss.backward()
+            refused = "backward ran on overwritten data"
+        except RuntimeError as error:
+            refused = "modified by an inplace operation" in str(error)
+            refused = refused or f"another error: {error}"
+        ok = ok and refused is True
+        details.append(f"{op}: {'refused' if refused is True else refused}")
+    reporter.record(name, group.rank, ok, "; ".join(details))
+
+
 class _FunctionsSeen(torch.overrides.TorchFunctionMode):
     """The names of the torch functions and ops called under it."""
 
@@ -1236,6 +1265,7 @@ def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
     check_graph_two_streams(group, reporter, label, seed_base + 65_000)
     check_stress(group, reporter, label, seed_base + 70_000, stress_calls)
     check_argument_errors(group, reporter, label)
+    check_out_written_seen_by_autograd(group, reporter, label, seed_base + 80_000)
     if group.size > 1:  # a group of one has no rank to disagree with
         check_plans_must_agree(group, reporter, label, seed_base + 90_000)
     for index, backend in enumerate(("nccl", "symmetric")):

@@ -120,6 +120,11 @@ def test_tuning_takes_integers_whatever_came_before():
             mt.Tuning.of(**{argument: bad})
     with pytest.raises(ValueError, match=r"algorithm=\['ring'\] is not one of"):
         mt.Tuning.of(algorithm=["ring"])
+    for not_a_member in ("__doc__", "mro", "name"):  # attributes of the enum, not members
+        with pytest.raises(ValueError, match=rf"algorithm='{not_a_member}' is not one of auto"):
+            mt.Tuning.of(algorithm=not_a_member)
+        with pytest.raises(ValueError, match=rf"backend='{not_a_member}' is not one of"):
+            mt.Tuning.of(backend=not_a_member)
 
 
 def _opcheck_worker(rank, size):

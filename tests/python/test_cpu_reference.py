@@ -194,3 +194,23 @@ def test_gradients_are_those_of_the_whole_computation(gloo_env, size):
                     continue
                 assert g.shape == e.shape, case
                 assert _rel(g.double(), e) < 1e-5, (*case, _rel(g.double(), e))
+
+
+def test_outputs_may_not_alias_inputs_or_each_other(world1):
+    """As on CUDA (overlap/validation.cpp): the reference refuses an output that shares memory
+    with an input or with the other output, which it would overwrite before delivering."""
+    a, b = torch.randn(4, 6), torch.randn(6, 6)
+    buffer = torch.empty(4, 6)
+    with pytest.raises(ValueError, match="all_gather_matmul: out and gathered share memory"):
+        mt.all_gather_matmul(a, b, world1, return_gathered=True, out=buffer,
+                             gathered_out=buffer)
+    with pytest.raises(ValueError, match="matmul_all_reduce: out shares memory with the input a"):
+        mt.matmul_all_reduce(a, torch.randn(6, 6), world1, out=a)
+    with pytest.raises(ValueError, match="matmul_reduce_scatter: out shares memory with the input "
+                                         "b"):
+        square = torch.randn(4, 4)
+        mt.matmul_reduce_scatter(a[:, :4], square, world1, out=square)
+    out, gathered = mt.all_gather_matmul(a, b, world1, return_gathered=True,
+                                         out=torch.empty(4, 6), gathered_out=torch.empty(4, 6))
+    torch.testing.assert_close(out, a @ b)
+    torch.testing.assert_close(gathered, a)

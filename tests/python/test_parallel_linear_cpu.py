@@ -331,3 +331,14 @@ def test_a_copied_layer_keeps_its_group(world1):
         assert torch.equal(twin(x), layer(x))
     with pytest.raises(TypeError, match="a TPGroup cannot be pickled"):
         pickle.dumps(layer)
+
+
+def test_megatron_tensor_parallel_marks(world1):
+    """The shards carry Megatron-LM's tensor-parallel marks (its gradient clipping and parameter
+    norm count a shard on every rank only with them); a row-parallel bias is whole, unmarked."""
+    col = mt.ColumnParallelLinear(4, 6, world1)
+    row = mt.RowParallelLinear(4, 6, world1)
+    for parameter, dim in ((col.weight, 0), (col.bias, 0), (row.weight, 1)):
+        assert parameter.tensor_model_parallel is True
+        assert (parameter.partition_dim, parameter.partition_stride) == (dim, 1)
+    assert not hasattr(row.bias, "tensor_model_parallel")

@@ -285,11 +285,12 @@ def local_groups(devices, timeout_s: float = 300.0) -> list[TPGroup]:
 def _choice(enum, argument: str, name):
     if isinstance(name, enum):
         return name
-    try:
-        return getattr(enum, name)
-    except (AttributeError, TypeError):
+    # By the enum's members only (an attribute lookup took "__doc__" for one).
+    member = enum.__members__.get(name) if isinstance(name, str) else None
+    if member is None:
         names = ", ".join(value.name for value in enum)
-        raise ValueError(f"{argument}={name!r} is not one of {names}") from None
+        raise ValueError(f"{argument}={name!r} is not one of {names}")
+    return member
 
 
 def _shape(t) -> str:
@@ -340,6 +341,31 @@ def _output(op: str, name: str, given, shape, like):
     return given
 
 
+def _bytes_spanned(t) -> tuple[int, int]:
+    """[first, last) bytes that ``t`` may touch (nothing for an empty tensor)."""
+    if t.numel() == 0:
+        return 0, 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def _refuse_aliases(op: str, inputs: dict, outputs: dict):
+    """The CPU path keeps the CUDA plans' rule (overlap/validation.cpp): no output shares memory
+    with an input or with another output (the reference would compute from, or deliver into,
+    memory that another of its outputs overwrites)."""
+    def overlap(x, y):
+        (x0, x1), (y0, y1) = _bytes_spanned(x), _bytes_spanned(y)
+        return x0 < y1 and y0 < x1
+    given = {name: t for name, t in outputs.items() if t is not None}
+    for output_name, output in given.items():
+        for input_name, tensor in inputs.items():
+            if tensor is not None and overlap(output, tensor):
+                raise ValueError(f"{op}: {output_name} shares memory with the input "
+                                 f"{input_name}; outputs must not alias inputs")
+    if len(given) == 2 and overlap(*given.values()):
+        raise ValueError(f"{op}: out and gathered share memory; outputs must not alias")
+
+
 def _deliver(op: str, name: str, result, out):
     """The CPU path's result, copied into the caller's ``out`` where one was given."""
     if out is None:
@@ -347,13 +373,21 @@ def _deliver(op: str, name: str, result, out):
     return _output(op, name, out, tuple(result.shape), result).copy_(result)
 
 
-def _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning):
+def _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning, given=()):
+    """Executes the plan into ``out`` (and ``gathered``); ``given`` are those of them the caller
+    passed (out=, gathered_out=)."""
     plan = group.plan(op, a.dtype, m, n, k, trans_b, bias is not None, gathered is not None,
                       tuning)
     capsule = _library.capsule
     plan.execute(capsule(a.contiguous()), capsule(b.contiguous()),
                  capsule(None if bias is None else bias.contiguous()), capsule(out),
                  capsule(gathered), _library.current_stream(a.get_device()))
+    # The plan writes through DLPack, which autograd does not see: a caller's output that a
+    # backward saved must read as changed, as after torch's own out= ops, or that backward would
+    # use the new contents without a word.
+    for written in given:
+        if written is not None:
+            torch.autograd.graph.increment_version(written)
 
 
 def _summed_over_ranks(a, b, bias, trans_b: bool, group: TPGroup):
@@ -571,14 +605,17 @@ def _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning,
     op = _meshla.CollectiveOp.all_gather_matmul
     m, k, n = a.shape[0] * group.size, a.shape[1], _n_of(b, trans_b)
     if a.device.type == "cpu":
+        _refuse_aliases(op.name, {"a": a, "b": b, "bias": bias},
+                        {"out": out, "gathered": gathered_out if return_gathered else None})
         gathered = _all_gather_rows(a, group)
         product = _reference_product(gathered, b, bias, trans_b, True).to(a.dtype)
         return (_deliver(op.name, "out", product, out),
                 _deliver(op.name, "gathered_out", gathered, gathered_out) if return_gathered
                 else None)
+    given = (out, gathered_out)
     out = _output(op.name, "out", out, (m, n), a)
     gathered = _output(op.name, "gathered_out", gathered_out, (m, k), a) if return_gathered else None
-    _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning)
+    _run(op, group, a, b, bias, out, gathered, m, n, k, trans_b, tuning, given)
     return out, gathered
 
 
@@ -614,14 +651,16 @@ def _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out):
     op = _meshla.CollectiveOp.matmul_reduce_scatter
     (m, k), n = a.shape, _n_of(b, trans_b)
     if a.device.type == "cpu":
+        _refuse_aliases(op.name, {"a": a, "b": b, "bias": bias}, {"out": out})
         total = _summed_over_ranks(a, b, bias, trans_b, group)
         block = m // group.size
         # A copy: a view would keep the whole sum alive (and an op's output must start at
         # offset 0, as its fake does).
         own_rows = total[group.rank * block:(group.rank + 1) * block].to(a.dtype, copy=True)
         return _deliver(op.name, "out", own_rows, out)
+    given = (out,)
     out = _output(op.name, "out", out, (m // group.size, n), a)
-    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
+    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning, given)
     return out
 
 
@@ -648,10 +687,12 @@ def _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out):
     op = _meshla.CollectiveOp.matmul_all_reduce
     (m, k), n = a.shape, _n_of(b, trans_b)
     if a.device.type == "cpu":
+        _refuse_aliases(op.name, {"a": a, "b": b, "bias": bias}, {"out": out})
         total = _summed_over_ranks(a, b, bias, trans_b, group)
         return _deliver(op.name, "out", total.to(a.dtype), out)
+    given = (out,)
     out = _output(op.name, "out", out, (m, n), a)
-    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning)
+    _run(op, group, a, b, bias, out, None, m, n, k, trans_b, tuning, given)
     return out
 
 

@@ -34,6 +34,16 @@ from meshla.torch import (
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
+def _mark_tensor_parallel(parameter: torch.nn.Parameter, dim: int):
+    """Megatron-LM's marks of a parameter split over the tensor-parallel group along ``dim`` (as
+    its set_tensor_model_parallel_attributes sets them): without them its gradient clipping,
+    parameter norm and zero count take every rank's shard for a copy of rank 0's and count only
+    that one."""
+    parameter.tensor_model_parallel = True
+    parameter.partition_dim = dim
+    parameter.partition_stride = 1
+
+
 class _ParallelLinear(torch.nn.Module):
     """What the two layers share: the whole layer's shape, this rank's shard of its weight
     (``[out_features, in_features]``, torch.nn.Linear's layout) split along ``_split_dim``, the
@@ -67,8 +77,11 @@ class _ParallelLinear(torch.nn.Module):
         shape[self._split_dim] //= group.size
         device = _device_of(name, device, group)
         self.weight = torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        _mark_tensor_parallel(self.weight, self._split_dim)
         if bias:  # a column-parallel layer's is split with its outputs, a row-parallel one's whole
             self.bias = torch.nn.Parameter(torch.empty(shape[0], device=device, dtype=dtype))
+            if self._split_dim == 0:
+                _mark_tensor_parallel(self.bias, 0)
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
