@@ -285,9 +285,10 @@ def local_groups(devices, timeout_s: float = 300.0) -> list[TPGroup]:
 def _choice(enum, argument: str, name):
     if isinstance(name, enum):
         return name
-    # By the enum's members only (an attribute lookup took "__doc__" for one).
-    member = enum.__members__.get(name) if isinstance(name, str) else None
-    if member is None:
+    # An attribute that is a member (alone, the lookup took "__doc__" for one). Not by
+    # __members__: torch.compile traces this, and Dynamo reads that as the property itself.
+    member = getattr(enum, name, None) if isinstance(name, str) else None
+    if not isinstance(member, enum):
         names = ", ".join(value.name for value in enum)
         raise ValueError(f"{argument}={name!r} is not one of {names}")
     return member
