@@ -65,6 +65,8 @@ struct WorkspaceLayout {
   // One GPU's cusolverDn call (runs_cusolver_dn): its workspace, the eigenvalues it writes to the
   // device, and its info.
   std::size_t dense = 0;
+  std::size_t dense_bytes = 0;       // its device workspace's size
+  std::size_t dense_host_bytes = 0;  // and its host workspace's
   std::size_t values = 0;
   std::size_t info = 0;
   std::size_t total = 0;
@@ -287,9 +289,9 @@ struct DenseSolver::Impl {
     w.scalars = offset;
     offset += detail::kWorkspaceAlignment;
     if (runs_cusolver_dn(op, problem, layout)) {
-      std::size_t host_bytes = 0;
       w.dense = offset;
-      offset += align_up(dense_bytes(op, problem, layout, &host_bytes));
+      w.dense_bytes = dense_bytes(op, problem, layout, &w.dense_host_bytes);
+      offset += align_up(w.dense_bytes);
       if (is_eigen(op)) {
         w.values = offset;
         offset += align_up(static_cast<std::size_t>(layout.padded_n()) *
@@ -530,10 +532,9 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
           lwork, &result.info));
     }
     if (op == SolverOp::kCholeskyInverse && result.info == 0 && dense) {
-      std::size_t host_bytes = 0;
-      const std::size_t bytes = self.dense_bytes(op, problem, layout, &host_bytes);
       potri(self.cholesky->dense_handle(0), dtype, order, working.data[0],
-            workspace(0, workspaces[0].dense), static_cast<int>(bytes / element), dense_info);
+            workspace(0, workspaces[0].dense),
+            static_cast<int>(workspaces[0].dense_bytes / element), dense_info);
       read_dense_info();
     } else if (op == SolverOp::kCholeskyInverse && result.info == 0) {
       MESHLA_CHECK_CUSOLVER(cusolverMgPotri(self.handle, CUBLAS_FILL_MODE_LOWER, order,
@@ -548,15 +549,14 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
                                              : static_cast<void*>(values64.data());
       if (dense) {
         // cusolverDn writes the eigenvalues to the device.
-        std::size_t host_bytes = 0;
-        const std::size_t device_bytes = self.dense_bytes(op, problem, layout, &host_bytes);
-        std::vector<char> host_work(std::max<std::size_t>(host_bytes, 1));
+        const WorkspaceLayout& w = workspaces[0];
+        std::vector<char> host_work(std::max<std::size_t>(w.dense_host_bytes, 1));
         void* device_values = workspace(0, workspaces[0].values);
         MESHLA_CHECK_CUSOLVER(
             cusolverDnXsyevd(self.cholesky->dense_handle(0), self.cholesky->dense_params(0),
                              eigen_mode(op), CUBLAS_FILL_MODE_LOWER, ld, type, working.data[0], ld,
                              real_type, device_values, type, workspace(0, workspaces[0].dense),
-                             device_bytes, host_work.data(), host_bytes, dense_info));
+                             w.dense_bytes, host_work.data(), w.dense_host_bytes, dense_info));
         MESHLA_CHECK_CUDA(cudaMemcpyAsync(values, device_values, ld * dtype_size(real_dtype(dtype)),
                                           cudaMemcpyDeviceToHost, shards[0].stream));
         read_dense_info();  // after the values' copy, on the same stream: both are on the host

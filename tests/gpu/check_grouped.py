@@ -248,6 +248,15 @@ def check_module_autograd(report, dtype, seed):
                   "every weight gradient is a 256-byte aligned view of one buffer")
 
 
+def _value_error_of(call) -> str:
+    """The ValueError that ``call()`` raises, as text, or "nothing raised"."""
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return "nothing raised"
+
+
 def check_bad_splits(report):
     dev = torch.device("cuda")
     x = torch.randn(64, 32, device=dev, dtype=torch.bfloat16)
@@ -257,19 +266,12 @@ def check_bad_splits(report):
         y = mt.grouped_linear(x, torch.tensor(sizes, device=dev), w)
         torch.cuda.synchronize()
         poisoned = bool(torch.isnan(y).all())
-        try:
-            mt.grouped_linear(x, torch.tensor([64, 0, 0], device=dev), w)
-            raised = "nothing raised"
-        except ValueError as error:
-            raised = str(error)
+        raised = _value_error_of(
+            lambda: mt.grouped_linear(x, torch.tensor([64, 0, 0], device=dev), w))
         report.record(f"bad-splits/{sizes}", 0, poisoned and expected in raised,
                       f"output all NaN: {poisoned}; next call: {raised}")
     mt.grouped_linear(x, torch.tensor([1, 2, 3], device=dev), w)
-    try:
-        mt.check_device_errors()
-        raised = "nothing raised"
-    except ValueError as error:
-        raised = str(error)
+    raised = _value_error_of(mt.check_device_errors)
     report.record("bad-splits/check_device_errors", 0, "sums to 6" in raised, raised)
 
     # A bad call on a side stream, still queued behind a wait there (a delayed weight gradient's
@@ -279,11 +281,7 @@ def check_bad_splits(report):
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # about 30 ms on an H100
         mt.grouped_linear(x, torch.tensor([1, 2, 3], device=dev), w)
-    try:
-        mt.check_device_errors()
-        raised = "nothing raised"
-    except ValueError as error:
-        raised = str(error)
+    raised = _value_error_of(mt.check_device_errors)
     torch.cuda.synchronize()
     report.record("bad-splits/check_device_errors-side-stream", 0, "sums to 6" in raised, raised)
 
@@ -308,11 +306,7 @@ def check_bad_splits(report):
         out = run()
         torch.cuda.synchronize()
         poisoned = bool(torch.isnan(out).all())
-        try:
-            mt.check_device_errors()
-            raised = "nothing raised"
-        except ValueError as error:
-            raised = str(error)
+        raised = _value_error_of(mt.check_device_errors)
         report.record(f"bad-splits-poison/{name}", 0, poisoned and "sums to 30" in raised,
                       f"output all NaN: {poisoned}; check_device_errors: {raised}")
 
