@@ -36,8 +36,10 @@ std::string_view solver_op_name(SolverOp op);
 
 // Who factors A for kCholeskySolve and kCholeskyInverse. meshla's own factorization
 // (solver/block_cyclic_cholesky.hpp) overlaps the panels with the trailing updates, and the solve
-// and the inverse after it are cuSolverMg's (one GPU: cusolverDn's); with kCusolverMg,
-// cuSolverMg's potrf and everything after it (the benchmark's reference).
+// after it is cuSolverMg's (one GPU: cusolverDn's); with kCusolverMg, cuSolverMg's potrf and the
+// solve after it (the benchmark's reference). The inverse after either is cusolverDn's potri on
+// the first GPU, the factor gathered there (cuSolverMg's potri is wrong on several GPUs past
+// n = 2048), so n is at most 46340 (2^31 elements, potri's 32-bit sizes).
 enum class CholeskyFactorization { kMeshla, kCusolverMg };
 
 // The problem: order n over the solver's parts, element type, right-hand sides (kCholeskySolve),

@@ -14,6 +14,8 @@
 
 #include <nccl.h>
 
+#include "comm/enqueue_meeting.hpp"
+
 namespace meshla::detail {
 
 class GroupWorkspace;
@@ -53,9 +55,13 @@ struct CommState {
   int size;
   int device;
   std::chrono::milliseconds timeout;
+  // Where this process drives several ranks of the group (Communicator::create_local), the
+  // meeting their threads hold after enqueuing each collective (see EnqueueMeeting), shared by
+  // those ranks' states; null for one process per GPU.
+  std::shared_ptr<EnqueueMeeting> enqueue_meeting;
   // Ranks of this group that this process drives: 1 for one process per GPU, the group's size for
   // Communicator::create_local.
-  int ranks_in_process = 1;
+  int ranks_in_process() const { return enqueue_meeting ? enqueue_meeting->ranks() : 1; }
   // enable_peer_access's answer for this group, once asked. A property of the group, so each plan
   // need not ask again. Like the NCCL communicator itself, used by one thread at a time.
   std::optional<PeerAccess> peer_access;

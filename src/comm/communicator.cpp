@@ -65,7 +65,7 @@ std::shared_ptr<CommState> split_with_max_ctas(const CommState& parent, int max_
   MESHLA_CHECK(kNccl, child != nullptr, "ncclCommSplit returned no communicator");
   auto state = std::make_shared<CommState>(child, nullptr, parent.rank, parent.size, parent.device,
                                            parent.timeout, release_nccl_comms);
-  state->ranks_in_process = parent.ranks_in_process;
+  state->enqueue_meeting = parent.enqueue_meeting;
   return state;
 }
 
@@ -219,11 +219,13 @@ std::vector<Communicator> create_ranks(const ncclUniqueId& id, const std::vector
   }
   std::vector<ncclComm_t> made = twins.release();
   std::vector<ncclComm_t> parents = bootstraps.release();
+  const auto meeting =
+      count > 1 ? std::make_shared<EnqueueMeeting>(static_cast<int>(count)) : nullptr;
   std::vector<Communicator> result;
   for (std::size_t i = 0; i < count; ++i) {
     result.emplace_back(std::make_shared<CommState>(made[i], parents[i], ranks[i], size, devices[i],
                                                     timeout, release_nccl_comms));
-    result.back().state()->ranks_in_process = static_cast<int>(count);
+    result.back().state()->enqueue_meeting = meeting;
   }
   return result;
 }

@@ -63,7 +63,7 @@ void GroupWorkspace::reserve(const CommState& state, const Sizes& needed) {
   // than one rank of the group: there cudaFree waits for the peer devices, whose queued work may
   // be a peer's half of an exchange that waits for this thread.
   const bool keep_old =
-      order_.captured_runs() != captured_runs_at_peers_ || state.ranks_in_process > 1;
+      order_.captured_runs() != captured_runs_at_peers_ || state.ranks_in_process() > 1;
   const std::size_t signal_bytes = std::max(needed.signal_bytes, capacity_.signal_bytes);
   const std::size_t data_bytes = grown_size(needed.data_bytes, capacity_.data_bytes, keep_old);
   const std::size_t data_offset = align_up(signal_bytes);

@@ -155,6 +155,19 @@ const char* run_name(CollectiveOp op, Backend backend) {
   return names[position(kOps, op) * kBackends.size() + position(kBackends, backend)].c_str();
 }
 
+// Where this process drives several ranks of the group, waits until each has enqueued its part of
+// the eager run just enqueued on `stream` (see EnqueueMeeting). A captured run enqueues nothing on
+// the device: its graph's launches are the caller's to order. Bounded by twice the group's timeout:
+// a peer that never calls also leaves this rank's run unfinished, and the watchdog, at the timeout,
+// ends the process with the message that names the run.
+void meet_after_enqueue(const detail::CommState& state, cudaStream_t stream, const char* run) {
+  if (state.enqueue_meeting == nullptr) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MESHLA_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;
+  state.enqueue_meeting->arrive(state.rank, run, 2 * state.timeout);
+}
+
 // Throws kNotImplemented on every rank unless the backend can run on all of them, so that no
 // rank goes on into a collective set-up that another rank never joins. Collective.
 void require_on_every_rank(const Communicator& comm, const CollectiveMatmulConfig& config) {
@@ -274,6 +287,7 @@ struct CollectiveMatmul::Impl : std::enable_shared_from_this<CollectiveMatmul::I
       throw;
     }
     order.end(stream);
+    meet_after_enqueue(*comm.state(), stream, run_name(config.op, config.backend));
   }
 
   const detail::ExecutionOrder& order() const { return executor->order(); }
@@ -331,6 +345,7 @@ struct AllGather::Impl : std::enable_shared_from_this<AllGather::Impl> {
       throw;
     }
     order.end(stream);
+    meet_after_enqueue(*comm.state(), stream, "all_gather (backend=nccl)");
   }
 
   const detail::ExecutionOrder& order() const { return *execution_order; }

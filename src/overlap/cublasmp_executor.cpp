@@ -269,11 +269,11 @@ std::unique_ptr<Executor> make_cublasmp_executor(const Communicator& comm,
   std::string why;
   const CublasMpLibrary* library = cublasmp_library(&why);
   MESHLA_ASSERT(library != nullptr);  // the caller has checked availability on every rank
-  MESHLA_CHECK(kNotImplemented, comm.state()->ranks_in_process == 1,
+  MESHLA_CHECK(kNotImplemented, comm.state()->ranks_in_process() == 1,
                collective_op_name(config.op)
                    << ": backend=cublasmp needs one process per GPU (cuBLASMp 0.7 runs on "
                       "NVSHMEM, one process per rank), but this process drives "
-                   << comm.state()->ranks_in_process << " ranks of the group");
+                   << comm.state()->ranks_in_process() << " ranks of the group");
   detail::DeviceGuard guard(comm.device());
   return std::make_unique<CublasMpExecutor>(*library, comm, config);
 }

@@ -62,8 +62,10 @@ struct WorkspaceLayout {
   std::size_t panel = 0;    // one tile of columns, for shuffling rows in place
   std::size_t rhs = 0;      // B' on part 0
   std::size_t scalars = 0;  // two float64 reductions
-  // One GPU's cusolverDn call (runs_cusolver_dn): its workspace, the eigenvalues it writes to the
-  // device, and its info.
+  // The first GPU's cusolverDn call (runs_cusolver_dn): the whole matrix gathered from the other
+  // GPUs (the inverse over several), the call's workspace, the eigenvalues it writes to the device,
+  // and its info.
+  std::size_t gathered = 0;
   std::size_t dense = 0;
   std::size_t dense_bytes = 0;       // its device workspace's size
   std::size_t dense_host_bytes = 0;  // and its host workspace's
@@ -87,19 +89,25 @@ cusolverEigMode_t eigen_mode(SolverOp op) {
   return op == SolverOp::kEigen ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR;
 }
 
-// On one GPU, cusolverDn where cuSolverMg is slower (one H100, float64): after meshla's
-// factorization, the solve (cuSolverMg's potrs took a quarter longer at n=16384 and synchronised
-// the host after every tile) and the inverse (0.35 s with cuSolverMg's potri at n=16384, 0.27 s
-// with cusolverDn's), and the eigensolver (cuSolverMg's syevd took 1.71 s at n=8192, cusolverDn's
-// 0.61 s). cusolverDn's potri has 32-bit sizes only and refuses a matrix of 2^31 elements or more
-// (CUSOLVER_STATUS_INVALID_VALUE at n=49152; n=32768 solved): a larger inverse stays on
-// cuSolverMg's.
+// Whether the op's routine after the factorization runs cusolverDn's on the first GPU instead of
+// cuSolverMg's over all of them. The inverse always does (solver_layout bounds its size):
+// cuSolverMg's potri returns wrong inverses on several GPUs once n passes 2048 (2x H200, CUDA 13.0,
+// 2026-11-27: residual 0.7 to 3.2 at n=3072 to 8192, whichever factorization, tile and padding),
+// so over several GPUs the factor is gathered onto the first; on one, cusolverDn's potri was the
+// faster anyway (0.27 s against 0.35 s at n=16384, one H100). On one GPU also the solve after
+// meshla's factorization (cuSolverMg's potrs took a quarter longer at n=16384 and synchronised the
+// host after every tile) and the eigensolver (cuSolverMg's syevd took 1.71 s at n=8192,
+// cusolverDn's 0.61 s).
 bool runs_cusolver_dn(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout) {
+  if (op == SolverOp::kCholeskyInverse) return true;
   if (layout.parts != 1) return false;
-  if (op == SolverOp::kCholeskyInverse) {
-    return uses_meshla_cholesky(op, problem) && layout.padded_n() * layout.padded_n() <= INT32_MAX;
-  }
   return is_eigen(op) || uses_meshla_cholesky(op, problem);
+}
+
+// Whether cuSolverMg factors A (the reference factorization, cholesky=cusolvermg).
+bool factors_with_cusolvermg(SolverOp op, const SolverProblem& problem) {
+  return (op == SolverOp::kCholeskySolve || op == SolverOp::kCholeskyInverse) &&
+         !uses_meshla_cholesky(op, problem);
 }
 
 // cusolverDn's potri (it has no generic 64-bit form): its workspace in elements, and the call.
@@ -143,6 +151,33 @@ void potri(cusolverDnHandle_t handle, DType dtype, int n, void* a, void* work, i
       MESHLA_ASSERT(dtype == DType::kComplex128);
       MESHLA_CHECK_CUSOLVER(cusolverDnZpotri(handle, lower, n, static_cast<cuDoubleComplex*>(a), n,
                                              static_cast<cuDoubleComplex*>(work), lwork, info));
+  }
+}
+
+enum class TileCopy { kGather, kScatter };
+
+// Over several GPUs, copies the lower triangle of every tile of columns between the parts' working
+// arrays and `whole`, the matrix in the solver's order on the first GPU (ld = padded_n() rows):
+// solver tile t is local tile t / parts of part t % parts. Enqueued on `stream`, the first GPU's;
+// the caller orders it after the parts' own work. On one GPU the working array is the whole.
+void copy_lower_tiles(DType dtype, const PartPointers& working, void* whole,
+                      const BlockCyclicLayout& layout, TileCopy direction, cudaStream_t stream) {
+  if (layout.parts == 1) return;
+  const std::size_t element = dtype_size(dtype);
+  const std::int64_t ld = layout.padded_n();
+  const std::size_t pitch = static_cast<std::size_t>(ld) * element;
+  for (std::int64_t t = 0; t < ld / layout.tile; ++t) {
+    // Rows from the tile's diagonal down: the rest of its columns is upper triangle.
+    const std::int64_t first_row = t * layout.tile;
+    const std::size_t offset = static_cast<std::size_t>(first_row) * element;
+    char* gathered = static_cast<char*>(whole) + static_cast<std::size_t>(first_row) * pitch;
+    char* local = static_cast<char*>(working.data[t % layout.parts]) +
+                  static_cast<std::size_t>(t / layout.parts * layout.tile) * pitch;
+    char* to = (direction == TileCopy::kGather ? gathered : local) + offset;
+    const char* from = (direction == TileCopy::kGather ? local : gathered) + offset;
+    MESHLA_CHECK_CUDA(cudaMemcpy2DAsync(
+        to, pitch, from, pitch, static_cast<std::size_t>(ld - first_row) * element,
+        static_cast<std::size_t>(layout.tile), cudaMemcpyDeviceToDevice, stream));
   }
 }
 
@@ -195,7 +230,8 @@ struct DenseSolver::Impl {
 
   std::int64_t query_lwork(SolverOp op, const SolverProblem& problem,
                            const BlockCyclicLayout& layout) {
-    if (runs_cusolver_dn(op, problem, layout)) return 1;  // no cuSolverMg routine runs
+    const bool mg_routine = !runs_cusolver_dn(op, problem, layout);
+    if (!mg_routine && !factors_with_cusolvermg(op, problem)) return 1;  // cuSolverMg runs nothing
     const int n = static_cast<int>(layout.padded_n());
     const cudaDataType type = detail::cuda_data_type(problem.dtype);
     MatrixDescriptor a(n, n, layout.tile, problem.dtype, grid);
@@ -204,11 +240,11 @@ struct DenseSolver::Impl {
     std::int64_t lwork = 0;
     std::int64_t second = 0;
     // cusolverMgPotrf's workspace only when it factors (meshla's factorization brings its own).
-    if ((op == SolverOp::kCholeskySolve || op == SolverOp::kCholeskyInverse) &&
-        !uses_meshla_cholesky(op, problem)) {
+    if (factors_with_cusolvermg(op, problem)) {
       MESHLA_CHECK_CUSOLVER(cusolverMgPotrf_bufferSize(handle, CUBLAS_FILL_MODE_LOWER, n,
                                                        arrays.data(), 1, 1, a.get(), type, &lwork));
     }
+    if (!mg_routine) return std::max<std::int64_t>(lwork, 1);
     switch (op) {
       case SolverOp::kCholeskySolve: {
         MatrixDescriptor b(n, problem.nrhs, problem.nrhs, problem.dtype, grid);
@@ -217,9 +253,8 @@ struct DenseSolver::Impl {
             a.get(), arrays.data(), 1, 1, b.get(), type, &second));
         break;
       }
-      case SolverOp::kCholeskyInverse:
-        MESHLA_CHECK_CUSOLVER(cusolverMgPotri_bufferSize(
-            handle, CUBLAS_FILL_MODE_LOWER, n, arrays.data(), 1, 1, a.get(), type, &second));
+      case SolverOp::kCholeskyInverse:  // runs_cusolver_dn
+        MESHLA_ASSERT(!mg_routine);
         break;
       case SolverOp::kEigen:
       case SolverOp::kEigenvalues: {
@@ -233,8 +268,8 @@ struct DenseSolver::Impl {
     return std::max<std::int64_t>({lwork, second, 1});
   }
 
-  // cusolverDn's device workspace for `op` on one GPU (runs_cusolver_dn), and its host workspace
-  // in `host_bytes` (syevd's; potrs and potri take none).
+  // cusolverDn's device workspace for `op` on the first GPU (runs_cusolver_dn), and its host
+  // workspace in `host_bytes` (syevd's; potrs and potri take none).
   std::size_t dense_bytes(SolverOp op, const SolverProblem& problem,
                           const BlockCyclicLayout& layout, std::size_t* host_bytes) const {
     *host_bytes = 0;
@@ -288,7 +323,12 @@ struct DenseSolver::Impl {
     }
     w.scalars = offset;
     offset += detail::kWorkspaceAlignment;
-    if (runs_cusolver_dn(op, problem, layout)) {
+    if (runs_cusolver_dn(op, problem, layout) && part == 0) {
+      if (layout.parts > 1) {
+        w.gathered = offset;
+        offset +=
+            align_up(static_cast<std::size_t>(layout.padded_n() * layout.padded_n()) * element);
+      }
       w.dense = offset;
       w.dense_bytes = dense_bytes(op, problem, layout, &w.dense_host_bytes);
       offset += align_up(w.dense_bytes);
@@ -531,15 +571,19 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
           1, 1, descriptor_a.get(), rhs_arrays.data(), 1, 1, descriptor_b.get(), type, work.data(),
           lwork, &result.info));
     }
-    if (op == SolverOp::kCholeskyInverse && result.info == 0 && dense) {
-      potri(self.cholesky->dense_handle(0), dtype, order, working.data[0],
-            workspace(0, workspaces[0].dense),
+    if (op == SolverOp::kCholeskyInverse && result.info == 0) {
+      // cuSolverMg factors on streams of its own; meshla's factorization on the parts' streams,
+      // which the first GPU's gather must follow.
+      if (factors_with_cusolvermg(op, problem)) synchronize_devices();
+      if (parts > 1) synchronize_streams();
+      void* whole = parts == 1 ? working.data[0] : workspace(0, workspaces[0].gathered);
+      copy_lower_tiles(dtype, working, whole, layout, TileCopy::kGather, shards[0].stream);
+      potri(self.cholesky->dense_handle(0), dtype, order, whole, workspace(0, workspaces[0].dense),
             static_cast<int>(workspaces[0].dense_bytes / element), dense_info);
       read_dense_info();
-    } else if (op == SolverOp::kCholeskyInverse && result.info == 0) {
-      MESHLA_CHECK_CUSOLVER(cusolverMgPotri(self.handle, CUBLAS_FILL_MODE_LOWER, order,
-                                            arrays.data(), 1, 1, descriptor_a.get(), type,
-                                            work.data(), lwork, &result.info));
+      if (result.info == 0) {
+        copy_lower_tiles(dtype, working, whole, layout, TileCopy::kScatter, shards[0].stream);
+      }
     }
     if (is_eigen(op)) {
       const cudaDataType real_type = detail::cuda_data_type(real_dtype(dtype));

@@ -36,7 +36,22 @@ BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
                    solver_op_name(op) << ": tile=" << tile << " exceeds " << kLargestEigenTile
                                       << ", the largest tile cuSolverMg's syevd takes (0: "
                                          "meshla's choice)");
-  return make_block_cyclic_layout(n, parts, tile, eigen ? kLargestEigenTile : kLargestCholeskyTile);
+  BlockCyclicLayout layout =
+      make_block_cyclic_layout(n, parts, tile, eigen ? kLargestEigenTile : kLargestCholeskyTile);
+  if (op != SolverOp::kCholeskyInverse) return layout;
+  // The inverse runs cusolverDn's potri on the first GPU (dense_solver.cpp: cuSolverMg's is wrong
+  // on several GPUs), whose sizes are 32-bit: it refused n=49152 (CUSOLVER_STATUS_INVALID_VALUE).
+  // Where meshla's own tile pads past that and n itself fits, one unpadded tile a GPU.
+  const auto fits = [](std::int64_t order) { return order * order <= kLargestInverseElements; };
+  if (tile == 0 && !fits(layout.padded_n()) && fits(n)) {
+    layout = make_block_cyclic_layout(n, parts, n / parts, n / parts);
+  }
+  MESHLA_CHECK(kNotImplemented, fits(layout.padded_n()),
+               "cholesky_inverse: n=" << n << " (padded to " << layout.padded_n() << " for tile="
+                                      << layout.tile << ") has more than 2^31 - 1 elements, the "
+                                      << "most cusolverDn's potri takes (n <= 46340, padding "
+                                         "included)");
+  return layout;
 }
 
 void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "meshla/dense_solver.hpp"
@@ -17,9 +18,13 @@ bool is_complex(DType dtype);
 // The dtype is one the solvers take; nrhs is 1 to 256 for kCholeskySolve.
 void check_solver_problem(SolverOp op, const SolverProblem& problem);
 
+// The most elements the inverse's padded matrix may have: cusolverDn's potri has 32-bit sizes.
+constexpr std::int64_t kLargestInverseElements = 2147483647;
+
 // The layout `op` runs order n on `parts` GPUs in, with `tile` columns a tile (0: choose_tile's,
 // up to kLargestCholeskyTile or kLargestEigenTile); a tile over kLargestEigenTile for the
-// eigensolver on several GPUs is an error. On one GPU the eigensolver takes any tile, by default
+// eigensolver on several GPUs is an error, and so is an inverse whose padded matrix has more than
+// kLargestInverseElements (kNotImplemented). On one GPU the eigensolver takes any tile, by default
 // the whole matrix.
 BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts, std::int64_t tile);
 

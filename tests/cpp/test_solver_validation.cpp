@@ -87,6 +87,27 @@ TEST(SolverValidation, RejectsBadProblems) {
   expect_rejected([](Call& c) { c.problem.nrhs = 0; }, "nrhs=0");
 }
 
+TEST(SolverLayout, TheInverseIsBoundedByCusolverDnPotrisThirtyTwoBitSizes) {
+  // 46340^2 < 2^31 <= 46341^2, padding included: 46340 / 4 = 11585 rows, which meshla's own tile
+  // (2048) pads to 12288 a GPU. The inverse then takes one unpadded tile a GPU; the solve keeps it.
+  EXPECT_EQ(solver_layout(SolverOp::kCholeskySolve, 46340, 4, 0).padded_n(), 49152);
+  const BlockCyclicLayout largest = solver_layout(SolverOp::kCholeskyInverse, 46340, 4, 0);
+  EXPECT_EQ(largest.padded_n(), 46340);
+  EXPECT_EQ(largest.tile, 11585);
+  EXPECT_EQ(solver_layout(SolverOp::kCholeskyInverse, 16384, 2, 0).tile, 2048);  // as the solve
+  for (const auto& [n, tile] : {std::pair<std::int64_t, std::int64_t>{46344, 0}, {46340, 4096}}) {
+    try {
+      solver_layout(SolverOp::kCholeskyInverse, n, 4, tile);
+      FAIL() << "an inverse of n=" << n << " with tile=" << tile << " was taken";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kNotImplemented);
+      EXPECT_NE(std::string(error.what()).find("cholesky_inverse: n=" + std::to_string(n)),
+                std::string::npos)
+          << error.what();
+    }
+  }
+}
+
 TEST(SolverLayout, TheEigensolverTakesTilesUpTo1024OnSeveralGpus) {
   // cuSolverMg's syevd refuses larger tiles; the Cholesky ops choose up to 2048.
   EXPECT_EQ(solver_layout(SolverOp::kCholeskySolve, 8192, 1, 0).tile, 2048);

@@ -386,6 +386,36 @@ def check_layers(group, reporter, label, seed_base):
         reporter.record(name, r, ok, detail)
 
 
+def check_first_use_after_collective(group, reporter, label, seed_base):
+    """Rank 0 makes its matching call a second late, while the last rank, right after its own
+    call, runs a kernel that this process has not loaded yet (cuBLAS's complex GEMM). Loading it
+    waits for the device, whose collective waits for rank 0: where one process drives both ranks
+    and the last rank's call had returned before rank 0's was enqueued, the load held a lock of the
+    driver that rank 0's enqueue needed, and both hung (the threads model, fused-wgrad's first
+    addmm, 2026-11-27). Both products must be right, in either process model."""
+    name = f"{label}/first-use-after-collective"
+    try:
+        p = Problem("matmul_all_reduce", group, torch.bfloat16, 512, 256, 128, seed_base, True,
+                    False)
+        if group.rank == 0:
+            time.sleep(1.0)
+        run_op("matmul_all_reduce", p, group, "auto", True)
+        gen = torch.Generator(device=group.device).manual_seed(seed_base + 1)
+        c = torch.randn(96, 80, generator=gen, device=group.device, dtype=torch.complex64)
+        first_use = c @ c.mT if group.rank == group.size - 1 else None
+        torch.cuda.synchronize(group.device)
+        errors = [relative_error(p.out, p.ref)]
+        if first_use is not None:
+            reference = c.cdouble() @ c.cdouble().mT
+            errors.append(((first_use.cdouble() - reference).norm() / reference.norm()).item())
+        ok = max(errors) < TOLERANCE[torch.bfloat16]
+        detail = f"all-reduce rel_err={errors[0]:.2e}" + (
+            f", complex GEMM rel_err={errors[1]:.2e}" if len(errors) > 1 else "")
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {e}"
+    reporter.record(name, group.rank, ok, detail)
+
+
 def check_fused_wgrad(group, reporter, label, seed_base):
     """The layers with fuse_wgrad_accumulation: each weight's gradient is added, in float32, to a
     random main_grad already there (without and with sequence parallelism, bf16 and fp32); the
@@ -1256,6 +1286,8 @@ def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
     if quick:
         check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,))
         return
+    if group.size > 1:  # first, while cuBLAS's complex GEMM is not loaded in this process
+        check_first_use_after_collective(group, reporter, label, seed_base + 39_000)
     check_correctness(group, reporter, label, seed_base)
     check_autograd(group, reporter, label, seed_base + 40_000)
     check_layers(group, reporter, label, seed_base + 45_000)

@@ -306,6 +306,39 @@ class Checks:
         self.run(f"{label} cholesky_inverse over a", inverse_in_place)
         self.run(f"{label} eigh and inverse on poisoned outputs", poisoned_outputs)
 
+    def torch_large_inverse(self, devices):
+        """The inverse past n = 2048, where cuSolverMg's potri went wrong on two GPUs (residual
+        0.7 to 3.2, 2026-11-27): whole tiles, several tiles a GPU, padding, and both
+        factorizations, on NaN-poisoned outputs."""
+        g = len(devices)
+        solver = torch_linalg._solver(tuple(devices))
+        op = _meshla.SolverOp.cholesky_inverse
+        none = [None] * g
+        for n, tile, dtype in ((1536 * g, 0, np.float64), (1536 * g, 512, np.complex128),
+                               (2500 * g, 256, np.float32)):
+            tdtype = TORCH_DTYPES[dtype]
+            rows, tol = n // g, tolerance(dtype, n)
+            for cholesky in ("meshla", "cusolvermg"):
+                def inverse():
+                    a = random_spd(n, dtype, self.rng)
+                    shards = [torch.from_numpy(a[p * rows:(p + 1) * rows]).to(f"cuda:{d}")
+                              for p, d in enumerate(devices)]
+                    out = [torch.full((rows, n), float("nan"), dtype=tdtype, device=f"cuda:{d}")
+                           for d in devices]
+                    workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 0, tile, False,
+                                                          devices, cholesky=cholesky)
+                    info, _, _, _ = solver.run(op, n, torch_linalg._DTYPES[tdtype], 0, tile, False,
+                                               shards, none, out, none, none, workspaces,
+                                               torch_linalg._streams(devices), cholesky=cholesky)
+                    inverse = torch.cat([x.cpu() for x in out]).numpy()
+                    residual = inverse_residual(a, inverse)
+                    asymmetry = (np.linalg.norm(inverse - inverse.conj().T)
+                                 / np.linalg.norm(inverse))
+                    return info == 0 and residual < tol and asymmetry < tol, (
+                        f"residual {residual:.2e}, asymmetry {asymmetry:.2e} (tol {tol:.1e})")
+                self.run(f"torch g={g} n={n} tile={tile or 'auto'} {np.dtype(dtype).name} "
+                         f"cholesky_inverse, {cholesky}'s factorization", inverse)
+
     def torch_errors(self, devices):
         def wrong_device():
             a = torch.eye(2 * len(devices), dtype=torch.float64)
@@ -345,6 +378,7 @@ def main():
         # More than 1024 rows a GPU: on several GPUs the eigensolver's own tile (768) is below
         # Cholesky's (1536), as cuSolverMg's syevd takes no tile over 1024 (one GPU: untiled).
         checks.jax_routines(mesh, 1536 * g, np.float64)
+        checks.torch_large_inverse([d.local_hardware_id for d in devices[:g]])
         checks.jax_special(mesh)
         if g > 1:
             checks.torch_errors([d.local_hardware_id for d in devices[:g]])

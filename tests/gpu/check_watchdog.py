@@ -14,8 +14,10 @@ is held back, so that the watchdog queries that run's event throughout the captu
 must not invalidate the capture. A plan dropped while its run is unfinished waits for the run
 with the GIL released:
   dropped       (one GPU) the run is held back; another Python thread keeps running throughout
-  peer-dropped  (two GPUs, one process, a thread per GPU) rank 0 drops its plan before rank 1 has
-                enqueued its part, which rank 1's thread can do only with the GIL
+and, where one process drives both ranks, a rank's call waits for its peer's matching call with
+the GIL released (meshla's enqueue meeting), then its plan is dropped:
+  peer-late     (two GPUs, one process, a thread per GPU) rank 1 makes its call 0.5 s after rank 0,
+                which rank 1's thread can do only with the GIL; rank 0's call returns after it
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from reporting import Reporter, relative_error
 # The hold: torch.cuda._sleep cycles, about 10 s and 0.5 s at the H100's and H200's ~2 GHz.
 HOLD_CYCLES = {"held": 20_000_000_000, "control": 1_000_000_000, "dropped": 1_000_000_000}
 TIMEOUT_S = {"held": 2.0, "control": 120.0, "missing-peer": 2.0, "capture": 120.0,
-             "dropped": 120.0, "peer-dropped": 30.0}
-CASES = ("held", "control", "capture", "dropped", "missing-peer", "peer-dropped")
-TWO_GPUS = ("missing-peer", "peer-dropped")
+             "dropped": 120.0, "peer-late": 30.0}
+CASES = ("held", "control", "capture", "dropped", "missing-peer", "peer-late")
+TWO_GPUS = ("missing-peer", "peer-late")
 # Cases whose run must finish (the others must end the process).
-FINISHING = ("control", "capture", "dropped", "peer-dropped")
+FINISHING = ("control", "capture", "dropped", "peer-late")
 
 
 def operands(device):
@@ -140,11 +142,11 @@ def child_dropped(backend: str) -> None:
           f"drop_ms={drop_ms:.0f} ticks_during_drop={during}", flush=True)
 
 
-def child_peer_dropped(backend: str) -> None:
-    groups = mt.local_groups([0, 1], timeout_s=TIMEOUT_S["peer-dropped"])
+def child_peer_late(backend: str) -> None:
+    groups = mt.local_groups([0, 1], timeout_s=TIMEOUT_S["peer-late"])
     inputs = [operands(torch.device("cuda", rank)) for rank in range(2)]
     kwargs = dict(algorithm="ring", backend=backend)
-    dropping, built = threading.Event(), threading.Barrier(2)
+    calling, built = threading.Event(), threading.Barrier(2)
     # Poisoned, so that a run that wrote nothing fails.
     outs = [torch.full((2 * a.shape[0], b.shape[1]), float("nan"), device=a.device, dtype=a.dtype)
             for a, b in inputs]
@@ -157,14 +159,15 @@ def child_peer_dropped(backend: str) -> None:
         torch.cuda.synchronize(r)
         built.wait(60)
         if r == 1:
-            dropping.wait(60)
-            time.sleep(0.5)  # rank 0 is inside its plan's destructor by now
+            calling.wait(60)
+            time.sleep(0.5)  # rank 0 is waiting in its call by now
             times["peer_enqueue"] = time.monotonic()
+        else:
+            calling.set()
         mt.all_gather_matmul(*inputs[r], groups[r], out=outs[r], **kwargs)
         if r == 0:
-            dropping.set()
+            times["returned"] = time.monotonic()
             groups[0]._plans.clear()  # the plan's only reference: it goes here
-            times["dropped"] = time.monotonic()
         torch.cuda.synchronize(r)
 
     on_both_ranks(rank)
@@ -172,9 +175,9 @@ def child_peer_dropped(backend: str) -> None:
     a = torch.cat([inputs[0][0], inputs[1][0].to(0)])
     errors = [relative_error(outs[r], (a.double() @ inputs[r][1].to(0).double()).to(r))
               for r in range(2)]
-    # The drop returned only after the peer had enqueued: it waited, and let the peer run.
-    waited = times["dropped"] - times["peer_enqueue"]
-    print(f"finished rel_err={max(errors):.2e} drop_returned_after_peer_enqueue_ms="
+    # Rank 0's call returned only after the peer's was made: it waited, and let the peer run.
+    waited = times["returned"] - times["peer_enqueue"]
+    print(f"finished rel_err={max(errors):.2e} returned_after_peer_call_ms="
           f"{waited * 1e3:.3f}", flush=True)
 
 
@@ -188,8 +191,8 @@ def child(case: str, backend: str) -> None:
     if case == "dropped":
         child_dropped(backend)
         return
-    if case == "peer-dropped":
-        child_peer_dropped(backend)
+    if case == "peer-late":
+        child_peer_late(backend)
         return
     torch.cuda.set_device(0)
     group = mt.local_groups([0], timeout_s=TIMEOUT_S[case])[0]
@@ -221,9 +224,9 @@ def check(reporter: Reporter, backend: str, case: str) -> None:
             # The drop waited for the held run (~0.5 s) while the other thread ran on.
             drop = re.search(r"drop_ms=(\d+) ticks_during_drop=(\d+)", proc.stdout)
             ok = int(drop.group(1)) >= 250 and int(drop.group(2)) >= 50
-        if case == "peer-dropped" and ok:
-            drop = re.search(r"drop_returned_after_peer_enqueue_ms=(-?[\d.]+)", proc.stdout)
-            ok = float(drop.group(1)) > 0
+        if case == "peer-late" and ok:
+            late = re.search(r"returned_after_peer_call_ms=(-?[\d.]+)", proc.stdout)
+            ok = float(late.group(1)) > 0
         last = (proc.stderr.strip().splitlines() or [""])[-1]
         detail = (f"exit {proc.returncode}; stdout: {proc.stdout.strip()[-200:]!r}; "
                   f"stderr's last line: {last[-400:]!r}")

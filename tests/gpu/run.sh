@@ -27,8 +27,10 @@ launch() {
   local label=$1
   shift
   echo "== $label: $*"
+  local started=$SECONDS
   timeout "${MESHLA_LAUNCH_TIMEOUT:-300}" "$@" >"$LOG_DIR/$label.log" 2>&1
   local status=$?
+  echo "   $label took $((SECONDS - started)) s"
   if [ "$status" -ne 0 ]; then
     # 124: the time limit; above 128: killed by signal (status - 128), e.g. 139 a segfault.
     echo "{\"model\": \"$label\", \"name\": \"launcher\", \"rank\": -1, \"ok\": false, \"detail\": \"exited with status $status; see $label.log\"}" >>"$results"
