@@ -20,6 +20,7 @@
 // in the order the ranks let go of their plans: a graph must not outlive it.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -28,6 +29,7 @@
 #include <cuda_runtime_api.h>
 
 #include "meshla/communicator.hpp"
+#include "meshla/export.hpp"
 #include "meshla/tensor.hpp"
 
 namespace meshla {
@@ -56,14 +58,14 @@ enum class Algorithm {
                 // kSymmetric each block goes straight to every peer, in ring order
 };
 
-std::string_view collective_op_name(CollectiveOp op);
-std::string_view algorithm_name(Algorithm algorithm);
-std::string_view backend_name(Backend backend);
+MESHLA_API std::string_view collective_op_name(CollectiveOp op);
+MESHLA_API std::string_view algorithm_name(Algorithm algorithm);
+MESHLA_API std::string_view backend_name(Backend backend);
 
 // Why `backend` cannot run in this process, or "" when it can. kCublasMp needs a build with
 // MESHLA_WITH_CUBLASMP and the cuBLASMp library (with its NVSHMEM and the GPU driver) at run time;
 // the other backends are always there.
-std::string backend_unavailable_reason(Backend backend);
+MESHLA_API std::string backend_unavailable_reason(Backend backend);
 
 struct CollectiveMatmulConfig {
   CollectiveOp op = CollectiveOp::kAllGatherMatmul;
@@ -99,7 +101,24 @@ struct CollectiveMatmulArgs {
   TensorView gathered;  // all_gather_matmul with return_gathered: [m, k]
 };
 
-class CollectiveMatmul {
+// One call of a collective matmul checked before anything runs, on its arrays' metadata alone
+// (shapes, dtypes, devices; data is neither read nor needed, so a framework can check abstract
+// arrays too): the rules that the CUDA plans, the CPU references and every front end share, in the
+// same words. `request` gives the op, trans_b, return_gathered and the tuning (algorithm, backend,
+// chunks, comm_sms, comm_ctas); `tp` is the group's size and `device` its GPU (-1: a group of CPU
+// tensors, whose arrays are on the host). args.out and args.gathered may be absent (the caller
+// makes them at product_shape() and [m, k]); where given they are checked too, and where the views
+// carry data, no output may share memory with an input or the other output. Returns `request`
+// with dtype, m, n, k and bias filled in: the config a plan for the call is built with. Throws
+// kInvalidArgument or kNotImplemented, naming the argument and the shapes.
+MESHLA_API CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
+                                                const CollectiveMatmulArgs& args, int tp,
+                                                int device);
+
+// [rows, cols] of a call's product on each rank: [m/tp, n] for matmul_reduce_scatter, else [m, n].
+MESHLA_API std::array<std::int64_t, 2> product_shape(const CollectiveMatmulConfig& config, int tp);
+
+class MESHLA_API CollectiveMatmul {
  public:
   // Collective: every rank of `comm` builds the plan with the same config. Throws kInvalidArgument
   // (shapes, chunk counts) or kNotImplemented (an algorithm the shape cannot use).
@@ -132,7 +151,7 @@ struct AllGatherConfig {
   std::int64_t cols = 0;
 };
 
-class AllGather {
+class MESHLA_API AllGather {
  public:
   // Not collective; execute() is.
   AllGather(Communicator comm, const AllGatherConfig& config);

@@ -14,6 +14,8 @@
 #include <memory>
 #include <vector>
 
+#include "meshla/export.hpp"
+
 namespace meshla {
 
 // The bytes of an ncclUniqueId, made on one rank and handed to every other rank of the group.
@@ -22,7 +24,7 @@ struct UniqueId {
   std::array<std::uint8_t, kSize> bytes{};
 };
 
-UniqueId make_unique_id();
+MESHLA_API UniqueId make_unique_id();
 
 struct CommunicatorOptions {
   // Bound on creating the communicator (every rank must take part within it) and on a plan's
@@ -35,7 +37,7 @@ namespace detail {
 struct CommState;
 }
 
-class Communicator {
+class MESHLA_API Communicator {
  public:
   // One rank of a multi-process group; every rank calls this with the same id.
   static Communicator create(const UniqueId& id, int rank, int size, int device,

@@ -21,6 +21,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "meshla/export.hpp"
 #include "meshla/tensor.hpp"
 
 namespace meshla {
@@ -32,7 +33,7 @@ enum class SolverOp {
   kEigenvalues,      // eigenvalues only
 };
 
-std::string_view solver_op_name(SolverOp op);
+MESHLA_API std::string_view solver_op_name(SolverOp op);
 
 // Who factors A for kCholeskySolve and kCholeskyInverse. meshla's own factorization
 // (solver/block_cyclic_cholesky.hpp) overlaps the panels with the trailing updates, and the solve
@@ -81,7 +82,7 @@ struct SolverResult {
   double solver_seconds = 0.0;
 };
 
-class DenseSolver {
+class MESHLA_API DenseSolver {
  public:
   // `devices`: CUDA ordinals of the parts, in row-block order (at most 16, distinct). Creates
   // the cuSolverMg handle and enables peer access between every pair.

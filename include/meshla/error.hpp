@@ -7,6 +7,8 @@
 #include <string>
 #include <string_view>
 
+#include "meshla/export.hpp"
+
 namespace meshla {
 
 enum class ErrorCode {
@@ -20,9 +22,9 @@ enum class ErrorCode {
   kInternal,         // a broken invariant inside meshla
 };
 
-std::string_view error_code_name(ErrorCode code);
+MESHLA_API std::string_view error_code_name(ErrorCode code);
 
-class Error : public std::runtime_error {
+class MESHLA_API Error : public std::runtime_error {
  public:
   Error(ErrorCode code, const std::string& message);
   ErrorCode code() const noexcept { return code_; }

@@ -28,6 +28,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "meshla/export.hpp"
 #include "meshla/tensor.hpp"
 
 namespace meshla {
@@ -57,9 +58,10 @@ struct GroupedMatmulArgs {
 
 // Elements between consecutive groups of a packed [G, out, in] buffer in which every group starts
 // on a 256-byte boundary.
-std::int64_t packed_group_stride(std::int64_t out_features, std::int64_t in_features, DType dtype);
+MESHLA_API std::int64_t packed_group_stride(std::int64_t out_features, std::int64_t in_features,
+                                            DType dtype);
 
-class GroupedMatmul {
+class MESHLA_API GroupedMatmul {
  public:
   // Reads the device's SM count and allocates the host-mapped error record.
   explicit GroupedMatmul(int device);
@@ -87,6 +89,6 @@ class GroupedMatmul {
   std::unique_ptr<Impl> impl_;
 };
 
-std::string_view grouped_pass_name(GroupedPass pass);
+MESHLA_API std::string_view grouped_pass_name(GroupedPass pass);
 
 }  // namespace meshla

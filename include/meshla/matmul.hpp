@@ -12,6 +12,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "meshla/export.hpp"
 #include "meshla/tensor.hpp"
 
 namespace meshla {
@@ -37,7 +38,7 @@ struct MatmulOperands {
   void* d = nullptr;
 };
 
-class Matmul {
+class MESHLA_API Matmul {
  public:
   // A workspace on `device`, and the device's cuBLASLt handle (made on first use, kept for the
   // process's life).

@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include "meshla/export.hpp"
+
 namespace meshla {
 
 enum class DType {
@@ -21,14 +23,14 @@ enum class DType {
   kInt64
 };
 
-std::string_view dtype_name(DType dtype);
-std::size_t dtype_size(DType dtype);
+MESHLA_API std::string_view dtype_name(DType dtype);
+MESHLA_API std::size_t dtype_size(DType dtype);
 
 enum class DeviceKind { kCpu, kCuda };
 
 inline constexpr int kMaxTensorDims = 4;
 
-struct TensorView {
+struct MESHLA_API TensorView {
   void* data = nullptr;
   DType dtype = DType::kFloat32;
   DeviceKind device_kind = DeviceKind::kCuda;
@@ -43,7 +45,8 @@ struct TensorView {
 };
 
 // A contiguous row-major view of `shape` starting at `data`.
-TensorView make_tensor_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
-                            int device, DeviceKind device_kind = DeviceKind::kCuda);
+MESHLA_API TensorView make_tensor_view(void* data, DType dtype,
+                                       std::initializer_list<std::int64_t> shape, int device,
+                                       DeviceKind device_kind = DeviceKind::kCuda);
 
 }  // namespace meshla

@@ -6,10 +6,12 @@
 #include <cstddef>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
-#include <optional>
 #include <string>
 #include <type_traits>
+#include <typeindex>
+#include <typeinfo>
 #include <vector>
 
 #include <nccl.h>
@@ -17,20 +19,6 @@
 #include "comm/enqueue_meeting.hpp"
 
 namespace meshla::detail {
-
-class GroupWorkspace;
-
-// How a group's ranks reach each other's memory (enable_peer_access).
-struct PeerAccess {
-  // "" when every rank maps every other rank's memory, else why not.
-  std::string unmappable;
-  // "" when, besides, every pair of the group's GPUs is linked by NVLink, else why not (rank 0
-  // prints it once, when the group is asked).
-  std::string without_nvlink;
-
-  bool mapped() const { return unmappable.empty(); }
-  bool over_nvlink() const { return mapped() && without_nvlink.empty(); }
-};
 
 struct CommState {
   // `release` ends the state's NCCL communicators (the working one, then its bootstrap, each
@@ -62,18 +50,21 @@ struct CommState {
   // Ranks of this group that this process drives: 1 for one process per GPU, the group's size for
   // Communicator::create_local.
   int ranks_in_process() const { return enqueue_meeting ? enqueue_meeting->ranks() : 1; }
-  // enable_peer_access's answer for this group, once asked. A property of the group, so each plan
-  // need not ask again. Like the NCCL communicator itself, used by one thread at a time.
-  std::optional<PeerAccess> peer_access;
-  // The memory that this group's collective-matmul plans share (GroupWorkspace::of), made by the
-  // first plan and kept until the communicator goes (then freed on a thread of its own). Kept, not
-  // dropped with the last plan: plans go at moments that differ between ranks (with the last CUDA
-  // graph that held them), and a rank that made the workspace again would grow it, collectively,
-  // where its peers do not.
-  std::shared_ptr<GroupWorkspace> group_workspace;
+  // What a layer above keeps for this group, one object of each type (the collective layer's
+  // workspace and peer-access answer: collective/group_resources.hpp), made by its first use and
+  // kept until the communicator goes, then released on a thread of its own (its cudaFree may wait
+  // for the peer devices, whose queued work may wait for a thread that the one letting go holds
+  // up). Like the NCCL communicator itself, used by one thread at a time.
+  template <typename Resource>
+  std::shared_ptr<Resource> resource() {
+    std::shared_ptr<void>& slot = resources_[std::type_index(typeid(Resource))];
+    if (slot == nullptr) slot = std::make_shared<Resource>(*this);
+    return std::static_pointer_cast<Resource>(slot);
+  }
 
  private:
   std::function<void(std::vector<ncclComm_t>)> release_;
+  std::map<std::type_index, std::shared_ptr<void>> resources_;
 };
 
 // "rank 1 of 4, cuda:1": this rank of the group, for messages.

@@ -7,7 +7,7 @@
 #include "comm/comm_state.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
-#include "core/releases.hpp"
+#include "runtime/releases.hpp"
 
 namespace meshla {
 namespace detail {
@@ -24,12 +24,12 @@ CommState::CommState(ncclComm_t comm_, ncclComm_t bootstrap_, int rank_, int siz
       release_(std::move(release)) {}
 
 CommState::~CommState() {
-  // The workspace goes on a thread of its own: its cudaFree waits for the work queued on the peer
-  // devices, which, where one process drives several ranks, may wait for a thread that the one
-  // letting go here holds up (Python's, holding the GIL).
-  if (group_workspace != nullptr) {
-    release_on_own_thread(
-        device, [workspace = std::move(group_workspace)]() mutable { workspace.reset(); });
+  // The layers' resources go on a thread of their own: a cudaFree waits for the work queued on the
+  // peer devices, which, where one process drives several ranks, may wait for a thread that the
+  // one letting go here holds up (Python's, holding the GIL).
+  if (!resources_.empty()) {
+    release_on_own_thread(device,
+                          [resources = std::move(resources_)]() mutable { resources.clear(); });
   }
   if (!release_) return;
   std::vector<ncclComm_t> comms;

@@ -98,7 +98,8 @@ PeerAccess reach_of_peers(const CommState& state, const std::vector<PeerIdentity
   return reach;
 }
 
-// Asks the group (collective) and enables peer access where the memory can be mapped.
+}  // namespace
+
 PeerAccess ask_for_peer_access(const CommState& state) {
   const std::vector<PeerIdentity> everyone = all_gather_records(state, identity_of(state.device));
   const PeerAccess mine = reach_of_peers(state, everyone);
@@ -148,13 +149,6 @@ PeerAccess ask_for_peer_access(const CommState& state) {
   return group;
 }
 
-}  // namespace
-
-const PeerAccess& enable_peer_access(CommState& state) {
-  if (!state.peer_access) state.peer_access = ask_for_peer_access(state);
-  return *state.peer_access;
-}
-
 namespace {
 
 struct ExportedPart {
@@ -191,7 +185,7 @@ PeerBuffer::PeerBuffer(const CommState& state, std::size_t bytes)
       if (rank == state.rank) {
         address = local();
       } else if (part.process == mine.process) {
-        address = reinterpret_cast<char*>(part.address);  // peer access: enable_peer_access
+        address = reinterpret_cast<char*>(part.address);  // peer access: ask_for_peer_access
       } else {
         void* opened = nullptr;
         MESHLA_CHECK_CUDA(

@@ -15,19 +15,30 @@
 
 namespace meshla::detail {
 
+// How a group's ranks reach each other's memory (ask_for_peer_access).
+struct PeerAccess {
+  // "" when every rank maps every other rank's memory, else why not.
+  std::string unmappable;
+  // "" when, besides, every pair of the group's GPUs is linked by NVLink, else why not (rank 0
+  // prints it once, when the group is asked).
+  std::string without_nvlink;
+
+  bool mapped() const { return unmappable.empty(); }
+  bool over_nvlink() const { return mapped() && without_nvlink.empty(); }
+};
+
 // Whether every rank of the group can map every other rank's memory: one host, CUDA peer access
 // between each pair of devices, and NCCL_P2P_DISABLE not set (the user's word that peer transfers
 // are off); and whether every pair is linked by NVLink (why_not_nvlink). Every rank gets the same
 // answer; where it is no, the reason names a pair that cannot. When the memory can be mapped,
-// CUDA peer access to the peers driven by this process is enabled.
-// The first call for a group asks it (collective); later calls return the remembered answer
-// without communicating, on every rank alike.
-const PeerAccess& enable_peer_access(CommState& state);
+// CUDA peer access to the peers driven by this process is enabled. Collective; the caller keeps
+// the answer (a property of the group).
+PeerAccess ask_for_peer_access(const CommState& state);
 
 class PeerBuffer {
  public:
   PeerBuffer() = default;
-  // Collective over the group (every rank passes the same `bytes`), after enable_peer_access
+  // Collective over the group (every rank passes the same `bytes`), after ask_for_peer_access
   // said yes. The memory starts zeroed on every rank before any rank returns.
   //
   // With several GPUs driven by one process, the exchange is the last point where the ranks

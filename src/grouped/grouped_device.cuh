@@ -14,7 +14,7 @@
 
 namespace meshla::grouped {
 
-constexpr int kIndexThreads = 256;
+using gemm::kIndexThreads;
 constexpr std::int64_t kNoGroup = std::numeric_limits<std::int64_t>::max();
 
 struct LesserGroup {

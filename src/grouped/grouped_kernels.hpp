@@ -8,9 +8,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include "gemm/grouped_gemm_operands.hpp"
 #include "meshla/grouped_matmul.hpp"
 
 namespace meshla::grouped {
+
+using gemm::GroupedOperands;
+using gemm::GroupIndex;
 
 // A launch grid's largest y extent: the kernels over groups put them there, so this is also the
 // most groups a call may have.
@@ -27,15 +31,6 @@ struct DeviceStatus {
 };
 
 enum DeviceStatusCode : std::int32_t { kStatusOk = 0, kNegativeSize = 1, kSumMismatch = 2 };
-
-// The prefix sums of a call's m_splits, written to the workspace by launch_group_index.
-struct GroupIndex {
-  const std::int64_t* m_splits;
-  std::int64_t* offsets;  // [groups + 1]: group g owns rows [offsets[g], offsets[g + 1])
-  std::int32_t* invalid;  // 1 when m_splits failed the checks; then every offset is 0
-  std::int64_t groups;
-  std::int64_t rows;
-};
 
 void launch_group_index(const GroupIndex& index, DeviceStatus* status, cudaStream_t stream);
 
@@ -67,23 +62,6 @@ void launch_zero_empty_groups(const GroupIndex& index, const GroupedSpan& span,
 void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std::int64_t out,
                       float* accumulator, void* dbias, std::int64_t dbias_group_stride,
                       cudaStream_t stream);
-
-// Operands of one pass of the grouped GEMM, as raw pointers and element strides.
-struct GroupedOperands {
-  GroupedPass pass;
-  std::int64_t in_features;
-  std::int64_t out_features;
-  const void* x;
-  const void* dy;
-  const void* weight;
-  std::int64_t weight_group_stride;
-  const void* bias;  // nullptr: no bias
-  std::int64_t bias_group_stride;
-  void* out;                      // y, dx or dweight
-  std::int64_t out_group_stride;  // dweight only
-  bool accumulate;
-  const std::int64_t* out_addresses;  // dweight only, where set: group g's at out_addresses[g]
-};
 
 // fp32 grouped GEMM of any pass but kBiasGrad, in full fp32.
 void launch_grouped_fp32(const GroupIndex& index, const GroupedOperands& operands,

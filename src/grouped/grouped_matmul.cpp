@@ -7,9 +7,9 @@
 #include "core/alignment.hpp"
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
-#include "grouped/cutlass_grouped.hpp"
 #include "grouped/grouped_kernels.hpp"
 #include "grouped/grouped_validation.hpp"
+#include "grouped/sm90_grouped_passes.hpp"
 
 namespace meshla {
 

@@ -6,7 +6,8 @@
 // publish one value each (a shard pointer) in a table owned by that call, participant 0 runs the
 // work with the whole table while the others wait, and what the work throws reaches every
 // participant. Meetings live in this process only (no shared memory, no files) and are removed
-// when their call ends, so nothing leaks between calls or between jobs on one machine.
+// when their call ends, so nothing leaks between calls or between jobs on one machine. Exported
+// for the JAX bindings (MESHLA_API), whose handlers are those threads.
 #pragma once
 
 #include <chrono>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "meshla/error.hpp"
+#include "meshla/export.hpp"
 
 namespace meshla::solver {
 
@@ -37,14 +39,14 @@ struct MeetingId {
 // it uses every participant's value (their buffers), so the others wait for it to end however
 // long it takes, saying so on stderr once `timeout` has passed; returning earlier would let
 // their callers free memory the work still writes.
-void meet(const MeetingId& id, int index, int count, void* value,
-          const std::function<void(const std::vector<void*>& values)>& leader_work,
-          std::chrono::milliseconds timeout);
+MESHLA_API void meet(const MeetingId& id, int index, int count, void* value,
+                     const std::function<void(const std::vector<void*>& values)>& leader_work,
+                     std::chrono::milliseconds timeout);
 
 // Participant `index` of `count` cannot take part: its own preparation failed with `error`
 // before it could arrive. The meeting fails with that error, so that the others, already there
 // or still to come, throw it at once instead of waiting for this participant until their timeout.
-void abandon(const MeetingId& id, int index, int count, const Error& error);
+MESHLA_API void abandon(const MeetingId& id, int index, int count, const Error& error);
 
 // Meetings currently open in this process (for tests: zero once every call has returned).
 std::size_t open_meetings();
@@ -55,15 +57,16 @@ struct DeviceGroup {
   std::vector<int> devices;
   int index = -1;
 };
-DeviceGroup find_device_group(const std::vector<std::int64_t>& mesh, std::int64_t group_size,
-                              int device, std::string_view what);
+MESHLA_API DeviceGroup find_device_group(const std::vector<std::int64_t>& mesh,
+                                         std::int64_t group_size, int device,
+                                         std::string_view what);
 
 // Numbers the calls each participant makes to one key within one run of a program (an XLA
 // execution), so that the n-th call on one GPU meets the n-th on the others
 // (MeetingId::generation). Runs may overlap, so each keeps its own count; only the kRunsKept
 // runs of a key and participant used last are kept, so that a program that runs a million
 // times does not keep a million counts.
-class CallNumbering {
+class MESHLA_API CallNumbering {
  public:
   static constexpr std::size_t kRunsKept = 64;
 

@@ -1,5 +1,6 @@
 // Host checks of a DenseSolver call: the problem and every GPU's shard. Pure host code (no CUDA
-// call), unit-tested on the CPU.
+// call), unit-tested on the CPU. solver_layout is exported for the bindings (MESHLA_API): the
+// front ends size and pad their arrays by it.
 #pragma once
 
 #include <cstddef>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "meshla/dense_solver.hpp"
+#include "meshla/export.hpp"
 #include "solver/block_cyclic.hpp"
 
 namespace meshla::solver {
@@ -26,7 +28,8 @@ constexpr std::int64_t kLargestInverseElements = 2147483647;
 // eigensolver on several GPUs is an error, and so is an inverse whose padded matrix has more than
 // kLargestInverseElements (kNotImplemented). On one GPU the eigensolver takes any tile, by default
 // the whole matrix.
-BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts, std::int64_t tile);
+MESHLA_API BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
+                                           std::int64_t tile);
 
 // One shard per part, each on devices[part], with the shapes, dtypes and outputs `op` needs (see
 // SolverShard), and a 256-byte aligned workspace of at least workspace_bytes[part].

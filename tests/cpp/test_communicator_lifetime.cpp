@@ -4,11 +4,15 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "comm/comm_state.hpp"
 #include "meshla/communicator.hpp"
+#include "runtime/releases.hpp"
 
 namespace meshla {
 namespace {
@@ -73,6 +77,36 @@ TEST(CommunicatorLifetime, CopiesShareOneState) {
   Communicator moved = std::move(first);
   EXPECT_EQ(moved.state().get(), second.state().get());
   EXPECT_TRUE(recorder.released.empty());
+}
+
+}  // namespace
+}  // namespace meshla
+
+namespace meshla {
+namespace {
+
+// A layer's resource of a group (CommState::resource): counts its instances alive.
+struct CountedResource {
+  static inline std::atomic<int> alive{0};
+  explicit CountedResource(const detail::CommState&) { ++alive; }
+  ~CountedResource() { --alive; }
+};
+
+TEST(CommunicatorLifetime, AResourceIsMadeOncePerGroupAndGoesWithTheCommunicator) {
+  Recorder recorder;
+  {
+    Communicator comm = make_fake(recorder);
+    const auto first = comm.state()->resource<CountedResource>();
+    EXPECT_EQ(first, comm.state()->resource<CountedResource>());
+    EXPECT_EQ(CountedResource::alive.load(), 1);
+  }
+  // Released on a thread of its own once the last owner has let go.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (CountedResource::alive.load() != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(CountedResource::alive.load(), 0);
+  EXPECT_EQ(recorder.released.size(), 2u);
 }
 
 }  // namespace

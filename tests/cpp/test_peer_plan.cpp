@@ -7,12 +7,12 @@
 #include <set>
 #include <vector>
 
+#include "collective/symmetric/peer_plan.hpp"
+#include "collective/validation.hpp"
 #include "comm/nvlink.hpp"
 #include "meshla/error.hpp"
-#include "overlap/peer_plan.hpp"
-#include "overlap/validation.hpp"
 
-namespace meshla::overlap {
+namespace meshla::collective {
 namespace {
 
 TEST(PeerPlan, RingPeersVisitEveryOtherRankOnce) {
@@ -195,7 +195,7 @@ TEST(PeerPlan, WorkspaceSizesHoldEverythingAPlanAddresses) {
           .op = op, .backend = Backend::kSymmetric, .m = 1024 * tp, .n = 96, .k = 40};
       const CollectiveMatmulConfig c = resolve_config(requested, tp, PeerReach::kNvlink);
       const std::int64_t element = 2;  // bfloat16
-      const detail::GroupWorkspace::Sizes sizes = symmetric_workspace_sizes(c, tp);
+      const collective::GroupWorkspace::Sizes sizes = symmetric_workspace_sizes(c, tp);
       const int rounds = op == CollectiveOp::kAllGatherMatmul ? 1 : c.chunks;
       EXPECT_EQ(sizes.signal_bytes, static_cast<std::size_t>(tp * (1 + 2 * rounds) * 4));
       if (op == CollectiveOp::kAllGatherMatmul) {
@@ -221,4 +221,4 @@ TEST(PeerPlan, WorkspaceSizesHoldEverythingAPlanAddresses) {
 }
 
 }  // namespace
-}  // namespace meshla::overlap
+}  // namespace meshla::collective

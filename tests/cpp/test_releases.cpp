@@ -11,7 +11,7 @@
 #include <memory>
 #include <thread>
 
-#include "core/releases.hpp"
+#include "runtime/releases.hpp"
 
 namespace meshla {
 namespace {

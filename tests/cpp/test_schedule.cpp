@@ -11,10 +11,10 @@
 #include <optional>
 #include <sstream>
 
+#include "collective/schedule.hpp"
 #include "meshla/error.hpp"
-#include "overlap/schedule.hpp"
 
-namespace meshla::overlap {
+namespace meshla::collective {
 namespace {
 
 // A row's symbolic value: a multiset of terms (source row, rank). Rank kRaw marks an input row
@@ -469,9 +469,9 @@ TEST(Schedule, DefaultsAreValidForEveryShape) {
 }
 
 }  // namespace
-}  // namespace meshla::overlap
+}  // namespace meshla::collective
 
-namespace meshla::overlap {
+namespace meshla::collective {
 namespace {
 
 std::vector<bool> overlapping(CollectiveOp op, Algorithm algorithm, int tp, int rank, int chunks,
@@ -553,4 +553,4 @@ TEST(Schedule, PipelinedReduceScatterOverlapsFromTheSecondChunk) {
 }
 
 }  // namespace
-}  // namespace meshla::overlap
+}  // namespace meshla::collective

@@ -2,14 +2,16 @@
 // argument and the shapes.
 #include <gtest/gtest.h>
 
+#include <array>
+#include <functional>
 #include <utility>
 #include <vector>
 
+#include "collective/cublasmp/cublasmp_layout.hpp"
+#include "collective/validation.hpp"
 #include "meshla/error.hpp"
-#include "overlap/cublasmp_layout.hpp"
-#include "overlap/validation.hpp"
 
-namespace meshla::overlap {
+namespace meshla::collective {
 namespace {
 
 std::string message_of(const std::function<void()>& call, ErrorCode expected) {
@@ -102,7 +104,7 @@ TEST(Validation, DtypeDeviceAndLayout) {
   c = all_gather_case(4);
   c.args.out.device = 3;
   EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
-                .find("out is on cuda:3 but the communicator uses cuda:0"),
+                .find("out is on cuda:3 but the group runs on cuda:0"),
             std::string::npos);
 
   c = all_gather_case(4);
@@ -114,7 +116,7 @@ TEST(Validation, DtypeDeviceAndLayout) {
   c = all_gather_case(4);
   c.args.a.device_kind = DeviceKind::kCpu;
   EXPECT_NE(message_of([&] { validate_args(c.config, 4, 0, c.args); }, ErrorCode::kInvalidArgument)
-                .find("must be on a CUDA device"),
+                .find("a is on cpu but the group runs on cuda:0"),
             std::string::npos);
 }
 
@@ -399,5 +401,118 @@ TEST(Validation, AllGatherChecksItsArrays) {
             std::string::npos);
 }
 
+// describe_call: the checks every front end and the CPU references share, on metadata alone.
+struct Call {
+  CollectiveMatmulConfig request{.op = CollectiveOp::kAllGatherMatmul};
+  CollectiveMatmulArgs args;
+  int tp = 2;
+  int device = -1;  // a group of CPU tensors
+  CollectiveMatmulConfig describe() const { return describe_call(request, args, tp, device); }
+};
+
+// Host arrays without data: a framework's abstract arrays.
+TensorView host(DType dtype, std::initializer_list<std::int64_t> shape) {
+  return make_tensor_view(nullptr, dtype, shape, 0, DeviceKind::kCpu);
+}
+
+Call all_gather_call() {
+  Call c;
+  c.args.a = host(DType::kFloat32, {4, 8});
+  c.args.b = host(DType::kFloat32, {8, 5});
+  return c;
+}
+
+TEST(DescribeCall, FillsTheConfigAPlanIsBuiltWith) {
+  Call c = all_gather_call();
+  c.request.trans_b = false;
+  c.args.bias = host(DType::kFloat32, {5});
+  const CollectiveMatmulConfig config = c.describe();
+  EXPECT_EQ(config.m, 8);  // tp times a's rows
+  EXPECT_EQ(config.n, 5);
+  EXPECT_EQ(config.k, 8);
+  EXPECT_EQ(config.dtype, DType::kFloat32);
+  EXPECT_TRUE(config.bias);
+  EXPECT_EQ(product_shape(config, 2), (std::array<std::int64_t, 2>{8, 5}));
+  c.request.op = CollectiveOp::kMatmulReduceScatter;
+  EXPECT_EQ(product_shape(c.describe(), 2), (std::array<std::int64_t, 2>{2, 5}));
+  c.request.op = CollectiveOp::kMatmulAllReduce;
+  c.args.b = host(DType::kFloat32, {5, 8});
+  c.request.trans_b = true;
+  EXPECT_EQ(product_shape(c.describe(), 2), (std::array<std::int64_t, 2>{4, 5}));
+}
+
+TEST(DescribeCall, NamesTheArgumentAndTheShapes) {
+  const std::pair<std::function<void(Call&)>, const char*> cases[] = {
+      {[](Call& c) {
+         c.args.b = host(DType::kFloat32, {6, 5});
+       },
+       "all_gather_matmul: b.shape=[6, 5] ([k, n]) does not match a.shape=[4, 8]: the "
+       "contraction needs k=8"},
+      {[](Call& c) {
+         c.args.a = host(DType::kFloat32, {4, 8, 1});
+       },
+       "all_gather_matmul: a must be a 2-D array, got [4, 8, 1]"},
+      {[](Call& c) { c.args.b = TensorView{}; }, "b must be a 2-D array, got none"},
+      {[](Call& c) {
+         c.args.a.dtype = DType::kFloat64;
+         c.args.b.dtype = DType::kFloat64;
+       },
+       "a.dtype=float64 is not supported; use bfloat16, float16 or float32"},
+      {[](Call& c) { c.args.b.dtype = DType::kFloat16; },
+       "b.dtype=float16 but a.dtype=float32; they must match"},
+      {[](Call& c) { c.args.bias = host(DType::kFloat32, {4}); },
+       "bias.shape=[4] but expected [5]"},
+      {[](Call& c) {
+         c.args.out = host(DType::kFloat32, {4, 4});
+       },
+       "out.shape=[4, 4] but expected [8, 5] (m, n)"},
+      {[](Call& c) {
+         c.args.gathered = host(DType::kFloat32, {8, 8});
+       },
+       "a gathered output is given but return_gathered=False"},
+      {[](Call& c) {
+         c.request.op = CollectiveOp::kMatmulReduceScatter;
+         c.args.a = host(DType::kFloat32, {5, 8});
+       },
+       "matmul_reduce_scatter: a.shape[0]=5 is not divisible by tp_size=2"},
+      {[](Call& c) { c.device = 0; }, "a is on cpu but the group runs on cuda:0"},
+      {[](Call& c) { c.request.chunks = -1; }, "chunks=-1 is negative"},
+      {[](Call& c) { c.request.comm_ctas = -5; }, "comm_ctas=-5 must be 0"},
+  };
+  for (const auto& [change, expected] : cases) {
+    Call c = all_gather_call();
+    change(c);
+    const std::string message = message_of([&] { c.describe(); }, ErrorCode::kInvalidArgument);
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+  }
+}
+
+TEST(DescribeCall, RefusesWhatThePlanWouldWhateverTheHardware) {
+  // A symmetric plan runs only the ring; on CPU tensors the request is refused as on CUDA ones.
+  Call c = all_gather_call();
+  c.request.op = CollectiveOp::kMatmulAllReduce;
+  c.request.backend = Backend::kSymmetric;
+  c.request.algorithm = Algorithm::kSequential;
+  c.request.trans_b = true;
+  c.args.b = host(DType::kFloat32, {5, 8});
+  message_of([&] { c.describe(); }, ErrorCode::kNotImplemented);
+  c.request.backend = Backend::kCublasMp;
+  c.request.algorithm = Algorithm::kAuto;
+  EXPECT_NE(message_of([&] { c.describe(); }, ErrorCode::kNotImplemented)
+                .find("backend=cublasmp supports bfloat16 and float16"),
+            std::string::npos);
+}
+
+TEST(DescribeCall, OutputsMustNotAliasInputsWhereTheArraysHaveData) {
+  Call c = all_gather_call();
+  c.args.a = make_tensor_view(fake_address(0), DType::kFloat32, {4, 8}, 0, DeviceKind::kCpu);
+  c.args.b = make_tensor_view(fake_address(1 << 20), DType::kFloat32, {8, 5}, 0, DeviceKind::kCpu);
+  c.args.out =
+      make_tensor_view(fake_address(1 << 20), DType::kFloat32, {8, 5}, 0, DeviceKind::kCpu);
+  EXPECT_NE(message_of([&] { c.describe(); }, ErrorCode::kInvalidArgument)
+                .find("out shares memory with the input b"),
+            std::string::npos);
+}
+
 }  // namespace
-}  // namespace meshla::overlap
+}  // namespace meshla::collective

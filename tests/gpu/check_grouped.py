@@ -39,7 +39,7 @@ K_TAIL_SHAPE = (len(K_TAIL_SIZES), 256, 184, sum(K_TAIL_SIZES))
 def split_tail_sizes(sms: int) -> list[int]:
     """Group sizes (in_features 1024, out_features 512) whose forward and dgrad tiles overflow
     full waves of `sms` CTAs by a few tiles, so that the order's last tiles are claimed in two
-    halves of their k-tiles (grouped/tile_marks.hpp, split_tail_tiles): sms // 2 + 1 full M-tiles
+    halves of their k-tiles (gemm/sm90_tile_marks.hpp, split_tail_tiles): sms // 2 + 1 full M-tiles
     and a 40-row one, on 2 N-tiles forward and 4 dgrad, leave 4 and 8 tiles in the last wave of
     an even `sms`. An empty group too."""
     full = sms // 2 + 1

@@ -197,7 +197,7 @@ def test_gradients_are_those_of_the_whole_computation(gloo_env, size):
 
 
 def test_outputs_may_not_alias_inputs_or_each_other(world1):
-    """As on CUDA (overlap/validation.cpp): the reference refuses an output that shares memory
+    """As on CUDA (collective/validation.cpp): the reference refuses an output that shares memory
     with an input or with the other output, which it would overwrite before delivering."""
     a, b = torch.randn(4, 6), torch.randn(6, 6)
     buffer = torch.empty(4, 6)

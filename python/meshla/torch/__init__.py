@@ -351,7 +351,7 @@ def _bytes_spanned(t) -> tuple[int, int]:
 
 
 def _refuse_aliases(op: str, inputs: dict, outputs: dict):
-    """The CPU path keeps the CUDA plans' rule (overlap/validation.cpp): no output shares memory
+    """The CPU path keeps the CUDA plans' rule (collective/validation.cpp): no output shares memory
     with an input or with another output (the reference would compute from, or deliver into,
     memory that another of its outputs overwrites)."""
     def overlap(x, y):

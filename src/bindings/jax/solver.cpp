@@ -1,0 +1,310 @@
+#include "bindings/jax/solver.hpp"
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+
+#include "core/alignment.hpp"
+#include "core/checks.hpp"
+#include "core/timeout.hpp"
+#include "meshla/dense_solver.hpp"
+#include "solver/rendezvous.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace meshla::jax_ffi {
+namespace {
+
+DType dtype_of(ffi::DataType type, const char* name) {
+  switch (type) {
+    case ffi::DataType::F32:
+      return DType::kFloat32;
+    case ffi::DataType::F64:
+      return DType::kFloat64;
+    case ffi::DataType::C64:
+      return DType::kComplex64;
+    case ffi::DataType::C128:
+      return DType::kComplex128;
+    case ffi::DataType::S32:
+      return DType::kInt32;
+    default:
+      MESHLA_THROW(kInvalidArgument, name << ": XLA element type " << static_cast<int>(type)
+                                          << " is not float32, float64, complex64 or complex128");
+  }
+}
+
+TensorView view_of(const ffi::AnyBuffer& buffer, int device, const char* name) {
+  const ffi::Span<const std::int64_t> dims = buffer.dimensions();
+  MESHLA_CHECK_ARG(dims.size() <= static_cast<std::size_t>(kMaxTensorDims),
+                   name << " has " << dims.size() << " dimensions");
+  TensorView view;
+  view.data = buffer.untyped_data();
+  view.dtype = dtype_of(buffer.element_type(), name);
+  view.device = device;
+  view.ndim = static_cast<int>(dims.size());
+  std::int64_t stride = 1;
+  for (int i = view.ndim - 1; i >= 0; --i) {
+    view.shape[i] = dims[i];
+    view.strides[i] = stride;
+    stride *= dims[i];
+  }
+  return view;
+}
+
+// The DenseSolvers of this process, one per ordered list of CUDA ordinals (the registry's key).
+// Created by the first call on a list, kept for the process (a cuSolverMg handle costs tens of
+// milliseconds), destroyed by release_solvers() at interpreter exit.
+class SolverRegistry {
+ public:
+  std::shared_ptr<DenseSolver> get(const std::vector<int>& devices) {
+    std::lock_guard lock(mutex_);
+    auto& solver = solvers_[devices];
+    if (!solver) solver = std::make_shared<DenseSolver>(devices);
+    return solver;
+  }
+  void clear() {
+    std::lock_guard lock(mutex_);
+    solvers_.clear();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::vector<int>, std::shared_ptr<DenseSolver>> solvers_;
+};
+
+SolverRegistry& solvers() {
+  static SolverRegistry registry;
+  return registry;
+}
+
+// Call numbers of this process's solver handlers (see solver::CallNumbering).
+solver::CallNumbering& call_numbering() {
+  static solver::CallNumbering numbering;
+  return numbering;
+}
+
+// One GPU's part of a call: allocate its workspace from XLA, meet the other GPUs of its group;
+// the first GPU's thread runs the call for all of them. A GPU whose preparation fails says so to
+// the meeting, which would otherwise keep the others waiting for it until their timeout.
+void participate(SolverOp op, const SolverProblem& problem, SolverShard shard, int ordinal,
+                 ffi::ScratchAllocator& scratch, std::int64_t run_id,
+                 ffi::Span<const std::int64_t> devices, std::int64_t group_size, double timeout_s) {
+  const char* name = solver_op_name(op).data();
+  const std::chrono::milliseconds timeout = detail::timeout_from_seconds(timeout_s);
+  const solver::DeviceGroup group = solver::find_device_group(
+      std::vector<std::int64_t>(devices.begin(), devices.end()), group_size, ordinal, name);
+  const int count = static_cast<int>(group.devices.size());
+  // Calls are numbered per op and GPUs within each run; a meeting is one call of one run.
+  std::ostringstream calls;
+  calls << name << "/cuda";
+  for (int device : group.devices) calls << ":" << device;
+  const solver::MeetingId id{calls.str() + "/run " + std::to_string(run_id),
+                             call_numbering().next(calls.str(), group.index, run_id)};
+  std::shared_ptr<DenseSolver> solver;
+  try {
+    solver = solvers().get(group.devices);
+    const std::size_t bytes = solver->workspace_bytes(op, problem, group.index);
+    // XLA aligns scratch to at most 16 bytes; the solver wants 256.
+    const std::optional<void*> memory = scratch.Allocate(bytes + detail::kWorkspaceAlignment, 16);
+    MESHLA_CHECK(
+        kCuda, memory.has_value(),
+        name << ": XLA could not allocate " << bytes << " bytes of workspace on cuda:" << ordinal);
+    const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(*memory);
+    void* aligned = reinterpret_cast<void*>(detail::align_up(address));
+    shard.workspace =
+        make_tensor_view(aligned, DType::kInt32, {static_cast<std::int64_t>(bytes / 4)}, ordinal);
+  } catch (const Error& error) {
+    solver::abandon(id, group.index, count, error);
+    throw;
+  } catch (const std::exception& error) {
+    solver::abandon(id, group.index, count, Error(ErrorCode::kInternal, error.what()));
+    throw;
+  }
+  solver::meet(
+      id, group.index, count, &shard,
+      [&](const std::vector<void*>& values) {
+        std::vector<SolverShard> shards;
+        for (void* value : values) shards.push_back(*static_cast<SolverShard*>(value));
+        solver->run(op, problem, shards);
+      },
+      timeout);
+}
+
+ffi::Error to_ffi_error(ErrorCode code, const std::string& message) {
+  switch (code) {
+    case ErrorCode::kInvalidArgument:
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
+    case ErrorCode::kNotImplemented:
+      return ffi::Error(ffi::ErrorCode::kUnimplemented, message);
+    case ErrorCode::kTimeout:
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, message);
+    default:
+      return ffi::Error(ffi::ErrorCode::kInternal, message);
+  }
+}
+
+// No exception crosses into XLA.
+template <typename Body>
+ffi::Error guarded(Body&& body) {
+  try {
+    body();
+    return ffi::Error::Success();
+  } catch (const Error& error) {
+    return to_ffi_error(error.code(), error.what());
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(error.what());
+  }
+}
+
+SolverShard shard_on(cudaStream_t stream, int ordinal, const ffi::AnyBuffer& a,
+                     ffi::Result<ffi::Buffer<ffi::S32>>& info) {
+  SolverShard shard;
+  shard.stream = stream;
+  shard.a = view_of(a, ordinal, "a");
+  shard.info = make_tensor_view(info->untyped_data(), DType::kInt32, {}, ordinal);
+  return shard;
+}
+
+// `working` is the output XLA aliases to `a` when the caller lets the solver work in A's buffer
+// (a zero-size placeholder otherwise: then n/P needs padding and the solver works in scratch).
+bool works_in_a(const ffi::AnyBuffer& a, const ffi::AnyBuffer& working) {
+  return working.element_count() > 0 && working.untyped_data() == a.untyped_data();
+}
+
+}  // namespace
+
+ffi::Error cholesky_solve(cudaStream_t stream, std::int32_t ordinal, ffi::ScratchAllocator scratch,
+                          ffi::RunId run_id, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                          ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::AnyBuffer> logdet,
+                          ffi::Result<ffi::Buffer<ffi::S32>> info,
+                          ffi::Result<ffi::AnyBuffer> working,
+                          ffi::Span<const std::int64_t> devices, std::int64_t group_size,
+                          std::int64_t tile, double timeout_s) {
+  return guarded([&] {
+    SolverShard shard = shard_on(stream, ordinal, a, info);
+    shard.b = view_of(b, ordinal, "b");
+    shard.out = view_of(*x, ordinal, "x");
+    shard.logdet = view_of(*logdet, ordinal, "logdet");
+    const SolverProblem problem{.n = a.dimensions().back(),
+                                .dtype = shard.a.dtype,
+                                .nrhs = b.dimensions().back(),
+                                .tile = tile,
+                                .overwrite_a = works_in_a(a, *working)};
+    participate(SolverOp::kCholeskySolve, problem, shard, ordinal, scratch, run_id.run_id, devices,
+                group_size, timeout_s);
+  });
+}
+
+ffi::Error cholesky_inverse(cudaStream_t stream, std::int32_t ordinal,
+                            ffi::ScratchAllocator scratch, ffi::RunId run_id, ffi::AnyBuffer a,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::S32>> info,
+                            ffi::Span<const std::int64_t> devices, std::int64_t group_size,
+                            std::int64_t tile, double timeout_s) {
+  return guarded([&] {
+    SolverShard shard = shard_on(stream, ordinal, a, info);
+    shard.out = view_of(*out, ordinal, "out");
+    const SolverProblem problem{.n = a.dimensions().back(),
+                                .dtype = shard.a.dtype,
+                                .tile = tile,
+                                .overwrite_a = out->untyped_data() == a.untyped_data()};
+    participate(SolverOp::kCholeskyInverse, problem, shard, ordinal, scratch, run_id.run_id,
+                devices, group_size, timeout_s);
+  });
+}
+
+ffi::Error eigh(cudaStream_t stream, std::int32_t ordinal, ffi::ScratchAllocator scratch,
+                ffi::RunId run_id, ffi::AnyBuffer a, ffi::Result<ffi::AnyBuffer> eigenvalues,
+                ffi::Result<ffi::AnyBuffer> vectors, ffi::Result<ffi::Buffer<ffi::S32>> info,
+                ffi::Result<ffi::AnyBuffer> working, ffi::Span<const std::int64_t> devices,
+                std::int64_t group_size, std::int64_t tile, double timeout_s) {
+  return guarded([&] {
+    SolverShard shard = shard_on(stream, ordinal, a, info);
+    shard.eigenvalues = view_of(*eigenvalues, ordinal, "eigenvalues");
+    shard.out = view_of(*vectors, ordinal, "eigenvectors");
+    const SolverProblem problem{.n = a.dimensions().back(),
+                                .dtype = shard.a.dtype,
+                                .tile = tile,
+                                .overwrite_a = works_in_a(a, *working)};
+    participate(SolverOp::kEigen, problem, shard, ordinal, scratch, run_id.run_id, devices,
+                group_size, timeout_s);
+  });
+}
+
+ffi::Error eigvalsh(cudaStream_t stream, std::int32_t ordinal, ffi::ScratchAllocator scratch,
+                    ffi::RunId run_id, ffi::AnyBuffer a, ffi::Result<ffi::AnyBuffer> eigenvalues,
+                    ffi::Result<ffi::Buffer<ffi::S32>> info, ffi::Result<ffi::AnyBuffer> working,
+                    ffi::Span<const std::int64_t> devices, std::int64_t group_size,
+                    std::int64_t tile, double timeout_s) {
+  return guarded([&] {
+    SolverShard shard = shard_on(stream, ordinal, a, info);
+    shard.eigenvalues = view_of(*eigenvalues, ordinal, "eigenvalues");
+    const SolverProblem problem{.n = a.dimensions().back(),
+                                .dtype = shard.a.dtype,
+                                .tile = tile,
+                                .overwrite_a = works_in_a(a, *working)};
+    participate(SolverOp::kEigenvalues, problem, shard, ordinal, scratch, run_id.run_id, devices,
+                group_size, timeout_s);
+  });
+}
+
+// Every handler: the caller's stream, its GPU, XLA's allocator and the run id, then buffers, then
+// the mesh (devices, group_size), the tile (0: automatic) and the rendezvous timeout.
+#define MESHLA_SOLVER_CONTEXT()                 \
+  ffi::Ffi::Bind()                              \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>() \
+      .Ctx<ffi::DeviceOrdinal>()                \
+      .Ctx<ffi::ScratchAllocator>()             \
+      .Ctx<ffi::RunId>()
+#define MESHLA_SOLVER_ATTRIBUTES(binding)                \
+  binding.Attr<ffi::Span<const std::int64_t>>("devices") \
+      .Attr<std::int64_t>("group_size")                  \
+      .Attr<std::int64_t>("tile")                        \
+      .Attr<double>("timeout_s")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_cholesky_solve, cholesky_solve,
+                              MESHLA_SOLVER_ATTRIBUTES(MESHLA_SOLVER_CONTEXT()
+                                                           .Arg<ffi::AnyBuffer>()
+                                                           .Arg<ffi::AnyBuffer>()
+                                                           .Ret<ffi::AnyBuffer>()
+                                                           .Ret<ffi::AnyBuffer>()
+                                                           .Ret<ffi::Buffer<ffi::S32>>()
+                                                           .Ret<ffi::AnyBuffer>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_cholesky_inverse, cholesky_inverse,
+                              MESHLA_SOLVER_ATTRIBUTES(MESHLA_SOLVER_CONTEXT()
+                                                           .Arg<ffi::AnyBuffer>()
+                                                           .Ret<ffi::AnyBuffer>()
+                                                           .Ret<ffi::Buffer<ffi::S32>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_eigh, eigh,
+                              MESHLA_SOLVER_ATTRIBUTES(MESHLA_SOLVER_CONTEXT()
+                                                           .Arg<ffi::AnyBuffer>()
+                                                           .Ret<ffi::AnyBuffer>()
+                                                           .Ret<ffi::AnyBuffer>()
+                                                           .Ret<ffi::Buffer<ffi::S32>>()
+                                                           .Ret<ffi::AnyBuffer>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_eigvalsh, eigvalsh,
+                              MESHLA_SOLVER_ATTRIBUTES(MESHLA_SOLVER_CONTEXT()
+                                                           .Arg<ffi::AnyBuffer>()
+                                                           .Ret<ffi::AnyBuffer>()
+                                                           .Ret<ffi::Buffer<ffi::S32>>()
+                                                           .Ret<ffi::AnyBuffer>()));
+
+std::vector<std::pair<std::string, void*>> targets() {
+  return {{"meshla_cholesky_solve", reinterpret_cast<void*>(&meshla_cholesky_solve)},
+          {"meshla_cholesky_inverse", reinterpret_cast<void*>(&meshla_cholesky_inverse)},
+          {"meshla_eigh", reinterpret_cast<void*>(&meshla_eigh)},
+          {"meshla_eigvalsh", reinterpret_cast<void*>(&meshla_eigvalsh)}};
+}
+
+void release_solvers() { solvers().clear(); }
+
+}  // namespace meshla::jax_ffi

@@ -1,0 +1,38 @@
+// What every file of the Python extension shares: arrays as they arrive (DLPack capsules, or
+// objects with __dlpack__) turned into TensorViews, dtype names, streams as integers, and the
+// registration of each pillar's bindings. The only C++ that knows nanobind is in this folder.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "meshla/tensor.hpp"
+
+namespace meshla::bindings {
+
+namespace nb = nanobind;
+
+using Array = nb::ndarray<nb::ro>;
+
+// The view of an array (empty for None); `name` is the argument's, for messages.
+TensorView view_of(const std::optional<Array>& maybe, const char* name);
+
+// A meshla dtype by its name ("bfloat16", "float32", ...).
+DType parse_dtype(const std::string& name);
+
+inline cudaStream_t to_stream(std::uintptr_t stream) {
+  return reinterpret_cast<cudaStream_t>(stream);
+}
+
+void bind_collective(nb::module_& m);
+void bind_grouped(nb::module_& m);
+void bind_solver(nb::module_& m);
+
+}  // namespace meshla::bindings

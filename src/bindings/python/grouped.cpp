@@ -1,0 +1,80 @@
+// Python bindings of the grouped GEMM (meshla/grouped_matmul.hpp).
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "bindings/python/bindings.hpp"
+#include "meshla/grouped_matmul.hpp"
+
+using namespace nanobind::literals;
+
+namespace meshla::bindings {
+
+void bind_grouped(nb::module_& m) {
+  nb::enum_<GroupedPass>(m, "GroupedPass")
+      .value("forward", GroupedPass::kForward)
+      .value("dgrad", GroupedPass::kDgrad)
+      .value("wgrad", GroupedPass::kWgrad)
+      .value("bias_grad", GroupedPass::kBiasGrad);
+
+  m.def(
+      "packed_group_stride",
+      [](std::int64_t out_features, std::int64_t in_features, const std::string& dtype) {
+        return packed_group_stride(out_features, in_features, parse_dtype(dtype));
+      },
+      "out_features"_a, "in_features"_a, "dtype"_a,
+      "Elements between groups of a packed [G, out, in] buffer whose groups start on 256-byte "
+      "boundaries.");
+
+  nb::class_<GroupedMatmul>(m, "GroupedMatmul",
+                            "Grouped GEMM of one device (see meshla/grouped_matmul.hpp).")
+      .def(nb::init<int>(), "device"_a)
+      .def(
+          "workspace_bytes",
+          [](const GroupedMatmul& self, GroupedPass pass, const std::string& dtype,
+             std::int64_t num_groups, std::int64_t out_features) {
+            return self.workspace_bytes(pass, parse_dtype(dtype), num_groups, out_features);
+          },
+          "grouped_pass"_a, "dtype"_a, "num_groups"_a, "out_features"_a)
+      .def(
+          "run",
+          [](GroupedMatmul& self, GroupedPass pass, const Array& m_splits, const Array& workspace,
+             std::uintptr_t stream, const std::optional<Array>& x, const std::optional<Array>& dy,
+             const std::optional<Array>& weight, const std::optional<Array>& bias,
+             const std::optional<Array>& y, const std::optional<Array>& dx,
+             const std::optional<Array>& dweight, const std::optional<Array>& dbias,
+             bool accumulate, const std::optional<Array>& dweight_addresses) {
+            GroupedMatmulArgs args{
+                .m_splits = view_of(m_splits, "m_splits"),
+                .x = view_of(x, "x"),
+                .dy = view_of(dy, "dy"),
+                .weight = view_of(weight, "weight"),
+                .bias = view_of(bias, "bias"),
+                .y = view_of(y, "y"),
+                .dx = view_of(dx, "dx"),
+                .dweight = view_of(dweight, "dweight"),
+                .dbias = view_of(dbias, "dbias"),
+                .dweight_addresses = view_of(dweight_addresses, "dweight_addresses"),
+                .accumulate = accumulate,
+                .workspace = view_of(workspace, "workspace")};
+            nb::gil_scoped_release release;
+            self.run(pass, args, to_stream(stream));
+          },
+          "grouped_pass"_a, "m_splits"_a, "workspace"_a, "stream"_a, "x"_a.none() = nb::none(),
+          "dy"_a.none() = nb::none(), "weight"_a.none() = nb::none(), "bias"_a.none() = nb::none(),
+          "y"_a.none() = nb::none(), "dx"_a.none() = nb::none(), "dweight"_a.none() = nb::none(),
+          "dbias"_a.none() = nb::none(), "accumulate"_a = false,
+          "dweight_addresses"_a.none() = nb::none(),
+          "Enqueues one pass on `stream` (a cudaStream_t as an integer).")
+      .def(
+          "check_device_errors",
+          [](GroupedMatmul& self, std::uintptr_t stream) {
+            nb::gil_scoped_release release;
+            self.check_device_errors(to_stream(stream));
+          },
+          "stream"_a,
+          "Waits for `stream`, then raises the error a call's device-side check recorded.")
+      .def_prop_ro("device", &GroupedMatmul::device);
+}
+
+}  // namespace meshla::bindings

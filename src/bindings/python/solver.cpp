@@ -1,0 +1,150 @@
+// Python bindings of the dense solvers (meshla/dense_solver.hpp), and the XLA FFI handlers' targets
+// (bindings/jax/solver.hpp) for meshla.jax.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
+
+#include "bindings/python/bindings.hpp"
+#include "core/checks.hpp"
+#include "meshla/dense_solver.hpp"
+#include "solver/block_cyclic.hpp"
+#include "solver/solver_validation.hpp"
+#ifdef MESHLA_WITH_JAX
+#include "bindings/jax/solver.hpp"
+#endif
+
+using namespace nanobind::literals;
+
+namespace meshla::bindings {
+namespace {
+
+CholeskyFactorization parse_cholesky(const std::string& name) {
+  if (name == "meshla") return CholeskyFactorization::kMeshla;
+  if (name == "cusolvermg") return CholeskyFactorization::kCusolverMg;
+  MESHLA_THROW(kInvalidArgument,
+               "cholesky='" << name << "' is not one of 'meshla' and 'cusolvermg'");
+}
+
+// The problem as the Python front ends describe it (dtype and factorization by name).
+SolverProblem problem_of(std::int64_t n, const std::string& dtype, std::int64_t nrhs,
+                         std::int64_t tile, bool overwrite_a, const std::string& cholesky) {
+  return SolverProblem{.n = n,
+                       .dtype = parse_dtype(dtype),
+                       .nrhs = nrhs,
+                       .tile = tile,
+                       .overwrite_a = overwrite_a,
+                       .cholesky = parse_cholesky(cholesky)};
+}
+
+}  // namespace
+
+void bind_solver(nb::module_& m) {
+  nb::enum_<SolverOp>(m, "SolverOp")
+      .value("cholesky_solve", SolverOp::kCholeskySolve)
+      .value("cholesky_inverse", SolverOp::kCholeskyInverse)
+      .value("eigh", SolverOp::kEigen)
+      .value("eigvalsh", SolverOp::kEigenvalues);
+
+  m.def(
+      "solver_layout",
+      [](SolverOp op, std::int64_t n, std::int64_t parts, std::int64_t tile) {
+        const solver::BlockCyclicLayout layout = solver::solver_layout(op, n, parts, tile);
+        return std::make_tuple(layout.tile, layout.padded());
+      },
+      "op"_a, "n"_a, "parts"_a, "tile"_a = 0,
+      "(tile, padded): the tile a dense solver over `parts` GPUs uses for `op` of order n "
+      "(tile=0: its own choice), and whether n/parts needs padding to a multiple of it.");
+
+  nb::class_<DenseSolver>(m, "DenseSolver",
+                          "cuSolverMg over the GPUs of this process, cusolverDn on one (see "
+                          "meshla/dense_solver.hpp).")
+      .def(
+          "__init__",
+          [](DenseSolver* self, const std::vector<int>& devices) {
+            nb::gil_scoped_release release;
+            new (self) DenseSolver(devices);
+          },
+          "devices"_a)
+      .def_prop_ro("devices", &DenseSolver::devices)
+      .def(
+          "workspace_bytes",
+          [](const DenseSolver& self, SolverOp op, std::int64_t n, const std::string& dtype,
+             std::int64_t nrhs, std::int64_t tile, bool overwrite_a, int part,
+             const std::string& cholesky) {
+            const SolverProblem problem = problem_of(n, dtype, nrhs, tile, overwrite_a, cholesky);
+            nb::gil_scoped_release release;
+            return self.workspace_bytes(op, problem, part);
+          },
+          "op"_a, "n"_a, "dtype"_a, "nrhs"_a, "tile"_a, "overwrite_a"_a, "part"_a,
+          "cholesky"_a = "meshla")
+      .def(
+          "run",
+          [](DenseSolver& self, SolverOp op, std::int64_t n, const std::string& dtype,
+             std::int64_t nrhs, std::int64_t tile, bool overwrite_a,
+             const std::vector<std::optional<Array>>& a, const std::vector<std::optional<Array>>& b,
+             const std::vector<std::optional<Array>>& out,
+             const std::vector<std::optional<Array>>& eigenvalues,
+             const std::vector<std::optional<Array>>& logdet,
+             const std::vector<std::optional<Array>>& workspace,
+             const std::vector<std::uintptr_t>& streams, const std::string& cholesky) {
+            const std::size_t parts = self.devices().size();
+            for (const auto* list : {&a, &b, &out, &eigenvalues, &logdet, &workspace}) {
+              MESHLA_CHECK_ARG(list->size() == parts, solver_op_name(op)
+                                                          << ": " << list->size()
+                                                          << " entries in a per-GPU list for "
+                                                          << parts << " GPUs");
+            }
+            MESHLA_CHECK_ARG(streams.size() == parts, solver_op_name(op)
+                                                          << ": " << streams.size()
+                                                          << " streams for " << parts << " GPUs");
+            std::vector<SolverShard> shards(parts);
+            for (std::size_t part = 0; part < parts; ++part) {
+              shards[part] = SolverShard{.a = view_of(a[part], "a"),
+                                         .b = view_of(b[part], "b"),
+                                         .out = view_of(out[part], "out"),
+                                         .eigenvalues = view_of(eigenvalues[part], "eigenvalues"),
+                                         .logdet = view_of(logdet[part], "logdet"),
+                                         .workspace = view_of(workspace[part], "workspace"),
+                                         .stream = to_stream(streams[part])};
+            }
+            const SolverProblem problem = problem_of(n, dtype, nrhs, tile, overwrite_a, cholesky);
+            nb::gil_scoped_release release;
+            const SolverResult result = self.run(op, problem, shards);
+            return std::make_tuple(result.info, result.logdet, result.eigenvalues,
+                                   result.solver_seconds);
+          },
+          "op"_a, "n"_a, "dtype"_a, "nrhs"_a, "tile"_a, "overwrite_a"_a, "a"_a, "b"_a, "out"_a,
+          "eigenvalues"_a, "logdet"_a, "workspace"_a, "streams"_a, "cholesky"_a = "meshla",
+          "Runs one call over per-GPU lists (None where an op takes no such array); returns "
+          "(info, logdet, eigenvalues, seconds in the factorization and the cuSOLVER routines). "
+          "cholesky: "
+          "who factors A, 'meshla' or 'cusolvermg' (the reference).");
+
+#ifdef MESHLA_WITH_JAX
+  m.def(
+      "jax_ffi_targets",
+      [] {
+        nb::dict targets;
+        for (const auto& [name, handler] : jax_ffi::targets()) {
+          targets[nb::str(name.c_str())] = nb::capsule(handler);
+        }
+        return targets;
+      },
+      "XLA FFI handlers of the dense solvers, by target name, for the CUDA platform.");
+  m.def(
+      "release_jax_solvers",
+      [] {
+        nb::gil_scoped_release release;
+        jax_ffi::release_solvers();
+      },
+      "Destroys the DenseSolvers the JAX handlers created.");
+  m.attr("with_jax") = true;
+#else
+  m.attr("with_jax") = false;
+#endif
+}
+
+}  // namespace meshla::bindings
