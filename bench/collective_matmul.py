@@ -61,7 +61,8 @@ def empty(*shape: int) -> torch.Tensor:
 
 def meshla_variants(meshla_op, a, b, group, out, args) -> dict[str, Callable[[], object]]:
     """meshla_<algorithm> on NCCL at its defaults, meshla_symmetric (the copy-engine backend),
-    meshla_cublasmp (cuBLASMp's own overlap), meshla_auto (meshla's own choice), plus the sweeps: meshla_<algorithm>_s<sms>_c<chunks>[_t<ctas>]
+    meshla_cublasmp (cuBLASMp's own overlap), meshla_auto (meshla's own choice), plus the sweeps:
+    meshla_<algorithm>_s<sms>_c<chunks>[_t<ctas>]
     on NCCL and meshla_symmetric_c<chunks>, and all_gather_matmul's GEMM forced into each form
     (meshla_symmetric_per_batch, meshla_symmetric_one_launch; --gather-forms)."""
     settings = [(backend, algorithm, (-1, 0, 0)) for backend, algorithm in (

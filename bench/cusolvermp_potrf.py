@@ -52,7 +52,8 @@ def main():
     parser.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--block", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--grids", nargs="+", help="e.g. 2x2 1x4 (default: every grid of the world)")
+    parser.add_argument("--grids", nargs="+",
+                        help="e.g. 2x2 1x4 (default: every grid of the world)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds one factorization may take before the measurement is "
                              "abandoned (a hung rank aborts its communicator)")

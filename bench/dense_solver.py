@@ -38,7 +38,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshla import _meshla  # noqa: E402
 from meshla.jax import linalg  # noqa: E402
+from meshla.jax._dtypes import DTYPES as JAX_DTYPES  # noqa: E402
 from meshla.torch import linalg as torch_linalg  # noqa: E402
+from meshla.torch._dtypes import DTYPES  # noqa: E402
 
 
 def hankel_block(row0, rows, n, dtype):
@@ -83,7 +85,7 @@ def raw_cusolvermg_seconds(devices, n, dtype, tile, repeats):
     rows = n // g
     solver = torch_linalg._solver(tuple(devices))
     op = _meshla.SolverOp.cholesky_solve
-    name = torch_linalg._DTYPES[tdtype]
+    name = DTYPES[tdtype]
     seconds = []
     for _ in range(repeats):
         a = [hankel_block_torch(p * rows, rows, n, tdtype, f"cuda:{d}")
@@ -99,7 +101,7 @@ def raw_cusolvermg_seconds(devices, n, dtype, tile, repeats):
         if info != 0 or not all(bool(torch.isfinite(v).all()) for v in x):
             raise RuntimeError(f"raw cuSolverMg solve failed: info {info}")
         seconds.append(inside)
-        del a, b, x, workspaces
+        a = b = x = workspaces = None  # lets go of their device memory
         torch.cuda.empty_cache()
     return statistics.median(seconds)
 
@@ -143,8 +145,8 @@ def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles, gpu_counts):
                     solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh, tile=tile))
                     meshla_s = timed(lambda: solve(a, b), repeats)
                     residual = row_residual(np.asarray(solve(a, b)[:, 0]), n, dtype)
-                    tile_used = _meshla.solver_layout(_meshla.SolverOp.cholesky_solve, n, g,
-                                                      tile)[0]
+                    tile_used = _meshla.solver_call(_meshla.SolverOp.cholesky_solve, n,
+                                                    JAX_DTYPES[np.dtype(dtype)], 1, g, tile)[0]
                     try:
                         raw_s = raw_cusolvermg_seconds(
                             [d.local_hardware_id for d in devices[:g]], n, dtype, tile_used,
@@ -161,7 +163,7 @@ def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles, gpu_counts):
                     }
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                del a, b
+                a = b = None  # lets go of their device memory
     return rows
 
 
@@ -185,7 +187,7 @@ def bench_others(devices, n_eigh, n_inverse, repeats):
                "jax_1gpu_s": timed(lambda: theirs(a1), repeats)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del a, a1
+        a = a1 = None  # lets go of their device memory
     return rows
 
 
@@ -200,8 +202,7 @@ def largest(devices, sizes):
             solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh, return_info=True,
                                               overwrite_a=True), donate_argnums=0)
             start = time.perf_counter()
-            x, info, overwritten = solve(a, b)
-            del overwritten
+            x, info = solve(a, b)[:2]  # A's buffer, overwritten, goes at once
             x.block_until_ready()
             seconds = time.perf_counter() - start
             row = {"op": "largest", "n": n, "gpus": len(devices), "seconds": seconds,
@@ -209,7 +210,7 @@ def largest(devices, sizes):
                    "residual_first_rows": row_residual(np.asarray(x[:, 0]), n, jnp.float64)}
             print(json.dumps(row), flush=True)
             solved.append(row)
-            del x, b
+            x = b = None  # lets go of their device memory
         except Exception as error:  # out of memory: the previous n is the answer
             print(json.dumps({"op": "largest", "n": n, "error": str(error)[:300]}), flush=True)
             break
@@ -249,8 +250,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']} x{len(devices)}, {result['date']}, commit {args.commit}")
-    print(f"{'op':<16}{'dtype':<9}{'n':>7}{'gpus':>5}{'tile':>6}{'meshla s':>10}{'cuSolverMg s':>13}"
-          f"{'ratio':>7}{'1-GPU jax s':>12}{'speedup':>8}")
+    print(f"{'op':<16}{'dtype':<9}{'n':>7}{'gpus':>5}{'tile':>6}{'meshla s':>10}"
+          f"{'cuSolverMg s':>13}{'ratio':>7}{'1-GPU jax s':>12}{'speedup':>8}")
     for row in result["rows"]:
         if row["op"] == "largest":
             continue
@@ -259,8 +260,9 @@ def main():
         ratio = "" if raw is None else f"{row['meshla_s'] / raw:.2f}"
         single_text = "" if single is None else f"{single:.4f}"
         speedup = "" if single is None else f"{single / row['meshla_s']:.2f}"
-        print(f"{row['op']:<16}{row['dtype']:<9}{row['n']:>7}{row['gpus']:>5}{row.get('tile', ''):>6}"
-              f"{row['meshla_s']:>10.4f}{raw_text:>13}{ratio:>7}{single_text:>12}{speedup:>8}")
+        print(f"{row['op']:<16}{row['dtype']:<9}{row['n']:>7}{row['gpus']:>5}"
+              f"{row.get('tile', ''):>6}{row['meshla_s']:>10.4f}{raw_text:>13}{ratio:>7}"
+              f"{single_text:>12}{speedup:>8}")
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def main():
                       f"{s['copies_per_call']:11.1f} {s['copy_us_mean']}")
             print("rank 0 GEMM us by position:", stats["gemm_us_by_position"])
             print("rank 0 wait us before each: ", stats["wait_us_by_position"])
-        del a, b, full_a, full_out, block
+        a = b = full_a = full_out = block = None  # lets go of their device memory
     dist.destroy_process_group()
 
 

@@ -5,8 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 
-echo "== clang-format"
-git ls-files '*.hpp' '*.cpp' '*.cu' | xargs clang-format --dry-run --Werror
+echo "== clang-format, ruff"
+git ls-files '*.hpp' '*.cpp' '*.cu' '*.cuh' | xargs clang-format --dry-run --Werror
+python3 -m ruff check python tests bench examples scripts
 
 echo "== C++ unit tests"
 cmake -S . -B build/tests -G Ninja -DMESHLA_BUILD_TESTS=ON >/dev/null

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -171,6 +172,35 @@ class MESHLA_API AllGather {
  private:
   struct Impl;
   std::shared_ptr<Impl> impl_;
+};
+
+// The plans of one group, by config: what a front end keeps per group, so that each shape is
+// planned once and the group's ranks build their plans in the same order (a plan is built
+// collectively). The cache is keyed by every field of the config (describe_call's, as given: two
+// configs that resolve to the same plan are still two plans). Plans are kept until clear() or the
+// cache goes; a CUDA graph that captured a plan's runs keeps that plan beyond both.
+class MESHLA_API CollectivePlans {
+ public:
+  explicit CollectivePlans(Communicator comm);
+  ~CollectivePlans();
+  CollectivePlans(CollectivePlans&&) noexcept;
+  CollectivePlans& operator=(CollectivePlans&&) noexcept;
+  CollectivePlans(const CollectivePlans&) = delete;
+  CollectivePlans& operator=(const CollectivePlans&) = delete;
+
+  // The group's plan for `config`, built on first use (collectively: every rank asks for the same
+  // configs in the same order). The reference stays valid until clear() or the cache goes.
+  CollectiveMatmul& matmul(const CollectiveMatmulConfig& config);
+  AllGather& all_gather(const AllGatherConfig& config);
+
+  // Lets go of every plan; each waits for its last execution (see ~CollectiveMatmul).
+  void clear();
+  std::size_t size() const;
+  const Communicator& communicator() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace meshla

@@ -59,7 +59,8 @@ def backend_unavailable_reason(backend: str) -> str:
     try:
         value = Backend.__members__[backend]
     except KeyError:
-        raise ValueError(f"backend={backend!r}; expected one of {sorted(Backend.__members__)}") from None
+        raise ValueError(
+            f"backend={backend!r}; expected one of {sorted(Backend.__members__)}") from None
     return _meshla.backend_unavailable_reason(value)
 
 __all__ = [

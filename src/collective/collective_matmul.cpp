@@ -7,6 +7,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -387,5 +388,45 @@ void AllGather::execute(const TensorView& rows, const TensorView& gathered, cuda
 }
 
 const AllGatherConfig& AllGather::config() const { return impl_->config; }
+
+struct CollectivePlans::Impl {
+  Communicator comm;
+  std::map<collective::ConfigRecord, CollectiveMatmul> matmuls;
+  std::map<std::array<std::int64_t, 3>, AllGather> gathers;  // dtype, rows, cols
+};
+
+CollectivePlans::CollectivePlans(Communicator comm)
+    : impl_(std::make_unique<Impl>(Impl{.comm = std::move(comm)})) {}
+CollectivePlans::~CollectivePlans() = default;
+CollectivePlans::CollectivePlans(CollectivePlans&&) noexcept = default;
+CollectivePlans& CollectivePlans::operator=(CollectivePlans&&) noexcept = default;
+
+CollectiveMatmul& CollectivePlans::matmul(const CollectiveMatmulConfig& config) {
+  const collective::ConfigRecord key = collective::config_record(config);
+  auto found = impl_->matmuls.find(key);
+  if (found == impl_->matmuls.end()) {
+    found = impl_->matmuls.emplace(key, CollectiveMatmul(impl_->comm, config)).first;
+  }
+  return found->second;
+}
+
+AllGather& CollectivePlans::all_gather(const AllGatherConfig& config) {
+  const std::array<std::int64_t, 3> key{static_cast<std::int64_t>(config.dtype), config.rows,
+                                        config.cols};
+  auto found = impl_->gathers.find(key);
+  if (found == impl_->gathers.end()) {
+    found = impl_->gathers.emplace(key, AllGather(impl_->comm, config)).first;
+  }
+  return found->second;
+}
+
+void CollectivePlans::clear() {
+  impl_->matmuls.clear();
+  impl_->gathers.clear();
+}
+
+std::size_t CollectivePlans::size() const { return impl_->matmuls.size() + impl_->gathers.size(); }
+
+const Communicator& CollectivePlans::communicator() const { return impl_->comm; }
 
 }  // namespace meshla

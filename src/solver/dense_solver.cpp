@@ -219,13 +219,7 @@ struct DenseSolver::Impl {
   int parts() const { return static_cast<int>(devices.size()); }
 
   BlockCyclicLayout layout(SolverOp op, const SolverProblem& problem) const {
-    const BlockCyclicLayout layout = solver::solver_layout(op, problem.n, parts(), problem.tile);
-    // Padded, the solver works in a workspace of its own: A's buffers could not hold it.
-    MESHLA_CHECK_ARG(!problem.overwrite_a || !layout.padded(),
-                     solver_op_name(op) << ": overwrite_a needs n/GPUs = " << problem.n << "/"
-                                        << parts() << " to be a multiple of the tile ("
-                                        << layout.tile << "); pass tile= a divisor of it");
-    return layout;
+    return solver::check_solver_call(op, problem, parts());
   }
 
   std::int64_t query_lwork(SolverOp op, const SolverProblem& problem,
@@ -401,7 +395,6 @@ std::size_t DenseSolver::workspace_bytes(SolverOp op, const SolverProblem& probl
   MESHLA_CHECK_ARG(part >= 0 && part < impl_->parts(),
                    solver_op_name(op)
                        << ": part " << part << " of a solver over " << impl_->parts() << " GPUs");
-  solver::check_solver_problem(op, problem);
   std::lock_guard lock(impl_->mutex);
   const std::int64_t lwork = impl_->query_lwork(op, problem, impl_->layout(op, problem));
   return impl_->workspace_layout(op, problem, part, lwork).total;
@@ -410,7 +403,6 @@ std::size_t DenseSolver::workspace_bytes(SolverOp op, const SolverProblem& probl
 SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
                               const std::vector<SolverShard>& shards) {
   Impl& self = *impl_;
-  solver::check_solver_problem(op, problem);
   std::lock_guard lock(self.mutex);
   const BlockCyclicLayout layout = self.layout(op, problem);
   const int parts = self.parts();

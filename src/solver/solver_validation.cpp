@@ -54,6 +54,16 @@ BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
   return layout;
 }
 
+BlockCyclicLayout check_solver_call(SolverOp op, const SolverProblem& problem, std::int64_t parts) {
+  check_solver_problem(op, problem);
+  const BlockCyclicLayout layout = solver_layout(op, problem.n, parts, problem.tile);
+  MESHLA_CHECK_ARG(!problem.overwrite_a || !layout.padded(),
+                   solver_op_name(op) << ": overwrite_a needs n/GPUs = " << problem.n << "/"
+                                      << parts << " to be a multiple of the tile (" << layout.tile
+                                      << "); pass tile= a divisor of it");
+  return layout;
+}
+
 void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,
                          const std::vector<int>& devices, const std::vector<SolverShard>& shards,
                          const std::vector<std::size_t>& workspace_bytes) {

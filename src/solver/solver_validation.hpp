@@ -1,6 +1,5 @@
 // Host checks of a DenseSolver call: the problem and every GPU's shard. Pure host code (no CUDA
-// call), unit-tested on the CPU. solver_layout is exported for the bindings (MESHLA_API): the
-// front ends size and pad their arrays by it.
+// call), unit-tested on the CPU.
 #pragma once
 
 #include <cstddef>
@@ -28,8 +27,15 @@ constexpr std::int64_t kLargestInverseElements = 2147483647;
 // eigensolver on several GPUs is an error, and so is an inverse whose padded matrix has more than
 // kLargestInverseElements (kNotImplemented). On one GPU the eigensolver takes any tile, by default
 // the whole matrix.
-MESHLA_API BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
-                                           std::int64_t tile);
+BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts, std::int64_t tile);
+
+// A call of `op` with `problem` over `parts` GPUs, checked on its metadata alone: the problem
+// (check_solver_problem), its layout (solver_layout), and overwrite_a only where the layout does
+// not pad (padded, the solver works in a workspace of its own). Returns the layout. What
+// DenseSolver runs, and what every front end checks first, on CPU arrays too. Exported for the
+// bindings (MESHLA_API).
+MESHLA_API BlockCyclicLayout check_solver_call(SolverOp op, const SolverProblem& problem,
+                                               std::int64_t parts);
 
 // One shard per part, each on devices[part], with the shapes, dtypes and outputs `op` needs (see
 // SolverShard), and a 256-byte aligned workspace of at least workspace_bytes[part].

@@ -187,5 +187,27 @@ TEST(SolverValidation, RealTypes) {
   EXPECT_FALSE(is_complex(DType::kFloat64));
 }
 
+TEST(SolverCall, ChecksTheProblemTheLayoutAndOverwriteAOnMetadata) {
+  const SolverProblem solve{.n = 20, .dtype = DType::kFloat64, .nrhs = 1, .tile = 0};
+  EXPECT_EQ(check_solver_call(SolverOp::kCholeskySolve, solve, 4).tile, 5);
+  SolverProblem bad = solve;
+  bad.nrhs = 300;
+  EXPECT_THROW(check_solver_call(SolverOp::kCholeskySolve, bad, 4), Error);
+  bad = solve;
+  bad.dtype = DType::kBFloat16;
+  EXPECT_THROW(check_solver_call(SolverOp::kCholeskySolve, bad, 4), Error);
+  bad = solve;
+  bad.tile = 3;  // pads 5 rows a GPU to 6
+  bad.overwrite_a = true;
+  try {
+    check_solver_call(SolverOp::kCholeskySolve, bad, 4);
+    FAIL() << "overwrite_a taken with a padded layout";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("overwrite_a needs n/GPUs = 20/4"), std::string::npos);
+  }
+  const SolverProblem eigen{.n = 8192, .dtype = DType::kFloat32, .tile = 4096};
+  EXPECT_THROW(check_solver_call(SolverOp::kEigen, eigen, 2), Error);  // syevd's tile limit
+}
+
 }  // namespace
 }  // namespace meshla::solver

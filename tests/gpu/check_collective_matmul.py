@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 import meshla
 import meshla.torch as mt
+from meshla.torch._dtypes import DTYPES
 from reporting import Reporter, relative_error
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -89,6 +90,15 @@ def run_op(op, problem, group, algorithm, trans_b, chunks=0, comm_ctas=0, backen
         return mt.all_gather_matmul(problem.a, problem.b, group, return_gathered=True,
                                     gathered_out=problem.gathered, **kwargs)
     return getattr(mt, op)(problem.a, problem.b, group, **kwargs)
+
+
+def plan_of(group, op, dtype, m, n, k, trans_b, bias, return_gathered, tuning=None):
+    """The group's plan for a call of these shapes (built now, collectively, if it is new)."""
+    t = tuning or mt.Tuning.of()
+    config = meshla._meshla.CollectiveMatmulConfig(
+        op, DTYPES[dtype], m, n, k, trans_b, bias, return_gathered, t.algorithm, t.backend,
+        t.chunks, t.comm_sms, t.comm_ctas)
+    return group.plan(config)
 
 
 def expected_auto_backend(group):
@@ -172,9 +182,9 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
                         detail += f" gathered_exact={torch.equal(result[1], p.x)}"
                     if backend == "auto":
                         want = expected_auto_backend(group)
-                        picked = group.plan(getattr(meshla.CollectiveOp, op), dtype, m, n, k,
-                                            trans_b, bias, op == "all_gather_matmul",
-                                            mt.Tuning.of()).backend.name
+                        picked = plan_of(group, getattr(meshla.CollectiveOp, op), dtype, m, n,
+                                         k, trans_b, bias,
+                                         op == "all_gather_matmul").config.backend.name
                         ok = ok and want in (picked, None)
                         detail += f" picked={picked} expected={want}"
                 except Exception as e:  # a check that raises is a failed check, not a crash
@@ -633,7 +643,7 @@ def check_graph_outlives_group(world, reporter, label, seed_base, replays=20):
         backends = dict(zip(OPS, ("symmetric", "nccl", "symmetric")))
         group = mt.group_from_process_group(device=world.device)
         comm = group.comm
-        alone = holders(comm)
+        alone = 1  # this check's own handle: the group's plan cache holds a copy while it lives
 
         def fresh(replay):
             return {op: Problem(op, world, dtype, m, n, k, seed_base + 10 * replay + i, False, True)
@@ -696,8 +706,8 @@ def check_workspace_outlives_plans(world, reporter, label, seed_base):
             torch.cuda.synchronize(world.device)
             errors.append(relative_error(p.out, p.ref))
         ok = max(errors) < TOLERANCE[dtype]
-        detail = (f"{backend}: rel_err before and after rank 0 let go of its plans: {errors[0]:.2e}, "
-                  f"{errors[1]:.2e}")
+        detail = (f"{backend}: rel_err before and after rank 0 let go of its plans: "
+                  f"{errors[0]:.2e}, {errors[1]:.2e}")
     except Exception as e:
         ok, detail = False, f"{type(e).__name__}: {e}"
     reporter.record(name, world.rank, ok, detail)
@@ -1072,8 +1082,8 @@ def check_shared_workspace(group, reporter, label, seed_base, backend):
         big = problem("matmul_all_reduce", m, seed_base + 1)
         torch.cuda.synchronize(group.device)
         free_before = torch.cuda.mem_get_info(group.device)[0]
-        group.plan(meshla._meshla.CollectiveOp.matmul_all_reduce, dtype, m, n, k, False, True,
-                   False, mt.Tuning.of(algorithm, backend=backend))
+        plan_of(group, meshla._meshla.CollectiveOp.matmul_all_reduce, dtype, m, n, k, False, True,
+                False, mt.Tuning.of(algorithm, backend=backend))
         torch.cuda.synchronize(group.device)  # stream-ordered frees go back to the device here
         grown = (free_before - torch.cuda.mem_get_info(group.device)[0]) / mib
         big_err = relative_error(run("matmul_all_reduce", big), big.ref)
@@ -1086,8 +1096,8 @@ def check_shared_workspace(group, reporter, label, seed_base, backend):
         # backend: inbox and staged products) and a 32 MiB cuBLASLt workspace.
         torch.cuda.synchronize(group.device)
         free_before = torch.cuda.mem_get_info(group.device)[0]
-        group.plan(meshla._meshla.CollectiveOp.matmul_reduce_scatter, dtype, m, n, k, False, True,
-                   False, mt.Tuning.of(algorithm, backend=backend))
+        plan_of(group, meshla._meshla.CollectiveOp.matmul_reduce_scatter, dtype, m, n, k, False,
+                True, False, mt.Tuning.of(algorithm, backend=backend))
         torch.cuda.synchronize(group.device)
         allocated = (free_before - torch.cuda.mem_get_info(group.device)[0]) / mib
         worst = 0.0
@@ -1208,7 +1218,8 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
                 lambda replay: {op: Problem(op, group, dtype, m, n, k,
                                             seed_base + 1000 * index + replay + 1, True, True)},
                 replays, gathered=False)
-            ok, detail = worst < TOLERANCE[dtype], f"worst rel_err over {replays} replays={worst:.2e}"
+            ok = worst < TOLERANCE[dtype]
+            detail = f"worst rel_err over {replays} replays={worst:.2e}"
         except Exception as e:
             ok, detail = False, f"{type(e).__name__}: {e}"
         reporter.record(name, group.rank, ok, detail)
@@ -1223,7 +1234,8 @@ def check_cublasmp(group, reporter, label, seed_base, replays=20, stress_calls=3
                                         seed_base + 100 * (replay + 1) + i, True, True)
                             for i, op in enumerate(OPS)},
             100, gathered=False)
-        ok, detail = worst < TOLERANCE[dtype], f"worst rel_err over 100 replays of 3 ops={worst:.2e}"
+        ok = worst < TOLERANCE[dtype]
+        detail = f"worst rel_err over 100 replays of 3 ops={worst:.2e}"
     except Exception as e:
         ok, detail = False, f"{type(e).__name__}: {e}"
     reporter.record(name, group.rank, ok, detail)

@@ -583,8 +583,9 @@ def main():
     report = Reporter(args.results, args.model)
     # First: the engine must be created inside a capture, before any other call makes it.
     checks = [("cold-capture", lambda: check_cold_capture(report))]
-    checks += [(f"passes/{dtype}/{shape}", lambda d=dtype, s=shape, i=i: check_passes(report, d, s, i))
-              for i, (dtype, shape) in enumerate((d, s) for d in TOLERANCE for s in SHAPES)]
+    checks += [(f"passes/{dtype}/{shape}",
+                lambda d=dtype, s=shape, i=i: check_passes(report, d, s, i))
+               for i, (dtype, shape) in enumerate((d, s) for d in TOLERANCE for s in SHAPES)]
     checks += [(f"passes-k-tails/{d}",
                 lambda d=d: check_passes(report, d, K_TAIL_SHAPE, 17, sizes=K_TAIL_SIZES))
                for d in TOLERANCE]

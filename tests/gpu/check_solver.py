@@ -9,7 +9,8 @@ eigh and eigvalsh in float32, float64, complex64 and complex128, against numpy i
 host with fresh random matrices: ||Ax - b|| / (||A|| ||x||), ||A A⁻¹ - I|| / (||A|| ||A⁻¹||),
 ||AV - VΛ|| / ||A|| and ||VᴴV - I||. Also n not a multiple of the tile, n = 1, an
 ill-conditioned matrix, a non-positive-definite one (NaN and info > 0), two solves inside one jit,
-a donated input solved in its own buffers, and two 2-GPU meshes solving at the same time from two threads.
+a donated input solved in its own buffers, and two 2-GPU meshes solving at the same time from two
+threads.
 """
 
 import os
@@ -34,6 +35,7 @@ from meshla import _meshla  # noqa: E402
 from meshla.jax import linalg  # noqa: E402
 from matrices import DTYPES, TORCH_DTYPES, random_spd, random_symmetric, tolerance  # noqa: E402
 from meshla.torch import linalg as torch_linalg  # noqa: E402
+from meshla.torch._dtypes import DTYPES as MESHLA_DTYPES  # noqa: E402
 from reporting import Reporter  # noqa: E402
 
 def solve_residual(a, x, b):
@@ -148,14 +150,16 @@ class Checks:
             y2 = twice(jax.device_put(a, rows), jax.device_put(2 * b, rows))  # repeated calls
             expected = np.linalg.solve(a, np.linalg.solve(a, b))
             error = max(np.linalg.norm(np.asarray(y) - expected),
-                        np.linalg.norm(np.asarray(y2) - 2 * expected) / 2) / np.linalg.norm(expected)
+                        np.linalg.norm(np.asarray(y2) - 2 * expected) / 2
+                        ) / np.linalg.norm(expected)
             return error < 1e-10, f"relative error {error:.2e}"
 
         def donated():
             a = random_spd(n, np.float64, self.rng)
             b = self.rng.standard_normal((n, 1))
             a_device = jax.device_put(a, rows)
-            pointers = {s.device: s.data.unsafe_buffer_pointer() for s in a_device.addressable_shards}
+            pointers = {s.device: s.data.unsafe_buffer_pointer()
+                        for s in a_device.addressable_shards}
             solve = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh, overwrite_a=True),
                             donate_argnums=0)
             x, overwritten = solve(a_device, jax.device_put(b, rows))
@@ -237,7 +241,7 @@ class Checks:
             solver = torch_linalg._solver(tuple(devices))
             a = random_spd(n, dtype, self.rng)
             h = random_symmetric(n, dtype, self.rng)
-            name = torch_linalg._DTYPES[tdtype]
+            name = MESHLA_DTYPES[tdtype]
             streams = torch_linalg._streams(devices)
             none = [None] * g
             vectors = [torch.full((rows, n), float("nan"), dtype=tdtype, device=f"cuda:{d}")
@@ -269,7 +273,7 @@ class Checks:
             solver = torch_linalg._solver(tuple(devices))
             a = random_spd(n, dtype, self.rng)
             b = self.rng.standard_normal((n, 2)).astype(dtype)
-            name = torch_linalg._DTYPES[tdtype]
+            name = MESHLA_DTYPES[tdtype]
             op = _meshla.SolverOp.cholesky_solve
             none = [None] * g
             details, ok = [], True
@@ -327,7 +331,7 @@ class Checks:
                            for d in devices]
                     workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 0, tile, False,
                                                           devices, cholesky=cholesky)
-                    info, _, _, _ = solver.run(op, n, torch_linalg._DTYPES[tdtype], 0, tile, False,
+                    info, _, _, _ = solver.run(op, n, DTYPES[tdtype], 0, tile, False,
                                                shards, none, out, none, none, workspaces,
                                                torch_linalg._streams(devices), cholesky=cholesky)
                     inverse = torch.cat([x.cpu() for x in out]).numpy()

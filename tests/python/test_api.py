@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 import meshla
 import meshla.torch as mt
+from meshla.torch._group import _exchange_unique_id
 
 
 def test_bad_shapes_name_the_arguments(world1):
@@ -21,20 +22,52 @@ def test_bad_shapes_name_the_arguments(world1):
         mt.matmul_all_reduce(a, torch.randn(8, 5), world1, trans_b=True)
     with pytest.raises(ValueError, match=r"bias.shape=\[4\] but expected \[5\]"):
         mt.matmul_reduce_scatter(a, torch.randn(8, 5), world1, bias=torch.randn(4))
-    with pytest.raises(ValueError, match=r"a must be a 2-D tensor, got \[4, 8, 1\]"):
+    with pytest.raises(ValueError, match=r"a must be a 2-D array, got \[4, 8, 1\]"):
         mt.matmul_all_reduce(a[..., None], torch.randn(8, 5), world1)
-    with pytest.raises(ValueError, match=r"a.dtype=torch.float64 is not supported"):
+    with pytest.raises(ValueError, match=r"a.dtype=float64 is not supported"):
         mt.all_gather_matmul(a.double(), torch.randn(8, 5).double(), world1)
-    with pytest.raises(ValueError, match=r"b is torch.float16 on cpu but a is torch.float32"):
+    with pytest.raises(ValueError, match=r"b.dtype=float16 but a.dtype=float32"):
         mt.all_gather_matmul(a, torch.randn(8, 5).half(), world1)
     with pytest.raises(ValueError, match=r"algorithm='fastest' is not one of"):
         mt.all_gather_matmul(a, torch.randn(8, 5), world1, algorithm="fastest")
     with pytest.raises(ValueError, match=r"group must be a meshla.torch.TPGroup"):
         mt.all_gather_matmul(a, torch.randn(8, 5), None)
-    with pytest.raises(ValueError, match=r"gathered_out is given but return_gathered=False"):
+    with pytest.raises(ValueError, match=r"a gathered output is given but return_gathered=False"):
         mt.all_gather_matmul(a, torch.randn(8, 5), world1, gathered_out=torch.empty(4, 8))
-    with pytest.raises(ValueError, match=r"matmul_all_reduce: out has shape \[4, 4\]"):
+    with pytest.raises(ValueError,
+                       match=r"matmul_all_reduce: out.shape=\[4, 4\] but expected \[4, 5\]"):
         mt.matmul_all_reduce(a, torch.randn(8, 5), world1, out=torch.empty(4, 4))
+
+
+def test_cpu_refuses_what_cuda_refuses(world1):
+    """The CPU reference runs the extension's checks (describe_call) before it computes: a tuning
+    request that the CUDA plans refuse is refused here too, in the same words."""
+    a, b = torch.randn(4, 8), torch.randn(5, 8)
+    refusals = [
+        (dict(chunks=-1), ValueError, "matmul_all_reduce: chunks=-1 is negative"),
+        (dict(comm_ctas=-5), ValueError, r"comm_ctas=-5 must be 0 \(NCCL's choice\) or more"),
+        (dict(comm_sms=-2), ValueError, r"comm_sms=-2 must be -1 \(default\) or at least 0"),
+        (dict(backend="symmetric", algorithm="sequential"), NotImplementedError, "symmetric"),
+        (dict(backend="cublasmp"), NotImplementedError, "backend=cublasmp supports bfloat16"),
+    ]
+    for options, error, words in refusals:
+        with pytest.raises(error, match=words):
+            mt.matmul_all_reduce(a, b, world1, trans_b=True, **options)
+    with pytest.raises(ValueError, match=r"a is on cpu but"):  # a CPU tensor on a CUDA plan
+        meshla._meshla.describe_call(
+            meshla._meshla.CollectiveOp.matmul_all_reduce, _meta(a), _meta(b), None, None, None,
+            True, False, 1, 0, meshla.Algorithm.auto, 0, -1, 0, meshla.Backend.auto)
+
+
+def _meta(t):
+    from meshla.torch._dtypes import meta
+    return meta("t", t)
+
+
+def test_check_device_errors_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    mt.check_device_errors()  # no grouped call ran on a GPU: nothing to report
 
 
 def test_autograd_refuses_outputs_given_and_cublasmp(world1):
@@ -99,7 +132,7 @@ def test_autocast_leaves_calls_with_outputs_and_float64_alone(world1):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = torch.empty(4, 5)  # float32: the call keeps its operands' dtype, as torch's does
         assert mt.matmul_all_reduce(a, b, world1, out=out) is out
-        with pytest.raises(ValueError, match=r"a.dtype=torch.float64 is not supported"):
+        with pytest.raises(ValueError, match=r"a.dtype=float64 is not supported"):
             mt.matmul_all_reduce(a.double(), b.double(), world1)
 
 
@@ -197,10 +230,10 @@ def test_collective_ops_compile_whole(world1):
 
 
 def test_calls_go_through_the_op_where_something_watches():
-    """An eager call skips the dispatcher only where nothing needs to see the op: no tracer (compile,
-    jit.trace), functorch transform, dispatch or torch function mode or Python-started profiler,
-    and plain CUDA tensors (no tensors here, so only the context decides; a CPU tensor always takes
-    the op)."""
+    """An eager call skips the dispatcher only where nothing needs to see the op: no tracer
+    (compile, jit.trace), functorch transform, dispatch or torch function mode or Python-started
+    profiler, and plain CUDA tensors (no tensors here, so only the context decides; a CPU tensor
+    always takes the op)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
     from meshla.torch._library import needs_the_op as needs
@@ -273,7 +306,7 @@ def test_extension_errors_map_to_python_exceptions():
 def _exchange(rank, size, results):
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        results[rank] = mt._exchange_unique_id(dist.group.WORLD)
+        results[rank] = _exchange_unique_id(dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 

@@ -116,7 +116,8 @@ def test_jax_shard_forms_inside_shard_map(mesh):
 def test_jax_argument_errors(mesh):
     with pytest.raises(ValueError, match="axis='y' is not an axis"):
         linalg.cho_solve(jnp.eye(8), jnp.ones((8, 1)), mesh, "y")
-    with pytest.raises(ValueError, match="float32, float64, complex64 or complex128"):
+    with pytest.raises(ValueError, match="dtype int32 is not float32, float64, complex64 or "
+                                         "complex128"):
         linalg.eigh(put(np.eye(8, dtype=np.int32), mesh), mesh)
     with pytest.raises(ValueError, match=r"b has shape \(2, 1\)"):
         linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((8, 1)), mesh), mesh)
@@ -154,20 +155,47 @@ def test_torch_errors():
     assert solved.info > 0 and torch.isnan(torch.cat(solved.x)).all()
 
 
-def test_layout_query():
+def test_solver_call():
     solve, eigh = _meshla.SolverOp.cholesky_solve, _meshla.SolverOp.eigh
-    assert _meshla.solver_layout(solve, 65536, 4) == (2048, False)
-    assert _meshla.solver_layout(solve, 4000, 4) == (1000, False)
-    assert _meshla.solver_layout(solve, 4 * 3000, 4) == (1024, True)
-    assert _meshla.solver_layout(solve, 48, 4, 5) == (5, True)
+    f64 = _meshla.DType.float64
+
+    def call(op, n, parts, tile=0, nrhs=0, dtype=f64, overwrite_a=False):
+        return _meshla.solver_call(op, n, dtype, nrhs, parts, tile, overwrite_a)
+
+    assert call(solve, 65536, 4, nrhs=1) == (2048, False)
+    assert call(solve, 4000, 4, nrhs=1) == (1000, False)
+    assert call(solve, 4 * 3000, 4, nrhs=1) == (1024, True)
+    assert call(solve, 48, 4, 5, nrhs=1) == (5, True)
     with pytest.raises(ValueError, match="n=10 rows are not divisible by the 4 GPUs"):
-        _meshla.solver_layout(solve, 10, 4)
+        call(solve, 10, 4, nrhs=1)
+    with pytest.raises(ValueError, match="nrhs=300 right-hand sides; cuSolverMg takes 1 to 256"):
+        call(solve, 48, 4, nrhs=300)
+    with pytest.raises(ValueError, match="overwrite_a needs n/GPUs = 48/4"):
+        call(solve, 48, 4, 5, nrhs=1, overwrite_a=True)
+    with pytest.raises(ValueError, match="dtype bfloat16 is not float32, float64, complex64"):
+        call(eigh, 48, 4, dtype=_meshla.DType.bfloat16)
     # cuSolverMg's syevd refuses tiles over 1024 columns; one GPU runs cusolverDn's, untiled.
-    assert _meshla.solver_layout(eigh, 65536, 4) == (1024, False)
-    assert _meshla.solver_layout(_meshla.SolverOp.eigvalsh, 4096, 2) == (1024, False)
+    assert call(eigh, 65536, 4) == (1024, False)
+    assert call(_meshla.SolverOp.eigvalsh, 4096, 2) == (1024, False)
     with pytest.raises(ValueError, match="eigh: tile=2048 exceeds 1024"):
-        _meshla.solver_layout(eigh, 8192, 2, 2048)
-    assert _meshla.solver_layout(eigh, 1500, 1) == (1500, False)
+        call(eigh, 8192, 2, 2048)
+    assert call(eigh, 1500, 1) == (1500, False)
+    with pytest.raises(NotImplementedError, match="cholesky_inverse: n=46344"):
+        call(_meshla.SolverOp.cholesky_inverse, 46344, 4)
+
+
+def test_cpu_refuses_what_the_gpus_refuse(mesh):
+    """The CPU references run the extension's checks first: the same errors as on GPUs."""
+    n = 8 * mesh.shape["x"]
+    with pytest.raises(ValueError, match="nrhs=300 right-hand sides"):
+        linalg.cho_solve(put(np.eye(n), mesh), put(np.ones((n, 300)), mesh), mesh)
+    with pytest.raises(ValueError, match="eigh: tile=4096 exceeds 1024"):
+        linalg.eigh(put(np.eye(n), mesh), mesh, tile=4096)
+    with pytest.raises(ValueError, match="nrhs=300 right-hand sides"):
+        torch_linalg.cho_solve([torch.eye(8, dtype=torch.float64)],
+                               [torch.ones(8, 300, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="eigh: tile=4096 exceeds 1024"):
+        torch_linalg.eigh(list(torch.eye(8, dtype=torch.float64).split(4)), tile=4096)
 
 
 def _shard_forms(rank, size, results):

@@ -44,6 +44,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshla import _meshla
+from meshla.jax._dtypes import dtype_of
 
 __all__ = [
     "cho_solve",
@@ -59,9 +60,6 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 3600.0
 """How long the GPUs of one call wait for each other and for the solver (a 200k fp64 eigensolve
 takes minutes)."""
-
-_SOLVER_DTYPES = (jnp.float32, jnp.float64, jnp.complex64, jnp.complex128)
-
 
 class CholeskySolve(NamedTuple):
     x: jax.Array
@@ -129,11 +127,6 @@ def _mesh_groups(mesh: Mesh, axis: str) -> tuple[np.ndarray, int]:
 def _check_matrix(a_block: jax.Array, name: str) -> None:
     if a_block.ndim != 2:
         raise ValueError(f"{name}: a has shape {a_block.shape}; expected a row block [n/P, n]")
-    if a_block.dtype not in _SOLVER_DTYPES:
-        raise ValueError(
-            f"{name}: a is {a_block.dtype}; the solvers take float32, float64, complex64 or "
-            "complex128"
-        )
 
 
 def _real_dtype(dtype) -> np.dtype:
@@ -150,8 +143,12 @@ def _ffi_attributes(mesh: Mesh, axis: str, tile: int, timeout_s: float) -> dict:
     )
 
 
-def _layout(op, n: int, mesh: Mesh, axis: str, tile: int) -> tuple[int, bool]:
-    return _meshla.solver_layout(op, n, mesh.shape[axis], tile)
+def _layout(op, a, mesh: Mesh, axis: str, tile: int, nrhs: int = 0,
+            overwrite_a: bool = False) -> tuple[int, bool]:
+    """The extension's checks of the call (dtype, right-hand sides, tile, overwrite_a; the same
+    on CPU and GPU meshes) and its (tile, padded). ``a`` is the whole matrix or a row block."""
+    return _meshla.solver_call(op, a.shape[-1], dtype_of("a", a), nrhs, mesh.shape[axis], tile,
+                               overwrite_a)
 
 
 def _working(a_block: jax.Array, padded: bool):
@@ -188,13 +185,14 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
             f"cho_solve: b has shape {b_block.shape} and dtype {b_block.dtype}; expected "
             f"[{rows}, nrhs] {a_block.dtype} (the rows of a are {a_block.shape})"
         )
+    tile, padded = _layout(_meshla.SolverOp.cholesky_solve, a_block, mesh, axis, tile,
+                           nrhs=b_block.shape[1])
     if not _on_gpu(mesh):
         factor, info = _reference_cholesky(_gather_rows(a_block, axis))
         x = jax.scipy.linalg.cho_solve((factor, True), _gather_rows(b_block, axis))
         logdet = 2.0 * jnp.sum(jnp.log(jnp.real(jnp.diagonal(factor))))
         return CholeskySolve(_own_rows(x, axis, rows), logdet, info, a_block)
     _register_targets()
-    tile, padded = _layout(_meshla.SolverOp.cholesky_solve, n, mesh, axis, tile)
     working, aliases = _working(a_block, padded)
     call = jax.ffi.ffi_call(
         "meshla_cholesky_solve",
@@ -217,12 +215,12 @@ def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile
     axis = _axis_of(mesh, axis)
     _check_matrix(a_block, "cholesky_inverse")
     rows, n = a_block.shape
+    tile, padded = _layout(_meshla.SolverOp.cholesky_inverse, a_block, mesh, axis, tile)
     if not _on_gpu(mesh):
         factor, info = _reference_cholesky(_gather_rows(a_block, axis))
         inverse = jax.scipy.linalg.cho_solve((factor, True), jnp.eye(n, dtype=a_block.dtype))
         return _own_rows(inverse, axis, rows), info
     _register_targets()
-    tile, padded = _layout(_meshla.SolverOp.cholesky_inverse, n, mesh, axis, tile)
     call = jax.ffi.ffi_call(
         "meshla_cholesky_inverse",
         (jax.ShapeDtypeStruct(a_block.shape, a_block.dtype), jax.ShapeDtypeStruct((), jnp.int32)),
@@ -239,6 +237,8 @@ def eigh_shard(a_block, *, mesh: Mesh, axis: str | None = None, eigvals_only: bo
     axis = _axis_of(mesh, axis)
     _check_matrix(a_block, "eigh")
     rows, n = a_block.shape
+    op = _meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh
+    tile, padded = _layout(op, a_block, mesh, axis, tile)
     if not _on_gpu(mesh):
         a_full = _gather_rows(a_block, axis)
         if eigvals_only:
@@ -248,8 +248,6 @@ def eigh_shard(a_block, *, mesh: Mesh, axis: str | None = None, eigvals_only: bo
         return Eigh(values, _own_rows(vectors, axis, rows),
                     jnp.isnan(values).any().astype(jnp.int32))
     _register_targets()
-    op = _meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh
-    tile, padded = _layout(op, n, mesh, axis, tile)
     working, aliases = _working(a_block, padded)
     values = jax.ShapeDtypeStruct((n,), _real_dtype(a_block.dtype))
     info = jax.ShapeDtypeStruct((), jnp.int32)
@@ -287,14 +285,10 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     axis = _axis_of(mesh, axis)
     if a.ndim != 2:
         raise ValueError(f"cho_solve: a has shape {a.shape}; expected [n, n]")
-    # The working buffer is A's shape, or a zero-size placeholder when the solver pads.
-    tile_used, padded = _layout(_meshla.SolverOp.cholesky_solve, a.shape[-1], mesh, axis, tile)
-    if overwrite_a and padded:
-        raise ValueError(
-            f"cho_solve: overwrite_a needs n/GPUs = {a.shape[-1]}/{mesh.shape[axis]} to be a "
-            f"multiple of the tile ({tile_used}); pass tile= a divisor of it"
-        )
     vector = b.ndim == 1
+    # The working buffer is A's shape, or a zero-size placeholder when the solver pads.
+    _, padded = _layout(_meshla.SolverOp.cholesky_solve, a, mesh, axis, tile,
+                        nrhs=1 if vector else b.shape[-1], overwrite_a=overwrite_a)
     solve = functools.partial(cho_solve_shard, mesh=mesh, axis=axis, tile=tile,
                               timeout_s=timeout_s)
     x, logdet, info, working = _sharded(

@@ -32,7 +32,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from meshla import _meshla
-from meshla.torch._dtypes import DTYPE_NAMES
+from meshla.torch._dtypes import DTYPES
 from meshla.torch._library import capsule, current_stream, op
 from meshla.torch._main_grad import added_to_main_grad, main_grad_buffer, overwrites_main_grad
 
@@ -54,18 +54,17 @@ def _engine(index: int) -> _meshla.GroupedMatmul:
     return engine
 
 
-# Workspace bytes per (device index, pass, dtype name, groups, out_features): sizing CUTLASS's
+# Workspace bytes per (device index, pass, dtype, groups, out_features): sizing CUTLASS's
 # workspace is host work that every call would otherwise repeat.
 _workspace_sizes: dict[tuple, int] = {}
 
 
-def _workspace_bytes(index: int, grouped_pass, dtype_name: str, groups: int,
-                     out_features: int) -> int:
-    key = (index, grouped_pass, dtype_name, groups, out_features)
+def _workspace_bytes(index: int, grouped_pass, dtype, groups: int, out_features: int) -> int:
+    key = (index, grouped_pass, dtype, groups, out_features)
     size = _workspace_sizes.get(key)
     if size is None:
         size = _workspace_sizes[key] = _engine(index).workspace_bytes(
-            grouped_pass, dtype_name, groups, out_features)
+            grouped_pass, dtype, groups, out_features)
     return size
 
 
@@ -73,17 +72,19 @@ def _workspace_bytes(index: int, grouped_pass, dtype_name: str, groups: int,
 def packed_group_stride(out_features: int, in_features: int, dtype: torch.dtype) -> int:
     """Elements between the groups of a packed ``[G, out, in]`` buffer whose groups each start
     on a 256-byte boundary."""
-    name = DTYPE_NAMES.get(dtype) or {torch.float64: "float64"}.get(dtype)
-    if name is None:
-        raise ValueError(f"packed_group_stride: dtype {dtype} is not supported")
-    return _meshla.packed_group_stride(out_features, in_features, name)
+    if dtype not in DTYPES:
+        raise ValueError(f"packed_group_stride: dtype {dtype} is not one meshla takes")
+    return _meshla.packed_group_stride(out_features, in_features, DTYPES[dtype])
 
 
 def check_device_errors(device=None) -> None:
     """Waits for every stream of ``device`` (a delayed weight gradient may run on a side stream)
     and raises the error that a grouped call's device-side check of ``m_splits`` recorded there,
     if any. Call it before an optimizer step to keep NaN from a bad ``m_splits`` out of the
-    weights: otherwise the error surfaces at the next grouped call."""
+    weights: otherwise the error surfaces at the next grouped call. Without a GPU (and no
+    ``device`` named) no grouped call ran on one, and there is nothing to check."""
+    if device is None and not torch.cuda.is_available():
+        return
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else (
         torch.device(device))
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -91,19 +92,18 @@ def check_device_errors(device=None) -> None:
     _engine(index).check_device_errors(current_stream(index))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = DTYPE_NAMES.get(dtype)
-    if name is None:
+def _dtype(dtype: torch.dtype):
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"grouped_linear: dtype {dtype} is not supported; "
                          "use bfloat16, float16 or float32")
-    return name
+    return DTYPES[dtype]
 
 
 def _run(grouped_pass, m_splits, lead, out_features, accumulate=False, **tensors):
     """Runs one pass on the current stream of ``lead``'s device with a workspace from the caching
     allocator, so concurrent calls on different streams never share one."""
     index = lead.get_device()
-    size = _workspace_bytes(index, grouped_pass, _dtype_name(lead.dtype), m_splits.shape[0],
+    size = _workspace_bytes(index, grouped_pass, _dtype(lead.dtype), m_splits.shape[0],
                             out_features)
     # int64 words: DLPack hands the extension no uint8, and the size is counted in bytes.
     workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
@@ -262,7 +262,8 @@ def _grouped_bias_grad(dy, m_splits, num_groups):
     dbias = dy.new_empty(num_groups, dy.shape[1])
     if dy.device.type == "cpu":
         for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0])):
-            dbias[g] = dy[start:start + size].sum(0, dtype=torch.promote_types(dy.dtype, torch.float32))
+            dbias[g] = dy[start:start + size].sum(
+                0, dtype=torch.promote_types(dy.dtype, torch.float32))
         return dbias
     _run(_PASS.bias_grad, m_splits, dy, dy.shape[1], dy=dy, dbias=dbias)
     return dbias
@@ -422,7 +423,8 @@ class GroupedLinear(torch.nn.Module):
             self.register_parameter(f"weight{g}", torch.nn.Parameter(weight))
             if bias:
                 self.register_parameter(
-                    f"bias{g}", torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound)))
+                    f"bias{g}", torch.nn.Parameter(torch.empty(
+                        out_features, device=device, dtype=dtype).uniform_(-bound, bound)))
         self._pack()
 
     def weights(self) -> list[torch.nn.Parameter]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from meshla import _meshla
+from meshla.torch._dtypes import DTYPES, dtype_of
 
 __all__ = [
     "CholeskySolve",
@@ -36,12 +37,6 @@ __all__ = [
     "eigh_shard",
 ]
 
-_DTYPES = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.complex64: "complex64",
-    torch.complex128: "complex128",
-}
 
 
 class CholeskySolve(NamedTuple):
@@ -73,9 +68,6 @@ def _check_shards(name: str, a_shards: Sequence[torch.Tensor]) -> tuple[int, tor
     if len(a_shards) == 0:
         raise ValueError(f"{name}: a_shards is empty")
     dtype = a_shards[0].dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"{name}: a is {dtype}; the solvers take float32, float64, complex64 "
-                         "or complex128")
     n = a_shards[0].shape[-1]
     for p, shard in enumerate(a_shards):
         if shard.ndim != 2 or shard.shape[1] != n or shard.dtype != dtype:
@@ -86,6 +78,13 @@ def _check_shards(name: str, a_shards: Sequence[torch.Tensor]) -> tuple[int, tor
         raise ValueError(f"{name}: the row blocks hold "
                          f"{[shard.shape[0] for shard in a_shards]} rows of a {n} x {n} matrix")
     return n, dtype
+
+
+def _check_call(op, a_shards, nrhs: int, tile: int, overwrite_a: bool) -> None:
+    """The extension's checks of the call (dtype, right-hand sides, tile, overwrite_a), the same
+    on CPU and CUDA shards."""
+    n = a_shards[0].shape[-1]
+    _meshla.solver_call(op, n, dtype_of("a", a_shards[0]), nrhs, len(a_shards), tile, overwrite_a)
 
 
 def _check_rhs(name: str, a_shards: Sequence[torch.Tensor],
@@ -115,7 +114,7 @@ def _devices(name: str, shards: Sequence[torch.Tensor]) -> tuple[int, ...]:
 def _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices, cholesky="meshla"):
     # int64 words: the caching allocator's blocks start on 512-byte boundaries.
     return [
-        torch.empty(-(-solver.workspace_bytes(op, n, _DTYPES[dtype], nrhs, tile, overwrite_a, p,
+        torch.empty(-(-solver.workspace_bytes(op, n, DTYPES[dtype], nrhs, tile, overwrite_a, p,
                                               cholesky=cholesky) // 8),
                     dtype=torch.int64, device=device)
         for p, device in enumerate(devices)
@@ -140,6 +139,7 @@ def cho_solve(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor]
     ``overwrite_a`` lets the solver factor in A's own buffers (they hold garbage afterwards)."""
     n, dtype = _check_shards("cho_solve", a_shards)
     nrhs = _check_rhs("cho_solve", a_shards, b_shards)
+    _check_call(_meshla.SolverOp.cholesky_solve, a_shards, nrhs, tile, overwrite_a)
     if _on_cpu(a_shards):
         factor, status = torch.linalg.cholesky_ex(torch.cat(list(a_shards)))
         info = int(status)
@@ -162,7 +162,7 @@ def _cho_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwr
     solver = _solver(devices)
     op = _meshla.SolverOp.cholesky_solve
     info, logdet, _, _ = solver.run(
-        op, n, _DTYPES[dtype], nrhs, tile, overwrite_a, [a.contiguous() for a in a_shards],
+        op, n, DTYPES[dtype], nrhs, tile, overwrite_a, [a.contiguous() for a in a_shards],
         [b.contiguous() for b in b_shards], x, [None] * len(devices), [None] * len(devices),
         _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices), _streams(devices))
     return info, logdet
@@ -174,6 +174,7 @@ def cholesky_inverse(a_shards: Sequence[torch.Tensor], *, tile: int = 0,
     """Row blocks of A⁻¹ for a positive-definite A, and info. With ``overwrite_a`` the inverse
     is written over ``a_shards`` (and those are returned)."""
     n, dtype = _check_shards("cholesky_inverse", a_shards)
+    _check_call(_meshla.SolverOp.cholesky_inverse, a_shards, 0, tile, overwrite_a)
     if _on_cpu(a_shards):
         factor, status = torch.linalg.cholesky_ex(torch.cat(list(a_shards)))
         info = int(status)
@@ -197,7 +198,7 @@ def _cholesky_inverse_cuda(devices, n, dtype, a_shards, out, tile, overwrite_a):
     op = _meshla.SolverOp.cholesky_inverse
     none = [None] * len(devices)
     info, _, _, _ = solver.run(
-        op, n, _DTYPES[dtype], 0, tile, overwrite_a, [a.contiguous() for a in a_shards], none,
+        op, n, DTYPES[dtype], 0, tile, overwrite_a, [a.contiguous() for a in a_shards], none,
         out, none, none, _workspaces(solver, op, n, dtype, 0, tile, overwrite_a, devices),
         _streams(devices))
     return info
@@ -208,6 +209,8 @@ def eigh(a_shards: Sequence[torch.Tensor], *, eigvals_only: bool = False, tile: 
     """Eigenvalues (ascending) and row blocks of the eigenvectors (columns of V, A V = V diag(w))
     of a symmetric (Hermitian) A, as ``torch.linalg.eigh``."""
     n, dtype = _check_shards("eigh", a_shards)
+    _check_call(_meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh, a_shards,
+                0, tile, overwrite_a)
     real = torch.empty((), dtype=dtype).real.dtype
     if _on_cpu(a_shards):
         a_full = torch.cat(list(a_shards))
@@ -229,7 +232,7 @@ def _eigh_cuda(devices, n, dtype, a_shards, vectors, values, tile, overwrite_a):
     op = _meshla.SolverOp.eigvalsh if vectors is None else _meshla.SolverOp.eigh
     none = [None] * len(devices)
     info, _, _, _ = solver.run(
-        op, n, _DTYPES[dtype], 0, tile, overwrite_a, [a.contiguous() for a in a_shards], none,
+        op, n, DTYPES[dtype], 0, tile, overwrite_a, [a.contiguous() for a in a_shards], none,
         none if vectors is None else vectors, [values] + none[1:], none,
         _workspaces(solver, op, n, dtype, 0, tile, overwrite_a, devices), _streams(devices))
     return info
@@ -311,7 +314,7 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     row block of X."""
     if a.device.type == "cpu":
         result = cho_solve(_gather_rows(group, a), _gather_rows(group, b), tile=tile,
-                           check_errors=check_errors)
+                           overwrite_a=overwrite_a, check_errors=check_errors)
         return CholeskySolve(_own_rows(group, result.x), result.logdet, result.info)
     x = torch.empty_like(b, memory_format=torch.contiguous_format)
 
@@ -319,6 +322,7 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
         a_shards, b_shards, x_shards = (list(role) for role in zip(*parts))
         n, dtype = _check_shards("cho_solve_shard", a_shards)
         nrhs = _check_rhs("cho_solve_shard", a_shards, b_shards)
+        _check_call(_meshla.SolverOp.cholesky_solve, a_shards, nrhs, tile, overwrite_a)
         return _cho_solve_cuda(_devices("cho_solve_shard", a_shards), n, dtype, nrhs, a_shards,
                                b_shards, x_shards, tile, overwrite_a)
 
@@ -344,6 +348,7 @@ def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
     def work(parts):
         a_shards, out_shards = (list(role) for role in zip(*parts))
         n, dtype = _check_shards("cholesky_inverse_shard", a_shards)
+        _check_call(_meshla.SolverOp.cholesky_inverse, a_shards, 0, tile, overwrite_a)
         return _cholesky_inverse_cuda(_devices("cholesky_inverse_shard", a_shards), n, dtype,
                                       a_shards, out_shards, tile, overwrite_a)
 
@@ -358,7 +363,7 @@ def eigh_shard(a: torch.Tensor, group=None, *, eigvals_only: bool = False, tile:
     eigenvalues on its device and, unless ``eigvals_only``, its row block of the eigenvectors."""
     if a.device.type == "cpu":
         result = eigh(_gather_rows(group, a), eigvals_only=eigvals_only, tile=tile,
-                      check_errors=check_errors)
+                      overwrite_a=overwrite_a, check_errors=check_errors)
         vectors = None if eigvals_only else _own_rows(group, result.eigenvectors)
         return Eigh(result.eigenvalues, vectors, result.info)
     vectors = None if eigvals_only else torch.empty_like(
@@ -367,6 +372,8 @@ def eigh_shard(a: torch.Tensor, group=None, *, eigvals_only: bool = False, tile:
     def work(parts):
         a_shards, vector_shards = (list(role) for role in zip(*parts))
         n, dtype = _check_shards("eigh_shard", a_shards)
+        _check_call(_meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh,
+                    a_shards, 0, tile, overwrite_a)
         devices = _devices("eigh_shard", a_shards)
         values = torch.empty(n, dtype=torch.empty((), dtype=dtype).real.dtype,
                              device=devices[0])

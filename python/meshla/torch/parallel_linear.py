@@ -22,9 +22,9 @@ import math
 
 import torch
 
-from meshla.torch import (
-    TPGroup,
-    Tuning,
+from meshla.torch._group import TPGroup
+from meshla.torch._tuning import Tuning
+from meshla.torch.collective import (
     all_gather_matmul,
     column_parallel_matmul,
     matmul_all_reduce,

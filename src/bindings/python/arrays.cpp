@@ -1,6 +1,16 @@
+// Arrays as the bindings take them: DLPack arrays (capsules, or objects with __dlpack__) for
+// execution, and ArrayMeta, an array's metadata alone, for the checks that run before anything
+// exists on a device (and on a framework's abstract arrays).
 #include "bindings/python/bindings.hpp"
 
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <vector>
+
 #include "core/checks.hpp"
+
+using namespace nanobind::literals;
 
 namespace meshla::bindings {
 namespace {
@@ -47,12 +57,44 @@ TensorView view_of(const std::optional<Array>& maybe, const char* name) {
   return view;
 }
 
-DType parse_dtype(const std::string& name) {
-  for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32, DType::kFloat64,
-                      DType::kComplex64, DType::kComplex128, DType::kInt32, DType::kInt64}) {
-    if (dtype_name(dtype) == name) return dtype;
-  }
-  MESHLA_THROW(kInvalidArgument, "dtype '" << name << "' is not a meshla dtype");
+void bind_arrays(nb::module_& m) {
+  nb::enum_<DType>(m, "DType")
+      .value("float32", DType::kFloat32)
+      .value("float64", DType::kFloat64)
+      .value("float16", DType::kFloat16)
+      .value("bfloat16", DType::kBFloat16)
+      .value("complex64", DType::kComplex64)
+      .value("complex128", DType::kComplex128)
+      .value("int32", DType::kInt32)
+      .value("int64", DType::kInt64);
+
+  nb::class_<TensorView>(m, "ArrayMeta",
+                         "An array as the checks see it: shape, strides (elements), dtype, where "
+                         "it is, and its address where it has data (0 for an abstract array).")
+      .def(
+          "__init__",
+          [](TensorView* self, const std::vector<std::int64_t>& shape,
+             const std::vector<std::int64_t>& strides, DType dtype, int device,
+             std::uintptr_t data) {
+            MESHLA_CHECK_ARG(shape.size() <= static_cast<std::size_t>(kMaxTensorDims) &&
+                                 strides.size() == shape.size(),
+                             "ArrayMeta: " << shape.size() << " dimensions and " << strides.size()
+                                           << " strides; at most " << kMaxTensorDims << " each");
+            TensorView view;
+            view.data = reinterpret_cast<void*>(data);
+            view.dtype = dtype;
+            view.device_kind = device < 0 ? DeviceKind::kCpu : DeviceKind::kCuda;
+            view.device = device < 0 ? 0 : device;
+            view.ndim = static_cast<int>(shape.size());
+            for (int i = 0; i < view.ndim; ++i) {
+              view.shape[i] = shape[i];
+              view.strides[i] = strides[i];
+            }
+            new (self) TensorView(view);
+          },
+          "shape"_a, "strides"_a, "dtype"_a, "device"_a, "data"_a = 0,
+          "`device`: the CUDA ordinal, or -1 for the host.")
+      .def_prop_ro("shape", [](const TensorView& view) { return view.shape_string(); });
 }
 
 }  // namespace meshla::bindings

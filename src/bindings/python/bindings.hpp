@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -24,13 +23,12 @@ using Array = nb::ndarray<nb::ro>;
 // The view of an array (empty for None); `name` is the argument's, for messages.
 TensorView view_of(const std::optional<Array>& maybe, const char* name);
 
-// A meshla dtype by its name ("bfloat16", "float32", ...).
-DType parse_dtype(const std::string& name);
-
 inline cudaStream_t to_stream(std::uintptr_t stream) {
   return reinterpret_cast<cudaStream_t>(stream);
 }
 
+// Binds DType, ArrayMeta (a TensorView from an array's metadata) and each pillar.
+void bind_arrays(nb::module_& m);
 void bind_collective(nb::module_& m);
 void bind_grouped(nb::module_& m);
 void bind_solver(nb::module_& m);

@@ -1,6 +1,9 @@
-// Python bindings of the collective matmul (meshla/collective_matmul.hpp).
+// Python bindings of the collective matmul (meshla/collective_matmul.hpp): describe_call on
+// arrays' metadata, the group's plan cache, and the plans' execution on DLPack arrays.
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/string.h>
 
+#include <optional>
 #include <string>
 
 #include "bindings/python/bindings.hpp"
@@ -11,23 +14,38 @@ using namespace nanobind::literals;
 namespace meshla::bindings {
 namespace {
 
-// A plan of the group (CollectiveMatmul, AllGather) as Python holds it. Destroying a plan waits
-// for its group's last execution; with one process driving several GPUs (local_groups), that
-// execution may wait for a peer rank's thread, which needs the GIL to enqueue its part. So the
-// plan goes with the GIL released, as it is built and executed.
-template <typename Plan>
-class PythonPlan : public Plan {
+// A group's plans as Python holds them. Letting go of a plan waits for its group's last execution;
+// with one process driving several GPUs (local_groups), that execution may wait for a peer rank's
+// thread, which needs the GIL to enqueue its part. So plans are built, run and let go of with the
+// GIL released.
+class PythonPlans : public CollectivePlans {
  public:
-  using Plan::Plan;
-  PythonPlan(const PythonPlan&) = delete;
-  PythonPlan& operator=(const PythonPlan&) = delete;
-  ~PythonPlan() {
+  using CollectivePlans::CollectivePlans;
+  PythonPlans(const PythonPlans&) = delete;
+  PythonPlans& operator=(const PythonPlans&) = delete;
+  ~PythonPlans() {
     nb::gil_scoped_release release;
-    Plan last = std::move(static_cast<Plan&>(*this));
+    clear();
   }
 };
-using PythonCollectiveMatmul = PythonPlan<CollectiveMatmul>;
-using PythonAllGather = PythonPlan<AllGather>;
+
+// A call's request: the op, its layout options and its tuning (describe_call fills in the rest).
+CollectiveMatmulConfig request_of(CollectiveOp op, bool trans_b, bool return_gathered,
+                                  Algorithm algorithm, Backend backend, int chunks, int comm_sms,
+                                  int comm_ctas) {
+  return {.op = op,
+          .algorithm = algorithm,
+          .backend = backend,
+          .trans_b = trans_b,
+          .return_gathered = return_gathered,
+          .chunks = chunks,
+          .comm_sms = comm_sms,
+          .comm_ctas = comm_ctas};
+}
+
+TensorView meta_or_absent(const std::optional<TensorView>& meta) {
+  return meta ? *meta : TensorView{};
+}
 
 }  // namespace
 
@@ -52,36 +70,72 @@ void bind_collective(nb::module_& m) {
   m.def("backend_unavailable_reason", &backend_unavailable_reason, "backend"_a,
         "Why the collective-matmul backend cannot run in this process, or '' when it can.");
 
-  nb::class_<PythonCollectiveMatmul>(m, "CollectiveMatmul",
-                                     "A collective-matmul plan for one shape on one communicator.")
+  nb::class_<CollectiveMatmulConfig>(
+      m, "CollectiveMatmulConfig",
+      "A collective matmul's config: the op, its shapes and its tuning (describe_call's).")
       .def(
           "__init__",
-          [](PythonCollectiveMatmul* self, const Communicator& comm, CollectiveOp op,
-             const std::string& dtype, std::int64_t m_rows, std::int64_t n, std::int64_t k,
-             Algorithm algorithm, Backend backend, bool trans_b, bool bias, bool return_gathered,
-             int chunks, int comm_sms, int comm_ctas) {
-            CollectiveMatmulConfig config{.op = op,
-                                          .algorithm = algorithm,
-                                          .backend = backend,
-                                          .dtype = parse_dtype(dtype),
-                                          .m = m_rows,
-                                          .n = n,
-                                          .k = k,
-                                          .trans_b = trans_b,
-                                          .bias = bias,
-                                          .return_gathered = return_gathered,
-                                          .chunks = chunks,
-                                          .comm_sms = comm_sms,
-                                          .comm_ctas = comm_ctas};
-            nb::gil_scoped_release release;
-            new (self) PythonCollectiveMatmul(comm, config);
+          [](CollectiveMatmulConfig* self, CollectiveOp op, DType dtype, std::int64_t m_rows,
+             std::int64_t n, std::int64_t k, bool trans_b, bool bias, bool return_gathered,
+             Algorithm algorithm, Backend backend, int chunks, int comm_sms, int comm_ctas) {
+            CollectiveMatmulConfig config = request_of(op, trans_b, return_gathered, algorithm,
+                                                       backend, chunks, comm_sms, comm_ctas);
+            config.dtype = dtype;
+            config.m = m_rows;
+            config.n = n;
+            config.k = k;
+            config.bias = bias;
+            new (self) CollectiveMatmulConfig(config);
           },
-          "comm"_a, "op"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "algorithm"_a = Algorithm::kAuto,
-          "backend"_a = Backend::kAuto, "trans_b"_a = false, "bias"_a = false,
-          "return_gathered"_a = false, "chunks"_a = 0, "comm_sms"_a = -1, "comm_ctas"_a = 0)
+          "op"_a, "dtype"_a, "m"_a, "n"_a, "k"_a, "trans_b"_a = false, "bias"_a = false,
+          "return_gathered"_a = false, "algorithm"_a = Algorithm::kAuto,
+          "backend"_a = Backend::kAuto, "chunks"_a = 0, "comm_sms"_a = -1, "comm_ctas"_a = 0)
+      .def_ro("op", &CollectiveMatmulConfig::op)
+      .def_ro("dtype", &CollectiveMatmulConfig::dtype)
+      .def_ro("m", &CollectiveMatmulConfig::m)
+      .def_ro("n", &CollectiveMatmulConfig::n)
+      .def_ro("k", &CollectiveMatmulConfig::k)
+      .def_ro("trans_b", &CollectiveMatmulConfig::trans_b)
+      .def_ro("bias", &CollectiveMatmulConfig::bias)
+      .def_ro("return_gathered", &CollectiveMatmulConfig::return_gathered)
+      .def_ro("algorithm", &CollectiveMatmulConfig::algorithm)
+      .def_ro("backend", &CollectiveMatmulConfig::backend)
+      .def_ro("chunks", &CollectiveMatmulConfig::chunks)
+      .def_ro("comm_sms", &CollectiveMatmulConfig::comm_sms)
+      .def_ro("comm_ctas", &CollectiveMatmulConfig::comm_ctas)
+      .def(
+          "product_shape",
+          [](const CollectiveMatmulConfig& config, int tp) { return product_shape(config, tp); },
+          "tp"_a, "[rows, cols] of the product on each rank of a group of `tp`.");
+
+  m.def(
+      "describe_call",
+      [](CollectiveOp op, const TensorView& a, const TensorView& b,
+         const std::optional<TensorView>& bias, const std::optional<TensorView>& out,
+         const std::optional<TensorView>& gathered, bool trans_b, bool return_gathered, int tp,
+         int device, Algorithm algorithm, int chunks, int comm_sms, int comm_ctas,
+         Backend backend) {
+        const CollectiveMatmulConfig request = request_of(op, trans_b, return_gathered, algorithm,
+                                                          backend, chunks, comm_sms, comm_ctas);
+        const CollectiveMatmulArgs args{.a = a,
+                                        .b = b,
+                                        .bias = meta_or_absent(bias),
+                                        .out = meta_or_absent(out),
+                                        .gathered = meta_or_absent(gathered)};
+        return describe_call(request, args, tp, device);
+      },
+      "op"_a, "a"_a, "b"_a, "bias"_a.none(), "out"_a.none(), "gathered"_a.none(), "trans_b"_a,
+      "return_gathered"_a, "tp"_a, "device"_a, "algorithm"_a, "chunks"_a, "comm_sms"_a,
+      "comm_ctas"_a, "backend"_a,
+      "Checks one call on its arrays' metadata (ArrayMeta) for a group of `tp` on `device` (-1: "
+      "CPU tensors) and returns the config its plan is built with (see "
+      "meshla/collective_matmul.hpp).");
+
+  nb::class_<CollectiveMatmul>(m, "CollectiveMatmul",
+                               "A collective-matmul plan for one config on one group.")
       .def(
           "execute",
-          [](PythonCollectiveMatmul& plan, const Array& a, const Array& b,
+          [](CollectiveMatmul& plan, const Array& a, const Array& b,
              const std::optional<Array>& bias, const Array& out,
              const std::optional<Array>& gathered, std::uintptr_t stream) {
             CollectiveMatmulArgs args{.a = view_of(a, "a"),
@@ -94,32 +148,16 @@ void bind_collective(nb::module_& m) {
           },
           "a"_a, "b"_a, "bias"_a.none(), "out"_a, "gathered"_a.none(), "stream"_a,
           "Enqueues the op on `stream` (a cudaStream_t as an integer).")
-      .def_prop_ro("algorithm",
-                   [](const PythonCollectiveMatmul& p) { return p.config().algorithm; })
-      .def_prop_ro("backend", [](const PythonCollectiveMatmul& p) { return p.config().backend; })
-      .def_prop_ro("chunks", [](const PythonCollectiveMatmul& p) { return p.config().chunks; })
-      .def_prop_ro("comm_sms", [](const PythonCollectiveMatmul& p) { return p.config().comm_sms; })
-      .def_prop_ro("comm_ctas",
-                   [](const PythonCollectiveMatmul& p) { return p.config().comm_ctas; })
-      .def_prop_ro("communicator",
-                   [](const PythonCollectiveMatmul& p) { return p.communicator(); });
+      .def_prop_ro("config", &CollectiveMatmul::config,
+                   "The config with backend, algorithm and chunks resolved.")
+      .def_prop_ro("communicator", &CollectiveMatmul::communicator);
 
-  nb::class_<PythonAllGather>(m, "AllGather",
-                              "An all-gather of [rows, cols] per rank on one communicator, in "
-                              "the order of its group's collective matmuls.")
-      .def(
-          "__init__",
-          [](PythonAllGather* self, const Communicator& comm, const std::string& dtype,
-             std::int64_t rows, std::int64_t cols) {
-            const AllGatherConfig config{.dtype = parse_dtype(dtype), .rows = rows, .cols = cols};
-            nb::gil_scoped_release release;
-            new (self) PythonAllGather(comm, config);
-          },
-          "comm"_a, "dtype"_a, "rows"_a, "cols"_a)
+  nb::class_<AllGather>(m, "AllGather",
+                        "An all-gather of [rows, cols] per rank on one group, in the order of its "
+                        "collective matmuls.")
       .def(
           "execute",
-          [](PythonAllGather& plan, const Array& rows, const Array& gathered,
-             std::uintptr_t stream) {
+          [](AllGather& plan, const Array& rows, const Array& gathered, std::uintptr_t stream) {
             const TensorView rows_view = view_of(rows, "rows");
             const TensorView gathered_view = view_of(gathered, "gathered");
             nb::gil_scoped_release release;
@@ -127,6 +165,36 @@ void bind_collective(nb::module_& m) {
           },
           "rows"_a, "gathered"_a, "stream"_a,
           "Enqueues the all-gather of `rows` into `gathered` on `stream` (a cudaStream_t).");
+
+  nb::class_<PythonPlans>(m, "CollectivePlans",
+                          "A group's plans by config, built on first use (collectively).")
+      .def(nb::init<Communicator>(), "comm"_a)
+      .def(
+          "matmul",
+          [](PythonPlans& plans, const CollectiveMatmulConfig& config) -> CollectiveMatmul& {
+            nb::gil_scoped_release release;
+            return plans.matmul(config);
+          },
+          "config"_a, nb::rv_policy::reference_internal,
+          "The group's plan for `config` (describe_call's), built on first use: every rank asks "
+          "for the same configs in the same order.")
+      .def(
+          "all_gather",
+          [](PythonPlans& plans, DType dtype, std::int64_t rows, std::int64_t cols) -> AllGather& {
+            nb::gil_scoped_release release;
+            return plans.all_gather({.dtype = dtype, .rows = rows, .cols = cols});
+          },
+          "dtype"_a, "rows"_a, "cols"_a, nb::rv_policy::reference_internal,
+          "The group's all-gather of [rows, cols] a rank, built on first use.")
+      .def(
+          "clear",
+          [](PythonPlans& plans) {
+            nb::gil_scoped_release release;
+            plans.clear();
+          },
+          "Lets go of every plan (each waits for its last execution).")
+      .def("__len__", &PythonPlans::size)
+      .def_prop_ro("communicator", &PythonPlans::communicator);
 }
 
 }  // namespace meshla::bindings

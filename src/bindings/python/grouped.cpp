@@ -19,8 +19,8 @@ void bind_grouped(nb::module_& m) {
 
   m.def(
       "packed_group_stride",
-      [](std::int64_t out_features, std::int64_t in_features, const std::string& dtype) {
-        return packed_group_stride(out_features, in_features, parse_dtype(dtype));
+      [](std::int64_t out_features, std::int64_t in_features, DType dtype) {
+        return packed_group_stride(out_features, in_features, dtype);
       },
       "out_features"_a, "in_features"_a, "dtype"_a,
       "Elements between groups of a packed [G, out, in] buffer whose groups start on 256-byte "
@@ -31,9 +31,9 @@ void bind_grouped(nb::module_& m) {
       .def(nb::init<int>(), "device"_a)
       .def(
           "workspace_bytes",
-          [](const GroupedMatmul& self, GroupedPass pass, const std::string& dtype,
-             std::int64_t num_groups, std::int64_t out_features) {
-            return self.workspace_bytes(pass, parse_dtype(dtype), num_groups, out_features);
+          [](const GroupedMatmul& self, GroupedPass pass, DType dtype, std::int64_t num_groups,
+             std::int64_t out_features) {
+            return self.workspace_bytes(pass, dtype, num_groups, out_features);
           },
           "grouped_pass"_a, "dtype"_a, "num_groups"_a, "out_features"_a)
       .def(

@@ -107,6 +107,7 @@ NB_MODULE(_meshla, m) {
       "How many handles share the communicator's state: its Communicator objects and those of the "
       "plans made on it, which CUDA graphs that captured their runs keep (for tests and "
       "diagnostics).");
+  bindings::bind_arrays(m);
   bindings::bind_collective(m);
   bindings::bind_grouped(m);
   bindings::bind_solver(m);

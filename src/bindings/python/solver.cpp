@@ -29,10 +29,10 @@ CholeskyFactorization parse_cholesky(const std::string& name) {
 }
 
 // The problem as the Python front ends describe it (dtype and factorization by name).
-SolverProblem problem_of(std::int64_t n, const std::string& dtype, std::int64_t nrhs,
-                         std::int64_t tile, bool overwrite_a, const std::string& cholesky) {
+SolverProblem problem_of(std::int64_t n, DType dtype, std::int64_t nrhs, std::int64_t tile,
+                         bool overwrite_a, const std::string& cholesky) {
   return SolverProblem{.n = n,
-                       .dtype = parse_dtype(dtype),
+                       .dtype = dtype,
                        .nrhs = nrhs,
                        .tile = tile,
                        .overwrite_a = overwrite_a,
@@ -49,14 +49,18 @@ void bind_solver(nb::module_& m) {
       .value("eigvalsh", SolverOp::kEigenvalues);
 
   m.def(
-      "solver_layout",
-      [](SolverOp op, std::int64_t n, std::int64_t parts, std::int64_t tile) {
-        const solver::BlockCyclicLayout layout = solver::solver_layout(op, n, parts, tile);
+      "solver_call",
+      [](SolverOp op, std::int64_t n, DType dtype, std::int64_t nrhs, std::int64_t parts,
+         std::int64_t tile, bool overwrite_a) {
+        const solver::BlockCyclicLayout layout = solver::check_solver_call(
+            op, problem_of(n, dtype, nrhs, tile, overwrite_a, "meshla"), parts);
         return std::make_tuple(layout.tile, layout.padded());
       },
-      "op"_a, "n"_a, "parts"_a, "tile"_a = 0,
-      "(tile, padded): the tile a dense solver over `parts` GPUs uses for `op` of order n "
-      "(tile=0: its own choice), and whether n/parts needs padding to a multiple of it.");
+      "op"_a, "n"_a, "dtype"_a, "nrhs"_a, "parts"_a, "tile"_a = 0, "overwrite_a"_a = false,
+      "Checks a call of `op` of order n over `parts` GPUs on its metadata alone (dtype, "
+      "right-hand sides, tile, overwrite_a; what the GPUs would refuse, also for CPU arrays) and "
+      "returns (tile, padded): the tile it runs with (tile=0: meshla's choice) and whether n/parts "
+      "is padded to a multiple of it.");
 
   nb::class_<DenseSolver>(m, "DenseSolver",
                           "cuSolverMg over the GPUs of this process, cusolverDn on one (see "
@@ -71,9 +75,8 @@ void bind_solver(nb::module_& m) {
       .def_prop_ro("devices", &DenseSolver::devices)
       .def(
           "workspace_bytes",
-          [](const DenseSolver& self, SolverOp op, std::int64_t n, const std::string& dtype,
-             std::int64_t nrhs, std::int64_t tile, bool overwrite_a, int part,
-             const std::string& cholesky) {
+          [](const DenseSolver& self, SolverOp op, std::int64_t n, DType dtype, std::int64_t nrhs,
+             std::int64_t tile, bool overwrite_a, int part, const std::string& cholesky) {
             const SolverProblem problem = problem_of(n, dtype, nrhs, tile, overwrite_a, cholesky);
             nb::gil_scoped_release release;
             return self.workspace_bytes(op, problem, part);
@@ -82,9 +85,9 @@ void bind_solver(nb::module_& m) {
           "cholesky"_a = "meshla")
       .def(
           "run",
-          [](DenseSolver& self, SolverOp op, std::int64_t n, const std::string& dtype,
-             std::int64_t nrhs, std::int64_t tile, bool overwrite_a,
-             const std::vector<std::optional<Array>>& a, const std::vector<std::optional<Array>>& b,
+          [](DenseSolver& self, SolverOp op, std::int64_t n, DType dtype, std::int64_t nrhs,
+             std::int64_t tile, bool overwrite_a, const std::vector<std::optional<Array>>& a,
+             const std::vector<std::optional<Array>>& b,
              const std::vector<std::optional<Array>>& out,
              const std::vector<std::optional<Array>>& eigenvalues,
              const std::vector<std::optional<Array>>& logdet,

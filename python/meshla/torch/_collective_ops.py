@@ -1,0 +1,229 @@
+"""The collective matmuls' internal path, which the public functions (meshla.torch.collective) and
+the backwards (meshla.torch._collective_autograd) call: one call's checks and config (the
+extension's describe_call: every shape, dtype and tuning rule, on CPU and CUDA alike), its outputs,
+the torch.ops.meshla ops with their fakes, and the group's plans on CUDA tensors or the references
+on CPU ones.
+
+The ops take the group by its key and the Tuning as ints. A call goes through its op only where
+something needs to see it (meshla.torch._library.needs_the_op); otherwise it runs the op's work
+(the *_into functions) on the group and Tuning themselves, as do calls with outputs given (an op
+that fills an output given needs a schema of its own), where torch.compile breaks its graph on CUDA
+tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshla import _meshla
+from meshla.torch import _library, _reference
+from meshla.torch._dtypes import meta
+from meshla.torch._group import TPGroup, group_of
+from meshla.torch._tuning import Tuning
+
+OPS = _meshla.CollectiveOp
+
+
+def place_of(op: str, a, group: TPGroup) -> int:
+    """Where a call on ``a`` runs, as describe_call counts: the group's GPU for CUDA tensors, -1 for
+    CPU tensors (the reference over the group's process group); meta tensors stand in for the
+    group's own."""
+    if a.device.type == "meta":
+        return -1 if group.comm is None else group.comm.device
+    if a.device.type == "cpu":
+        if group.process_group is None:
+            raise ValueError(f"{op}: CPU tensors need a TPGroup with a torch.distributed process "
+                             "group")
+        return -1
+    if group.comm is None:
+        raise ValueError(f"{op}: a is on {a.device} but this TPGroup has no CUDA communicator (it "
+                         "was built for CPU tensors)")
+    return group.comm.device
+
+
+def describe(op, a, b, bias, group: TPGroup, trans_b: bool, tuning: Tuning, out=None,
+             gathered=None, return_gathered: bool = False) -> _meshla.CollectiveMatmulConfig:
+    """The call's config, checked by the extension (describe_call) on the tensors' metadata."""
+    place = place_of(op.name, a, group)
+
+    def of(name, t):  # a meta tensor stands in for one where the call runs
+        return meta(name, t, place if t is not None and t.device.type == "meta" else None)
+
+    return _meshla.describe_call(
+        op, of("a", a), of("b", b), of("bias", bias), of("out", out), of("gathered", gathered),
+        trans_b, return_gathered, group.size, place, tuning.algorithm, tuning.chunks,
+        tuning.comm_sms, tuning.comm_ctas, tuning.backend)
+
+
+def _made(given, shape, like):
+    """The output the caller gave (describe_call checked it), or a fresh one of ``shape``."""
+    return given if given is not None else like.new_empty(shape)
+
+
+def _run(config, group: TPGroup, a, b, bias, out, gathered, given=()):
+    """Executes the group's plan for ``config`` into ``out`` (and ``gathered``); ``given`` are
+    those of them the caller passed (out=, gathered_out=)."""
+    capsule = _library.capsule
+    group.plan(config).execute(
+        capsule(a.contiguous()), capsule(b.contiguous()),
+        capsule(None if bias is None else bias.contiguous()), capsule(out), capsule(gathered),
+        _library.current_stream(a.get_device()))
+    # The plan writes through DLPack, which autograd does not see: a caller's output that a
+    # backward saved must read as changed, as after torch's own out= ops, or that backward would
+    # use the new contents without a word.
+    for written in given:
+        if written is not None:
+            torch.autograd.graph.increment_version(written)
+
+
+def _refuse_autograd(op: str, *tensors):
+    """The ops carry no autograd (the autograd.Functions call them without grad): called directly
+    on inputs that require grad, their gradients would be missing, or on CPU wrong."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            f"torch.ops.meshla.{op} has no autograd: call meshla.torch's function of that name, "
+            "its differentiable form, or call the op under torch.no_grad()")
+
+
+def _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning, out,
+                            gathered_out):
+    """(product, gathered a or None), into the outputs given or fresh ones."""
+    config = describe(OPS.all_gather_matmul, a, b, bias, group, trans_b, tuning, out,
+                      gathered_out, return_gathered)
+    if a.device.type == "cpu":
+        gathered = _reference.gathered_rows(a, group)
+        product = _reference.product(gathered, b, bias, trans_b, True).to(a.dtype)
+        return (_reference.deliver(product, out),
+                _reference.deliver(gathered, gathered_out) if return_gathered else None)
+    product = _made(out, config.product_shape(group.size), a)
+    gathered = _made(gathered_out, (config.m, config.k), a) if return_gathered else None
+    _run(config, group, a, b, bias, product, gathered, (out, gathered_out))
+    return product, gathered
+
+
+@_library.define("all_gather_matmul(Tensor a, Tensor b, Tensor? bias, int group, "
+                 "bool trans_b, bool return_gathered, int[] tuning) -> (Tensor, Tensor)")
+def _all_gather_matmul_op(a, b, bias, group, trans_b, return_gathered, tuning):
+    _refuse_autograd("all_gather_matmul", a, b, bias)
+    # The gathered a is [0, k] where it is not asked for: an op returns tensors.
+    product, gathered = _all_gather_matmul_into(a, b, bias, group_of(group), trans_b,
+                                                return_gathered, Tuning.of_ints(tuning), None,
+                                                None)
+    return product, gathered if return_gathered else a.new_empty(0, a.shape[1])
+
+
+@torch.library.register_fake("meshla::all_gather_matmul")
+def _(a, b, bias, group, trans_b, return_gathered, tuning):
+    tp_group = group_of(group)
+    config = describe(OPS.all_gather_matmul, a, b, bias, tp_group, trans_b,
+                      Tuning.of_ints(tuning), return_gathered=return_gathered)
+    return (a.new_empty(config.product_shape(tp_group.size)),
+            a.new_empty(config.m if return_gathered else 0, config.k))
+
+
+def all_gather_matmul(a, b, bias, group, trans_b, return_gathered, tuning, out=None,
+                      gathered_out=None):
+    """(product, gathered a or None): the op where something needs to see it, else its work."""
+    if out is None and gathered_out is None and _library.needs_the_op((a, b, bias)):
+        product, gathered = _all_gather_matmul_op(a, b, bias, group.key, trans_b,
+                                                  return_gathered, tuning.ints())
+        return product, gathered if return_gathered else None
+    return _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning, out,
+                                   gathered_out)
+
+
+def _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out):
+    config = describe(OPS.matmul_reduce_scatter, a, b, bias, group, trans_b, tuning, out)
+    if a.device.type == "cpu":
+        total = _reference.summed_over_ranks(a, b, bias, trans_b, group)
+        rows = config.product_shape(group.size)[0]
+        # A copy: a view would keep the whole sum alive (and an op's output must start at
+        # offset 0, as its fake does).
+        own_rows = total[group.rank * rows:(group.rank + 1) * rows].to(a.dtype, copy=True)
+        return _reference.deliver(own_rows, out)
+    product = _made(out, config.product_shape(group.size), a)
+    _run(config, group, a, b, bias, product, None, (out,))
+    return product
+
+
+@_library.define("matmul_reduce_scatter(Tensor a, Tensor b, Tensor? bias, int group, "
+                 "bool trans_b, int[] tuning) -> Tensor")
+def _matmul_reduce_scatter_op(a, b, bias, group, trans_b, tuning):
+    _refuse_autograd("matmul_reduce_scatter", a, b, bias)
+    return _matmul_reduce_scatter_into(a, b, bias, group_of(group), trans_b,
+                                       Tuning.of_ints(tuning), None)
+
+
+@torch.library.register_fake("meshla::matmul_reduce_scatter")
+def _(a, b, bias, group, trans_b, tuning):
+    tp_group = group_of(group)
+    config = describe(OPS.matmul_reduce_scatter, a, b, bias, tp_group, trans_b,
+                      Tuning.of_ints(tuning))
+    return a.new_empty(config.product_shape(tp_group.size))
+
+
+def matmul_reduce_scatter(a, b, bias, group, trans_b, tuning, out=None):
+    if out is None and _library.needs_the_op((a, b, bias)):
+        return _matmul_reduce_scatter_op(a, b, bias, group.key, trans_b, tuning.ints())
+    return _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out)
+
+
+def _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out):
+    config = describe(OPS.matmul_all_reduce, a, b, bias, group, trans_b, tuning, out)
+    if a.device.type == "cpu":
+        total = _reference.summed_over_ranks(a, b, bias, trans_b, group)
+        return _reference.deliver(total.to(a.dtype), out)
+    product = _made(out, config.product_shape(group.size), a)
+    _run(config, group, a, b, bias, product, None, (out,))
+    return product
+
+
+@_library.define("matmul_all_reduce(Tensor a, Tensor b, Tensor? bias, int group, "
+                 "bool trans_b, int[] tuning) -> Tensor")
+def _matmul_all_reduce_op(a, b, bias, group, trans_b, tuning):
+    _refuse_autograd("matmul_all_reduce", a, b, bias)
+    return _matmul_all_reduce_into(a, b, bias, group_of(group), trans_b, Tuning.of_ints(tuning),
+                                   None)
+
+
+@torch.library.register_fake("meshla::matmul_all_reduce")
+def _(a, b, bias, group, trans_b, tuning):
+    tp_group = group_of(group)
+    config = describe(OPS.matmul_all_reduce, a, b, bias, tp_group, trans_b,
+                      Tuning.of_ints(tuning))
+    return a.new_empty(config.product_shape(tp_group.size))
+
+
+def matmul_all_reduce(a, b, bias, group, trans_b, tuning, out=None):
+    if out is None and _library.needs_the_op((a, b, bias)):
+        return _matmul_all_reduce_op(a, b, bias, group.key, trans_b, tuning.ints())
+    return _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out)
+
+
+def _all_gather_rows(rows, group: TPGroup):
+    """[tp * r, c] from every rank's [r, c] ``rows``, in rank order."""
+    if rows.device.type == "cpu":
+        return _reference.gathered_rows(rows, group)
+    gathered = rows.new_empty(rows.shape[0] * group.size, rows.shape[1])
+    plan = group.all_gather_plan(rows.dtype, rows.shape[0], rows.shape[1])
+    plan.execute(_library.capsule(rows.contiguous()), _library.capsule(gathered),
+                 _library.current_stream(rows.get_device()))
+    return gathered
+
+
+@_library.define("all_gather(Tensor rows, int group) -> Tensor")
+def _all_gather_op(rows, group):
+    _refuse_autograd("all_gather", rows)
+    return _all_gather_rows(rows, group_of(group))
+
+
+@torch.library.register_fake("meshla::all_gather")
+def _(rows, group):
+    return rows.new_empty(rows.shape[0] * group_of(group).size, rows.shape[1])
+
+
+def all_gather(rows, group: TPGroup):
+    """Every rank's rows, gathered (a backward that gathers its forward's rows again)."""
+    if _library.needs_the_op((rows,)):
+        return _all_gather_op(rows, group.key)
+    return _all_gather_rows(rows, group)

@@ -1,0 +1,159 @@
+"""Tensor-parallel groups (:class:`TPGroup`) and the ways to make one."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import meshla
+from meshla import _meshla
+from meshla.torch._dtypes import DTYPES
+
+# Every TPGroup by its key, which the torch.ops.meshla ops take in its place (an op's arguments
+# are tensors and numbers); a group is dropped from here when its last user lets it go.
+_GROUPS: weakref.WeakValueDictionary[int, TPGroup] = weakref.WeakValueDictionary()
+_GROUP_KEYS = itertools.count()
+_GROUPS_LOCK = threading.Lock()  # for free-threaded Python: next() on a count is not atomic
+
+
+@atexit.register
+def _quiet_leaks_after_compile():
+    """torch.compile's caches (guards, graphs) hold meshla's types and functions, and the plans of
+    the groups that compiled code ran on, until after the extension is torn down, where nanobind
+    would report them as leaks of the bindings (its switch for this exists for PyTorch's case).
+    Programs that compiled nothing keep the warnings, so the bindings' own leaks still show."""
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    if counters is not None and counters["stats"]["unique_graphs"]:
+        _meshla.set_leak_warnings(False)
+
+
+def group_of(key: int) -> TPGroup:
+    group = _GROUPS.get(key)
+    if group is None:
+        raise ValueError(f"TPGroup {key} no longer exists: keep the group alive while ops (or "
+                         "graphs compiled with them) that use it run")
+    return group
+
+
+@dataclass(eq=False)
+class TPGroup:
+    """A tensor-parallel group.
+
+    ``comm`` is the NCCL communicator for CUDA tensors (None where the group has no GPU);
+    ``process_group`` the torch.distributed group used by the CPU reference path (None for groups
+    made by :func:`local_groups` or :func:`group_from_mpi`); ``device`` the communicator's GPU,
+    or the CPU; ``key`` names the group in the torch.ops.meshla ops.
+    """
+
+    rank: int
+    size: int
+    comm: _meshla.Communicator | None = None
+    process_group: Any = None
+    device: torch.device = field(init=False)
+    key: int = field(init=False)
+    # The group's plans by config (meshla's core cache, CollectivePlans); None for a group of CPU
+    # tensors. The nccl and symmetric plans of a group keep their buffers and cuBLASLt workspace in
+    # one workspace sized by the largest shape, so a plan per shape costs its GEMMs' tuning, not
+    # device memory.
+    _plans: _meshla.CollectivePlans | None = field(init=False, repr=False)
+
+    def __post_init__(self):
+        # Plain attributes, which torch.compile reads as constants.
+        self.device = (torch.device("cpu") if self.comm is None
+                       else torch.device("cuda", self.comm.device))
+        self._plans = None if self.comm is None else _meshla.CollectivePlans(self.comm)
+        with _GROUPS_LOCK:
+            self.key = next(_GROUP_KEYS)
+            _GROUPS[self.key] = self
+        if self.comm is not None:
+            meshla._release_communicators_no_more_at_exit()
+
+    # A group is a handle to this process's communicators: copies of what holds one (a layer
+    # deep-copied for an EMA or a reference model) run in the same group.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("a TPGroup cannot be pickled: its communicators belong to this process; "
+                        "make the group again where the object is unpickled")
+
+    def plan(self, config: _meshla.CollectiveMatmulConfig) -> _meshla.CollectiveMatmul:
+        """The group's plan for ``config`` (describe_call's), built on first use; valid until the
+        group's plans are cleared."""
+        if self._plans is None:
+            raise ValueError(f"{config.op.name}: this TPGroup has no CUDA communicator (it was "
+                             "built for CPU tensors)")
+        return self._plans.matmul(config)
+
+    def all_gather_plan(self, dtype: torch.dtype, rows: int, cols: int) -> _meshla.AllGather:
+        """The group's all-gather of [rows, cols] per rank (for a backward that gathers rows
+        again), in the order of its collective matmuls."""
+        return self._plans.all_gather(DTYPES[dtype], rows, cols)
+
+
+def _cuda_device(device) -> int | None:
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"device={device} is neither a CUDA device nor the CPU")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def group_from_process_group(group=None, device=None, timeout_s: float = 300.0) -> TPGroup:
+    """The TPGroup of a torch.distributed process group (the default group if None).
+
+    Collective over ``group``. Its rank 0 makes the NCCL unique id and broadcasts it through the
+    group itself, whatever its backend (gloo, nccl, mpi). ``device`` is this rank's GPU (default:
+    the current one); pass ``"cpu"``, or run without GPUs, for a CPU-only group.
+    """
+    if not dist.is_initialized():
+        raise ValueError("group_from_process_group: torch.distributed is not initialized")
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    size = dist.get_world_size(group)
+    cuda_device = _cuda_device(device)
+    if cuda_device is None:
+        return TPGroup(rank=rank, size=size, process_group=group)
+    unique = _exchange_unique_id(group)
+    comm = _meshla.Communicator(unique, rank, size, cuda_device, timeout_s=timeout_s)
+    return TPGroup(rank=rank, size=size, comm=comm, process_group=group)
+
+
+def _exchange_unique_id(group) -> bytes:
+    """A unique id made on the group's rank 0 and broadcast over the group (any backend)."""
+    payload = [_meshla.unique_id() if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(payload, group_src=0, group=group)
+    return payload[0]
+
+
+def group_from_mpi(mpi_comm, device=None, timeout_s: float = 300.0) -> TPGroup:
+    """The TPGroup of an mpi4py communicator; the unique id travels by ``mpi_comm.bcast``."""
+    rank = mpi_comm.Get_rank()
+    size = mpi_comm.Get_size()
+    cuda_device = _cuda_device(device)
+    if cuda_device is None:
+        raise ValueError("group_from_mpi: needs a CUDA device; use a gloo process group on CPU")
+    unique = mpi_comm.bcast(_meshla.unique_id() if rank == 0 else None, root=0)
+    comm = _meshla.Communicator(unique, rank, size, cuda_device, timeout_s=timeout_s)
+    return TPGroup(rank=rank, size=size, comm=comm)
+
+
+def local_groups(devices, timeout_s: float = 300.0) -> list[TPGroup]:
+    """One TPGroup per device for a group driven by this process, each used from its own thread."""
+    devices = [_cuda_device(d) if not isinstance(d, int) else d for d in devices]
+    comms = _meshla.Communicator.create_local(devices, timeout_s=timeout_s)
+    return [TPGroup(rank=c.rank, size=c.size, comm=c) for c in comms]

@@ -1,0 +1,195 @@
+"""Collective matmul for tensor parallelism: the public functions. On CUDA tensors they run
+meshla's plans on the current CUDA stream, so they can be captured in a CUDA graph once each shape
+has run eagerly; on CPU tensors a reference (torch.distributed collective + matmul) over the
+group's process group, so the same code runs on a machine without GPUs. Every shape, dtype and
+tuning rule is the extension's (describe_call), on both."""
+
+from __future__ import annotations
+
+import torch
+
+from meshla import _meshla
+from meshla.torch import _collective_autograd as autograd
+from meshla.torch import _collective_ops as ops
+from meshla.torch._group import TPGroup
+from meshla.torch._tuning import Tuning
+
+__all__ = ["all_gather_matmul", "column_parallel_matmul", "matmul_all_reduce",
+           "matmul_reduce_scatter"]
+
+
+def _autocast(a, b, bias, *outputs):
+    """The operands as torch.autocast would give them to a matmul: its dtype where it is on for
+    their device (e.g. bf16 activations beside fp32 weights); float64 and calls with outputs
+    given (as torch leaves ``out=`` calls) unchanged."""
+    if not isinstance(a, torch.Tensor):
+        return a, b, bias
+    device_type = a.device.type
+    if (device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type)
+            or any(given is not None for given in outputs)):
+        return a, b, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    castable = (torch.float32, torch.float16, torch.bfloat16)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in castable else t
+                 for t in (a, b, bias))
+
+
+def _prepare(op: str, a, b, bias, group: TPGroup, algorithm, chunks, comm_sms, comm_ctas,
+             backend, *outputs):
+    """A call's operands as it runs them (see _autocast) and its Tuning. The rules of shapes,
+    dtypes and tuning are the extension's, applied where the call runs (describe_call); here only
+    what is the framework's: the group's type, tensors where tensors go."""
+    if not isinstance(group, TPGroup):
+        raise ValueError(f"{op}: group must be a meshla.torch.TPGroup, got {type(group).__name__}")
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    a, b, bias = _autocast(a, b, bias, *outputs)
+    return a, b, bias, Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+
+
+def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:
+    """Whether the op runs under autograd; the outputs given and backend=cublasmp are refused
+    there, as torch refuses ``out=`` on differentiable calls."""
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
+        return False
+    for name, given in outputs.items():
+        if given is not None:
+            raise NotImplementedError(
+                f"{op}: {name}= does not support autograd, but an input requires grad; leave it "
+                "out or call under torch.no_grad()")
+    if tuning.backend == _meshla.Backend.cublasmp:
+        raise NotImplementedError(
+            f"{op}: backend=cublasmp runs no backward here (it cannot return the gathered rows "
+            "that the collective matmuls' backward needs); use backend='nccl' or 'symmetric', or "
+            "call under torch.no_grad()")
+    return True
+
+
+def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
+                      return_gathered: bool = False, out=None, gathered_out=None,
+                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
+                      backend="auto", recompute_gathered: bool = False,
+                      fuse_wgrad_accumulation: bool = False):
+    """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
+
+    ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
+    product, and with ``return_gathered`` also the gathered [m, k] ``a``.
+    ``out`` and ``gathered_out`` are optional preallocated outputs.
+
+    ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas`` choose how the data
+    moves and how it overlaps the GEMM (see :class:`Tuning`); the defaults are meshla's measured
+    choices.
+
+    Differentiable in ``a``, ``b`` and ``bias`` (a column-parallel layer with sequence
+    parallelism): ``a``'s gradient is the reduce-scatter of the product's gradient times ``b``ᵀ
+    (a :func:`matmul_reduce_scatter`), ``b``'s and ``bias``'s are this rank's own. ``b``'s
+    gradient needs the gathered ``a`` (which carries no gradient itself): kept from the forward,
+    or with ``recompute_gathered`` gathered again in the backward (one more all-gather there,
+    for tp times less memory kept; also where ``return_gathered`` gives the caller the gathered
+    rows, which the backward does not hold on to). Every rank of the group must run the
+    backward, as it runs the forward, with the same inputs requiring grad and the same
+    ``recompute_gathered``. Under torch.autocast the operands are cast to its dtype as for a
+    matmul, unless outputs are given. ``fuse_wgrad_accumulation`` adds ``b``'s gradient to
+    ``b.main_grad`` instead (see :func:`column_parallel_matmul`).
+    """
+    op = _meshla.CollectiveOp.all_gather_matmul
+    weight = b
+    a, b, bias, tuning = _prepare(op.name, a, b, bias, group, algorithm, chunks,
+                                  comm_sms, comm_ctas, backend, out, gathered_out)
+    if _wants_grad(op.name, (a, b, bias), tuning, out=out, gathered_out=gathered_out):
+        return autograd.AllGatherMatmul.apply(a, b, bias, group, trans_b, tuning, return_gathered,
+                                      recompute_gathered,
+                                      autograd.fused_wgrad(op.name, weight, b,
+                                                           fuse_wgrad_accumulation))
+    product, gathered = ops.all_gather_matmul(a, b, bias, group, trans_b, return_gathered,
+                                              tuning, out, gathered_out)
+    return (product, gathered) if return_gathered else product
+
+
+def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
+                          algorithm="auto", chunks: int = 0, comm_sms: int = -1,
+                          comm_ctas: int = 0, backend="auto",
+                          fuse_wgrad_accumulation: bool = False):
+    """This rank's [m/tp, n] row block of ``sum over ranks(a @ b) (+ bias)``.
+
+    ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``): the slices of
+    a row-parallel linear layer. The bias is added once, not once per rank.
+
+    Differentiable in ``a``, ``b`` and ``bias`` (a row-parallel layer with sequence parallelism):
+    the output's gradient is all-gathered (fused with ``a``'s gradient in an
+    :func:`all_gather_matmul` where ``a`` needs one, a plain all-gather otherwise), so ``b``'s
+    gradient is complete, and so is ``bias``'s: summed over
+    every rank's rows, on every rank (do not all-reduce it again, unlike Megatron-LM's
+    sequence-parallel bias, whose partial sums it all-reduces later). Every rank of the group must
+    run the backward, as it runs the forward, with the same inputs requiring grad.
+    ``fuse_wgrad_accumulation`` as in :func:`column_parallel_matmul`.
+    """
+    op = _meshla.CollectiveOp.matmul_reduce_scatter
+    weight = b
+    a, b, bias, tuning = _prepare(op.name, a, b, bias, group, algorithm, chunks,
+                                  comm_sms, comm_ctas, backend, out)
+    if _wants_grad(op.name, (a, b, bias), tuning, out=out):
+        return autograd.MatmulReduceScatter.apply(
+            a, b, bias, group, trans_b, tuning,
+            autograd.fused_wgrad(op.name, weight, b, fuse_wgrad_accumulation))
+    return ops.matmul_reduce_scatter(a, b, bias, group, trans_b, tuning, out)
+
+
+def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False, out=None,
+                      algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
+                      backend="auto", fuse_wgrad_accumulation: bool = False):
+    """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank.
+
+    Differentiable in ``a``, ``b`` and ``bias`` (a row-parallel layer without sequence
+    parallelism): the result is the same on every rank, so each rank's loss is taken as the same
+    function of it and its gradient is used as it is, with no communication (as Megatron-LM's
+    row-parallel layer does). ``fuse_wgrad_accumulation`` as in :func:`column_parallel_matmul`.
+    """
+    op = _meshla.CollectiveOp.matmul_all_reduce
+    weight = b
+    a, b, bias, tuning = _prepare(op.name, a, b, bias, group, algorithm, chunks,
+                                  comm_sms, comm_ctas, backend, out)
+    if _wants_grad(op.name, (a, b, bias), tuning, out=out):
+        return autograd.MatmulAllReduce.apply(a, b, bias, group, trans_b, tuning,
+                                      autograd.fused_wgrad(op.name, weight, b,
+                                                           fuse_wgrad_accumulation))
+    return ops.matmul_all_reduce(a, b, bias, group, trans_b, tuning, out)
+
+
+def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
+                           algorithm="auto", chunks: int = 0, comm_sms: int = -1,
+                           comm_ctas: int = 0, backend="auto",
+                           fuse_wgrad_accumulation: bool = False):
+    """``a @ b (+ bias)`` for a column-parallel layer without sequence parallelism: ``a`` [m, k]
+    is the same on every rank, ``b`` this rank's [k, n] column slice ([n, k] with ``trans_b``).
+
+    The forward is a local GEMM. Differentiable in ``a``, ``b`` and ``bias``: ``a``'s gradient is
+    summed over the ranks, its GEMM fused with that all-reduce (a :func:`matmul_all_reduce`, with
+    ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas``); ``b``'s and
+    ``bias``'s are this rank's own. It is the conjugate of :func:`matmul_all_reduce`, as
+    Megatron-LM's column-parallel layer is of its row-parallel one; with sequence parallelism, use
+    :func:`all_gather_matmul`. Every rank of the group must run the backward, with the same
+    inputs requiring grad.
+
+    ``fuse_wgrad_accumulation``: the backward adds ``b``'s gradient to ``b.main_grad`` (float32 or
+    ``b``'s dtype, ``b``'s shape and device, made by the caller, e.g. Megatron-LM's distributed
+    optimizer) and gives ``b`` no ``.grad``; a float32 main_grad of 16-bit operands takes one GEMM
+    with a float32 output (torch >= 2.10; before, the 16-bit product is added). ``b`` carrying
+    Megatron's ``grad_added_to_main_grad`` mark gets it set and a placeholder ``.grad`` that
+    Megatron's DDP drops (zeros where ``b`` has ``zero_out_wgrad``, which it adds), as
+    TransformerEngine's layers give them. Megatron-FSDP's ``b`` (``__fsdp_param__``) gives its
+    main_grad through ``get_main_grad()``, and with ``overwrite_main_grad`` the gradient replaces
+    the main_grad's contents instead. A trained ``b`` must be in the compute dtype: under
+    torch.autocast it is not cast. Eager only: torch.compile breaks its graph at the call
+    (``fullgraph=True`` refuses it).
+    """
+    name = "column_parallel_matmul"
+    weight = b
+    a, b, bias, tuning = _prepare(name, a, b, bias, group, algorithm, chunks,
+                                  comm_sms, comm_ctas, backend)
+    if _wants_grad(name, (a, b, bias), tuning):
+        return autograd.ColumnParallelMatmul.apply(a, b, bias, group, trans_b, tuning,
+                                           autograd.fused_wgrad(name, weight, b,
+                                                                fuse_wgrad_accumulation))
+    return autograd.local_product(a, b, bias, trans_b)
