@@ -1,6 +1,24 @@
-"""JAX front end of meshla: distributed dense solvers over the GPUs of a mesh
-(:mod:`meshla.jax.linalg`)."""
+"""JAX front end of meshla: collective matmuls for tensor parallelism
+(:mod:`meshla.jax.collective`, also importable from here) and distributed dense solvers over the
+GPUs of a mesh (:mod:`meshla.jax.linalg`)."""
 
-from meshla.jax import linalg
+from meshla.jax import collective, linalg
+from meshla.jax.collective import (
+    all_gather_matmul,
+    all_gather_matmul_global,
+    matmul_all_reduce,
+    matmul_all_reduce_global,
+    matmul_reduce_scatter,
+    matmul_reduce_scatter_global,
+)
 
-__all__ = ["linalg"]
+__all__ = [
+    "all_gather_matmul",
+    "all_gather_matmul_global",
+    "collective",
+    "linalg",
+    "matmul_all_reduce",
+    "matmul_all_reduce_global",
+    "matmul_reduce_scatter",
+    "matmul_reduce_scatter_global",
+]

@@ -32,9 +32,7 @@ code written for GPUs runs unchanged on a development machine.
 
 from __future__ import annotations
 
-import atexit
 import functools
-import threading
 from typing import NamedTuple
 
 import jax
@@ -45,6 +43,8 @@ from jax.sharding import PartitionSpec as P
 
 from meshla import _meshla
 from meshla.jax._dtypes import dtype_of
+from meshla.jax._ffi import register_targets
+from meshla.jax._groups import axis_groups
 
 __all__ = [
     "cho_solve",
@@ -74,26 +74,6 @@ class Eigh(NamedTuple):
     info: jax.Array
 
 
-_registration_lock = threading.Lock()
-_registered = False
-
-
-def _register_targets() -> None:
-    global _registered
-    with _registration_lock:
-        if _registered:
-            return
-        if not _meshla.with_jax:
-            raise NotImplementedError(
-                "meshla was built without XLA's FFI headers (jaxlib was not importable when it "
-                "was built); install jaxlib and reinstall meshla to run the solvers on GPUs"
-            )
-        for name, handler in _meshla.jax_ffi_targets().items():
-            jax.ffi.register_ffi_target(name, handler, platform="CUDA")
-        atexit.register(_meshla.release_jax_solvers)
-        _registered = True
-
-
 def _axis_of(mesh: Mesh, axis: str | None) -> str:
     if axis is None:
         if len(mesh.axis_names) != 1:
@@ -111,11 +91,9 @@ def _on_gpu(mesh: Mesh) -> bool:
 
 
 def _mesh_groups(mesh: Mesh, axis: str) -> tuple[np.ndarray, int]:
-    """CUDA ordinals of every group of GPUs that solves together (the devices along ``axis``
-    for each position on the other axes), group after group."""
-    names = list(mesh.axis_names)
-    order = [names.index(name) for name in names if name != axis] + [names.index(axis)]
-    devices = np.transpose(mesh.devices, order).reshape(-1)
+    """CUDA ordinals of every group of GPUs that solves together (see axis_groups), group after
+    group."""
+    devices = axis_groups(mesh, axis).reshape(-1)
     for device in devices:
         if device.process_index != jax.process_index():
             raise NotImplementedError(
@@ -192,7 +170,7 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
         x = jax.scipy.linalg.cho_solve((factor, True), _gather_rows(b_block, axis))
         logdet = 2.0 * jnp.sum(jnp.log(jnp.real(jnp.diagonal(factor))))
         return CholeskySolve(_own_rows(x, axis, rows), logdet, info, a_block)
-    _register_targets()
+    register_targets()
     working, aliases = _working(a_block, padded)
     call = jax.ffi.ffi_call(
         "meshla_cholesky_solve",
@@ -220,7 +198,7 @@ def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile
         factor, info = _reference_cholesky(_gather_rows(a_block, axis))
         inverse = jax.scipy.linalg.cho_solve((factor, True), jnp.eye(n, dtype=a_block.dtype))
         return _own_rows(inverse, axis, rows), info
-    _register_targets()
+    register_targets()
     call = jax.ffi.ffi_call(
         "meshla_cholesky_inverse",
         (jax.ShapeDtypeStruct(a_block.shape, a_block.dtype), jax.ShapeDtypeStruct((), jnp.int32)),
@@ -247,7 +225,7 @@ def eigh_shard(a_block, *, mesh: Mesh, axis: str | None = None, eigvals_only: bo
         values, vectors = jnp.linalg.eigh(a_full)
         return Eigh(values, _own_rows(vectors, axis, rows),
                     jnp.isnan(values).any().astype(jnp.int32))
-    _register_targets()
+    register_targets()
     working, aliases = _working(a_block, padded)
     values = jax.ShapeDtypeStruct((n,), _real_dtype(a_block.dtype))
     info = jax.ShapeDtypeStruct((), jnp.int32)

@@ -22,7 +22,7 @@ from meshla.torch._group import (
     group_from_process_group,
     local_groups,
 )
-from meshla.torch._tuning import Tuning
+from meshla._tuning import Tuning
 from meshla.torch.collective import (
     all_gather_matmul,
     column_parallel_matmul,

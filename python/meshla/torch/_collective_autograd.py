@@ -11,7 +11,7 @@ from torch.autograd.function import once_differentiable
 
 from meshla.torch import _collective_ops as ops
 from meshla.torch._main_grad import added_to_main_grad, weight_grad_into_main_grad
-from meshla.torch._tuning import Tuning
+from meshla._tuning import Tuning
 
 
 def local_product(a, b, bias, trans_b: bool):
@@ -56,6 +56,11 @@ def _keep_fused_weight(ctx, b, fused: bool):
     ctx.fused_weight = b if fused else None
 
 
+def _backward_tuning(ctx) -> Tuning:
+    """The backward's collective matmuls: the forward's backend, the rest meshla's defaults."""
+    return Tuning.of(backend=ctx.backend, cached=not torch.compiler.is_compiling())
+
+
 class AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, bias, group, trans_b, tuning, return_gathered, recompute_gathered,
@@ -81,7 +86,7 @@ class AllGatherMatmul(torch.autograd.Function):
         grad_a = grad_b = grad_bias = None
         if needs_a:  # grad @ bᵀ, its rows summed over the ranks and scattered back
             grad_a = ops.matmul_reduce_scatter(grad, b, None, ctx.group, not ctx.trans_b,
-                                               Tuning.of(backend=ctx.backend))
+                                               _backward_tuning(ctx))
         if needs_b:
             gathered = ops.all_gather(rows, ctx.group) if ctx.recompute_gathered else rows
             grad_b = _b_grad(ctx, "all_gather_matmul", gathered, grad)
@@ -111,7 +116,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         grad_a = gathered = None
         if needs_a:
             grad_a, gathered = ops.all_gather_matmul(grad, b, None, ctx.group, not ctx.trans_b,
-                                                     needs_rows, Tuning.of(backend=ctx.backend))
+                                                     needs_rows, _backward_tuning(ctx))
         elif needs_rows:
             gathered = ops.all_gather(grad, ctx.group)
         grad_b = _b_grad(ctx, "matmul_reduce_scatter", a, gathered) if needs_b else None

@@ -19,7 +19,7 @@ from meshla import _meshla
 from meshla.torch import _library, _reference
 from meshla.torch._dtypes import meta
 from meshla.torch._group import TPGroup, group_of
-from meshla.torch._tuning import Tuning
+from meshla._tuning import Tuning
 
 OPS = _meshla.CollectiveOp
 

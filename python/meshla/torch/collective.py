@@ -12,7 +12,7 @@ from meshla import _meshla
 from meshla.torch import _collective_autograd as autograd
 from meshla.torch import _collective_ops as ops
 from meshla.torch._group import TPGroup
-from meshla.torch._tuning import Tuning
+from meshla._tuning import Tuning
 
 __all__ = ["all_gather_matmul", "column_parallel_matmul", "matmul_all_reduce",
            "matmul_reduce_scatter"]
@@ -45,7 +45,8 @@ def _prepare(op: str, a, b, bias, group: TPGroup, algorithm, chunks, comm_sms, c
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     a, b, bias = _autocast(a, b, bias, *outputs)
-    return a, b, bias, Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    return a, b, bias, Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend,
+                                  cached=not torch.compiler.is_compiling())
 
 
 def _wants_grad(op: str, tensors, tuning: Tuning, **outputs) -> bool:

@@ -23,7 +23,7 @@ import math
 import torch
 
 from meshla.torch._group import TPGroup
-from meshla.torch._tuning import Tuning
+from meshla._tuning import Tuning
 from meshla.torch.collective import (
     all_gather_matmul,
     column_parallel_matmul,

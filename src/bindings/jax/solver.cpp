@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 
+#include "bindings/jax/ffi_common.hpp"
 #include "core/alignment.hpp"
 #include "core/checks.hpp"
 #include "core/timeout.hpp"
@@ -20,42 +21,6 @@ namespace ffi = xla::ffi;
 
 namespace meshla::jax_ffi {
 namespace {
-
-DType dtype_of(ffi::DataType type, const char* name) {
-  switch (type) {
-    case ffi::DataType::F32:
-      return DType::kFloat32;
-    case ffi::DataType::F64:
-      return DType::kFloat64;
-    case ffi::DataType::C64:
-      return DType::kComplex64;
-    case ffi::DataType::C128:
-      return DType::kComplex128;
-    case ffi::DataType::S32:
-      return DType::kInt32;
-    default:
-      MESHLA_THROW(kInvalidArgument, name << ": XLA element type " << static_cast<int>(type)
-                                          << " is not float32, float64, complex64 or complex128");
-  }
-}
-
-TensorView view_of(const ffi::AnyBuffer& buffer, int device, const char* name) {
-  const ffi::Span<const std::int64_t> dims = buffer.dimensions();
-  MESHLA_CHECK_ARG(dims.size() <= static_cast<std::size_t>(kMaxTensorDims),
-                   name << " has " << dims.size() << " dimensions");
-  TensorView view;
-  view.data = buffer.untyped_data();
-  view.dtype = dtype_of(buffer.element_type(), name);
-  view.device = device;
-  view.ndim = static_cast<int>(dims.size());
-  std::int64_t stride = 1;
-  for (int i = view.ndim - 1; i >= 0; --i) {
-    view.shape[i] = dims[i];
-    view.strides[i] = stride;
-    stride *= dims[i];
-  }
-  return view;
-}
 
 // The DenseSolvers of this process, one per ordered list of CUDA ordinals (the registry's key).
 // Created by the first call on a list, kept for the process (a cuSolverMg handle costs tens of
@@ -134,32 +99,6 @@ void participate(SolverOp op, const SolverProblem& problem, SolverShard shard, i
         solver->run(op, problem, shards);
       },
       timeout);
-}
-
-ffi::Error to_ffi_error(ErrorCode code, const std::string& message) {
-  switch (code) {
-    case ErrorCode::kInvalidArgument:
-      return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
-    case ErrorCode::kNotImplemented:
-      return ffi::Error(ffi::ErrorCode::kUnimplemented, message);
-    case ErrorCode::kTimeout:
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, message);
-    default:
-      return ffi::Error(ffi::ErrorCode::kInternal, message);
-  }
-}
-
-// No exception crosses into XLA.
-template <typename Body>
-ffi::Error guarded(Body&& body) {
-  try {
-    body();
-    return ffi::Error::Success();
-  } catch (const Error& error) {
-    return to_ffi_error(error.code(), error.what());
-  } catch (const std::exception& error) {
-    return ffi::Error::Internal(error.what());
-  }
 }
 
 SolverShard shard_on(cudaStream_t stream, int ordinal, const ffi::AnyBuffer& a,

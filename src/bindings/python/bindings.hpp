@@ -32,5 +32,6 @@ void bind_arrays(nb::module_& m);
 void bind_collective(nb::module_& m);
 void bind_grouped(nb::module_& m);
 void bind_solver(nb::module_& m);
+void bind_jax(nb::module_& m);
 
 }  // namespace meshla::bindings

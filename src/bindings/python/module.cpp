@@ -111,4 +111,5 @@ NB_MODULE(_meshla, m) {
   bindings::bind_collective(m);
   bindings::bind_grouped(m);
   bindings::bind_solver(m);
+  bindings::bind_jax(m);
 }

@@ -1,5 +1,4 @@
-// Python bindings of the dense solvers (meshla/dense_solver.hpp), and the XLA FFI handlers' targets
-// (bindings/jax/solver.hpp) for meshla.jax.
+// Python bindings of the dense solvers (meshla/dense_solver.hpp).
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -12,9 +11,6 @@
 #include "meshla/dense_solver.hpp"
 #include "solver/block_cyclic.hpp"
 #include "solver/solver_validation.hpp"
-#ifdef MESHLA_WITH_JAX
-#include "bindings/jax/solver.hpp"
-#endif
 
 using namespace nanobind::literals;
 
@@ -125,29 +121,6 @@ void bind_solver(nb::module_& m) {
           "(info, logdet, eigenvalues, seconds in the factorization and the cuSOLVER routines). "
           "cholesky: "
           "who factors A, 'meshla' or 'cusolvermg' (the reference).");
-
-#ifdef MESHLA_WITH_JAX
-  m.def(
-      "jax_ffi_targets",
-      [] {
-        nb::dict targets;
-        for (const auto& [name, handler] : jax_ffi::targets()) {
-          targets[nb::str(name.c_str())] = nb::capsule(handler);
-        }
-        return targets;
-      },
-      "XLA FFI handlers of the dense solvers, by target name, for the CUDA platform.");
-  m.def(
-      "release_jax_solvers",
-      [] {
-        nb::gil_scoped_release release;
-        jax_ffi::release_solvers();
-      },
-      "Destroys the DenseSolvers the JAX handlers created.");
-  m.attr("with_jax") = true;
-#else
-  m.attr("with_jax") = false;
-#endif
 }
 
 }  // namespace meshla::bindings

@@ -1,13 +1,11 @@
 """How a collective matmul communicates and overlaps (:class:`Tuning`), parsed from the
-arguments of the public functions."""
+arguments of the public functions of both front ends (meshla.torch and meshla.jax)."""
 
 from __future__ import annotations
 
 import functools
 import operator
 from dataclasses import dataclass, fields
-
-import torch
 
 from meshla import _meshla
 
@@ -29,11 +27,11 @@ class Tuning:
 
     @staticmethod
     def of(algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
-           backend="auto") -> Tuning:
-        # Uncached while torch.compile traces, which warns at every lru_cache call it meets (the
-        # Tuning becomes a constant of the graph anyway), and for an unhashable argument, which
-        # the uncached path then names.
-        if not torch.compiler.is_compiling():
+           backend="auto", *, cached: bool = True) -> Tuning:
+        # Uncached where the caller says so (torch.compile warns at every lru_cache call it
+        # traces; the Tuning becomes a constant of the graph anyway), and for an unhashable
+        # argument, which the uncached path then names.
+        if cached:
             try:
                 return _tuning_of(algorithm, chunks, comm_sms, comm_ctas, backend)
             except TypeError:

@@ -1,0 +1,88 @@
+"""The tensor-parallel groups of meshla.jax's collective matmuls.
+
+A mesh axis gives one group per position on the mesh's other axes (a data × tensor mesh: one
+tensor-parallel group per data index). The first call traced on a (mesh, axis) makes every group
+that holds a GPU of this process and registers each GPU's communicator with the extension under
+one number, the attribute that tells the XLA handlers which group they are in. A group driven by
+this process alone gets its communicators from one call (Communicator.create_local); a group with
+one GPU in each of several processes gets its NCCL id through jax.distributed's key-value store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from meshla import _meshla
+
+_lock = threading.Lock()
+_numbers: dict[tuple, int] = {}
+_next_number = itertools.count()
+
+
+def axis_groups(mesh: Mesh, axis: str) -> np.ndarray:
+    """The devices of every group along ``axis``: [groups, mesh.shape[axis]], each row in the
+    order of the axis (a group's ranks)."""
+    names = list(mesh.axis_names)
+    order = [names.index(name) for name in names if name != axis] + [names.index(axis)]
+    return np.transpose(mesh.devices, order).reshape(-1, mesh.shape[axis])
+
+
+def group_number(mesh: Mesh, axis: str, timeout_s: float) -> int:
+    """The number under which the groups of ``axis`` of ``mesh`` are registered, making them on
+    first use (every process of the mesh traces the same calls, so each makes its part)."""
+    key = (tuple(int(d.id) for d in mesh.devices.flat), tuple(mesh.axis_names), axis)
+    with _lock:
+        number = _numbers.get(key)
+        if number is None:
+            # A number is never reused, so a group half made by a failed attempt cannot clash.
+            number = next(_next_number)
+            for devices in axis_groups(mesh, axis):
+                _make_group(number, devices, repr(key), timeout_s)
+            _numbers[key] = number
+    return number
+
+
+def _make_group(number: int, devices: np.ndarray, mesh_key: str, timeout_s: float) -> None:
+    here = jax.process_index()
+    local = [d for d in devices if d.process_index == here]
+    if not local:
+        return
+    if len(local) == len(devices):
+        comms = _meshla.Communicator.create_local([d.local_hardware_id for d in devices],
+                                                  timeout_s)
+    elif len(local) == 1:
+        rank = list(devices).index(local[0])
+        unique_id = _shared_unique_id(f"{mesh_key}/{[int(d.id) for d in devices]}", rank,
+                                      timeout_s)
+        comms = [_meshla.Communicator(unique_id, rank, len(devices), local[0].local_hardware_id,
+                                      timeout_s)]
+    else:
+        raise NotImplementedError(
+            f"meshla.jax: the group of devices {[int(d.id) for d in devices]} spans processes "
+            f"with {len(local)} of its GPUs in this one; a group is driven by one process, or by "
+            "one process per GPU")
+    for comm in comms:
+        _meshla.register_jax_group(number, comm)
+
+
+def _shared_unique_id(group_key: str, rank: int, timeout_s: float) -> bytes:
+    """The group's NCCL id: made by its rank 0, passed to the others by jax.distributed."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise ValueError(
+            "meshla.jax: a tensor-parallel group spans processes, but jax.distributed is not "
+            "initialized; call jax.distributed.initialize() first")
+    key = "meshla/jax/group/" + hashlib.sha256(group_key.encode()).hexdigest()
+    if rank == 0:
+        unique_id = _meshla.unique_id()
+        client.key_value_set(key, unique_id.hex())
+        return unique_id
+    return bytes.fromhex(client.blocking_key_value_get(key, int(timeout_s * 1000)))

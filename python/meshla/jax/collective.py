@@ -1,0 +1,426 @@
+"""Collective matmul for tensor parallelism in JAX: all-gather→GEMM, GEMM→reduce-scatter and
+GEMM→all-reduce, the communication overlapped with the GEMM.
+
+The plain functions take per-shard arrays inside ``jax.shard_map``, the tensor-parallel group
+named by its mesh axis (``axis_name=``); the ``*_global`` forms take global arrays sharded over a
+mesh. Arguments and meanings are meshla.torch's: ``bias``, ``trans_b`` (weights as [out, in], the
+layout models keep), ``return_gathered``, and the tuning (``backend``, ``algorithm``, ``chunks``,
+``comm_sms``, ``comm_ctas``; see :class:`meshla.torch.Tuning`). Every shape, dtype and tuning
+rule is the extension's (describe_call), checked when the call is traced: bad input raises
+``ValueError`` there, naming the argument and the shapes, with the same words as meshla.torch.
+
+On GPUs each call is one XLA FFI custom call per device. Its prepare stage builds the plan
+(collectively, the first time a shape runs) and its execute stage only enqueues it on XLA's
+stream, so XLA may capture it in a command buffer. The communicators are made when a call on a
+(mesh, axis) is first traced (see ``meshla/jax/_groups.py``): one process driving every GPU of a
+group, or one process per GPU under ``jax.distributed.initialize()``. A peer that never arrives
+ends the call with an error after ``timeout_s``.
+
+On CPU devices the same functions run a ``jax.numpy`` reference (lax collectives and matmuls in
+float32), so a program written for GPUs runs unchanged on a machine without them.
+
+Differentiable (``jax.grad``, ``jax.checkpoint``): each op's backward is its conjugate collective
+(all-gather→GEMM's input gradient is a GEMM→reduce-scatter and the other way round), run by
+meshla on GPUs like the forward. Cotangents follow shard_map's varying-axes types (its default
+``check_vma=True``): the gradient of an input replicated over an axis is summed over it, as
+JAX's own differentiation of the reference sums it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config
+from jax._src.lax.parallel import all_gather_invariant
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from meshla import _meshla
+from meshla._tuning import Tuning
+from meshla.jax import _groups
+from meshla.jax._dtypes import dtype_of
+from meshla.jax._ffi import register_targets
+
+__all__ = [
+    "all_gather_matmul",
+    "all_gather_matmul_global",
+    "matmul_all_reduce",
+    "matmul_all_reduce_global",
+    "matmul_reduce_scatter",
+    "matmul_reduce_scatter_global",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long the GPUs of a group wait for each other (making the group, building a plan)."""
+
+_Op = _meshla.CollectiveOp
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One call as traced: hashable, custom_vjp's non-differentiable argument."""
+
+    op: _meshla.CollectiveOp
+    axis: str
+    tp: int
+    group: int | None  # the registered groups' number on GPUs; None on CPU (the reference)
+    trans_b: bool
+    return_gathered: bool
+    tuning: Tuning
+    out_shape: tuple[int, int]
+    gathered_shape: tuple[int, int] | None
+    # The varying mesh axes of a, b and bias (shard_map's types), which their cotangents take.
+    varying: tuple[frozenset, frozenset, frozenset]
+
+
+def _varying(x) -> frozenset:
+    return frozenset() if x is None else jax.typeof(x).mat.varying
+
+
+def _meta(name: str, x, device: int):
+    if x is None:
+        return None
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    shape = [int(d) for d in x.shape]
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]  # JAX arrays are row-major
+    return _meshla.ArrayMeta(shape, strides, dtype_of(name, x), device, 0)
+
+
+def _describe(op, a, b, bias, *, axis: str, tp: int, group: int | None, trans_b: bool,
+              return_gathered: bool, tuning: Tuning) -> _Call:
+    """The call checked by the extension (the rules meshla.torch applies, in the same words)."""
+    device = -1 if group is None else 0
+    config = _meshla.describe_call(op, _meta("a", a, device), _meta("b", b, device),
+                                   _meta("bias", bias, device), None, None, trans_b,
+                                   return_gathered, tp, device, tuning.algorithm, tuning.chunks,
+                                   tuning.comm_sms, tuning.comm_ctas, tuning.backend)
+    return _Call(op=op, axis=axis, tp=tp, group=group, trans_b=trans_b,
+                 return_gathered=return_gathered, tuning=tuning,
+                 out_shape=tuple(config.product_shape(tp)),
+                 gathered_shape=(config.m, config.k) if return_gathered else None,
+                 varying=(_varying(a), _varying(b), _varying(bias)))
+
+
+def _mesh_of(op: str, mesh: Mesh | None, axis: str) -> Mesh:
+    """The concrete mesh of the call: ``mesh``, or the one jax.set_mesh made current."""
+    if mesh is None:
+        from jax._src.mesh import get_concrete_mesh
+
+        mesh = get_concrete_mesh()
+        if mesh is None or mesh.empty:
+            raise ValueError(f"{op}: no mesh; pass mesh= (the mesh of the enclosing "
+                             "jax.shard_map) or make one current with jax.set_mesh")
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"{op}: axis_name={axis!r} is not an axis of the mesh "
+                         f"{tuple(mesh.axis_names)}")
+    return mesh
+
+
+def _check_inside_shard_map(op: str, mesh: Mesh, axis: str) -> None:
+    abstract = jax.sharding.get_abstract_mesh()
+    manual = dict(zip(abstract.axis_names, abstract.axis_types)).get(axis)
+    if manual != jax.sharding.AxisType.Manual:
+        raise ValueError(f"{op}: call it inside jax.shard_map over axis {axis!r} on per-shard "
+                         f"arrays (or use {op}_global on global arrays)")
+    if abstract.shape[axis] != mesh.shape[axis]:
+        raise ValueError(f"{op}: axis {axis!r} has {abstract.shape[axis]} devices in the "
+                         f"enclosing shard_map but {mesh.shape[axis]} in mesh=")
+
+
+def _traced_call(op, a, b, bias, *, axis_name: str, mesh: Mesh | None, trans_b: bool,
+                 return_gathered: bool, tuning: Tuning, timeout_s: float) -> _Call:
+    name = op.name
+    if not isinstance(axis_name, str):
+        raise ValueError(f"{name}: axis_name must be the name of a mesh axis, got {axis_name!r}")
+    mesh = _mesh_of(name, mesh, axis_name)
+    _check_inside_shard_map(name, mesh, axis_name)
+    on_gpu = mesh.devices.flat[0].platform == "gpu"
+    call = _describe(op, a, b, bias, axis=axis_name, tp=mesh.shape[axis_name], group=None,
+                     trans_b=trans_b, return_gathered=return_gathered, tuning=tuning)
+    if not on_gpu:
+        return call
+    register_targets()
+    return dataclasses.replace(call, group=_groups.group_number(mesh, axis_name, timeout_s))
+
+
+# The forward of one call: the extension's handler on GPUs, the reference on CPUs.
+
+def _dot(x, y):
+    return jnp.matmul(x, y, preferred_element_type=jnp.float32)
+
+
+def _reference(call: _Call, a, b, bias):
+    rhs = b.T if call.trans_b else b
+    gathered = None
+    if call.op == _Op.all_gather_matmul:
+        # The gathered rows are the same on every rank: invariant over the axis (JAX's public
+        # all_gather types them as varying), so that their cotangent is this rank's own.
+        rows = all_gather_invariant(a, call.axis, tiled=True)
+        product = _dot(rows, rhs)
+        gathered = rows if call.return_gathered else None
+    elif call.op == _Op.matmul_reduce_scatter:
+        product = jax.lax.psum_scatter(_dot(a, rhs), call.axis, scatter_dimension=0, tiled=True)
+    else:
+        product = jax.lax.psum(_dot(a, rhs), call.axis)
+    if bias is not None:
+        product = product + bias.astype(jnp.float32)
+    return product.astype(a.dtype), gathered
+
+
+def _as_varying(x, axes: frozenset):
+    missing = tuple(sorted(axes - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _typed(shape, dtype, varying: frozenset):
+    """A custom call's result inside shard_map: on the manual mesh, of the given varying axes."""
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                sharding=NamedSharding(jax.sharding.get_abstract_mesh(), P()),
+                                manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+def _out_varying(call: _Call, a, b, bias) -> frozenset:
+    """The product's type, as the reference's collectives give it: the reduce-scatter's varies
+    over the axis; the all-gather's rows and the all-reduce's sum do not, so their product
+    varies over it where b or the bias do."""
+    if call.op == _Op.matmul_reduce_scatter:
+        return _varying(a) | _varying(b) | _varying(bias) | {call.axis}
+    if call.op == _Op.all_gather_matmul:
+        return (_varying(a) - {call.axis}) | _varying(b) | _varying(bias)
+    return (_varying(a) | _varying(b)) - {call.axis} | _varying(bias)
+
+
+_TARGETS = {
+    _Op.all_gather_matmul: "meshla_all_gather_matmul",
+    _Op.matmul_reduce_scatter: "meshla_matmul_reduce_scatter",
+    _Op.matmul_all_reduce: "meshla_matmul_all_reduce",
+}
+
+
+def _on_gpus(call: _Call, a, b, bias):
+    # One custom call takes operands of one type: each varies over every axis any of them does.
+    operands = (a, b, jnp.zeros((0,), a.dtype) if bias is None else bias)
+    varying = frozenset().union(*map(_varying, operands))
+    operands = [_as_varying(x, varying) for x in operands]
+    results = [_typed(call.out_shape, a.dtype, _out_varying(call, a, b, bias))]
+    if call.op == _Op.all_gather_matmul:
+        # A zero-size gathered output tells the handler not to return the rows.
+        results.append(_typed(call.gathered_shape or (0,), a.dtype, _varying(a) - {call.axis}))
+    tuning = call.tuning
+    outputs = jax.ffi.ffi_call(_TARGETS[call.op], results)(
+        *operands, group=call.group, trans_b=call.trans_b, algorithm=tuning.algorithm.value,
+        backend=tuning.backend.value, chunks=tuning.chunks, comm_sms=tuning.comm_sms,
+        comm_ctas=tuning.comm_ctas)
+    gathered = outputs[1] if call.return_gathered else None
+    return outputs[0], gathered
+
+
+def _forward(call: _Call, a, b, bias):
+    return (_reference if call.group is None else _on_gpus)(call, a, b, bias)
+
+
+# Differentiation: each op's backward runs its conjugate collective.
+
+def _conjugate(call: _Call, op, a, b, *, trans_b: bool, return_gathered: bool = False):
+    """The backward's collective matmul on the forward's group and backend (the rest of the
+    tuning meshla's defaults, as in meshla.torch)."""
+    derived = _describe(op, a, b, None, axis=call.axis, tp=call.tp, group=call.group,
+                        trans_b=trans_b, return_gathered=return_gathered,
+                        tuning=Tuning.of(backend=call.tuning.backend))
+    return _forward(derived, a, b, None)
+
+
+def _cotangent(ct, primal_varying: frozenset, dtype):
+    """``ct``, this rank's contribution, as the cotangent of an input of ``primal_varying`` type:
+    summed over the axes it varies over and the input does not (where JAX's differentiation of
+    the reference sums it), marked varying where the input is."""
+    extra = tuple(sorted(_varying(ct) - primal_varying))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    return _as_varying(ct, primal_varying).astype(dtype)
+
+
+def _weight_grad(call: _Call, rows, grad, dtype):
+    """b's gradient from the rows b multiplied and the product's gradient: rowsᵀ grad, or its
+    transpose for b as [n, k]."""
+    product = _dot(grad.T, rows) if call.trans_b else _dot(rows.T, grad)
+    return _cotangent(product, call.varying[1], dtype)
+
+
+def _bias_grad(call: _Call, grad, bias):
+    if bias is None:
+        return None
+    return _cotangent(jnp.sum(grad.astype(jnp.float32), axis=0), call.varying[2], bias.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _collective(call: _Call, a, b, bias):
+    return _forward(call, a, b, bias)
+
+
+def _collective_fwd(call: _Call, a, b, bias):
+    if call.op == _Op.all_gather_matmul:
+        # The gathered rows are b's gradient's; the forward returns them anyway.
+        out, rows = _forward(dataclasses.replace(call, return_gathered=True,
+                                                 gathered_shape=(call.out_shape[0], a.shape[1])),
+                             a, b, bias)
+        return (out, rows if call.return_gathered else None), (a, b, bias, rows)
+    return _forward(call, a, b, bias), (a, b, bias, None)
+
+
+def _own_rows(call: _Call, full, rows: int):
+    return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(call.axis) * rows, rows)
+
+
+def _collective_bwd(call: _Call, residuals, cotangents):
+    if not jax_config._check_vma.value:
+        raise NotImplementedError(
+            f"{call.op.name}: its gradient needs jax.shard_map's check_vma=True (the default): "
+            "without the varying-axes types, which cotangents to sum over the axis is unknown")
+    a, b, bias, rows = residuals
+    grad, gathered_grad = cotangents
+    if call.op == _Op.all_gather_matmul:
+        if call.axis in _varying(grad):
+            # Each rank's product used its own b: the gathered rows' gradient (grad bᵀ) is summed
+            # over the ranks, and each keeps its own rows.
+            grad_a, _ = _conjugate(call, _Op.matmul_reduce_scatter, grad, b,
+                                   trans_b=not call.trans_b)
+        else:  # the same product on every rank (b replicated over the axis): nothing to sum
+            grad_a = _own_rows(call, _dot(grad, b if call.trans_b else b.T), a.shape[0])
+        if gathered_grad is not None:  # the rows returned to the caller, who used them
+            grad_a = grad_a + _own_rows(call, gathered_grad, a.shape[0])
+        grad_b = _weight_grad(call, rows, grad, b.dtype)
+    elif call.op == _Op.matmul_reduce_scatter:
+        # The output's rows were scattered: their gradient is gathered back, fused with a's.
+        grad_a, grad_rows = _conjugate(call, _Op.all_gather_matmul, grad, b,
+                                       trans_b=not call.trans_b, return_gathered=True)
+        grad_b = _weight_grad(call, a, grad_rows, b.dtype)
+    else:
+        rhs = b if call.trans_b else b.T
+        grad_a = _dot(grad, rhs)
+        grad_b = _weight_grad(call, a, grad, b.dtype)
+    grad_a = _cotangent(grad_a, call.varying[0], a.dtype)
+    return grad_a, grad_b, _bias_grad(call, grad, bias)
+
+
+_collective.defvjp(_collective_fwd, _collective_bwd)
+
+
+# The public functions.
+
+def _run(op, a, b, bias, axis_name, mesh, trans_b, return_gathered, tuning, timeout_s):
+    call = _traced_call(op, a, b, bias, axis_name=axis_name, mesh=mesh, trans_b=trans_b,
+                        return_gathered=return_gathered, tuning=tuning, timeout_s=timeout_s)
+    return _collective(call, a, b, bias)
+
+
+def all_gather_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=None,
+                      trans_b: bool = False, return_gathered: bool = False, algorithm="auto",
+                      chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
+                      timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Inside ``jax.shard_map``: ``all_gather(a) @ b (+ bias)`` for this shard's rows ``a``
+    ([m/tp, k]) over ``axis_name``. ``b`` is [k, n], or [n, k] with ``trans_b``; ``bias`` [n].
+    Returns the [m, n] product, and with ``return_gathered`` also the gathered [m, k] ``a``.
+    ``mesh`` is the shard_map's (default: the one jax.set_mesh made current).
+
+    A column-parallel layer with sequence parallelism: ``a``'s gradient is the reduce-scatter of
+    the product's gradient times ``b``ᵀ (a :func:`matmul_reduce_scatter`)."""
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    out, gathered = _run(_Op.all_gather_matmul, a, b, bias, axis_name, mesh, trans_b,
+                         return_gathered, tuning, timeout_s)
+    return (out, gathered) if return_gathered else out
+
+
+def matmul_reduce_scatter(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=None,
+                          trans_b: bool = False, algorithm="auto", chunks: int = 0,
+                          comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
+                          timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Inside ``jax.shard_map``: this shard's [m/tp, n] row block of ``sum over axis_name(a @ b)
+    (+ bias)``, ``a`` [m, k/tp] and ``b`` [k/tp, n] (or [n, k/tp] with ``trans_b``) the slices
+    of a row-parallel layer. The bias is added once, not once per rank.
+
+    Its gradient all-gathers the product's gradient, fused with ``a``'s gradient in an
+    :func:`all_gather_matmul`."""
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    out, _ = _run(_Op.matmul_reduce_scatter, a, b, bias, axis_name, mesh, trans_b, False, tuning,
+                  timeout_s)
+    return out
+
+
+def matmul_all_reduce(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=None,
+                      trans_b: bool = False, algorithm="auto", chunks: int = 0,
+                      comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
+                      timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Inside ``jax.shard_map``: ``sum over axis_name(a @ b) (+ bias)``, [m, n] on every shard,
+    ``a`` [m, k/tp] and ``b`` [k/tp, n] (or [n, k/tp] with ``trans_b``). The bias is added once.
+    """
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    out, _ = _run(_Op.matmul_all_reduce, a, b, bias, axis_name, mesh, trans_b, False, tuning,
+                  timeout_s)
+    return out
+
+
+def _global(function, mesh: Mesh, axis: str, arrays, in_specs, out_specs):
+    """``function`` on the shards of global ``arrays``, laid out over ``mesh`` as it needs."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    placed = [x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+              for x, spec in zip(arrays, in_specs)]
+    return jax.shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*placed)
+
+
+def _weight_spec(axis: str, trans_b: bool, sharded_out: bool) -> P:
+    """b's sharding: over its output columns (n) for all-gather→GEMM, its contraction rows (k)
+    for the reductions; as [n, k] with ``trans_b``."""
+    if sharded_out:
+        return P(axis, None) if trans_b else P(None, axis)
+    return P(None, axis) if trans_b else P(axis, None)
+
+
+def all_gather_matmul_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
+                             trans_b: bool = False, return_gathered: bool = False, **tuning):
+    """:func:`all_gather_matmul` on global arrays: ``a`` [m, k] sharded by rows over
+    ``axis_name``, ``b``'s output columns (and ``bias``) sharded over it. Returns [m, n] sharded
+    by columns (and the gathered [m, k], replicated). Arrays laid out otherwise are moved."""
+    def shard(a, b, bias):
+        return all_gather_matmul(a, b, axis_name=axis_name, mesh=mesh, bias=bias,
+                                 trans_b=trans_b, return_gathered=return_gathered, **tuning)
+
+    out_spec = P(None, axis_name)
+    return _global(shard, mesh, axis_name, (a, b, bias),
+                   (P(axis_name, None), _weight_spec(axis_name, trans_b, True), P(axis_name)),
+                   (out_spec, P(None, None)) if return_gathered else out_spec)
+
+
+def _reduction_global(function, a, b, bias, mesh: Mesh, axis_name: str, trans_b: bool,
+                      out_spec: P, tuning: dict):
+    def shard(a, b, bias):
+        return function(a, b, axis_name=axis_name, mesh=mesh, bias=bias, trans_b=trans_b,
+                        **tuning)
+
+    return _global(shard, mesh, axis_name, (a, b, bias),
+                   (P(None, axis_name), _weight_spec(axis_name, trans_b, False), P()), out_spec)
+
+
+def matmul_reduce_scatter_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
+                                 trans_b: bool = False, **tuning):
+    """:func:`matmul_reduce_scatter` on global arrays: ``a`` [m, k] sharded by columns over
+    ``axis_name`` and ``b``'s contraction rows with them; returns ``a @ b (+ bias)`` [m, n]
+    sharded by rows."""
+    return _reduction_global(matmul_reduce_scatter, a, b, bias, mesh, axis_name, trans_b,
+                             P(axis_name, None), tuning)
+
+
+def matmul_all_reduce_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
+                             trans_b: bool = False, **tuning):
+    """:func:`matmul_all_reduce` on global arrays sharded as for
+    :func:`matmul_reduce_scatter_global`; returns ``a @ b (+ bias)`` [m, n] replicated."""
+    return _reduction_global(matmul_all_reduce, a, b, bias, mesh, axis_name, trans_b,
+                             P(None, None), tuning)

@@ -1,0 +1,246 @@
+#include "bindings/jax/collective.hpp"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "bindings/jax/ffi_common.hpp"
+#include "core/checks.hpp"
+#include "meshla/collective_matmul.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace meshla::jax_ffi {
+namespace {
+
+// One GPU's part of a group: its communicator and its plans.
+struct GroupPart {
+  explicit GroupPart(const Communicator& comm) : plans(comm) {}
+  CollectivePlans plans;
+};
+
+// Every registered group's parts in this process, by (group, CUDA ordinal).
+class GroupRegistry {
+ public:
+  void add(std::int64_t group, const Communicator& comm) {
+    std::lock_guard lock(mutex_);
+    auto& part = parts_[{group, comm.device()}];
+    MESHLA_CHECK_ARG(part == nullptr, "meshla.jax: group " << group << " already has cuda:"
+                                                           << comm.device() << " registered");
+    part = std::make_shared<GroupPart>(comm);
+  }
+
+  std::shared_ptr<GroupPart> find(std::int64_t group, int device, std::string_view op) {
+    std::lock_guard lock(mutex_);
+    const auto found = parts_.find({group, device});
+    MESHLA_CHECK_ARG(found != parts_.end(),
+                     op << ": no tensor-parallel group " << group << " holds cuda:" << device
+                        << " in this process (meshla.jax makes a group when it traces a call on "
+                           "its mesh; was the call traced by another process?)");
+    return found->second;
+  }
+
+  void clear() {
+    std::lock_guard lock(mutex_);
+    parts_.clear();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::pair<std::int64_t, int>, std::shared_ptr<GroupPart>> parts_;
+};
+
+GroupRegistry& groups() {
+  static GroupRegistry registry;
+  return registry;
+}
+
+// The call as its attributes and buffers describe it (bias and gathered absent where they have no
+// element).
+struct Call {
+  CollectiveMatmulConfig request;
+  CollectiveMatmulArgs args;
+};
+
+TensorView present_or_absent(const ffi::AnyBuffer& buffer, int device, const char* name) {
+  return buffer.element_count() == 0 ? TensorView{} : view_of(buffer, device, name);
+}
+
+Call call_of(CollectiveOp op, int device, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+             const ffi::AnyBuffer& bias, const ffi::AnyBuffer& out, const ffi::AnyBuffer* gathered,
+             bool trans_b, std::int64_t algorithm, std::int64_t backend, std::int64_t chunks,
+             std::int64_t comm_sms, std::int64_t comm_ctas) {
+  Call call;
+  call.request = {.op = op,
+                  .algorithm = static_cast<Algorithm>(algorithm),
+                  .backend = static_cast<Backend>(backend),
+                  .trans_b = trans_b,
+                  .return_gathered = gathered != nullptr && gathered->element_count() > 0,
+                  .chunks = static_cast<int>(chunks),
+                  .comm_sms = static_cast<int>(comm_sms),
+                  .comm_ctas = static_cast<int>(comm_ctas)};
+  call.args = {.a = view_of(a, device, "a"),
+               .b = view_of(b, device, "b"),
+               .bias = present_or_absent(bias, device, "bias"),
+               .out = view_of(out, device, "out"),
+               .gathered = gathered == nullptr ? TensorView{}
+                                               : present_or_absent(*gathered, device, "gathered")};
+  return call;
+}
+
+// The group's plan for the call: checked, and built on the call's first preparation
+// (collectively: every rank's handler prepares the same call).
+CollectiveMatmul& plan_for(std::int64_t group, int device, const Call& call) {
+  const std::shared_ptr<GroupPart> part =
+      groups().find(group, device, collective_op_name(call.request.op));
+  const Communicator& comm = part->plans.communicator();
+  return part->plans.matmul(describe_call(call.request, call.args, comm.size(), comm.device()));
+}
+
+// The stages of one op: prepare builds the plan, execute enqueues it. `gathered` only for
+// all_gather_matmul.
+template <CollectiveOp op>
+struct Stages {
+  static ffi::Error prepare(std::int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                            const ffi::AnyBuffer* gathered, std::int64_t group, bool trans_b,
+                            std::int64_t algorithm, std::int64_t backend, std::int64_t chunks,
+                            std::int64_t comm_sms, std::int64_t comm_ctas) {
+    return guarded([&] {
+      plan_for(group, device,
+               call_of(op, device, a, b, bias, *out, gathered, trans_b, algorithm, backend, chunks,
+                       comm_sms, comm_ctas));
+    });
+  }
+
+  static ffi::Error execute(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer a,
+                            ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                            const ffi::AnyBuffer* gathered, std::int64_t group, bool trans_b,
+                            std::int64_t algorithm, std::int64_t backend, std::int64_t chunks,
+                            std::int64_t comm_sms, std::int64_t comm_ctas) {
+    return guarded([&] {
+      const Call call = call_of(op, device, a, b, bias, *out, gathered, trans_b, algorithm, backend,
+                                chunks, comm_sms, comm_ctas);
+      plan_for(group, device, call).execute(call.args, stream);
+    });
+  }
+};
+
+ffi::Error all_gather_prepare(std::int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                              ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> gathered, std::int64_t group,
+                              bool trans_b, std::int64_t algorithm, std::int64_t backend,
+                              std::int64_t chunks, std::int64_t comm_sms, std::int64_t comm_ctas) {
+  return Stages<CollectiveOp::kAllGatherMatmul>::prepare(device, a, b, bias, out, &*gathered, group,
+                                                         trans_b, algorithm, backend, chunks,
+                                                         comm_sms, comm_ctas);
+}
+
+ffi::Error all_gather_execute(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer a,
+                              ffi::AnyBuffer b, ffi::AnyBuffer bias,
+                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> gathered,
+                              std::int64_t group, bool trans_b, std::int64_t algorithm,
+                              std::int64_t backend, std::int64_t chunks, std::int64_t comm_sms,
+                              std::int64_t comm_ctas) {
+  return Stages<CollectiveOp::kAllGatherMatmul>::execute(stream, device, a, b, bias, out,
+                                                         &*gathered, group, trans_b, algorithm,
+                                                         backend, chunks, comm_sms, comm_ctas);
+}
+
+template <CollectiveOp op>
+ffi::Error reduction_prepare(std::int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                             ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                             std::int64_t group, bool trans_b, std::int64_t algorithm,
+                             std::int64_t backend, std::int64_t chunks, std::int64_t comm_sms,
+                             std::int64_t comm_ctas) {
+  return Stages<op>::prepare(device, a, b, bias, out, nullptr, group, trans_b, algorithm, backend,
+                             chunks, comm_sms, comm_ctas);
+}
+
+template <CollectiveOp op>
+ffi::Error reduction_execute(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer a,
+                             ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                             std::int64_t group, bool trans_b, std::int64_t algorithm,
+                             std::int64_t backend, std::int64_t chunks, std::int64_t comm_sms,
+                             std::int64_t comm_ctas) {
+  return Stages<op>::execute(stream, device, a, b, bias, out, nullptr, group, trans_b, algorithm,
+                             backend, chunks, comm_sms, comm_ctas);
+}
+
+// The attributes every collective handler takes: the group, the layout of b, and the tuning.
+template <typename Binding>
+auto with_attributes(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<std::int64_t>("group")
+      .template Attr<bool>("trans_b")
+      .template Attr<std::int64_t>("algorithm")
+      .template Attr<std::int64_t>("backend")
+      .template Attr<std::int64_t>("chunks")
+      .template Attr<std::int64_t>("comm_sms")
+      .template Attr<std::int64_t>("comm_ctas");
+}
+
+template <typename Binding>
+auto with_operands(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Ret<ffi::AnyBuffer>();
+}
+
+}  // namespace
+
+// Execute only enqueues the same work for the same buffers: XLA may capture it in a command
+// buffer (a CUDA graph), which holds the plan while it lives.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    meshla_all_gather_matmul_prepare, all_gather_prepare,
+    with_attributes(
+        with_operands(ffi::Ffi::BindPrepare().Ctx<ffi::DeviceOrdinal>()).Ret<ffi::AnyBuffer>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    meshla_all_gather_matmul_execute, all_gather_execute,
+    with_attributes(with_operands(ffi::Ffi::Bind()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                      .Ctx<ffi::DeviceOrdinal>())
+                        .Ret<ffi::AnyBuffer>()),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    meshla_matmul_reduce_scatter_prepare, reduction_prepare<CollectiveOp::kMatmulReduceScatter>,
+    with_attributes(with_operands(ffi::Ffi::BindPrepare().Ctx<ffi::DeviceOrdinal>())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    meshla_matmul_reduce_scatter_execute, reduction_execute<CollectiveOp::kMatmulReduceScatter>,
+    with_attributes(with_operands(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())),
+    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    meshla_matmul_all_reduce_prepare, reduction_prepare<CollectiveOp::kMatmulAllReduce>,
+    with_attributes(with_operands(ffi::Ffi::BindPrepare().Ctx<ffi::DeviceOrdinal>())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    meshla_matmul_all_reduce_execute, reduction_execute<CollectiveOp::kMatmulAllReduce>,
+    with_attributes(with_operands(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())),
+    {ffi::Traits::kCmdBufferCompatible});
+
+void register_group(std::int64_t group, const Communicator& comm) { groups().add(group, comm); }
+
+std::vector<std::pair<std::string, std::vector<std::pair<std::string, void*>>>>
+collective_targets() {
+  const auto stages = [](auto* prepare, auto* execute) {
+    return std::vector<std::pair<std::string, void*>>{
+        {"prepare", reinterpret_cast<void*>(prepare)},
+        {"execute", reinterpret_cast<void*>(execute)}};
+  };
+  return {{"meshla_all_gather_matmul",
+           stages(&meshla_all_gather_matmul_prepare, &meshla_all_gather_matmul_execute)},
+          {"meshla_matmul_reduce_scatter",
+           stages(&meshla_matmul_reduce_scatter_prepare, &meshla_matmul_reduce_scatter_execute)},
+          {"meshla_matmul_all_reduce",
+           stages(&meshla_matmul_all_reduce_prepare, &meshla_matmul_all_reduce_execute)}};
+}
+
+void release_groups() { groups().clear(); }
+
+}  // namespace meshla::jax_ffi

@@ -1,0 +1,86 @@
+// What the XLA FFI handlers share: buffers as TensorViews, and meshla's errors as XLA's (no
+// exception crosses into XLA).
+#pragma once
+
+#include <exception>
+#include <string>
+
+#include "core/checks.hpp"
+#include "meshla/error.hpp"
+#include "meshla/tensor.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace meshla::jax_ffi {
+
+namespace ffi = xla::ffi;
+
+inline DType dtype_of(ffi::DataType type, const char* name) {
+  switch (type) {
+    case ffi::DataType::F32:
+      return DType::kFloat32;
+    case ffi::DataType::F64:
+      return DType::kFloat64;
+    case ffi::DataType::C64:
+      return DType::kComplex64;
+    case ffi::DataType::C128:
+      return DType::kComplex128;
+    case ffi::DataType::F16:
+      return DType::kFloat16;
+    case ffi::DataType::BF16:
+      return DType::kBFloat16;
+    case ffi::DataType::S32:
+      return DType::kInt32;
+    case ffi::DataType::S64:
+      return DType::kInt64;
+    default:
+      MESHLA_THROW(kInvalidArgument, name << ": XLA element type " << static_cast<int>(type)
+                                          << " is not one meshla takes");
+  }
+}
+
+// A buffer of XLA's as a contiguous row-major view on `device`.
+inline TensorView view_of(const ffi::AnyBuffer& buffer, int device, const char* name) {
+  const ffi::Span<const std::int64_t> dims = buffer.dimensions();
+  MESHLA_CHECK_ARG(dims.size() <= static_cast<std::size_t>(kMaxTensorDims),
+                   name << " has " << dims.size() << " dimensions");
+  TensorView view;
+  view.data = buffer.untyped_data();
+  view.dtype = dtype_of(buffer.element_type(), name);
+  view.device = device;
+  view.ndim = static_cast<int>(dims.size());
+  std::int64_t stride = 1;
+  for (int i = view.ndim - 1; i >= 0; --i) {
+    view.shape[i] = dims[i];
+    view.strides[i] = stride;
+    stride *= dims[i];
+  }
+  return view;
+}
+
+inline ffi::Error to_ffi_error(ErrorCode code, const std::string& message) {
+  switch (code) {
+    case ErrorCode::kInvalidArgument:
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
+    case ErrorCode::kNotImplemented:
+      return ffi::Error(ffi::ErrorCode::kUnimplemented, message);
+    case ErrorCode::kTimeout:
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, message);
+    default:
+      return ffi::Error(ffi::ErrorCode::kInternal, message);
+  }
+}
+
+// Runs `body`, returning its exception as XLA's error.
+template <typename Body>
+ffi::Error guarded(Body&& body) {
+  try {
+    body();
+    return ffi::Error::Success();
+  } catch (const Error& error) {
+    return to_ffi_error(error.code(), error.what());
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(error.what());
+  }
+}
+
+}  // namespace meshla::jax_ffi

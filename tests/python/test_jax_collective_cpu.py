@@ -1,0 +1,226 @@
+"""meshla.jax's collective matmuls on CPU devices: the reference path the GPU handlers share their
+API with, on a 2 × 2 (data × tensor) mesh of host devices. Products and gradients against plain
+jax.numpy on the global arrays (float64 in numpy for the products), and every argument check."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jax.config.update("jax_platforms", "cpu")
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import meshla.jax as mj  # noqa: E402
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.skip("needs 4 host devices (XLA_FLAGS set before jax was imported elsewhere)")
+    return Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "tp"))
+
+
+def random(shape, dtype, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def close(actual, expected, dtype):
+    expected = np.asarray(expected, np.float64)
+    error = np.abs(np.asarray(actual, np.float64) - expected).max() / np.abs(expected).max()
+    assert error < TOLERANCE[dtype], error
+
+
+def weight(k, n, trans_b, dtype, seed):
+    """b as [k, n], or as [n, k] with trans_b; and the [k, n] the product multiplies by."""
+    b = random((n, k) if trans_b else (k, n), dtype, seed)
+    return b, (b.T if trans_b else b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_global_forms_match_the_product(mesh, dtype, trans_b):
+    m, k, n = 16, 12, 8
+    a = random((m, k), dtype, 1)
+    b, rhs = weight(k, n, trans_b, dtype, 2)
+    bias = random((n,), dtype, 3)
+    expected = np.asarray(a, np.float64) @ np.asarray(rhs, np.float64) + np.asarray(bias,
+                                                                                    np.float64)
+    out, gathered = jax.jit(lambda a, b, bias: mj.all_gather_matmul_global(
+        a, b, mesh=mesh, axis_name="tp", bias=bias, trans_b=trans_b, return_gathered=True))(
+            a, b, bias)
+    close(out, expected, dtype)
+    assert out.dtype == dtype and out.sharding.spec == P(None, "tp")
+    np.testing.assert_array_equal(np.asarray(gathered), np.asarray(a))
+    for function, spec in ((mj.matmul_reduce_scatter_global, P("tp", None)),
+                           (mj.matmul_all_reduce_global, P(None, None))):
+        out = function(a, b, mesh=mesh, axis_name="tp", bias=bias, trans_b=trans_b)
+        close(out, expected, dtype)
+        assert out.sharding.spec == spec
+
+
+def sharded(mesh, function, in_specs, out_specs):
+    return jax.jit(jax.shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def put(mesh, array, spec):
+    return jax.device_put(array, NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_sequence_parallel_mlp_gradients_match_jax(mesh, trans_b):
+    """A sequence-parallel MLP (all-gather→GEMM, GEMM→reduce-scatter) with the batch over 'data':
+    its loss and every gradient against jax.grad of the same model in plain jax.numpy."""
+    dtype = jnp.float32
+    tokens, hidden, ffn = 16, 8, 12
+    x = random((2, tokens, hidden), dtype, 4)  # [data, tokens, hidden]
+    w1, w1_kn = weight(hidden, ffn, trans_b, dtype, 5)
+    w2, w2_kn = weight(ffn, hidden, trans_b, dtype, 6)
+    b1, b2 = random((ffn,), dtype, 7), random((hidden,), dtype, 8)
+
+    def plain(x, w1_kn, w2_kn, b1, b2):
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ w1_kn + b1) @ w2_kn + b2) ** 2)
+
+    def shard_loss(x, w1, w2, b1, b2):
+        h = mj.all_gather_matmul(x[0], w1, axis_name="tp", mesh=mesh, bias=b1, trans_b=trans_b)
+        y = mj.matmul_reduce_scatter(jnp.tanh(h), w2, axis_name="tp", mesh=mesh, bias=b2,
+                                     trans_b=trans_b)
+        return jax.lax.psum(jnp.sum(jnp.tanh(y) ** 2), ("data", "tp"))
+
+    column = P("tp", None) if trans_b else P(None, "tp")
+    row = P(None, "tp") if trans_b else P("tp", None)
+    specs = (P("data", "tp", None), column, row, P("tp"), P())
+    loss_and_grads = sharded(mesh, jax.value_and_grad(shard_loss, argnums=(0, 1, 2, 3, 4)),
+                             specs, (P(), specs))
+    args = [put(mesh, v, s) for v, s in zip((x, w1, w2, b1, b2), specs)]
+    loss, grads = loss_and_grads(*args)
+    expected = jax.grad(plain, argnums=(0, 1, 2, 3, 4))(x, w1_kn, w2_kn, b1, b2)
+    np.testing.assert_allclose(loss, plain(x, w1_kn, w2_kn, b1, b2), rtol=1e-5)
+    transposed = (lambda g: g.T) if trans_b else (lambda g: g)
+    for got, want in zip(grads, (expected[0], transposed(expected[1]), transposed(expected[2]),
+                                 expected[3], expected[4])):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_all_reduce_and_gathered_rows_gradients(mesh):
+    """matmul_all_reduce's gradients, and a's gradient through the gathered rows returned by
+    all_gather_matmul (used beside the product), under jax.checkpoint."""
+    dtype = jnp.float32
+    m, k, n = 8, 6, 4
+    a = random((m, k), dtype, 9)
+    b = random((k, n), dtype, 10)
+    c = random((n, k), dtype, 11)
+    bias = random((k,), dtype, 12)
+
+    def plain(a, b, c, bias):
+        return jnp.sum(jnp.sin(a @ b) @ c + bias) + jnp.sum(a ** 3)
+
+    @jax.checkpoint
+    def shard_loss(a, b, c, bias):
+        h, rows = mj.all_gather_matmul(a, b, axis_name="tp", mesh=mesh, return_gathered=True)
+        out = mj.matmul_all_reduce(jnp.sin(h), c, axis_name="tp", mesh=mesh, bias=bias)
+        return jnp.sum(out) + jnp.sum(rows ** 3)
+
+    specs = (P("tp", None), P(None, "tp"), P("tp", None), P())
+    grads = sharded(mesh, jax.grad(shard_loss, argnums=(0, 1, 2, 3)), specs, specs)(
+        *[put(mesh, v, s) for v, s in zip((a, b, c, bias), specs)])
+    for got, want in zip(grads, jax.grad(plain, argnums=(0, 1, 2, 3))(a, b, c, bias)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_tensor_axis_of_one(mesh):
+    one = Mesh(np.array(jax.devices("cpu")[:1]), ("tp",))
+    a, b = random((4, 3), jnp.float32, 13), random((3, 5), jnp.float32, 14)
+    for function in (mj.all_gather_matmul_global, mj.matmul_reduce_scatter_global,
+                     mj.matmul_all_reduce_global):
+        close(function(a, b, mesh=one, axis_name="tp"), np.asarray(a) @ np.asarray(b),
+              jnp.float32)
+
+
+def shard_call(on: Mesh, function, *arrays, specs=None, **options):
+    """``function`` traced inside shard_map over ``on`` (``options`` may name another mesh)."""
+    specs = specs or (P("tp", None),) * len(arrays)
+    return sharded(on, lambda *xs: function(*xs, **options), specs, P())(
+        *[put(on, x, s) for x, s in zip(arrays, specs)])
+
+
+def test_bad_input_is_named(mesh):
+    a = jnp.ones((8, 6), jnp.float32)
+    b = jnp.ones((5, 4), jnp.float32)
+    with pytest.raises(ValueError, match=r"all_gather_matmul: b.shape=\[5, 4\] \(\[k, n\]\) "
+                                         r"does not match a.shape=\[4, 6\]"):
+        shard_call(mesh, mj.all_gather_matmul, a, b, specs=(P("tp", None), P()),
+                   axis_name="tp", mesh=mesh)
+    with pytest.raises(ValueError, match="a.dtype=int32 is not supported"):
+        shard_call(mesh, mj.matmul_all_reduce, jnp.ones((8, 6), jnp.int32),
+                   jnp.ones((6, 4), jnp.int32), axis_name="tp", mesh=mesh)
+    with pytest.raises(ValueError, match=r"bias.dtype=float16 but a.dtype=float32"):
+        shard_call(mesh, lambda a, b, bias: mj.matmul_all_reduce(
+            a, b, bias=bias, axis_name="tp", mesh=mesh), a, jnp.ones((6, 4), jnp.float32),
+                   jnp.ones((4,), jnp.float16), specs=(P("tp", None), P("tp", None), P()))
+    with pytest.raises(ValueError, match=r"matmul_reduce_scatter: a.shape\[0\]=3 is not "
+                                         "divisible by tp_size=2"):
+        shard_call(mesh, mj.matmul_reduce_scatter, jnp.ones((6, 6), jnp.float32),
+                   jnp.ones((6, 4), jnp.float32), specs=(P("tp", None), P()), axis_name="tp",
+                   mesh=mesh)
+    with pytest.raises(ValueError, match=r"axis_name='model' is not an axis of the mesh "
+                                         r"\('data', 'tp'\)"):
+        shard_call(mesh, mj.matmul_all_reduce, a, jnp.ones((6, 4), jnp.float32),
+                   axis_name="model", mesh=mesh)
+    with pytest.raises(ValueError, match="no mesh; pass mesh="):
+        shard_call(mesh, mj.matmul_all_reduce, a, jnp.ones((6, 4), jnp.float32),
+                   axis_name="tp")
+    with pytest.raises(ValueError, match="call it inside jax.shard_map over axis 'tp'"):
+        mj.matmul_all_reduce(a, jnp.ones((6, 4), jnp.float32), axis_name="tp", mesh=mesh)
+    with pytest.raises(ValueError, match="algorithm='spiral' is not one of"):
+        shard_call(mesh, mj.all_gather_matmul, a, jnp.ones((6, 4), jnp.float32),
+                   specs=(P("tp", None), P()), axis_name="tp", mesh=mesh, algorithm="spiral")
+
+
+def test_gradient_needs_checked_types(mesh):
+    a, b = random((8, 6), jnp.float32, 15), random((6, 4), jnp.float32, 16)
+
+    def loss(a, b):
+        return jnp.sum(mj.matmul_all_reduce(a, b, axis_name="tp", mesh=mesh))
+
+    unchecked = jax.jit(jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(None, "tp"),
+                                                                            P("tp", None)),
+                                      out_specs=P(None, "tp"), check_vma=False))
+    with pytest.raises(NotImplementedError, match="check_vma=True"):
+        unchecked(put(mesh, a, P(None, "tp")), put(mesh, b, P("tp", None)))
+
+
+def test_gpu_custom_calls_trace_with_the_reference_types(mesh, monkeypatch):
+    """The GPU path as far as it goes without GPUs: the MLP's loss and gradients traced with the
+    handlers' custom calls in place of the reference (same types, the conjugates in the
+    backward), without lowering them."""
+    from meshla.jax import collective
+
+    monkeypatch.setattr(collective, "_reference", lambda call, *operands: collective._on_gpus(
+        collective.dataclasses.replace(call, group=7), *operands))
+    x, w1, w2 = (random(shape, jnp.bfloat16, seed)
+                 for seed, shape in enumerate(((2, 16, 8), (12, 8), (8, 12))))
+    b2 = random((8,), jnp.bfloat16, 3)
+
+    def shard_loss(x, w1, w2, b2):
+        h = mj.all_gather_matmul(x[0], w1, axis_name="tp", mesh=mesh, trans_b=True)
+        y = mj.matmul_reduce_scatter(h, w2, axis_name="tp", mesh=mesh, bias=b2, trans_b=True)
+        return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), ("data", "tp"))
+
+    specs = (P("data", "tp", None), P("tp", None), P(None, "tp"), P())
+    traced = jax.make_jaxpr(jax.shard_map(jax.grad(shard_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
+                                          in_specs=specs, out_specs=specs))(x, w1, w2, b2)
+    calls = [(e.params["target_name"], [tuple(v.aval.shape) for v in e.outvars])
+             for e in traced.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call"]
+    assert calls == [("meshla_all_gather_matmul", [(16, 6), (16, 8)]),
+                     ("meshla_matmul_reduce_scatter", [(8, 8)]),
+                     ("meshla_all_gather_matmul", [(16, 6), (16, 8)]),
+                     ("meshla_matmul_reduce_scatter", [(8, 8)])], calls
