@@ -2,8 +2,8 @@
 # Builds meshla and runs the whole GPU suite on this machine's GPUs; the last line is
 # "N passed, N failed". Logs and the per-check results go to $LOG_DIR (default $OUT/gpu-suite).
 #   tests/gpu/run.sh            build, then every process model
-#   tests/gpu/run.sh threads    only the named models (grouped, solver, solver-processes,
-#                               watchdog, processes, cublasmp, threads, network)
+#   tests/gpu/run.sh threads    only the named models (grouped, solver, jax-collective,
+#                               solver-processes, watchdog, processes, cublasmp, threads, network)
 #   MESHLA_SKIP_BUILD=1 ...     reuse the installed package
 set -uo pipefail
 # Never NVLink multicast: it can take a shared host's GPUs out of service.
@@ -47,7 +47,7 @@ launch() {
 }
 
 check=tests/gpu/check_collective_matmul.py
-models=${*:-grouped solver solver-processes watchdog processes cublasmp threads network}
+models=${*:-grouped solver jax-collective solver-processes watchdog processes cublasmp threads network}
 wants() { [[ " $models " == *" $1 "* ]]; }
 # The grouped GEMM, the watchdog and the processes model's tp=1 group need one GPU; the other
 # collective models two or more.
@@ -57,6 +57,11 @@ fi
 # The dense solvers: one process driving 1, 2 and 4 GPUs (as many as there are).
 if [ "$gpus" -ge 1 ] && wants solver; then
   MESHLA_LAUNCH_TIMEOUT=${MESHLA_SOLVER_TIMEOUT:-600} launch solver python3 tests/gpu/check_solver.py --results "$results" --model solver
+fi
+# meshla.jax's collective matmuls, one process driving every GPU; command buffers on and off.
+if [ "$gpus" -ge 1 ] && wants jax-collective; then
+  launch jax-collective python3 tests/gpu/check_jax_collective.py --results "$results" --model jax-collective
+  launch jax-collective-no-command-buffers python3 tests/gpu/check_jax_collective.py --no-command-buffers --results "$results" --model jax-collective-no-command-buffers
 fi
 # The dense solvers with one process per GPU (the *_shard forms, CUDA IPC to the first rank).
 if [ "$gpus" -ge 2 ] && wants solver-processes; then

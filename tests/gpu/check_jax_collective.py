@@ -1,0 +1,193 @@
+"""GPU checks of meshla.jax's collective matmuls, one process driving every GPU (XLA calls the
+handlers on one thread per GPU): every op × dtype × layout × backend on global arrays against a
+float64 numpy reference, a sequence-parallel MLP's loss and gradients against jax.grad of plain
+jax.numpy, a data × tensor mesh, a tensor axis of one, and many calls of random ops and shapes in
+one jitted fori_loop. Fresh random inputs each run. The outputs are XLA's buffers, which it
+allocates for each run: they cannot be poisoned from here; a stale one shows as a wrong value
+only if XLA handed back a buffer that already held the right result (the fori_loop check feeds
+each call's output into the next to catch that).
+
+Pass --no-command-buffers to run with XLA's command buffers off (set before jax starts)."""
+
+import argparse
+import os
+import sys
+import traceback
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--results", required=True)
+parser.add_argument("--model", default="jax-collective")
+parser.add_argument("--no-command-buffers", action="store_true")
+args = parser.parse_args()
+if args.no_command_buffers:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_command_buffer=").strip()
+
+import jax  # noqa: E402
+
+# The references' float32 matmuls in full float32, as meshla's are (not TF32).
+jax.config.update("jax_default_matmul_precision", "highest")
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import meshla.jax as mj  # noqa: E402
+from reporting import Reporter  # noqa: E402
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def error(actual, expected) -> float:
+    actual = np.asarray(actual, np.float64)
+    if not np.isfinite(actual).all():
+        return float("inf")
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+class Checks:
+    def __init__(self, report: Reporter):
+        self.report = report
+        self.rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+    def run(self, name, body):
+        try:
+            ok, detail = body()
+        except Exception:
+            ok, detail = False, traceback.format_exc(limit=8)
+        self.report.record(name, 0, bool(ok), detail)
+
+    def random(self, shape, dtype):
+        return jnp.asarray(self.rng.standard_normal(shape), dtype)
+
+    def ops(self, mesh, dtype, trans_b: bool, backend: str, m=512, k=384, n=256):
+        """The three ops on global arrays in one jitted function, with a bias."""
+        tp = mesh.shape["tp"]
+        a = self.random((m, k), dtype)
+        b = self.random((n, k) if trans_b else (k, n), dtype)
+        bias = self.random((n,), dtype)
+        product = (np.asarray(a, np.float64) @ np.asarray(b, np.float64).T if trans_b else
+                   np.asarray(a, np.float64) @ np.asarray(b, np.float64))
+        expected = product + np.asarray(bias, np.float64)
+
+        def all_three(a, b, bias):
+            options = dict(mesh=mesh, axis_name="tp", bias=bias, trans_b=trans_b,
+                           backend=backend)
+            gathered_product, gathered = mj.all_gather_matmul_global(
+                a, b, return_gathered=True, **options)
+            return (gathered_product, gathered, mj.matmul_reduce_scatter_global(a, b, **options),
+                    mj.matmul_all_reduce_global(a, b, **options))
+
+        def body():
+            ag, gathered, rs, ar = jax.jit(all_three)(a, b, bias)
+            errors = [error(x, expected) for x in (ag, rs, ar)]
+            exact = np.array_equal(np.asarray(gathered), np.asarray(a))
+            ok = max(errors) < TOLERANCE[dtype] and exact
+            return ok, f"errors ag/rs/ar {errors}, gathered exact {exact}"
+
+        self.run(f"ops tp={tp} {jnp.dtype(dtype).name} trans_b={trans_b} {backend}", body)
+
+    def mlp_gradients(self, mesh, trans_b: bool):
+        """A sequence-parallel MLP over a (data, tp) mesh: loss and every gradient."""
+        data, tp = mesh.shape["data"], mesh.shape["tp"]
+        tokens, hidden, ffn = 256 * tp, 128, 256
+        x = self.random((data, tokens, hidden), jnp.float32)
+        w1 = self.random((ffn, hidden) if trans_b else (hidden, ffn), jnp.float32) * 0.1
+        w2 = self.random((hidden, ffn) if trans_b else (ffn, hidden), jnp.float32) * 0.1
+        b1, b2 = self.random((ffn,), jnp.float32), self.random((hidden,), jnp.float32)
+        kn = (lambda w: w.T) if trans_b else (lambda w: w)
+
+        def plain(x, w1, w2, b1, b2):
+            h = jnp.tanh(jnp.matmul(x, kn(w1), precision="highest") + b1)
+            return jnp.sum(jnp.tanh(jnp.matmul(h, kn(w2), precision="highest") + b2) ** 2)
+
+        def shard_loss(x, w1, w2, b1, b2):
+            h = mj.all_gather_matmul(x[0], w1, axis_name="tp", mesh=mesh, bias=b1,
+                                     trans_b=trans_b)
+            y = mj.matmul_reduce_scatter(jnp.tanh(h), w2, axis_name="tp", mesh=mesh, bias=b2,
+                                         trans_b=trans_b)
+            return jax.lax.psum(jnp.sum(jnp.tanh(y) ** 2), ("data", "tp"))
+
+        column = P("tp", None) if trans_b else P(None, "tp")
+        row = P(None, "tp") if trans_b else P("tp", None)
+        specs = (P("data", "tp", None), column, row, P("tp"), P())
+
+        def body():
+            loss, grads = jax.jit(jax.shard_map(
+                jax.value_and_grad(shard_loss, argnums=(0, 1, 2, 3, 4)), mesh=mesh,
+                in_specs=specs, out_specs=(P(), specs)))(
+                    *[jax.device_put(v, jax.NamedSharding(mesh, s))
+                      for v, s in zip((x, w1, w2, b1, b2), specs)])
+            expected_loss = float(plain(x, w1, w2, b1, b2))
+            expected = jax.grad(plain, argnums=(0, 1, 2, 3, 4))(x, w1, w2, b1, b2)
+            errors = [abs(float(loss) - expected_loss) / abs(expected_loss)]
+            errors += [error(g, np.asarray(e, np.float64)) for g, e in zip(grads, expected)]
+            return max(errors) < 1e-4, f"loss and gradient errors {errors}"
+
+        self.run(f"mlp gradients data={data} tp={tp} trans_b={trans_b}", body)
+
+    def many_calls(self, mesh, calls=400):
+        """Random ops inside one jitted fori_loop, each output feeding the next call: an
+        all-gather→GEMM then a GEMM→reduce-scatter, or a GEMM→all-reduce, against the same
+        chain in float64 numpy (orthogonal weights keep the values in range)."""
+        tp = mesh.shape["tp"]
+        width = 64 * tp
+        steps = self.rng.integers(0, 2, calls)
+        weights = [np.linalg.qr(self.rng.standard_normal((width, width)))[0] for _ in range(3)]
+        x = self.random((32 * tp, width), jnp.float32)
+
+        def shard_chain(x, w_column, w_row1, w_row2):
+            own = jax.lax.axis_index("tp")
+
+            def gathered(x):
+                h = mj.all_gather_matmul(x, w_column, axis_name="tp", mesh=mesh)
+                return mj.matmul_reduce_scatter(h, w_row1, axis_name="tp", mesh=mesh)
+
+            def reduced(x):
+                columns = jax.lax.dynamic_slice_in_dim(
+                    jax.lax.all_gather(x, "tp", tiled=True), own * (width // tp), width // tp, 1)
+                full = mj.matmul_all_reduce(columns, w_row2, axis_name="tp", mesh=mesh)
+                return jax.lax.dynamic_slice_in_dim(full, own * x.shape[0], x.shape[0])
+
+            return jax.lax.fori_loop(
+                0, calls, lambda i, x: jax.lax.switch(jnp.asarray(steps)[i], (gathered, reduced),
+                                                      x), x)
+
+        specs = (P("tp", None), P(None, "tp"), P("tp", None), P("tp", None))
+
+        def body():
+            out = jax.jit(jax.shard_map(shard_chain, mesh=mesh, in_specs=specs,
+                                        out_specs=P("tp", None)))(
+                *[jax.device_put(jnp.asarray(v, jnp.float32), jax.NamedSharding(mesh, s))
+                  for v, s in zip((x, *weights), specs)])
+            expected = np.asarray(x, np.float64)
+            for step in steps:
+                expected = (expected @ weights[0] @ weights[1] if step == 0 else
+                            expected @ weights[2])
+            measured = error(out, expected)
+            return measured < 1e-4, f"{calls} calls, error {measured}"
+
+        self.run(f"{calls} calls in a fori_loop tp={tp}", body)
+
+
+def main():
+    checks = Checks(Reporter(args.results, args.model))
+    devices = jax.devices("gpu")
+    print(f"{len(devices)} GPUs: {devices[0].device_kind}; command buffers "
+          f"{'off' if args.no_command_buffers else 'XLA default'}", flush=True)
+    for tp in sorted({1, len(devices)}):
+        mesh = Mesh(np.array(devices[:tp]).reshape(1, tp), ("data", "tp"))
+        for dtype in DTYPES:
+            for trans_b in (False, True):
+                for backend in (("auto", "nccl", "symmetric") if tp > 1 else ("auto",)):
+                    checks.ops(mesh, dtype, trans_b, backend)
+        checks.mlp_gradients(mesh, trans_b=True)
+        checks.many_calls(mesh)
+    if len(devices) >= 2:
+        checks.mlp_gradients(Mesh(np.array(devices[:2]).reshape(2, 1), ("data", "tp")), False)
+
+
+if __name__ == "__main__":
+    main()
