@@ -36,7 +36,8 @@ def axis_groups(mesh: Mesh, axis: str) -> np.ndarray:
 def group_number(mesh: Mesh, axis: str, timeout_s: float) -> int:
     """The number under which the groups of ``axis`` of ``mesh`` are registered, making them on
     first use (every process of the mesh traces the same calls, so each makes its part)."""
-    key = (tuple(int(d.id) for d in mesh.devices.flat), tuple(mesh.axis_names), axis)
+    key = (mesh.devices.shape, tuple(int(d.id) for d in mesh.devices.flat),
+           tuple(mesh.axis_names), axis)
     with _lock:
         number = _numbers.get(key)
         if number is None:
