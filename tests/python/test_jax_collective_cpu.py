@@ -224,3 +224,19 @@ def test_gpu_custom_calls_trace_with_the_reference_types(mesh, monkeypatch):
                      ("meshla_matmul_reduce_scatter", [(8, 8)]),
                      ("meshla_all_gather_matmul", [(16, 6), (16, 8)]),
                      ("meshla_matmul_reduce_scatter", [(8, 8)])], calls
+
+
+def test_group_numbers_tell_meshes_apart(monkeypatch):
+    """Each (mesh, axis) gets its own groups: also two meshes over the same devices in the same
+    order whose shapes differ (a data=2 × tp=1 mesh beside a tp=2 one)."""
+    from meshla.jax import _groups
+
+    made = []
+    monkeypatch.setattr(_groups, "_make_group", lambda number, devices, *_: made.append(
+        (number, [d.id for d in devices])))
+    devices = np.array(jax.devices("cpu")[:2])
+    wide = Mesh(devices.reshape(1, 2), ("data", "tp"))
+    tall = Mesh(devices.reshape(2, 1), ("data", "tp"))
+    numbers = [_groups.group_number(mesh, "tp", 1.0) for mesh in (wide, tall, wide)]
+    assert numbers[0] != numbers[1] and numbers[2] == numbers[0]
+    assert [groups for _, groups in made] == [[0, 1], [0], [1]]
