@@ -257,3 +257,35 @@ def test_the_mlp_example_trains_like_jnp():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "same losses step by step" in done.stdout
+
+
+_SHARE_ID = """
+import sys
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from meshla.jax import _groups
+print(_groups._shared_unique_id("a group", int(sys.argv[2]), 60.0).hex())
+jax.distributed.shutdown()
+"""
+
+
+def test_a_group_across_processes_shares_one_nccl_id():
+    """One GPU per process: the group's rank 0 makes the NCCL id and the other ranks read it from
+    jax.distributed's key-value store (two CPU processes here; making the communicator needs
+    GPUs)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    ranks = [subprocess.Popen([sys.executable, "-c", _SHARE_ID, address, str(rank)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), outputs
+    ids = [out.strip().splitlines()[-1] for out, _ in outputs]
+    assert ids[0] == ids[1] and len(bytes.fromhex(ids[0])) == 128
