@@ -1,16 +1,20 @@
-"""GPU checks of meshla.jax's collective matmuls, one process driving every GPU (XLA calls the
-handlers on one thread per GPU): every op × dtype × layout × backend on global arrays against a
-float64 numpy reference, a sequence-parallel MLP's loss and gradients against jax.grad of plain
-jax.numpy, a data × tensor mesh, a tensor axis of one, and many calls of random ops and shapes in
-one jitted fori_loop. Fresh random inputs each run. The outputs are XLA's buffers, which it
+"""GPU checks of meshla.jax's collective matmuls: every op × dtype × layout × backend on global
+arrays against a float64 numpy reference, a sequence-parallel MLP's loss and gradients against
+jax.grad of plain jax.numpy, a data × tensor mesh, a tensor axis of one, and many calls of random
+ops in one jitted fori_loop. Fresh random inputs each run. The outputs are XLA's buffers, which it
 allocates for each run: they cannot be poisoned from here; a stale one shows as a wrong value
 only if XLA handed back a buffer that already held the right result (the fori_loop check feeds
 each call's output into the next to catch that).
 
-Pass --no-command-buffers to run with XLA's command buffers off (set before jax starts)."""
+Process models: one process driving every GPU (XLA calls the handlers on one thread per GPU), or
+with --processes N one process per GPU under jax.distributed (this script launches them; each
+group's NCCL id goes through jax.distributed's key-value store). Pass --no-command-buffers to run
+with XLA's command buffers off (set before jax starts)."""
 
 import argparse
 import os
+import socket
+import subprocess
 import sys
 import traceback
 
@@ -18,18 +22,51 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--results", required=True)
 parser.add_argument("--model", default="jax-collective")
 parser.add_argument("--no-command-buffers", action="store_true")
+parser.add_argument("--processes", type=int, default=0,
+                    help="launch this many processes, one GPU each (0: one process, every GPU)")
+parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
 args = parser.parse_args()
+
+
+def launch_processes() -> int:
+    """Runs one copy of this script per GPU with the same seed; a copy that fails or outlives
+    the time limit fails the launch."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    seed = int.from_bytes(os.urandom(4), "little")
+    children = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--process-id", str(i),
+                                  "--coordinator", coordinator, "--seed", str(seed)])
+                for i in range(args.processes)]
+    statuses = []
+    for child in children:
+        try:
+            statuses.append(child.wait(timeout=240))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            statuses.append(-9)
+    return max(abs(status) for status in statuses)
+
+
+if args.processes and args.process_id is None:
+    sys.exit(launch_processes())
 if args.no_command_buffers:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_gpu_enable_command_buffer=").strip()
 
 import jax  # noqa: E402
 
+if args.process_id is not None:
+    jax.distributed.initialize(args.coordinator, num_processes=args.processes,
+                               process_id=args.process_id, local_device_ids=[args.process_id])
 # The references' float32 matmuls in full float32, as meshla's are (not TF32).
 jax.config.update("jax_default_matmul_precision", "highest")
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -47,20 +84,34 @@ def error(actual, expected) -> float:
     return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
+def put(value, mesh, spec=P()):
+    """``value`` (the same on every process) as a global array laid out by ``spec``."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                        lambda index: value[index])
+
+
+def fetch(array) -> np.ndarray:
+    """A global array's whole value on this process."""
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 class Checks:
     def __init__(self, report: Reporter):
         self.report = report
-        self.rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+        # Every process draws the same inputs (one process: a fresh seed).
+        seed = int.from_bytes(os.urandom(4), "little") if args.seed is None else args.seed
+        self.rng = np.random.default_rng(seed)
 
     def run(self, name, body):
         try:
             ok, detail = body()
         except Exception:
             ok, detail = False, traceback.format_exc(limit=8)
-        self.report.record(name, 0, bool(ok), detail)
+        self.report.record(name, jax.process_index(), bool(ok), detail)
 
     def random(self, shape, dtype):
-        return jnp.asarray(self.rng.standard_normal(shape), dtype)
+        return self.rng.standard_normal(shape).astype(dtype)
 
     def ops(self, mesh, dtype, trans_b: bool, backend: str, m=512, k=384, n=256):
         """The three ops on global arrays in one jitted function, with a bias."""
@@ -81,9 +132,10 @@ class Checks:
                     mj.matmul_all_reduce_global(a, b, **options))
 
         def body():
-            ag, gathered, rs, ar = jax.jit(all_three)(a, b, bias)
+            outputs = jax.jit(all_three)(put(a, mesh), put(b, mesh), put(bias, mesh))
+            ag, gathered, rs, ar = map(fetch, outputs)
             errors = [error(x, expected) for x in (ag, rs, ar)]
-            exact = np.array_equal(np.asarray(gathered), np.asarray(a))
+            exact = np.array_equal(gathered, a)
             ok = max(errors) < TOLERANCE[dtype] and exact
             return ok, f"errors ag/rs/ar {errors}, gathered exact {exact}"
 
@@ -118,8 +170,8 @@ class Checks:
             loss, grads = jax.jit(jax.shard_map(
                 jax.value_and_grad(shard_loss, argnums=(0, 1, 2, 3, 4)), mesh=mesh,
                 in_specs=specs, out_specs=(P(), specs)))(
-                    *[jax.device_put(v, jax.NamedSharding(mesh, s))
-                      for v, s in zip((x, w1, w2, b1, b2), specs)])
+                    *[put(v, mesh, s) for v, s in zip((x, w1, w2, b1, b2), specs)])
+            loss, grads = float(fetch(loss)), [fetch(g) for g in grads]
             expected_loss = float(plain(x, w1, w2, b1, b2))
             expected = jax.grad(plain, argnums=(0, 1, 2, 3, 4))(x, w1, w2, b1, b2)
             errors = [abs(float(loss) - expected_loss) / abs(expected_loss)]
@@ -160,8 +212,8 @@ class Checks:
         def body():
             out = jax.jit(jax.shard_map(shard_chain, mesh=mesh, in_specs=specs,
                                         out_specs=P("tp", None)))(
-                *[jax.device_put(jnp.asarray(v, jnp.float32), jax.NamedSharding(mesh, s))
-                  for v, s in zip((x, *weights), specs)])
+                *[put(v.astype(np.float32), mesh, s) for v, s in zip((x, *weights), specs)])
+            out = fetch(out)
             expected = np.asarray(x, np.float64)
             for step in steps:
                 expected = (expected @ weights[0] @ weights[1] if step == 0 else
@@ -174,19 +226,25 @@ class Checks:
 
 def main():
     checks = Checks(Reporter(args.results, args.model))
-    devices = jax.devices("gpu")
-    print(f"{len(devices)} GPUs: {devices[0].device_kind}; command buffers "
-          f"{'off' if args.no_command_buffers else 'XLA default'}", flush=True)
-    for tp in sorted({1, len(devices)}):
-        mesh = Mesh(np.array(devices[:tp]).reshape(1, tp), ("data", "tp"))
+    devices = np.array(jax.devices("gpu"))
+    count = len(devices)
+    print(f"{count} GPUs in {jax.process_count()} processes: {devices[0].device_kind}; command "
+          f"buffers {'off' if args.no_command_buffers else 'XLA default'}", flush=True)
+    # A tensor axis of one: one GPU alone where one process drives them all; with one process
+    # per GPU (where every process takes part in every call) a data axis over all of them.
+    alone = devices[:1].reshape(1, 1) if jax.process_count() == 1 else devices.reshape(count, 1)
+    layouts = [alone] + ([devices.reshape(1, count)] if count > 1 else [])
+    for layout in layouts:
+        mesh = Mesh(layout, ("data", "tp"))
+        tp = mesh.shape["tp"]
         for dtype in DTYPES:
             for trans_b in (False, True):
                 for backend in (("auto", "nccl", "symmetric") if tp > 1 else ("auto",)):
                     checks.ops(mesh, dtype, trans_b, backend)
         checks.mlp_gradients(mesh, trans_b=True)
         checks.many_calls(mesh)
-    if len(devices) >= 2:
-        checks.mlp_gradients(Mesh(np.array(devices[:2]).reshape(2, 1), ("data", "tp")), False)
+    if count % 2 == 0:  # a data × tensor mesh: two tensor-parallel groups
+        checks.mlp_gradients(Mesh(devices.reshape(2, count // 2), ("data", "tp")), False)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # "N passed, N failed". Logs and the per-check results go to $LOG_DIR (default $OUT/gpu-suite).
 #   tests/gpu/run.sh            build, then every process model
 #   tests/gpu/run.sh threads    only the named models (grouped, solver, jax-collective,
-#                               solver-processes, watchdog, processes, cublasmp, threads, network)
+#                               jax-collective-processes, solver-processes, watchdog,
+#                               processes, cublasmp, threads, network)
 #   MESHLA_SKIP_BUILD=1 ...     reuse the installed package
 set -uo pipefail
 # Never NVLink multicast: it can take a shared host's GPUs out of service.
@@ -47,7 +48,7 @@ launch() {
 }
 
 check=tests/gpu/check_collective_matmul.py
-models=${*:-grouped solver jax-collective solver-processes watchdog processes cublasmp threads network}
+models=${*:-grouped solver jax-collective jax-collective-processes solver-processes watchdog processes cublasmp threads network}
 wants() { [[ " $models " == *" $1 "* ]]; }
 # The grouped GEMM, the watchdog and the processes model's tp=1 group need one GPU; the other
 # collective models two or more.
@@ -62,6 +63,10 @@ fi
 if [ "$gpus" -ge 1 ] && wants jax-collective; then
   launch jax-collective python3 tests/gpu/check_jax_collective.py --results "$results" --model jax-collective
   launch jax-collective-no-command-buffers python3 tests/gpu/check_jax_collective.py --no-command-buffers --results "$results" --model jax-collective-no-command-buffers
+fi
+# The same with one process per GPU under jax.distributed (the script launches them).
+if [ "$gpus" -ge 2 ] && wants jax-collective-processes; then
+  launch jax-collective-processes python3 tests/gpu/check_jax_collective.py --processes "$gpus" --results "$results" --model jax-collective-processes
 fi
 # The dense solvers with one process per GPU (the *_shard forms, CUDA IPC to the first rank).
 if [ "$gpus" -ge 2 ] && wants solver-processes; then
