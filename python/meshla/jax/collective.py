@@ -328,7 +328,9 @@ def all_gather_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
     """Inside ``jax.shard_map``: ``all_gather(a) @ b (+ bias)`` for this shard's rows ``a``
     ([m/tp, k]) over ``axis_name``. ``b`` is [k, n], or [n, k] with ``trans_b``; ``bias`` [n].
     Returns the [m, n] product, and with ``return_gathered`` also the gathered [m, k] ``a``.
-    ``mesh`` is the shard_map's (default: the one jax.set_mesh made current).
+    ``mesh`` is the shard_map's (default: the one jax.set_mesh made current). ``timeout_s`` is
+    how long the GPUs of a group wait for each other: the first call traced on a (mesh, axis)
+    makes its groups with it, and later calls share them (and that timeout).
 
     A column-parallel layer with sequence parallelism: ``a``'s gradient is the reduce-scatter of
     the product's gradient times ``b``ᵀ (a :func:`matmul_reduce_scatter`)."""
