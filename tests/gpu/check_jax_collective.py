@@ -8,8 +8,9 @@ each call's output into the next to catch that).
 
 Process models: one process driving every GPU (XLA calls the handlers on one thread per GPU), or
 with --processes N one process per GPU under jax.distributed (this script launches them; each
-group's NCCL id goes through jax.distributed's key-value store). Pass --no-command-buffers to run
-with XLA's command buffers off (set before jax starts)."""
+group's NCCL id goes through jax.distributed's key-value store). --command-buffers sets XLA's
+--xla_gpu_enable_command_buffer before jax starts: "" turns them off, "+COLLECTIVES" adds the
+collectives to the default kinds."""
 
 import argparse
 import os
@@ -21,7 +22,8 @@ import traceback
 parser = argparse.ArgumentParser()
 parser.add_argument("--results", required=True)
 parser.add_argument("--model", default="jax-collective")
-parser.add_argument("--no-command-buffers", action="store_true")
+parser.add_argument("--command-buffers", default=None,
+                    help="XLA's --xla_gpu_enable_command_buffer (default: XLA's own)")
 parser.add_argument("--processes", type=int, default=0,
                     help="launch this many processes, one GPU each (0: one process, every GPU)")
 parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
@@ -52,9 +54,9 @@ def launch_processes() -> int:
 
 if args.processes and args.process_id is None:
     sys.exit(launch_processes())
-if args.no_command_buffers:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_gpu_enable_command_buffer=").strip()
+if args.command_buffers is not None:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+                               + args.command_buffers).strip()
 
 import jax  # noqa: E402
 
@@ -180,56 +182,92 @@ class Checks:
 
         self.run(f"mlp gradients data={data} tp={tp} trans_b={trans_b}", body)
 
-    def many_calls(self, mesh, calls=400):
-        """Random ops inside one jitted fori_loop, each output feeding the next call: an
-        all-gather→GEMM then a GEMM→reduce-scatter, or a GEMM→all-reduce, against the same
-        chain in float64 numpy (orthogonal weights keep the values in range)."""
+    def many_calls(self, mesh, calls=2000):
+        """Random ops and shapes inside one jitted fori_loop, each output feeding the next call,
+        against the same chain in float64 numpy (orthogonal weights keep the values in range):
+        an all-gather→GEMM then a GEMM→reduce-scatter through a square or a twice-as-wide
+        middle, with b as [k, n] or as [n, k], or a GEMM→all-reduce."""
         tp = mesh.shape["tp"]
         width = 64 * tp
-        steps = self.rng.integers(0, 2, calls)
-        weights = [np.linalg.qr(self.rng.standard_normal((width, width)))[0] for _ in range(3)]
+        steps = self.rng.integers(0, 4, calls)
+
+        def orthogonal(rows, cols):  # orthonormal columns
+            return np.linalg.qr(self.rng.standard_normal((rows, cols)))[0]
+
+        q = [orthogonal(width, width) for _ in range(6)]
+        wide = orthogonal(2 * width, width)  # wideᵀ wide = I
+        # (array, sharding): b as the op takes it. [k, n] column-parallel b splits n, row-parallel
+        # b splits k; as [n, k] (trans_b) the other way round.
+        weights = [(q[0], P(None, "tp")), (q[1], P("tp", None)),
+                   (wide.T, P(None, "tp")), (wide @ q[2], P("tp", None)),
+                   (q[3], P("tp", None)),
+                   (q[4].T, P("tp", None)), (q[5].T, P(None, "tp"))]
+        expected_step = [lambda x: x @ q[0] @ q[1], lambda x: x @ q[2], lambda x: x @ q[3],
+                         lambda x: x @ q[4] @ q[5]]
         x = self.random((32 * tp, width), jnp.float32)
 
-        def shard_chain(x, w_column, w_row1, w_row2):
+        def shard_chain(x, *w):
             own = jax.lax.axis_index("tp")
 
-            def gathered(x):
-                h = mj.all_gather_matmul(x, w_column, axis_name="tp", mesh=mesh)
-                return mj.matmul_reduce_scatter(h, w_row1, axis_name="tp", mesh=mesh)
+            def through(first, second, trans_b=False):
+                def step(x):
+                    h = mj.all_gather_matmul(x, first, axis_name="tp", mesh=mesh,
+                                             trans_b=trans_b)
+                    return mj.matmul_reduce_scatter(h, second, axis_name="tp", mesh=mesh,
+                                                    trans_b=trans_b)
+                return step
 
             def reduced(x):
                 columns = jax.lax.dynamic_slice_in_dim(
                     jax.lax.all_gather(x, "tp", tiled=True), own * (width // tp), width // tp, 1)
-                full = mj.matmul_all_reduce(columns, w_row2, axis_name="tp", mesh=mesh)
+                full = mj.matmul_all_reduce(columns, w[4], axis_name="tp", mesh=mesh)
                 return jax.lax.dynamic_slice_in_dim(full, own * x.shape[0], x.shape[0])
 
+            branches = (through(w[0], w[1]), through(w[2], w[3]), reduced,
+                        through(w[5], w[6], trans_b=True))
             return jax.lax.fori_loop(
-                0, calls, lambda i, x: jax.lax.switch(jnp.asarray(steps)[i], (gathered, reduced),
-                                                      x), x)
+                0, calls, lambda i, x: jax.lax.switch(jnp.asarray(steps)[i], branches, x), x)
 
-        specs = (P("tp", None), P(None, "tp"), P("tp", None), P("tp", None))
+        specs = (P("tp", None), *(spec for _, spec in weights))
 
         def body():
             out = jax.jit(jax.shard_map(shard_chain, mesh=mesh, in_specs=specs,
                                         out_specs=P("tp", None)))(
-                *[put(v.astype(np.float32), mesh, s) for v, s in zip((x, *weights), specs)])
+                put(x, mesh, P("tp", None)),
+                *[put(w.astype(np.float32), mesh, spec) for w, spec in weights])
             out = fetch(out)
             expected = np.asarray(x, np.float64)
             for step in steps:
-                expected = (expected @ weights[0] @ weights[1] if step == 0 else
-                            expected @ weights[2])
+                expected = expected_step[step](expected)
             measured = error(out, expected)
             return measured < 1e-4, f"{calls} calls, error {measured}"
 
-        self.run(f"{calls} calls in a fori_loop tp={tp}", body)
+        self.run(f"{calls} calls of random ops and shapes in a fori_loop tp={tp}", body)
+
+    def donated(self, mesh):
+        """A jitted call with its input donated: XLA may hand the input's buffer to an output."""
+        tp = mesh.shape["tp"]
+        a = self.random((128 * tp, 256), jnp.float32)
+        b = self.random((256, 256), jnp.float32)
+        expected = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+        call = jax.jit(lambda a, b: mj.matmul_all_reduce_global(a, b, mesh=mesh, axis_name="tp"),
+                       donate_argnums=0)
+
+        def body():
+            errors = [error(fetch(call(put(a, mesh, P(None, "tp")), put(b, mesh, P("tp", None)))),
+                            expected) for _ in range(3)]
+            return max(errors) < 1e-5, f"errors {errors}"
+
+        self.run(f"donated input tp={tp}", body)
 
 
 def main():
     checks = Checks(Reporter(args.results, args.model))
     devices = np.array(jax.devices("gpu"))
     count = len(devices)
+    buffers = "XLA default" if args.command_buffers is None else repr(args.command_buffers)
     print(f"{count} GPUs in {jax.process_count()} processes: {devices[0].device_kind}; command "
-          f"buffers {'off' if args.no_command_buffers else 'XLA default'}", flush=True)
+          f"buffers {buffers}", flush=True)
     # A tensor axis of one: one GPU alone where one process drives them all; with one process
     # per GPU (where every process takes part in every call) a data axis over all of them.
     alone = devices[:1].reshape(1, 1) if jax.process_count() == 1 else devices.reshape(count, 1)
@@ -243,6 +281,7 @@ def main():
                     checks.ops(mesh, dtype, trans_b, backend)
         checks.mlp_gradients(mesh, trans_b=True)
         checks.many_calls(mesh)
+        checks.donated(mesh)
     if count % 2 == 0:  # a data × tensor mesh: two tensor-parallel groups
         checks.mlp_gradients(Mesh(devices.reshape(2, count // 2), ("data", "tp")), False)
 

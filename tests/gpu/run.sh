@@ -59,10 +59,12 @@ fi
 if [ "$gpus" -ge 1 ] && wants solver; then
   MESHLA_LAUNCH_TIMEOUT=${MESHLA_SOLVER_TIMEOUT:-600} launch solver python3 tests/gpu/check_solver.py --results "$results" --model solver
 fi
-# meshla.jax's collective matmuls, one process driving every GPU; command buffers on and off.
+# meshla.jax's collective matmuls, one process driving every GPU; command buffers at XLA's
+# default, off, and with the collectives in them.
 if [ "$gpus" -ge 1 ] && wants jax-collective; then
   launch jax-collective python3 tests/gpu/check_jax_collective.py --results "$results" --model jax-collective
-  launch jax-collective-no-command-buffers python3 tests/gpu/check_jax_collective.py --no-command-buffers --results "$results" --model jax-collective-no-command-buffers
+  launch jax-collective-no-command-buffers python3 tests/gpu/check_jax_collective.py --command-buffers "" --results "$results" --model jax-collective-no-command-buffers
+  launch jax-collective-command-buffer-collectives python3 tests/gpu/check_jax_collective.py --command-buffers +COLLECTIVES --results "$results" --model jax-collective-command-buffer-collectives
 fi
 # The same with one process per GPU under jax.distributed (the script launches them).
 if [ "$gpus" -ge 2 ] && wants jax-collective-processes; then
