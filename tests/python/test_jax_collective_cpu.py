@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import meshla.jax as mj  # noqa: E402
+from jax._src.lax.parallel import all_gather_invariant  # noqa: E402
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 
@@ -289,3 +290,75 @@ def test_a_group_across_processes_shares_one_nccl_id():
     assert all(rank.returncode == 0 for rank in ranks), outputs
     ids = [out.strip().splitlines()[-1] for out, _ in outputs]
     assert ids[0] == ids[1] and len(bytes.fromhex(ids[0])) == 128
+
+
+_REFERENCES = {
+    "all_gather_matmul": lambda a, b, bias: (
+        all_gather_invariant(a, "tp", tiled=True) @ b + (0 if bias is None else bias)),
+    "matmul_reduce_scatter": lambda a, b, bias: (
+        jax.lax.psum_scatter(a @ b, "tp", scatter_dimension=0, tiled=True)
+        + (0 if bias is None else bias)),
+    "matmul_all_reduce": lambda a, b, bias: (
+        jax.lax.psum(a @ b, "tp") + (0 if bias is None else bias)),
+}
+_VARYING = ((), ("tp",), ("data", "tp"))
+
+
+@pytest.mark.parametrize("op", list(_REFERENCES))
+@pytest.mark.parametrize("a_varies", _VARYING)
+@pytest.mark.parametrize("b_varies", _VARYING[:2])
+@pytest.mark.parametrize("bias_varies", (None, *_VARYING[:2]))
+def test_gradients_match_jax_for_every_varying_type(mesh, op, a_varies, b_varies, bias_varies):
+    """Each op's gradients against JAX's own differentiation of the lax reference, for operands
+    replicated or varying over the axes (each rank scales its copy differently, so that which
+    cotangents are summed over which axis shows)."""
+    m, k, n = 8, 6, 4
+    trans_b = len(a_varies) % 2 == 1  # both layouts, over the cases
+    arrays = (random((m, k), jnp.float32, 20), random((n, k) if trans_b else (k, n),
+                                                      jnp.float32, 21),
+              random((n,), jnp.float32, 22))
+
+    def varying(x, axes, scale):
+        if x is None or not axes:
+            return x
+        x = jax.lax.pcast(x, axes, to="varying")
+        for axis in axes:
+            x = x * (1 + scale * (1 + jax.lax.axis_index(axis)).astype(jnp.float32))
+        return x
+
+    def loss(product):
+        def of(a, b, bias):
+            a, b = varying(a, a_varies, 0.1), varying(b, b_varies, 0.2)
+            bias = None if bias_varies is None else varying(bias, bias_varies, 0.3)
+            y = product(a, b, bias)
+            y = jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape))
+            missing = tuple(sorted({"data", "tp"} - jax.typeof(y).mat.varying))
+            return jax.lax.psum(jax.lax.pcast(y, missing, to="varying") if missing else y,
+                                ("data", "tp"))
+        return of
+
+    def ours(a, b, bias):
+        return getattr(mj, op)(a, b, axis_name="tp", mesh=mesh, bias=bias, trans_b=trans_b)
+
+    def reference(a, b, bias):
+        return _REFERENCES[op](a, b.T if trans_b else b, bias)
+
+    grads = [jax.jit(jax.shard_map(jax.grad(loss(product), argnums=(0, 1, 2)), mesh=mesh,
+                                   in_specs=(P(),) * 3, out_specs=(P(),) * 3))(*arrays)
+             for product in (ours, reference)]
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_global_forms_name_the_array_their_mesh_cannot_split(mesh):
+    with pytest.raises(ValueError, match=r"all_gather_matmul: a.shape=\[5, 4\]: dimension 0 is "
+                                         r"split over the 2 devices of axis 'tp', which do not "
+                                         "divide 5"):
+        mj.all_gather_matmul_global(jnp.ones((5, 4)), jnp.ones((4, 2)), mesh=mesh,
+                                    axis_name="tp")
+    with pytest.raises(ValueError, match=r"matmul_all_reduce: b must be a 2-D array, got \[4\]"):
+        mj.matmul_all_reduce_global(jnp.ones((4, 4)), jnp.ones((4,)), mesh=mesh, axis_name="tp")
+    with pytest.raises(ValueError, match=r"matmul_reduce_scatter: a.dtype=int8 is not one"):
+        shard_call(mesh, mj.matmul_reduce_scatter, jnp.ones((8, 6), jnp.int8),
+                   jnp.ones((6, 4), jnp.int8), specs=(P("tp", None), P()), axis_name="tp",
+                   mesh=mesh)

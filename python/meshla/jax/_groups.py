@@ -6,6 +6,10 @@ that holds a GPU of this process and registers each GPU's communicator with the 
 one number, the attribute that tells the XLA handlers which group they are in. A group driven by
 this process alone gets its communicators from one call (Communicator.create_local); a group with
 one GPU in each of several processes gets its NCCL id through jax.distributed's key-value store.
+
+Making a group is collective: every process of the mesh must trace the call (as SPMD programs
+do). A trace on some processes only (``jax.make_jaxpr`` or ``.lower()`` on process 0, say) waits
+for the others until ``timeout_s`` and fails.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from meshla import _meshla
 
 _lock = threading.Lock()
 _numbers: dict[tuple, int] = {}
+_attempts: dict[tuple, int] = {}  # per (mesh, axis): each attempt shares its NCCL ids anew
 _next_number = itertools.count()
 
 
@@ -41,10 +46,13 @@ def group_number(mesh: Mesh, axis: str, timeout_s: float) -> int:
     with _lock:
         number = _numbers.get(key)
         if number is None:
-            # A number is never reused, so a group half made by a failed attempt cannot clash.
+            # Neither a number nor a key-value key is reused, so what a failed attempt left (a
+            # group half registered, an NCCL id stored) cannot clash with the next attempt's.
+            attempt = _attempts.get(key, 0)
+            _attempts[key] = attempt + 1
             number = next(_next_number)
             for devices in axis_groups(mesh, axis):
-                _make_group(number, devices, repr(key), timeout_s)
+                _make_group(number, devices, f"{key!r}, attempt {attempt}", timeout_s)
             _numbers[key] = number
     return number
 

@@ -81,22 +81,26 @@ def _varying(x) -> frozenset:
     return frozenset() if x is None else jax.typeof(x).mat.varying
 
 
-def _meta(name: str, x, device: int):
+def _check_array(op: str, name: str, x) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{op}: {name} must be an array, got {type(x).__name__}")
+
+
+def _meta(op: str, name: str, x, device: int):
     if x is None:
         return None
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    _check_array(op, name, x)
     shape = [int(d) for d in x.shape]
     strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]  # JAX arrays are row-major
-    return _meshla.ArrayMeta(shape, strides, dtype_of(name, x), device, 0)
+    return _meshla.ArrayMeta(shape, strides, dtype_of(f"{op}: {name}", x), device, 0)
 
 
 def _describe(op, a, b, bias, *, axis: str, tp: int, group: int | None, trans_b: bool,
               return_gathered: bool, tuning: Tuning) -> _Call:
     """The call checked by the extension (the rules meshla.torch applies, in the same words)."""
     device = -1 if group is None else 0
-    config = _meshla.describe_call(op, _meta("a", a, device), _meta("b", b, device),
-                                   _meta("bias", bias, device), None, None, trans_b,
+    config = _meshla.describe_call(op, *(_meta(op.name, name, x, device) for name, x in
+                                         (("a", a), ("b", b), ("bias", bias))), None, None, trans_b,
                                    return_gathered, tp, device, tuning.algorithm, tuning.chunks,
                                    tuning.comm_sms, tuning.comm_ctas, tuning.backend)
     return _Call(op=op, axis=axis, tp=tp, group=group, trans_b=trans_b,
@@ -188,8 +192,8 @@ def _typed(shape, dtype, varying: frozenset):
 
 def _out_varying(call: _Call, a, b, bias) -> frozenset:
     """The product's type, as the reference's collectives give it: the reduce-scatter's varies
-    over the axis; the all-gather's rows and the all-reduce's sum do not, so their product
-    varies over it where b or the bias do."""
+    over the axis; the all-gather's rows do not (its product varies over it where b or the bias
+    do), nor does the all-reduce's sum (where the bias does)."""
     if call.op == _Op.matmul_reduce_scatter:
         return _varying(a) | _varying(b) | _varying(bias) | {call.axis}
     if call.op == _Op.all_gather_matmul:
@@ -267,7 +271,8 @@ def _collective(call: _Call, a, b, bias):
 
 def _collective_fwd(call: _Call, a, b, bias):
     if call.op == _Op.all_gather_matmul:
-        # The gathered rows are b's gradient's; the forward returns them anyway.
+        # b's gradient needs the gathered rows: the forward always returns them, an [m, k]
+        # residual (meshla.torch's recompute_gathered has no counterpart here yet).
         out, rows = _forward(dataclasses.replace(call, return_gathered=True,
                                                  gathered_shape=(call.out_shape[0], a.shape[1])),
                              a, b, bias)
@@ -293,19 +298,25 @@ def _collective_bwd(call: _Call, residuals, cotangents):
             grad_a, _ = _conjugate(call, _Op.matmul_reduce_scatter, grad, b,
                                    trans_b=not call.trans_b)
         else:  # the same product on every rank (b replicated over the axis): nothing to sum
-            grad_a = _own_rows(call, _dot(grad, b if call.trans_b else b.T), a.shape[0])
+            grad_a = _dot(_own_rows(call, grad, a.shape[0]), b if call.trans_b else b.T)
         if gathered_grad is not None:  # the rows returned to the caller, who used them
             grad_a = grad_a + _own_rows(call, gathered_grad, a.shape[0])
         grad_b = _weight_grad(call, rows, grad, b.dtype)
     elif call.op == _Op.matmul_reduce_scatter:
-        # The output's rows were scattered: their gradient is gathered back, fused with a's.
+        # The output's rows were scattered: their gradient is gathered back, fused with a's. Both
+        # are this rank's contributions (varying over the axis, whatever a and b are), so that
+        # an a or b the same on every rank gets them summed, as every rank's product was.
         grad_a, grad_rows = _conjugate(call, _Op.all_gather_matmul, grad, b,
                                        trans_b=not call.trans_b, return_gathered=True)
-        grad_b = _weight_grad(call, a, grad_rows, b.dtype)
+        grad_a = _as_varying(grad_a, frozenset({call.axis}))
+        grad_b = _weight_grad(call, a, _as_varying(grad_rows, frozenset({call.axis})), b.dtype)
     else:
-        rhs = b if call.trans_b else b.T
-        grad_a = _dot(grad, rhs)
-        grad_b = _weight_grad(call, a, grad, b.dtype)
+        # The sum's gradient: the output's, summed over the axis where a bias made it vary over
+        # it; every rank's product then has it as its own contribution (as above).
+        summed = jax.lax.psum(grad, call.axis) if call.axis in _varying(grad) else grad
+        summed = _as_varying(summed, frozenset({call.axis}))
+        grad_a = _dot(summed, b if call.trans_b else b.T)
+        grad_b = _weight_grad(call, a, summed, b.dtype)
     grad_a = _cotangent(grad_a, call.varying[0], a.dtype)
     return grad_a, grad_b, _bias_grad(call, grad, bias)
 
@@ -369,10 +380,22 @@ def matmul_all_reduce(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
     return out
 
 
-def _global(function, mesh: Mesh, axis: str, arrays, in_specs, out_specs):
-    """``function`` on the shards of global ``arrays``, laid out over ``mesh`` as it needs."""
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+def _global(op: str, function, mesh: Mesh, axis: str, arrays, in_specs, out_specs):
+    """``function`` on the shards of global ``arrays`` (a, b, bias), laid out over ``mesh`` as
+    it needs; first the checks that laying them out needs (the rest are the shard call's)."""
+    mesh = _mesh_of(op, mesh, axis)
+    for name, x, spec in zip(("a", "b", "bias"), arrays, in_specs):
+        if x is None:
+            continue
+        _check_array(op, name, x)
+        if spec and x.ndim != len(spec):  # (P() replicates an array of any rank)
+            raise ValueError(f"{op}: {name} must be a {len(spec)}-D array, got {list(x.shape)}")
+        for dim, split in enumerate(spec):
+            if split is not None and x.shape[dim] % mesh.shape[split]:
+                raise ValueError(
+                    f"{op}: {name}.shape={list(x.shape)}: dimension {dim} is split over the "
+                    f"{mesh.shape[split]} devices of axis {split!r}, which do not divide "
+                    f"{x.shape[dim]}")
     placed = [x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
               for x, spec in zip(arrays, in_specs)]
     return jax.shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*placed)
@@ -396,7 +419,7 @@ def all_gather_matmul_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
                                  trans_b=trans_b, return_gathered=return_gathered, **tuning)
 
     out_spec = P(None, axis_name)
-    return _global(shard, mesh, axis_name, (a, b, bias),
+    return _global("all_gather_matmul", shard, mesh, axis_name, (a, b, bias),
                    (P(axis_name, None), _weight_spec(axis_name, trans_b, True), P(axis_name)),
                    (out_spec, P(None, None)) if return_gathered else out_spec)
 
@@ -407,7 +430,7 @@ def _reduction_global(function, a, b, bias, mesh: Mesh, axis_name: str, trans_b:
         return function(a, b, axis_name=axis_name, mesh=mesh, bias=bias, trans_b=trans_b,
                         **tuning)
 
-    return _global(shard, mesh, axis_name, (a, b, bias),
+    return _global(function.__name__, shard, mesh, axis_name, (a, b, bias),
                    (P(None, axis_name), _weight_spec(axis_name, trans_b, False), P()), out_spec)
 
 

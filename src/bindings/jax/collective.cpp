@@ -16,21 +16,36 @@ namespace ffi = xla::ffi;
 namespace meshla::jax_ffi {
 namespace {
 
-// One GPU's part of a group: its communicator and its plans.
-struct GroupPart {
-  explicit GroupPart(const Communicator& comm) : plans(comm) {}
-  CollectivePlans plans;
+// One GPU's part of a group: its communicator's plans. XLA runs each device's work on a thread
+// of its own, but two executables may run at once (called from two Python threads), so the plans
+// are looked up and built under the part's lock.
+class GroupPart {
+ public:
+  explicit GroupPart(const Communicator& comm) : plans_(comm) {}
+
+  // The plan of the call (checked; built on its first preparation, collectively: every rank's
+  // handler prepares the same call). Valid while the part lives.
+  CollectiveMatmul& matmul(const CollectiveMatmulConfig& request,
+                           const CollectiveMatmulArgs& args) {
+    std::lock_guard lock(mutex_);
+    const Communicator& comm = plans_.communicator();
+    return plans_.matmul(describe_call(request, args, comm.size(), comm.device()));
+  }
+
+ private:
+  std::mutex mutex_;
+  CollectivePlans plans_;
 };
 
 // Every registered group's parts in this process, by (group, CUDA ordinal).
 class GroupRegistry {
  public:
   void add(std::int64_t group, const Communicator& comm) {
+    auto part = std::make_shared<GroupPart>(comm);
     std::lock_guard lock(mutex_);
-    auto& part = parts_[{group, comm.device()}];
-    MESHLA_CHECK_ARG(part == nullptr, "meshla.jax: group " << group << " already has cuda:"
-                                                           << comm.device() << " registered");
-    part = std::make_shared<GroupPart>(comm);
+    MESHLA_CHECK_ARG(
+        parts_.try_emplace({group, comm.device()}, std::move(part)).second,
+        "meshla.jax: group " << group << " already has cuda:" << comm.device() << " registered");
   }
 
   std::shared_ptr<GroupPart> find(std::int64_t group, int device, std::string_view op) {
@@ -91,13 +106,8 @@ Call call_of(CollectiveOp op, int device, const ffi::AnyBuffer& a, const ffi::An
   return call;
 }
 
-// The group's plan for the call: checked, and built on the call's first preparation
-// (collectively: every rank's handler prepares the same call).
-CollectiveMatmul& plan_for(std::int64_t group, int device, const Call& call) {
-  const std::shared_ptr<GroupPart> part =
-      groups().find(group, device, collective_op_name(call.request.op));
-  const Communicator& comm = part->plans.communicator();
-  return part->plans.matmul(describe_call(call.request, call.args, comm.size(), comm.device()));
+std::shared_ptr<GroupPart> part_for(std::int64_t group, int device, const Call& call) {
+  return groups().find(group, device, collective_op_name(call.request.op));
 }
 
 // The stages of one op: prepare builds the plan, execute enqueues it. `gathered` only for
@@ -110,9 +120,9 @@ struct Stages {
                             std::int64_t algorithm, std::int64_t backend, std::int64_t chunks,
                             std::int64_t comm_sms, std::int64_t comm_ctas) {
     return guarded([&] {
-      plan_for(group, device,
-               call_of(op, device, a, b, bias, *out, gathered, trans_b, algorithm, backend, chunks,
-                       comm_sms, comm_ctas));
+      const Call call = call_of(op, device, a, b, bias, *out, gathered, trans_b, algorithm, backend,
+                                chunks, comm_sms, comm_ctas);
+      part_for(group, device, call)->matmul(call.request, call.args);
     });
   }
 
@@ -124,7 +134,9 @@ struct Stages {
     return guarded([&] {
       const Call call = call_of(op, device, a, b, bias, *out, gathered, trans_b, algorithm, backend,
                                 chunks, comm_sms, comm_ctas);
-      plan_for(group, device, call).execute(call.args, stream);
+      // The part (and so its plan) is held until the work is enqueued.
+      const std::shared_ptr<GroupPart> part = part_for(group, device, call);
+      part->matmul(call.request, call.args).execute(call.args, stream);
     });
   }
 };
