@@ -28,25 +28,20 @@ variant's output is checked against xla_default's. The run is appended to the JS
 printed as a table: ratio = time / gemm.
 """
 
+import argparse
+import json
 import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
 
-# Never use NVLink multicast (NVLS): set before NCCL or NVSHMEM can read the environment.
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
-for _name, _value in MULTICAST_OFF.items():
-    os.environ.setdefault(_name, _value)
+# The torch benchmark's shapes, file format and environment (importing it turns NVLink multicast
+# off before NCCL or NVSHMEM can read the environment).
+from collective_matmul import HIDDEN, INTERMEDIATE, MULTICAST_OFF, OPS, append_run
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from datetime import datetime, timezone  # noqa: E402
-
-HIDDEN, INTERMEDIATE = 8192, 28672
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
 CHECK_TOLERANCE = 2e-2
@@ -304,13 +299,7 @@ def main():
               "commit": args.commit, "jax": jax.__version__, "dtype": "bfloat16",
               "iters": args.iters, "warmup_ms": args.warmup_ms, "reps": args.reps,
               "env": {name: os.environ.get(name) for name in MULTICAST_OFF}, "rows": rows}
-    runs = []
-    if os.path.exists(args.out):
-        with open(args.out) as f:
-            runs = json.load(f)["runs"]
-    with open(args.out, "w") as f:
-        json.dump({"runs": runs + [record]}, f, indent=2)
-        f.write("\n")
+    append_run(args.out, record)
     print(f"{'op':<22} {'M':>6} {'variant':<18} {'time_ms':>9} {'ratio':>6}  note")
     for r in sorted(rows, key=lambda r: (OPS.index(r["op"]), r["m"])):
         time_cell = "-" if r["time_ms"] is None else f"{r['time_ms']:.3f}"

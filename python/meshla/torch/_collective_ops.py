@@ -154,12 +154,17 @@ def _matmul_reduce_scatter_op(a, b, bias, group, trans_b, tuning):
                                        Tuning.of_ints(tuning), None)
 
 
-@torch.library.register_fake("meshla::matmul_reduce_scatter")
-def _(a, b, bias, group, trans_b, tuning):
-    tp_group = group_of(group)
-    config = describe(OPS.matmul_reduce_scatter, a, b, bias, tp_group, trans_b,
-                      Tuning.of_ints(tuning))
-    return a.new_empty(config.product_shape(tp_group.size))
+def _reduction_fake(op):
+    """The fake of a reduction's op: its product, shaped as the extension describes the call."""
+    def fake(a, b, bias, group, trans_b, tuning):
+        tp_group = group_of(group)
+        config = describe(op, a, b, bias, tp_group, trans_b, Tuning.of_ints(tuning))
+        return a.new_empty(config.product_shape(tp_group.size))
+
+    return torch.library.register_fake(f"meshla::{op.name}")(fake)
+
+
+_reduction_fake(OPS.matmul_reduce_scatter)
 
 
 def matmul_reduce_scatter(a, b, bias, group, trans_b, tuning, out=None):
@@ -186,12 +191,7 @@ def _matmul_all_reduce_op(a, b, bias, group, trans_b, tuning):
                                    None)
 
 
-@torch.library.register_fake("meshla::matmul_all_reduce")
-def _(a, b, bias, group, trans_b, tuning):
-    tp_group = group_of(group)
-    config = describe(OPS.matmul_all_reduce, a, b, bias, tp_group, trans_b,
-                      Tuning.of_ints(tuning))
-    return a.new_empty(config.product_shape(tp_group.size))
+_reduction_fake(OPS.matmul_all_reduce)
 
 
 def matmul_all_reduce(a, b, bias, group, trans_b, tuning, out=None):

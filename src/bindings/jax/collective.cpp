@@ -204,37 +204,37 @@ auto with_operands(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>();
 }
 
+// The operands of each stage: prepare knows the device, execute also XLA's stream.
+auto prepare_operands() { return with_operands(ffi::Ffi::BindPrepare().Ctx<ffi::DeviceOrdinal>()); }
+
+auto execute_operands() {
+  return with_operands(
+      ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>());
+}
+
 }  // namespace
 
 // Execute only enqueues the same work for the same buffers: XLA may capture it in a command
 // buffer (a CUDA graph), which holds the plan while it lives.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    meshla_all_gather_matmul_prepare, all_gather_prepare,
-    with_attributes(
-        with_operands(ffi::Ffi::BindPrepare().Ctx<ffi::DeviceOrdinal>()).Ret<ffi::AnyBuffer>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    meshla_all_gather_matmul_execute, all_gather_execute,
-    with_attributes(with_operands(ffi::Ffi::Bind()
-                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                      .Ctx<ffi::DeviceOrdinal>())
-                        .Ret<ffi::AnyBuffer>()),
-    {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    meshla_matmul_reduce_scatter_prepare, reduction_prepare<CollectiveOp::kMatmulReduceScatter>,
-    with_attributes(with_operands(ffi::Ffi::BindPrepare().Ctx<ffi::DeviceOrdinal>())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    meshla_matmul_reduce_scatter_execute, reduction_execute<CollectiveOp::kMatmulReduceScatter>,
-    with_attributes(with_operands(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())),
-    {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    meshla_matmul_all_reduce_prepare, reduction_prepare<CollectiveOp::kMatmulAllReduce>,
-    with_attributes(with_operands(ffi::Ffi::BindPrepare().Ctx<ffi::DeviceOrdinal>())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    meshla_matmul_all_reduce_execute, reduction_execute<CollectiveOp::kMatmulAllReduce>,
-    with_attributes(with_operands(
-        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())),
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_all_gather_matmul_prepare, all_gather_prepare,
+                              with_attributes(prepare_operands().Ret<ffi::AnyBuffer>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_all_gather_matmul_execute, all_gather_execute,
+                              with_attributes(execute_operands().Ret<ffi::AnyBuffer>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_matmul_reduce_scatter_prepare,
+                              reduction_prepare<CollectiveOp::kMatmulReduceScatter>,
+                              with_attributes(prepare_operands()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_matmul_reduce_scatter_execute,
+                              reduction_execute<CollectiveOp::kMatmulReduceScatter>,
+                              with_attributes(execute_operands()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_matmul_all_reduce_prepare,
+                              reduction_prepare<CollectiveOp::kMatmulAllReduce>,
+                              with_attributes(prepare_operands()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_matmul_all_reduce_execute,
+                              reduction_execute<CollectiveOp::kMatmulAllReduce>,
+                              with_attributes(execute_operands()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 void register_group(std::int64_t group, const Communicator& comm) { groups().add(group, comm); }
 
