@@ -20,6 +20,12 @@ projection ([M, 28672/tp] times [8192, 28672/tp]). Variants of one (op, M), on t
   torch_meshla_auto meshla.torch at its defaults (bench/collective_matmul.py under torchrun, one
                     process per GPU; --no-torch leaves it out)
 
+Then one AdamW training step of examples/jax_tp_mlp.py (op mlp_train_step) at the same sizes: one
+block, [1, M, 8192] bf16 tokens split over the GPUs, 28672 hidden features, for M in
+--mlp-tokens; variants xla_default, xla_windowed (plain jax.numpy on sharded arrays) and meshla
+(its all-gather→GEMM and GEMM→reduce-scatter, their conjugates in the backward). Each variant's
+first loss is checked against xla_default's; the table gives XLA's best over meshla's time.
+
 A time is the median over --reps of --iters back-to-back dispatches of the jitted call, measured
 on the host from the first dispatch to the last result, after --warmup-ms of the variant alone
 (the clocks follow the power draw: bench/NOTES.md, experiment 49). The calls here take a
@@ -45,6 +51,7 @@ from collective_matmul import HIDDEN, INTERMEDIATE, MULTICAST_OFF, OPS, append_r
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
 CHECK_TOLERANCE = 2e-2
+MLP_STEP = "mlp_train_step"
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-ms", type=float, default=500.0)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-torch", action="store_true", help="leave out meshla.torch")
+    parser.add_argument("--mlp-tokens", type=int, nargs="*", default=[8192, 16384],
+                        help="tokens of the MLP training step's batch (none: no MLP)")
     parser.add_argument("--windowed-only", action="store_true",
                         help=argparse.SUPPRESS)  # the xla_windowed process (XLA_FLAGS set)
     args = parser.parse_args()
@@ -192,13 +201,41 @@ def meshla_variants(jax, mesh, shapes: Shapes) -> dict:
     return variants
 
 
+def mlp_step_variants(jax, mesh, m: int, windowed_only: bool) -> dict:
+    """The example MLP's training step on the benchmark's sizes, each variant stepping its own
+    copy of the same parameters: {variant: fn returning the step's loss}."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "examples"))
+    import jax_tp_mlp as example
+    from jax.sharding import Mesh
+
+    mesh = Mesh(mesh.devices.reshape(1, -1), ("data", "tp"))
+    params, batches = example.sharded_inputs(mesh, 1, 1, m, HIDDEN, INTERMEDIATE,
+                                             jax.numpy.bfloat16)
+    x, target = batches[0]
+    losses = {"xla_default": example.plain_loss}
+    if not windowed_only:
+        losses["meshla"] = example.sharded_meshla_loss(mesh, 1)
+    variants = {}
+    for name, loss in losses.items():
+        step, init = example.training_step(loss)
+        carry = [params, init(params)]
+
+        def one_step(step=step, carry=carry):
+            carry[0], carry[1], value = step(carry[0], carry[1], x, target)
+            return value
+
+        variants[name] = one_step
+    return variants
+
+
 def relative_error(jax, out, reference) -> float:
     np = jax.numpy
-    difference = out.astype(np.float32) - reference.astype(np.float32)
-    return float(np.linalg.norm(difference) / np.linalg.norm(reference.astype(np.float32)))
+    out, reference = (np.ravel(x).astype(np.float32) for x in (out, reference))
+    return float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
 
 
-def measure(jax, mesh, shapes: Shapes, variants: dict, args, reference=None) -> dict:
+def measure(jax, variants: dict, args, reference=None) -> dict:
     """{variant: (time_ms, error against the reference, or why it could not run)}."""
     results = {}
     for name, fn in variants.items():
@@ -222,7 +259,7 @@ def windowed_times(args) -> dict:
         command = [sys.executable, __file__, "--windowed-only", "--commit", args.commit,
                    "--out", output.name, "--tokens", *map(str, args.m), "--ops", *args.ops,
                    "--iters", str(args.iters), "--warmup-ms", str(args.warmup_ms),
-                   "--reps", str(args.reps)]
+                   "--reps", str(args.reps), "--mlp-tokens", *map(str, args.mlp_tokens)]
         subprocess.run(command, env=env, check=True)
         with open(output.name) as f:
             return {(r["op"], r["m"]): (r["time_ms"], r["unavailable"]) for r in json.load(f)}
@@ -256,13 +293,19 @@ def main():
     if INTERMEDIATE % tp or any(m % tp for m in args.m):
         sys.exit(f"the GPU count {tp} must divide {INTERMEDIATE} and every --tokens")
     rows = []
+
+    def add_rows(op: str, m: int, results: dict):
+        for name, (time_taken, note) in results.items():
+            rows.append({"op": op, "m": m, "tp": tp, "variant": name, "time_ms": time_taken,
+                         "unavailable": note if isinstance(note, str) else None,
+                         "check_error": note if isinstance(note, float) else None})
+
     for op in args.ops:
         for m in args.m:
             shapes = Shapes(jax, mesh, op, m, seed=m)
             xla = xla_variants(jax, mesh, shapes)
             if args.windowed_only:
-                time_taken, note = measure(jax, mesh, shapes, xla, args)["xla_default"]
-                rows.append({"op": op, "m": m, "time_ms": time_taken, "unavailable": note})
+                add_rows(op, m, measure(jax, xla, args))
                 continue
             reference = xla["xla_default"]()
             variants = dict(xla)
@@ -270,16 +313,19 @@ def main():
             if ppermute is not None:
                 variants["ppermute"] = ppermute
             variants.update(meshla_variants(jax, mesh, shapes))
-            results = measure(jax, mesh, shapes, variants, args, reference)
-            layouts = measure(jax, mesh, shapes, gemm_variant(jax, mesh, shapes), args)
+            results = measure(jax, variants, args, reference)
+            layouts = measure(jax, gemm_variant(jax, mesh, shapes), args)
             times = [t for t, _ in layouts.values() if t is not None]
             results["gemm"] = (min(times) if times else None,
                                None if times else str(layouts))
-            for name, (time_taken, note) in results.items():
-                rows.append({"op": op, "m": m, "tp": tp, "variant": name,
-                             "time_ms": time_taken,
-                             "unavailable": note if isinstance(note, str) else None,
-                             "check_error": note if isinstance(note, float) else None})
+            add_rows(op, m, results)
+    for m in args.mlp_tokens:
+        variants = mlp_step_variants(jax, mesh, m, args.windowed_only)
+        # Each variant's first step starts from the same parameters: their losses must agree.
+        xla = {"xla_default": variants.pop("xla_default")}
+        reference = xla["xla_default"]()
+        add_rows(MLP_STEP, m, {**measure(jax, xla, args), **measure(jax, variants, args,
+                                                                     reference)})
     if args.windowed_only:
         with open(args.out, "w") as f:
             json.dump(rows, f)
@@ -290,10 +336,15 @@ def main():
         for (op, m), (time_taken, note) in times.items():
             rows.append({"op": op, "m": m, "tp": tp, "variant": name, "time_ms": time_taken,
                          "unavailable": note, "check_error": None})
-    gemm = {(r["op"], r["m"]): r["time_ms"] for r in rows if r["variant"] == "gemm"}
+    # The operations against the local GEMM; the training step against XLA's faster variant.
+    base = {(r["op"], r["m"]): r["time_ms"] for r in rows if r["variant"] == "gemm"}
     for r in rows:
-        base = gemm.get((r["op"], r["m"]))
-        r["ratio"] = r["time_ms"] / base if r["time_ms"] and base else None
+        if r["op"] == MLP_STEP and r["time_ms"] is not None and r["variant"].startswith("xla"):
+            key = (r["op"], r["m"])
+            base[key] = min(base.get(key) or r["time_ms"], r["time_ms"])
+    for r in rows:
+        reference_time = base.get((r["op"], r["m"]))
+        r["ratio"] = r["time_ms"] / reference_time if r["time_ms"] and reference_time else None
     record = {"device": devices[0].device_kind, "device_count": tp,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "commit": args.commit, "jax": jax.__version__, "dtype": "bfloat16",
@@ -301,12 +352,14 @@ def main():
               "env": {name: os.environ.get(name) for name in MULTICAST_OFF}, "rows": rows}
     append_run(args.out, record)
     print(f"{'op':<22} {'M':>6} {'variant':<18} {'time_ms':>9} {'ratio':>6}  note")
-    for r in sorted(rows, key=lambda r: (OPS.index(r["op"]), r["m"])):
+    order = [*OPS, MLP_STEP]
+    for r in sorted(rows, key=lambda r: (order.index(r["op"]), r["m"])):
         time_cell = "-" if r["time_ms"] is None else f"{r['time_ms']:.3f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         print(f"{r['op']:<22} {r['m']:>6} {r['variant']:<18} {time_cell:>9} {ratio:>6}  "
               f"{r['unavailable'] or ''}".rstrip())
-    print("ratio = time / gemm (one GPU's local GEMM of the same size, its faster layout)")
+    print("ratio = time / gemm (one GPU's local GEMM of the same size, its faster layout); for "
+          f"{MLP_STEP}, time / XLA's faster variant")
 
 
 if __name__ == "__main__":

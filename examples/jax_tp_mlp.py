@@ -84,7 +84,15 @@ def meshla_loss(mesh: Mesh):
     return local_loss
 
 
-def train(loss, params, batches, steps: int):
+def sharded_meshla_loss(mesh: Mesh, blocks: int):
+    """meshla_loss on global arrays: the parameters and batches sharded as PARAM_SPECS and
+    DATA_SPEC say."""
+    return jax.shard_map(meshla_loss(mesh), mesh=mesh,
+                         in_specs=([PARAM_SPECS] * blocks, DATA_SPEC, DATA_SPEC), out_specs=P())
+
+
+def training_step(loss):
+    """One jitted AdamW step: (params, state, x, target) -> (params, state, loss)."""
     optimizer = optax.adamw(1e-3)
 
     @jax.jit
@@ -93,7 +101,27 @@ def train(loss, params, batches, steps: int):
         updates, state = optimizer.update(grads, state, params)
         return optax.apply_updates(params, updates), state, value
 
-    state = optimizer.init(params)
+    return step, optimizer.init
+
+
+def sharded_inputs(mesh: Mesh, blocks: int, batch: int, tokens: int, hidden: int, ffn: int,
+                   dtype):
+    """The parameters and three (x, target) batches, placed on the mesh."""
+    params = init_params(jax.random.key(0), blocks, hidden, ffn, dtype)
+    param_shardings = [{name: NamedSharding(mesh, spec) for name, spec in PARAM_SPECS.items()}
+                       for _ in params]
+    params = jax.device_put(params, param_shardings)
+    data_sharding = NamedSharding(mesh, DATA_SPEC)
+    shape = (batch * mesh.shape["data"], tokens, hidden)
+    batches = [tuple(jax.device_put(jax.random.normal(key, shape, dtype), data_sharding)
+                     for key in jax.random.split(jax.random.key(seed)))
+               for seed in range(1, 4)]
+    return params, batches
+
+
+def train(loss, params, batches, steps: int):
+    step, init = training_step(loss)
+    state = init(params)
     losses = []
     for i in range(steps):
         x, target = batches[i % len(batches)]
@@ -108,21 +136,9 @@ def main():
     if len(devices) % args.data:
         raise SystemExit(f"--data {args.data} does not divide the {len(devices)} devices")
     mesh = Mesh(np.array(devices).reshape(args.data, -1), ("data", "tp"))
-    dtype = jnp.dtype(args.dtype)
-    params = init_params(jax.random.key(0), args.blocks, args.hidden, args.ffn, dtype)
-    param_shardings = [{name: NamedSharding(mesh, spec) for name, spec in PARAM_SPECS.items()}
-                       for _ in params]
-    params = jax.device_put(params, param_shardings)
-    data_sharding = NamedSharding(mesh, DATA_SPEC)
-    shape = (args.batch * args.data, args.tokens, args.hidden)
-    batches = [tuple(jax.device_put(jax.random.normal(key, shape, dtype), data_sharding)
-                     for key in jax.random.split(jax.random.key(seed)))
-               for seed in range(1, 4)]
-
-    sharded_loss = jax.shard_map(meshla_loss(mesh), mesh=mesh,
-                                 in_specs=([PARAM_SPECS] * args.blocks, DATA_SPEC, DATA_SPEC),
-                                 out_specs=P())
-    meshla_losses = train(sharded_loss, params, batches, args.steps)
+    params, batches = sharded_inputs(mesh, args.blocks, args.batch, args.tokens, args.hidden,
+                                     args.ffn, jnp.dtype(args.dtype))
+    meshla_losses = train(sharded_meshla_loss(mesh, args.blocks), params, batches, args.steps)
     plain_losses = train(plain_loss, params, batches, args.steps)
     print(f"mesh {dict(mesh.shape)} on {devices[0].platform}, {args.dtype}")
     print(f"{'step':>4} {'meshla':>12} {'jnp':>12} {'relative':>10}")
