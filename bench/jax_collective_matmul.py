@@ -330,9 +330,15 @@ def main():
         with open(args.out, "w") as f:
             json.dump(rows, f)
         return
-    for name, times in (("xla_windowed", windowed_times(args)),
-                        *(() if args.no_torch else (("torch_meshla_auto",
-                                                     torch_times(args, tp)),))):
+    others = {"xla_windowed": lambda: windowed_times(args)}
+    if not args.no_torch:
+        others["torch_meshla_auto"] = lambda: torch_times(args, tp)
+    for name, measure_other in others.items():
+        try:
+            times = measure_other()
+        except subprocess.CalledProcessError as failure:  # reported; the other rows still land
+            times = {(op, m): (None, f"{name} failed: {failure}")
+                     for op in args.ops for m in args.m}
         for (op, m), (time_taken, note) in times.items():
             rows.append({"op": op, "m": m, "tp": tp, "variant": name, "time_ms": time_taken,
                          "unavailable": note, "check_error": None})
