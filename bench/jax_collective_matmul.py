@@ -44,6 +44,9 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
+# The windowed-einsum and torch subprocesses share the GPUs with this process: no preallocation.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # The torch benchmark's shapes, file format and environment (importing it turns NVLink multicast
 # off before NCCL or NVSHMEM can read the environment).
 from collective_matmul import HIDDEN, INTERMEDIATE, MULTICAST_OFF, OPS, append_run
