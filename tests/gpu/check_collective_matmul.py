@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 import meshla
 import meshla.torch as mt
+from meshla.torch import _collective_ops as collective_ops
 from meshla.torch._dtypes import DTYPES
 from reporting import Reporter, relative_error
 
@@ -575,14 +576,27 @@ def check_drop_order(world, reporter, label, seed):
     reporter.record(name, world.rank, ok, detail)
 
 
+@contextlib.contextmanager
+def capturing(graph, stream):
+    """Captures what runs inside on `stream` into `graph`. Not torch.cuda.graph: its entry empties
+    the caching allocator of every device, and cudaFree waits for a device whose collective waits
+    on a peer's part, which another thread of this process (the threads model runs two groups at
+    once) cannot enqueue while cudaFree holds CUDA's lock: a deadlock (seen on 4 H100s). The
+    capture is thread_local: the other GPUs' threads keep working meanwhile."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
+
+
 def capture(group, ops):
     """Captures `ops` (callables) in one CUDA graph on a side stream of the group's device."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream(group.device)
     stream.wait_stream(torch.cuda.current_stream(group.device))
-    # thread_local: in the threads model the other GPUs' threads keep working meanwhile.
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream,
-                                                     capture_error_mode="thread_local"):
+    with capturing(graph, stream):
         for op in ops:
             op()
     torch.cuda.current_stream(group.device).wait_stream(stream)
@@ -741,8 +755,7 @@ def check_teardown_during_capture(world, reporter, label, seed_base):
                 with torch.cuda.stream(stream):
                     x @ x  # this thread's cuBLAS handle and workspace, made outside the capture
                 torch.cuda.synchronize(world.device)
-                with torch.cuda.stream(stream), torch.cuda.graph(
-                        graph, stream=stream, capture_error_mode="thread_local"):
+                with capturing(graph, stream):
                     y = x @ x
                     began.set()
                     torn_down.wait(RELEASED_WITHIN_S)
@@ -819,7 +832,7 @@ def check_graph_two_streams(group, reporter, label, seed_base, replays=20):
             main = torch.cuda.Stream(group.device)
             side = torch.cuda.Stream(group.device)
             main.wait_stream(torch.cuda.current_stream(group.device))
-            with torch.cuda.graph(graph, stream=main, capture_error_mode="thread_local"):
+            with capturing(graph, main):
                 side.wait_stream(main)
                 run_op(op, problems[0], group, "ring", False, backend=backend)
                 with torch.cuda.stream(side):
@@ -983,17 +996,17 @@ def _op_calls_counted(op: str):
     """Counts the calls of meshla.torch's torch.ops.meshla.<op> (the module's name for it) while
     it is active: a list whose length is the count."""
     attribute = f"_{op}_op"
-    the_op = getattr(mt, attribute)
+    the_op = getattr(collective_ops, attribute)
     calls = []
 
     def counted(*args):
         calls.append(None)
         return the_op(*args)
-    setattr(mt, attribute, counted)
+    setattr(collective_ops, attribute, counted)
     try:
         yield calls
     finally:
-        setattr(mt, attribute, the_op)
+        setattr(collective_ops, attribute, the_op)
 
 
 def check_observed_calls(group, reporter, label, seed_base):

@@ -331,7 +331,7 @@ class Checks:
                            for d in devices]
                     workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 0, tile, False,
                                                           devices, cholesky=cholesky)
-                    info, _, _, _ = solver.run(op, n, DTYPES[tdtype], 0, tile, False,
+                    info, _, _, _ = solver.run(op, n, MESHLA_DTYPES[tdtype], 0, tile, False,
                                                shards, none, out, none, none, workspaces,
                                                torch_linalg._streams(devices), cholesky=cholesky)
                     inverse = torch.cat([x.cpu() for x in out]).numpy()
