@@ -89,6 +89,18 @@ class MESHLA_API GroupedMatmul {
   std::unique_ptr<Impl> impl_;
 };
 
+// The checks of GroupedMatmul::run that need only the arrays' metadata (shapes, strides, dtypes,
+// places, alignment), for host arrays too: a framework's reference path checks its calls with
+// them, so it refuses what run() would, in the same words. Throws kInvalidArgument.
+MESHLA_API void check_grouped_call(GroupedPass pass, const GroupedMatmulArgs& args);
+
+// The device-side check of the group sizes, for sizes the host holds (a reference path): throws
+// kInvalidArgument for the first negative size, or for sizes not summing to `rows`, in the words
+// in which run() reports what its device-side check found.
+// `sizes` holds `groups` sizes, in host memory.
+MESHLA_API void check_group_sizes(const std::int64_t* sizes, std::int64_t groups,
+                                  std::int64_t rows);
+
 MESHLA_API std::string_view grouped_pass_name(GroupedPass pass);
 
 }  // namespace meshla

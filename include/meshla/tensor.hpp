@@ -42,6 +42,7 @@ struct MESHLA_API TensorView {
   std::int64_t numel() const;
   bool is_row_major_contiguous() const;
   std::string shape_string() const;  // "[1024, 8192]"
+  std::string place_string() const;  // "cpu" or "cuda:3"
 };
 
 // A contiguous row-major view of `shape` starting at `data`.

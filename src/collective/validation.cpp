@@ -22,10 +22,7 @@ bool given(const TensorView& view) { return view.data != nullptr || view.ndim > 
 
 std::string shape_of(const TensorView& view) { return view.shape_string(); }
 
-// Where an array is, or where a group runs (device < 0: on the host, a group of CPU tensors).
-std::string place(DeviceKind kind, int device) {
-  return kind == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(device);
-}
+// Where a group runs (device < 0: on the host, a group of CPU tensors).
 std::string group_place(int device) {
   return device < 0 ? "cpu" : "cuda:" + std::to_string(device);
 }
@@ -34,7 +31,7 @@ std::string group_place(int device) {
 void check_place(std::string_view op, const char* name, const TensorView& view, int device) {
   const bool here = device < 0 ? view.device_kind == DeviceKind::kCpu
                                : view.device_kind == DeviceKind::kCuda && view.device == device;
-  MESHLA_CHECK_ARG(here, op << ": " << name << " is on " << place(view.device_kind, view.device)
+  MESHLA_CHECK_ARG(here, op << ": " << name << " is on " << view.place_string()
                             << " but the group runs on " << group_place(device));
 }
 

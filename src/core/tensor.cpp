@@ -73,6 +73,10 @@ std::string TensorView::shape_string() const {
   return out.str();
 }
 
+std::string TensorView::place_string() const {
+  return device_kind == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(device);
+}
+
 TensorView make_tensor_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
                             int device, DeviceKind device_kind) {
   MESHLA_CHECK_ARG(shape.size() <= kMaxTensorDims,

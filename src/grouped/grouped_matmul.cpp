@@ -34,15 +34,11 @@ struct GroupedMatmul::Impl {
     const std::int64_t value = record->value;
     const std::int64_t rows = record->rows;
     record->code = grouped::kStatusOk;
-    const char* reported =
-        " (found on the device by an earlier call, whose outputs were filled with NaN)";
-    if (code == grouped::kNegativeSize) {
-      MESHLA_THROW(kInvalidArgument, "grouped_linear: m_splits[" << group << "]=" << value
-                                                                 << " is negative" << reported);
-    }
-    MESHLA_THROW(kInvalidArgument, "grouped_linear: m_splits sums to "
-                                       << value << " but the input has " << rows << " rows"
-                                       << reported);
+    const bool negative = code == grouped::kNegativeSize;
+    MESHLA_THROW(kInvalidArgument,
+                 grouped::group_sizes_error(group, negative ? value : 0, negative ? 0 : value, rows)
+                     << " (found on the device by an earlier call, whose outputs were filled with "
+                        "NaN)");
   }
 
   // Whether `pass` runs on the CUTLASS kernels (bf16, fp16), or on the fp32 path / bias kernel.
@@ -124,6 +120,10 @@ void GroupedMatmul::check_device_errors(cudaStream_t stream) {
 void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStream_t stream) {
   impl_->throw_recorded_error();
   const grouped::GroupedShape shape = grouped::validate_grouped_args(pass, args);
+  MESHLA_CHECK_ARG(args.m_splits.device_kind == DeviceKind::kCuda,
+                   "grouped_linear " << grouped_pass_name(pass)
+                                     << ": m_splits must be a CUDA tensor: its sizes are read on "
+                                        "the device");
   MESHLA_CHECK_ARG(args.m_splits.device == impl_->device,
                    "grouped_linear " << grouped_pass_name(pass)
                                      << ": tensors are on cuda:" << args.m_splits.device

@@ -1,5 +1,6 @@
 #include "grouped/grouped_validation.hpp"
 
+#include <sstream>
 #include <string>
 
 #include "core/alignment.hpp"
@@ -33,6 +34,19 @@ std::int64_t packed_group_stride(std::int64_t out_features, std::int64_t in_feat
   return (out_features * in_features + per_boundary - 1) / per_boundary * per_boundary;
 }
 
+void check_group_sizes(const std::int64_t* sizes, std::int64_t groups, std::int64_t rows) {
+  std::int64_t total = 0;
+  for (std::int64_t g = 0; g < groups; ++g) {
+    MESHLA_CHECK_ARG(sizes[g] >= 0, grouped::group_sizes_error(g, sizes[g], 0, rows));
+    total += sizes[g];
+  }
+  MESHLA_CHECK_ARG(total == rows, grouped::group_sizes_error(-1, 0, total, rows));
+}
+
+void check_grouped_call(GroupedPass pass, const GroupedMatmulArgs& args) {
+  grouped::validate_grouped_args(pass, args);
+}
+
 namespace grouped {
 namespace {
 
@@ -49,12 +63,13 @@ class Checker {
     MESHLA_CHECK_ARG(present(view), prefix() << ": " << name << " is required");
   }
 
+  // Every operand lives where m_splits does: one GPU, or the host for the reference path.
   void on_device(const TensorView& view, const char* name) const {
-    MESHLA_CHECK_ARG(view.device_kind == DeviceKind::kCuda,
-                     prefix() << ": " << name << " must be a CUDA tensor");
-    MESHLA_CHECK_ARG(view.device == args_.m_splits.device,
-                     prefix() << ": " << name << " is on cuda:" << view.device
-                              << " but m_splits is on cuda:" << args_.m_splits.device);
+    const TensorView& splits = args_.m_splits;
+    MESHLA_CHECK_ARG(view.device_kind == splits.device_kind &&
+                         (view.device_kind == DeviceKind::kCpu || view.device == splits.device),
+                     prefix() << ": " << name << " is on " << view.place_string()
+                              << " but m_splits is on " << splits.place_string());
   }
 
   // A row-major matrix with contiguous rows; returns nothing, checks shape [rows, cols].
@@ -142,8 +157,6 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
   const std::string where = check.prefix();
   const TensorView& splits = args.m_splits;
   check.require(splits, "m_splits");
-  MESHLA_CHECK_ARG(splits.device_kind == DeviceKind::kCuda,
-                   where << ": m_splits must be a CUDA tensor: its sizes are read on the device");
   MESHLA_CHECK_ARG(splits.dtype == DType::kInt64,
                    where << ": m_splits is " << dtype_name(splits.dtype) << ", expected int64");
   MESHLA_CHECK_ARG(splits.ndim == 1 && splits.shape[0] >= 1 && splits.is_row_major_contiguous(),
@@ -258,6 +271,18 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
     if (present(args.bias)) check.aligned(args.bias, "bias", args.bias.strides[0]);
   }
   return shape;
+}
+
+std::string group_sizes_error(std::int64_t group, std::int64_t size, std::int64_t total,
+                              std::int64_t rows) {
+  std::ostringstream message;
+  if (size < 0) {
+    message << "grouped_linear: m_splits[" << group << "]=" << size << " is negative";
+  } else {
+    message << "grouped_linear: m_splits sums to " << total << " but the input has " << rows
+            << " rows";
+  }
+  return message.str();
 }
 
 WorkspaceLayout workspace_layout(std::int64_t groups, std::size_t pass_bytes) {

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "meshla/grouped_matmul.hpp"
 
@@ -16,10 +17,18 @@ struct GroupedShape {
   std::int64_t out_features;
 };
 
-// Checks every argument `pass` uses against the others (shapes, strides, dtypes, devices,
-// alignment) and returns the problem's shape. Throws kInvalidArgument naming the argument and
-// the shapes involved. Does not check the workspace's size, which depends on the device.
+// Checks every argument `pass` uses against the others (shapes, strides, dtypes, places,
+// alignment) on their metadata alone, and returns the problem's shape. Throws kInvalidArgument
+// naming the argument and the shapes involved. The same rules hold for host arrays (the
+// frameworks' reference paths check with them), so both paths refuse a call in the same words.
+// Does not check the workspace's size, which depends on the device.
 GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& args);
+
+// What is wrong with the group sizes: group `group`'s `size` is negative, or (size >= 0) the
+// sizes sum to `total` where the input has `rows`. The device-side check records the same facts
+// and GroupedMatmul reports them in these words, check_group_sizes too.
+std::string group_sizes_error(std::int64_t group, std::int64_t size, std::int64_t total,
+                              std::int64_t rows);
 
 // The workspace of one call: the group index (offsets and the invalid flag), then the pass's own
 // part (CUTLASS tables and workspace, or the bias accumulator), each 256-byte aligned.

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "grouped/grouped_kernels.hpp"
 #include "grouped/grouped_validation.hpp"
@@ -86,6 +87,46 @@ TEST(GroupedValidation, NamesArgumentAndShapes) {
   args.y.device = 1;
   EXPECT_EQ(error_of(GroupedPass::kForward, args),
             "grouped_linear forward: y is on cuda:1 but m_splits is on cuda:0");
+}
+
+// A forward call's arrays, all on the host (a framework's reference path).
+GroupedMatmulArgs on_host(const Forward& forward) {
+  GroupedMatmulArgs args = forward.args();
+  for (TensorView* view : {&args.m_splits, &args.x, &args.weight, &args.bias, &args.y}) {
+    view->device_kind = DeviceKind::kCpu;
+  }
+  return args;
+}
+
+TEST(GroupedValidation, HostArraysFollowTheSameRules) {
+  GroupedMatmulArgs args = on_host(Forward{});
+  EXPECT_EQ(error_of(GroupedPass::kForward, args), "");
+  args.y.device_kind = DeviceKind::kCuda;
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_linear forward: y is on cuda:0 but m_splits is on cpu");
+  Forward unaligned;
+  unaligned.in = 60;
+  EXPECT_NE(error_of(GroupedPass::kForward, on_host(unaligned))
+                .find("must be multiples of 8 for bfloat16"),
+            std::string::npos);
+}
+
+std::string group_sizes_error_of(std::vector<std::int64_t> sizes, std::int64_t rows) {
+  try {
+    check_group_sizes(sizes.data(), static_cast<std::int64_t>(sizes.size()), rows);
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+    return error.what();
+  }
+  return "";
+}
+
+TEST(GroupedValidation, GroupSizesOnTheHostInTheDeviceChecksWords) {
+  EXPECT_EQ(group_sizes_error_of({2, 0, 4}, 6), "");
+  EXPECT_EQ(group_sizes_error_of({2, -1, 3, -2}, 4), "grouped_linear: m_splits[1]=-1 is negative");
+  EXPECT_EQ(group_sizes_error_of({2, 3}, 6),
+            "grouped_linear: m_splits sums to 5 but the input has 6 rows");
+  EXPECT_EQ(group_sizes_error(1, -1, 0, 4), group_sizes_error_of({2, -1, 3}, 4));
 }
 
 TEST(GroupedValidation, SixteenBitNeedsAlignedFeatures) {

@@ -29,17 +29,17 @@ def splits(sizes):
 def test_functional_matches_loop_with_gradients(bias):
     torch.manual_seed(0)
     sizes = [5, 0, 7, 1]
-    x = torch.randn(sum(sizes), 6, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(4, 3, 6, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(4, 3, dtype=torch.float64, requires_grad=True) if bias else None
+    x = torch.randn(sum(sizes), 6, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(4, 3, 6, dtype=torch.float32, requires_grad=True)
+    b = torch.randn(4, 3, dtype=torch.float32, requires_grad=True) if bias else None
     y = mt.grouped_linear(x, splits(sizes), w, b)
-    ref = loop_reference(x, splits(sizes), w, b)
-    torch.testing.assert_close(y, ref)
+    ref = loop_reference(x, splits(sizes), w, b)  # in float64
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
     dy = torch.randn_like(y)
     grads = torch.autograd.grad(y, [x, w] + ([b] if bias else []), dy)
     ref_grads = torch.autograd.grad(ref, [x, w] + ([b] if bias else []), dy)
     for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(grads[1][1]) == 0  # the empty group's weight gradient is zero
 
 
@@ -133,13 +133,13 @@ def test_module_parameters_and_gradients_are_aligned_views_of_one_buffer(out_fea
 
 def test_module_repacks_after_dtype_change_and_replaced_data():
     layer = mt.GroupedLinear(2, 8, 8, bias=False, dtype=torch.float32)
-    layer.to(torch.float64)
+    layer.to(torch.bfloat16)
     weights = layer.weights()
-    assert weights[0].dtype == torch.float64
+    assert weights[0].dtype == torch.bfloat16
     assert weights[0].untyped_storage().data_ptr() == weights[1].untyped_storage().data_ptr()
-    new = torch.randn(8, 8, dtype=torch.float64)
+    new = torch.randn(8, 8, dtype=torch.bfloat16)
     weights[1].data = new.clone()
-    x = torch.randn(5, 8, dtype=torch.float64)
+    x = torch.randn(5, 8, dtype=torch.bfloat16)
     y = layer(x, splits([2, 3]))
     torch.testing.assert_close(y[2:], x[2:] @ new.T)
     assert weights[0].untyped_storage().data_ptr() == weights[1].untyped_storage().data_ptr()
@@ -147,14 +147,14 @@ def test_module_repacks_after_dtype_change_and_replaced_data():
 
 def test_delayed_weight_gradients():
     torch.manual_seed(2)
-    layer = mt.GroupedLinear(2, 4, 8, delay_wgrad_compute=True, dtype=torch.float64)
-    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    layer = mt.GroupedLinear(2, 4, 8, delay_wgrad_compute=True, dtype=torch.float32)
+    x = torch.randn(7, 4, dtype=torch.float32, requires_grad=True)
     layer(x, splits([3, 4])).sum().backward()
     assert all(w.grad is None for w in layer.weights())
     assert x.grad is not None and all(b.grad is not None for b in layer.biases())
     layer.backward_dw()
     for g, (start, size) in enumerate([(0, 3), (3, 4)]):
-        want = torch.ones(size, 8, dtype=torch.float64).T @ x.detach()[start:start + size]
+        want = torch.ones(size, 8, dtype=torch.float32).T @ x.detach()[start:start + size]
         torch.testing.assert_close(layer.weights()[g].grad, want)
 
 
@@ -221,8 +221,19 @@ def test_argument_errors():
         mt.grouped_linear(x, splits([7, -1]), w)
     with pytest.raises(ValueError, match="sums to 5 but the input has 6 rows"):
         mt.grouped_linear(x, splits([2, 3]), w)
-    with pytest.raises(ValueError, match="1-D int64"):
+    with pytest.raises(ValueError, match="forward: m_splits is int32, expected int64"):
         mt.grouped_linear(x, torch.tensor([3, 3], dtype=torch.int32), w)
+    # The CUDA path's rules and words (the extension checks both): float64 and 16-bit rows that
+    # TMA cannot read are refused on the CPU too.
+    with pytest.raises(ValueError, match="grouped_linear forward: x is float64; grouped GEMM takes "
+                                         "bfloat16, float16 or float32"):
+        mt.grouped_linear(x.double(), splits([3, 3]), w.double())
+    with pytest.raises(ValueError, match=r"in_features=4 and out_features=3 must be multiples of "
+                                         r"8 for bfloat16 \(16-byte rows for TMA\)"):
+        mt.grouped_linear(x.bfloat16(), splits([3, 3]), w.bfloat16())
+    with pytest.raises(ValueError, match=r"grouped_linear dgrad: weight.shape=\[3, 3, 4\] must be "
+                                         r"\[G, out, in\] = \[2, 3, 4\]"):
+        torch.ops.meshla.grouped_mm_dgrad(torch.randn(6, 3), splits([3, 3]), torch.randn(3, 3, 4))
     layer = mt.GroupedLinear(2, 4, 3)
     with pytest.raises(ValueError, match=r"x.shape=\[6, 5\] must be \[rows, in_features=4\]"):
         layer(torch.randn(6, 5), splits([3, 3]))
@@ -243,21 +254,21 @@ def test_frozen_experts_get_no_gradients(delay):
     assert all(p.grad is None for p in layer.parameters())
 
     # One expert trains: only it gets a gradient, here through .grad (no fused accumulation).
-    layer = mt.GroupedLinear(2, 4, 8, delay_wgrad_compute=delay, dtype=torch.float64)
+    layer = mt.GroupedLinear(2, 4, 8, delay_wgrad_compute=delay, dtype=torch.float32)
     layer.weights()[0].requires_grad_(False)
     layer.biases()[1].requires_grad_(False)
-    x = torch.randn(7, 4, dtype=torch.float64)
+    x = torch.randn(7, 4, dtype=torch.float32)
     layer(x, splits([3, 4])).sum().backward()
     layer.backward_dw()
     assert layer.weights()[0].grad is None and layer.biases()[1].grad is None
     torch.testing.assert_close(layer.weights()[1].grad,
-                               torch.ones(4, 8, dtype=torch.float64).T @ x[3:])
-    torch.testing.assert_close(layer.biases()[0].grad, torch.full((8,), 3.0, dtype=torch.float64))
+                               torch.ones(4, 8, dtype=torch.float32).T @ x[3:])
+    torch.testing.assert_close(layer.biases()[0].grad, torch.full((8,), 3.0, dtype=torch.float32))
 
 
 def test_double_backward_raises():
-    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 4, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(2, 3, 4, dtype=torch.float32, requires_grad=True)
     (dx,) = torch.autograd.grad(mt.grouped_linear(x, splits([2, 3]), w).sum(), x,
                                 create_graph=True)
     with pytest.raises(RuntimeError):
@@ -266,8 +277,8 @@ def test_double_backward_raises():
 
 def test_empty_batch_backward():
     # An expert-parallel rank that got no tokens: every group empty.
-    layer = mt.GroupedLinear(2, 8, 16, dtype=torch.float64)
-    x = torch.randn(0, 8, dtype=torch.float64, requires_grad=True)
+    layer = mt.GroupedLinear(2, 8, 16, dtype=torch.float32)
+    x = torch.randn(0, 8, dtype=torch.float32, requires_grad=True)
     layer(x, splits([0, 0])).sum().backward()
     assert x.grad.shape == (0, 8)
     assert all(torch.count_nonzero(w.grad) == 0 for w in layer.weights())

@@ -21,7 +21,9 @@ Errors that need ``m_splits`` (a negative size, sizes not summing to the rows of
 on the device: the failing call fills its outputs with NaN and the next grouped call on that device
 raises ``ValueError``; :func:`check_device_errors` waits and raises at once.
 
-CPU tensors run a per-group torch reference, so code and tests run without a GPU.
+CPU tensors run a per-group torch reference, so code and tests run without a GPU. The extension
+checks both paths' calls by the same rules (shapes, dtypes, alignment, and on the CPU the group
+sizes at once), so a call the GPU would refuse is refused on the CPU, in the same words.
 """
 
 import atexit
@@ -32,7 +34,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from meshla import _meshla
-from meshla.torch._dtypes import DTYPES
+from meshla.torch._dtypes import DTYPES, dtype_of, meta
 from meshla.torch._library import capsule, current_stream, op
 from meshla.torch._main_grad import added_to_main_grad, main_grad_buffer, overwrites_main_grad
 
@@ -54,18 +56,25 @@ def _engine(index: int) -> _meshla.GroupedMatmul:
     return engine
 
 
-# Workspace bytes per (device index, pass, dtype, groups, out_features): sizing CUTLASS's
-# workspace is host work that every call would otherwise repeat.
+# Workspace bytes per (device index, pass, dtype, groups, out_features): see _run.
 _workspace_sizes: dict[tuple, int] = {}
 
 
-def _workspace_bytes(index: int, grouped_pass, dtype, groups: int, out_features: int) -> int:
-    key = (index, grouped_pass, dtype, groups, out_features)
-    size = _workspace_sizes.get(key)
-    if size is None:
-        size = _workspace_sizes[key] = _engine(index).workspace_bytes(
-            grouped_pass, dtype, groups, out_features)
-    return size
+def _check_call(grouped_pass, m_splits, accumulate=False, **tensors):
+    """The extension's checks of one pass on the tensors' metadata (GroupedMatmul.run's own, for
+    CPU tensors too): the reference path refuses what the CUDA path would, in the same words."""
+    metas = {name: t if isinstance(t, _meshla.ArrayMeta) else meta(name, t)
+             for name, t in tensors.items()}
+    _meshla.check_grouped_call(grouped_pass, meta("m_splits", m_splits), accumulate=accumulate,
+                               **metas)
+
+
+def _cpu_groups(m_splits, rows):
+    """(start, size) of each group, after the device-side check's rules on the sizes."""
+    sizes = m_splits.tolist()
+    _meshla.check_group_sizes(sizes, rows)
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    return list(zip(starts, sizes))
 
 
 @torch.compiler.assume_constant_result
@@ -92,56 +101,34 @@ def check_device_errors(device=None) -> None:
     _engine(index).check_device_errors(current_stream(index))
 
 
-def _dtype(dtype: torch.dtype):
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"grouped_linear: dtype {dtype} is not supported; "
-                         "use bfloat16, float16 or float32")
-    return DTYPES[dtype]
-
-
 def _run(grouped_pass, m_splits, lead, out_features, accumulate=False, **tensors):
     """Runs one pass on the current stream of ``lead``'s device with a workspace from the caching
-    allocator, so concurrent calls on different streams never share one."""
+    allocator, so concurrent calls on different streams never share one. Sizing the workspace
+    is host work every call would repeat: the size is kept per (device, pass, dtype, groups,
+    out_features), and a new key's call is checked first (run() checks every call, but the size
+    is needed before it)."""
     index = lead.get_device()
-    size = _workspace_bytes(index, grouped_pass, _dtype(lead.dtype), m_splits.shape[0],
-                            out_features)
+    key = (index, grouped_pass, lead.dtype, m_splits.shape[0], out_features)
+    size = _workspace_sizes.get(key)
+    if size is None:
+        _check_call(grouped_pass, m_splits, accumulate, **tensors)
+        size = _workspace_sizes[key] = _engine(index).workspace_bytes(
+            grouped_pass, dtype_of("x", lead), m_splits.shape[0], out_features)
     # int64 words: DLPack hands the extension no uint8, and the size is counted in bytes.
     workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
     _engine(index).run(grouped_pass, capsule(m_splits), capsule(workspace), current_stream(index),
                        accumulate=accumulate, **{name: capsule(t) for name, t in tensors.items()})
 
 
-def _check_splits(m_splits, x, name="x"):
-    if m_splits.dim() != 1 or m_splits.dtype != torch.int64:
-        raise ValueError(f"grouped_linear: m_splits must be a 1-D int64 tensor, got "
-                         f"shape {list(m_splits.shape)} and {m_splits.dtype}")
-    if m_splits.device != x.device:
-        raise ValueError(f"grouped_linear: m_splits is on {m_splits.device} but {name} is on "
-                         f"{x.device}")
-
-
-def _cpu_groups(m_splits, rows):
-    sizes = m_splits.tolist()
-    if any(s < 0 for s in sizes):
-        first = next(g for g, s in enumerate(sizes) if s < 0)
-        raise ValueError(f"grouped_linear: m_splits[{first}]={sizes[first]} is negative")
-    if sum(sizes) != rows:
-        raise ValueError(f"grouped_linear: m_splits sums to {sum(sizes)} but the input has "
-                         f"{rows} rows")
-    starts = [sum(sizes[:g]) for g in range(len(sizes))]
-    return list(zip(starts, sizes))
-
-
 @op("grouped_mm(Tensor x, Tensor m_splits, Tensor weight, Tensor? bias) -> Tensor")
 def _grouped_mm(x, m_splits, weight, bias):
-    _check_splits(m_splits, x)
+    y = x.new_empty(x.shape[0], weight.shape[1])
     if x.device.type == "cpu":
-        y = x.new_empty(x.shape[0], weight.shape[1])
+        _check_call(_PASS.forward, m_splits, x=x, weight=weight, bias=bias, y=y)
         for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
             rows = x[start:start + size] @ weight[g].T
             y[start:start + size] = rows if bias is None else rows + bias[g]
         return y
-    y = x.new_empty(x.shape[0], weight.shape[1])
     _run(_PASS.forward, m_splits, x, weight.shape[1], x=x, weight=weight, bias=bias, y=y)
     return y
 
@@ -153,9 +140,9 @@ def _(x, m_splits, weight, bias):
 
 @op("grouped_mm_dgrad(Tensor dy, Tensor m_splits, Tensor weight) -> Tensor")
 def _grouped_mm_dgrad(dy, m_splits, weight):
-    _check_splits(m_splits, dy, "dy")
     dx = dy.new_empty(dy.shape[0], weight.shape[2])
     if dy.device.type == "cpu":
+        _check_call(_PASS.dgrad, m_splits, dy=dy, weight=weight, dx=dx)
         for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0])):
             dx[start:start + size] = dy[start:start + size] @ weight[g]
         return dx
@@ -175,11 +162,11 @@ def _packed(flat, num_groups, out_features, in_features, group_stride):
 
 @op("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor m_splits, SymInt group_stride) -> Tensor")
 def _grouped_mm_wgrad(x, dy, m_splits, group_stride):
-    _check_splits(m_splits, x)
     num_groups, out_features, in_features = m_splits.shape[0], dy.shape[1], x.shape[1]
     flat = x.new_empty(num_groups * group_stride)
     dweight = _packed(flat, num_groups, out_features, in_features, group_stride)
     if x.device.type == "cpu":
+        _check_call(_PASS.wgrad, m_splits, x=x, dy=dy, dweight=dweight)
         for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
             dweight[g] = dy[start:start + size].T @ x[start:start + size]
         return flat
@@ -241,8 +228,11 @@ def _address_table(main_grads, m_splits, x, dy) -> torch.Tensor:
 @op("grouped_mm_wgrad_accumulate_(Tensor x, Tensor dy, Tensor m_splits, "
      "Tensor(a!)[] main_grads) -> ()")
 def _grouped_mm_wgrad_accumulate(x, dy, m_splits, main_grads):
-    _check_splits(m_splits, x)
     if x.device.type == "cpu":
+        # The CUDA path's table of the main_grads' addresses, as its check sees it.
+        addresses = _meshla.ArrayMeta([len(main_grads)], [1], _meshla.DType.int64, -1)
+        _check_call(_PASS.wgrad, m_splits, accumulate=True, x=x, dy=dy,
+                    dweight_addresses=addresses)
         _check_main_grads(main_grads, m_splits, x, dy)
         for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
             main_grads[g] += (dy[start:start + size].T @ x[start:start + size]).float()
@@ -258,9 +248,9 @@ def _(x, dy, m_splits, main_grads):
 
 @op("grouped_bias_grad(Tensor dy, Tensor m_splits, SymInt num_groups) -> Tensor")
 def _grouped_bias_grad(dy, m_splits, num_groups):
-    _check_splits(m_splits, dy, "dy")
     dbias = dy.new_empty(num_groups, dy.shape[1])
     if dy.device.type == "cpu":
+        _check_call(_PASS.bias_grad, m_splits, dy=dy, dbias=dbias)
         for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0])):
             dbias[g] = dy[start:start + size].sum(
                 0, dtype=torch.promote_types(dy.dtype, torch.float32))

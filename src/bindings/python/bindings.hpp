@@ -23,6 +23,11 @@ using Array = nb::ndarray<nb::ro>;
 // The view of an array (empty for None); `name` is the argument's, for messages.
 TensorView view_of(const std::optional<Array>& maybe, const char* name);
 
+// An ArrayMeta argument, or an absent array (empty view) for None.
+inline TensorView meta_or_absent(const std::optional<TensorView>& meta) {
+  return meta ? *meta : TensorView{};
+}
+
 inline cudaStream_t to_stream(std::uintptr_t stream) {
   return reinterpret_cast<cudaStream_t>(stream);
 }

@@ -43,10 +43,6 @@ CollectiveMatmulConfig request_of(CollectiveOp op, bool trans_b, bool return_gat
           .comm_ctas = comm_ctas};
 }
 
-TensorView meta_or_absent(const std::optional<TensorView>& meta) {
-  return meta ? *meta : TensorView{};
-}
-
 }  // namespace
 
 void bind_collective(nb::module_& m) {

@@ -1,7 +1,9 @@
 // Python bindings of the grouped GEMM (meshla/grouped_matmul.hpp).
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
+#include <vector>
 
 #include "bindings/python/bindings.hpp"
 #include "meshla/grouped_matmul.hpp"
@@ -25,6 +27,41 @@ void bind_grouped(nb::module_& m) {
       "out_features"_a, "in_features"_a, "dtype"_a,
       "Elements between groups of a packed [G, out, in] buffer whose groups start on 256-byte "
       "boundaries.");
+
+  m.def(
+      "check_grouped_call",
+      [](GroupedPass pass, const TensorView& m_splits, const std::optional<TensorView>& x,
+         const std::optional<TensorView>& dy, const std::optional<TensorView>& weight,
+         const std::optional<TensorView>& bias, const std::optional<TensorView>& y,
+         const std::optional<TensorView>& dx, const std::optional<TensorView>& dweight,
+         const std::optional<TensorView>& dbias, bool accumulate,
+         const std::optional<TensorView>& dweight_addresses) {
+        check_grouped_call(pass, {.m_splits = m_splits,
+                                  .x = meta_or_absent(x),
+                                  .dy = meta_or_absent(dy),
+                                  .weight = meta_or_absent(weight),
+                                  .bias = meta_or_absent(bias),
+                                  .y = meta_or_absent(y),
+                                  .dx = meta_or_absent(dx),
+                                  .dweight = meta_or_absent(dweight),
+                                  .dbias = meta_or_absent(dbias),
+                                  .dweight_addresses = meta_or_absent(dweight_addresses),
+                                  .accumulate = accumulate});
+      },
+      "grouped_pass"_a, "m_splits"_a, "x"_a.none() = nb::none(), "dy"_a.none() = nb::none(),
+      "weight"_a.none() = nb::none(), "bias"_a.none() = nb::none(), "y"_a.none() = nb::none(),
+      "dx"_a.none() = nb::none(), "dweight"_a.none() = nb::none(), "dbias"_a.none() = nb::none(),
+      "accumulate"_a = false, "dweight_addresses"_a.none() = nb::none(),
+      "Checks one pass's arrays (ArrayMeta, host arrays too) as GroupedMatmul.run would.");
+
+  m.def(
+      "check_group_sizes",
+      [](const std::vector<std::int64_t>& sizes, std::int64_t rows) {
+        check_group_sizes(sizes.data(), static_cast<std::int64_t>(sizes.size()), rows);
+      },
+      "sizes"_a, "rows"_a,
+      "Raises ValueError for a negative size or sizes not summing to `rows`, in the words of the "
+      "device-side check.");
 
   nb::class_<GroupedMatmul>(m, "GroupedMatmul",
                             "Grouped GEMM of one device (see meshla/grouped_matmul.hpp).")
