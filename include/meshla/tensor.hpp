@@ -39,6 +39,9 @@ struct MESHLA_API TensorView {
   std::array<std::int64_t, kMaxTensorDims> shape{};
   std::array<std::int64_t, kMaxTensorDims> strides{};  // in elements, as DLPack
 
+  // An array the caller gave (with data, or a framework's abstract array, which has a shape),
+  // not an absent one (the default view).
+  bool given() const { return data != nullptr || ndim > 0; }
   std::int64_t numel() const;
   bool is_row_major_contiguous() const;
   std::string shape_string() const;  // "[1024, 8192]"

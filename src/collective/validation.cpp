@@ -16,10 +16,6 @@ std::string expected_shape(std::int64_t rows, std::int64_t cols) {
   return "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
 }
 
-// Whether a view stands for an array the caller gave (with data, or a framework's abstract array,
-// which has a shape), not an absent one.
-bool given(const TensorView& view) { return view.data != nullptr || view.ndim > 0; }
-
 std::string shape_of(const TensorView& view) { return view.shape_string(); }
 
 // Where a group runs (device < 0: on the host, a group of CPU tensors).
@@ -336,10 +332,9 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
   MESHLA_CHECK_ARG(tp >= 1, op << ": tp_size=" << tp << " must be at least 1");
   const std::pair<const char*, const TensorView*> operands[] = {{"a", &args.a}, {"b", &args.b}};
   for (const auto& [name, view] : operands) {
-    MESHLA_CHECK_ARG(
-        collective::given(*view) && view->ndim == 2,
-        op << ": " << name << " must be a 2-D array, got "
-           << (collective::given(*view) ? collective::shape_of(*view) : std::string("none")));
+    MESHLA_CHECK_ARG(view->given() && view->ndim == 2,
+                     op << ": " << name << " must be a 2-D array, got "
+                        << (view->given() ? collective::shape_of(*view) : std::string("none")));
   }
   const TensorView& a = args.a;
   const TensorView& b = args.b;
@@ -350,7 +345,7 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
   collective::check_place(op, "a", a, device);
   const std::pair<const char*, const TensorView*> others[] = {{"b", &b}, {"bias", &args.bias}};
   for (const auto& [name, view] : others) {
-    if (!collective::given(*view)) continue;
+    if (!view->given()) continue;
     MESHLA_CHECK_ARG(view->dtype == a.dtype,
                      op << ": " << name << ".dtype=" << dtype_name(view->dtype)
                         << " but a.dtype=" << dtype_name(a.dtype) << "; they must match");
@@ -362,7 +357,7 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
                       << (request.trans_b ? "[n, k]" : "[k, n]") << ") does not match a.shape="
                       << collective::shape_of(a) << ": the contraction needs k=" << a.shape[1]);
   const std::int64_t n = request.trans_b ? b.shape[0] : b.shape[1];
-  if (collective::given(args.bias)) {
+  if (args.bias.given()) {
     MESHLA_CHECK_ARG(args.bias.ndim == 1 && args.bias.shape[0] == n,
                      op << ": bias.shape=" << collective::shape_of(args.bias) << " but expected ["
                         << n << "] (one value per output column)");
@@ -370,7 +365,7 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
   const bool gathers = request.op == CollectiveOp::kAllGatherMatmul;
   MESHLA_CHECK_ARG(gathers || !request.return_gathered,
                    op << ": return_gathered applies to all_gather_matmul only");
-  MESHLA_CHECK_ARG(request.return_gathered || !collective::given(args.gathered),
+  MESHLA_CHECK_ARG(request.return_gathered || !args.gathered.given(),
                    op << ": a gathered output is given but return_gathered=False");
   if (request.op == CollectiveOp::kMatmulReduceScatter) {
     MESHLA_CHECK_ARG(a.shape[0] % tp == 0,
@@ -381,11 +376,11 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
   config.m = gathers ? a.shape[0] * tp : a.shape[0];
   config.n = n;
   config.k = a.shape[1];
-  config.bias = collective::given(args.bias);
+  config.bias = args.bias.given();
   collective::check_request(config, tp);
   // The outputs given, on their metadata (an absent one is the caller's to make at its shape).
   const std::array<std::int64_t, 2> product = product_shape(config, tp);
-  if (collective::given(args.out)) {
+  if (args.out.given()) {
     collective::check_matrix(
         op, "out", args.out, product[0], product[1], config.dtype, device,
         [&] {
@@ -393,7 +388,7 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
         },
         false);
   }
-  if (collective::given(args.gathered)) {
+  if (args.gathered.given()) {
     collective::check_matrix(
         op, "gathered", args.gathered, config.m, config.k, config.dtype, device,
         [] { return "m, k"; }, false);

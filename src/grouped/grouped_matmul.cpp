@@ -172,7 +172,7 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
   const auto* addresses = pass == GroupedPass::kWgrad
                               ? static_cast<const std::int64_t*>(args.dweight_addresses.data)
                               : nullptr;
-  const bool has_bias = pass == GroupedPass::kForward && args.bias.ndim > 0;
+  const bool has_bias = pass == GroupedPass::kForward && args.bias.given();
   const grouped::GroupedOperands operands{
       pass,
       shape.in_features,

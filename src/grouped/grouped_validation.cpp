@@ -50,8 +50,6 @@ void check_grouped_call(GroupedPass pass, const GroupedMatmulArgs& args) {
 namespace grouped {
 namespace {
 
-bool present(const TensorView& view) { return view.ndim > 0; }
-
 // The checks of one call, with its pass's name in every message.
 class Checker {
  public:
@@ -60,7 +58,7 @@ class Checker {
   std::string prefix() const { return "grouped_linear " + std::string(grouped_pass_name(pass_)); }
 
   void require(const TensorView& view, const char* name) const {
-    MESHLA_CHECK_ARG(present(view), prefix() << ": " << name << " is required");
+    MESHLA_CHECK_ARG(view.given(), prefix() << ": " << name << " is required");
   }
 
   // Every operand lives where m_splits does: one GPU, or the host for the reference path.
@@ -106,7 +104,7 @@ class Checker {
   // One fp32 matrix's address a group (GroupedMatmulArgs::dweight_addresses): only in place of
   // dweight, when accumulating.
   void addresses(const TensorView& view, const char* name, const GroupedShape& shape) const {
-    MESHLA_CHECK_ARG(args_.accumulate && !present(args_.dweight),
+    MESHLA_CHECK_ARG(args_.accumulate && !args_.dweight.given(),
                      prefix() << ": " << name << " replaces dweight, and only when accumulating");
     on_device(view, name);
     MESHLA_CHECK_ARG(view.dtype == DType::kInt64 && view.ndim == 1 &&
@@ -191,9 +189,9 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
       break;
     case GroupedPass::kWgrad:
       check.require(args.dy, "dy");
-      if (!present(args.dweight_addresses)) check.require(args.dweight, "dweight");
       MESHLA_CHECK_ARG(args.dy.ndim == 2,
                        where << ": dy.shape=" << args.dy.shape_string() << " must be 2-D");
+      if (!args.dweight_addresses.given()) check.require(args.dweight, "dweight");
       shape.out_features = args.dy.shape[1];
       shape.in_features = lead.shape[1];
       break;
@@ -223,7 +221,7 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
       check.require(args.y, "y");
       check.matrix(args.y, "y", shape.rows, shape.out_features, "[rows, out]");
       check.dtype(args.y, "y", dtype);
-      if (present(args.bias)) {
+      if (args.bias.given()) {
         check.bias_like(args.bias, "bias", shape);
         check.dtype(args.bias, "bias", dtype);
       }
@@ -240,7 +238,7 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
       check.matrix(args.x, "x", shape.rows, shape.in_features, "[rows, in]");
       check.matrix(args.dy, "dy", shape.rows, shape.out_features, "[rows, out] (rows of x)");
       check.dtype(args.dy, "dy", dtype);
-      if (present(args.dweight_addresses)) {
+      if (args.dweight_addresses.given()) {
         check.addresses(args.dweight_addresses, "dweight_addresses", shape);
       } else {
         check.grouped_weights(args.dweight, "dweight", shape);
@@ -260,7 +258,7 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
         where << ": in_features=" << shape.in_features << " and out_features=" << shape.out_features
               << " must be multiples of 8 for " << dtype_name(dtype) << " (16-byte rows for TMA)");
     const auto check_aligned = [&](const TensorView& view, const char* name) {
-      if (present(view)) check.aligned(view, name, view.ndim == 3 ? view.strides[0] : 0);
+      if (view.given()) check.aligned(view, name, view.ndim == 3 ? view.strides[0] : 0);
     };
     check_aligned(args.x, "x");
     check_aligned(args.dy, "dy");
@@ -268,7 +266,7 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
     check_aligned(args.y, "y");
     check_aligned(args.dx, "dx");
     check_aligned(args.dweight, "dweight");
-    if (present(args.bias)) check.aligned(args.bias, "bias", args.bias.strides[0]);
+    if (args.bias.given()) check.aligned(args.bias, "bias", args.bias.strides[0]);
   }
   return shape;
 }

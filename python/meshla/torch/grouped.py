@@ -69,6 +69,17 @@ def _check_call(grouped_pass, m_splits, accumulate=False, **tensors):
                                **metas)
 
 
+_RANKS = {"x": 2, "dy": 2, "weight": 3}
+
+
+def _check_ranks(grouped_pass, m_splits, **operands):
+    """The ops read their operands' sizes to make their outputs before the extension checks the
+    call: operands of the wrong rank are sent to those checks first, which refuse them (ranks come
+    before outputs there) in their words."""
+    if m_splits.dim() != 1 or any(t.dim() != _RANKS[name] for name, t in operands.items()):
+        _check_call(grouped_pass, m_splits, **operands)
+
+
 def _cpu_groups(m_splits, rows):
     """(start, size) of each group, after the device-side check's rules on the sizes."""
     sizes = m_splits.tolist()
@@ -122,6 +133,7 @@ def _run(grouped_pass, m_splits, lead, out_features, accumulate=False, **tensors
 
 @op("grouped_mm(Tensor x, Tensor m_splits, Tensor weight, Tensor? bias) -> Tensor")
 def _grouped_mm(x, m_splits, weight, bias):
+    _check_ranks(_PASS.forward, m_splits, x=x, weight=weight)
     y = x.new_empty(x.shape[0], weight.shape[1])
     if x.device.type == "cpu":
         _check_call(_PASS.forward, m_splits, x=x, weight=weight, bias=bias, y=y)
@@ -140,6 +152,7 @@ def _(x, m_splits, weight, bias):
 
 @op("grouped_mm_dgrad(Tensor dy, Tensor m_splits, Tensor weight) -> Tensor")
 def _grouped_mm_dgrad(dy, m_splits, weight):
+    _check_ranks(_PASS.dgrad, m_splits, dy=dy, weight=weight)
     dx = dy.new_empty(dy.shape[0], weight.shape[2])
     if dy.device.type == "cpu":
         _check_call(_PASS.dgrad, m_splits, dy=dy, weight=weight, dx=dx)
@@ -162,6 +175,7 @@ def _packed(flat, num_groups, out_features, in_features, group_stride):
 
 @op("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor m_splits, SymInt group_stride) -> Tensor")
 def _grouped_mm_wgrad(x, dy, m_splits, group_stride):
+    _check_ranks(_PASS.wgrad, m_splits, x=x, dy=dy)
     num_groups, out_features, in_features = m_splits.shape[0], dy.shape[1], x.shape[1]
     flat = x.new_empty(num_groups * group_stride)
     dweight = _packed(flat, num_groups, out_features, in_features, group_stride)
@@ -228,6 +242,7 @@ def _address_table(main_grads, m_splits, x, dy) -> torch.Tensor:
 @op("grouped_mm_wgrad_accumulate_(Tensor x, Tensor dy, Tensor m_splits, "
      "Tensor(a!)[] main_grads) -> ()")
 def _grouped_mm_wgrad_accumulate(x, dy, m_splits, main_grads):
+    _check_ranks(_PASS.wgrad, m_splits, x=x, dy=dy)
     if x.device.type == "cpu":
         # The CUDA path's table of the main_grads' addresses, as its check sees it.
         addresses = _meshla.ArrayMeta([len(main_grads)], [1], _meshla.DType.int64, -1)
@@ -248,6 +263,7 @@ def _(x, dy, m_splits, main_grads):
 
 @op("grouped_bias_grad(Tensor dy, Tensor m_splits, SymInt num_groups) -> Tensor")
 def _grouped_bias_grad(dy, m_splits, num_groups):
+    _check_ranks(_PASS.bias_grad, m_splits, dy=dy)
     dbias = dy.new_empty(num_groups, dy.shape[1])
     if dy.device.type == "cpu":
         _check_call(_PASS.bias_grad, m_splits, dy=dy, dbias=dbias)
