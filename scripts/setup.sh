@@ -29,5 +29,13 @@ python3 -m pip install -q --disable-pip-version-check \
 # cuBLASMp's header builds the optional cuBLASMp backend; 0.7 is the last release that runs on
 # NCCL 2.28. --no-deps: its NCCL, cuBLAS and NVSHMEM come with PyTorch or the CUDA toolkit.
 python3 -m pip install -q --disable-pip-version-check --no-deps "nvidia-cublasmp-cu13==0.7.*"
-python3 -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
+# One build for the package and the C++ unit tests (scripts/test.sh runs them from it), in
+# build/<wheel tag>. Its steps are shown as they go ([done/total] what), the whole log kept.
+echo "setup: building meshla (the CUDA kernels take several minutes on a few cores)"
+mkdir -p build
+log=build/setup.log
+python3 -m pip install -v --disable-pip-version-check --no-build-isolation --no-deps \
+  --config-settings=cmake.define.MESHLA_BUILD_TESTS=ON . \
+  > >(tee "$log" | grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] ') 2>&1 ||
+  { echo "setup: the build failed; its last lines (all of it in $log):"; tail -40 "$log"; exit 1; }
 python3 -c "import meshla; print('setup: meshla installed at', meshla.__file__)"

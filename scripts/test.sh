@@ -10,9 +10,14 @@ git ls-files '*.hpp' '*.cpp' '*.cu' '*.cuh' | xargs clang-format --dry-run --Wer
 python3 -m ruff check python tests bench examples scripts
 
 echo "== C++ unit tests"
-cmake -S . -B build/tests -G Ninja -DMESHLA_BUILD_TESTS=ON >/dev/null
-cmake --build build/tests
-ctest --test-dir build/tests --output-on-failure
+# Built with the package by scripts/setup.sh, in scikit-build-core's build/<wheel tag>; brought up
+# to date with the sources here (a no-op right after setup).
+tag=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+build=$(ls -d "build/$tag-$tag-"*/ 2>/dev/null | head -1)
+[ -n "$build" ] && [ -f "$build/tests/cpp/CTestTestfile.cmake" ] ||
+  { echo "test: no C++ tests built for $tag under build/: run scripts/setup.sh first"; exit 1; }
+cmake --build "$build"
+ctest --test-dir "$build" --output-on-failure
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$gpus" -ge 1 ]; then
