@@ -25,7 +25,7 @@ fi
 
 python3 -m pip install -q --disable-pip-version-check \
   "torch>=2.4" jax optax numpy pytest ruff "nanobind>=2.0" "scikit-build-core>=0.10" nvidia-cutlass \
-  "nvidia-nvml-dev==13.*"
+  "nvidia-nvml-dev==13.*" mkdocs mkdocstrings-python pymdown-extensions
 # cuBLASMp's header builds the optional cuBLASMp backend; 0.7 is the last release that runs on
 # NCCL 2.28. --no-deps: its NCCL, cuBLAS and NVSHMEM come with PyTorch or the CUDA toolkit.
 python3 -m pip install -q --disable-pip-version-check --no-deps "nvidia-cublasmp-cu13==0.7.*"

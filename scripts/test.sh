@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The test command: C++ unit tests (ctest), the GPU suite where this machine has a GPU, then the
-# Python tests (pytest). Needs scripts/setup.sh first.
+# The test command: C++ unit tests (ctest), the GPU suite where this machine has a GPU, the
+# Python tests (pytest), then the documentation's build. Needs scripts/setup.sh first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 
 echo "== clang-format, ruff"
 git ls-files '*.hpp' '*.cpp' '*.cu' '*.cuh' | xargs clang-format --dry-run --Werror
-python3 -m ruff check python tests bench examples scripts
+python3 -m ruff check python tests bench examples scripts docs
 
 echo "== C++ unit tests"
 # Built with the package by scripts/setup.sh, in scikit-build-core's build/<wheel tag>; brought up
@@ -29,3 +29,6 @@ fi
 
 echo "== Python tests"
 python3 -m pytest tests/python -q
+
+echo "== docs (mkdocs, warnings are errors)"
+python3 -m mkdocs build --strict --quiet --site-dir build/site
