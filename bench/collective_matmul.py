@@ -32,6 +32,7 @@ from typing import Callable  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from progress import Progress  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 8192, 28672
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
@@ -445,8 +446,10 @@ def main():
     symm_mem_error = enable_symm_mem()
 
     rows = []
+    progress = Progress("collective_matmul", len(args.ops) * len(args.m), enabled=rank == 0)
     for op in args.ops:
         for m in args.m:
+            progress.start(f"{op} M={m}")
             meshla_op = getattr(mt, op)
             if op == "all_gather_matmul":
                 case = all_gather_matmul_case(m, tp, meshla_op, group, group_name,
@@ -455,8 +458,6 @@ def main():
                 case = row_parallel_case(op, m, tp, meshla_op, group, group_name, args)
             rows += bench_case(op, m, tp, case, symm_mem_error, args)
             del case  # free this shape's tensors before the next one's
-            if rank == 0:
-                print(f"done: {op} M={m}", flush=True)
 
     if rank == 0:
         append_run(args.out, run_record(device, args, rows))

@@ -29,6 +29,7 @@ import time
 import jax
 import numpy as np
 import torch
+from progress import Progress
 
 jax.config.update("jax_enable_x64", True)
 
@@ -119,12 +120,13 @@ def potrf_flops(n):
 
 def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles, gpu_counts):
     rows = []
+    counts = [g for g in gpu_counts if g <= len(devices)]
+    progress = Progress("dense_solver cho_solve", len(dtypes) * len(sizes) * len(counts))
     for dtype in dtypes:
         for n in sizes:
             single_seconds = None
-            for g in gpu_counts:
-                if g > len(devices):
-                    continue
+            for g in counts:
+                progress.start(f"{np.dtype(dtype).name} n={n} on {g} GPU(s)")
                 mesh = Mesh(np.array(devices[:g]), ("x",))
                 bytes_per_gpu = n * n * np.dtype(dtype).itemsize / g
                 # A, XLA's working copy, and torch's copy for the raw timing.

@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from progress import Progress
 
 import meshla.torch as mt
 from meshla.torch import grouped
@@ -228,8 +229,10 @@ def main():
     args = parser.parse_args()
     nvml = open_nvml()
     rows = []
+    progress = Progress("grouped_linear", 2 * len(SHAPES))
     for shape in SHAPES:
         for skewed in (False, True):
+            progress.start(f"{shape[0]}, {'skewed' if skewed else 'uniform'} routing")
             rows += bench_shape(*shape, skewed, args, nvml)
     meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "commit": args.commit, "torch": torch.__version__, "dtype": "bfloat16",

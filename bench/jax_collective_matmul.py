@@ -50,6 +50,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The torch benchmark's shapes, file format and environment (importing it turns NVLink multicast
 # off before NCCL or NVSHMEM can read the environment).
 from collective_matmul import HIDDEN, INTERMEDIATE, MULTICAST_OFF, OPS, append_run
+from progress import Progress
 
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
@@ -303,8 +304,11 @@ def main():
                          "unavailable": note if isinstance(note, str) else None,
                          "check_error": note if isinstance(note, float) else None})
 
+    progress = Progress("xla_windowed" if args.windowed_only else "jax_collective_matmul",
+                        len(args.ops) * len(args.m) + len(args.mlp_tokens))
     for op in args.ops:
         for m in args.m:
+            progress.start(f"{op} M={m}")
             shapes = Shapes(jax, mesh, op, m, seed=m)
             xla = xla_variants(jax, mesh, shapes)
             if args.windowed_only:
@@ -323,6 +327,7 @@ def main():
                                None if times else str(layouts))
             add_rows(op, m, results)
     for m in args.mlp_tokens:
+        progress.start(f"{MLP_STEP} M={m}")
         variants = mlp_step_variants(jax, mesh, m, args.windowed_only)
         # Each variant's first step starts from the same parameters: their losses must agree.
         xla = {"xla_default": variants.pop("xla_default")}

@@ -50,6 +50,7 @@ from collective_matmul import (
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from progress import Progress
 
 CHECK_TOLERANCE = 2e-2
 
@@ -235,7 +236,9 @@ def main():
     rank, tp = dist.get_rank(), dist.get_world_size()
     group = mt.group_from_process_group(device=device)
     symm_mem_error = enable_symm_mem()
+    progress = Progress("tp_mlp", len(args.m), enabled=rank == 0)
     for m in args.m:
+        progress.start(f"M={m}")
         rows = bench_tokens(m, tp, rank, group, symm_mem_error, args, device)
         torch._dynamo.reset()  # the next size's models compile afresh
         if rank == 0:
