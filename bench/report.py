@@ -8,8 +8,9 @@ time of each variant in ms, with its ratio to the limit max(GEMM alone, collecti
 for meshla's algorithms, the speedup over meshla's sequential algorithm.
 
 Charts (needs matplotlib), by what the file holds:
-- collective matmul (bench/collective_matmul.py, bench/jax_collective_matmul.py): each op's time
-  over the GEMM alone against M, a line per variant, from the file's last run;
+- collective matmul (bench/collective_matmul.py, bench/jax_collective_matmul.py): each op's ratio
+  (as the benchmark defines it: the torch one's to max(GEMM alone, collective alone), the JAX
+  one's to the GEMM alone) against M, a line per variant, from the file's last run;
 - dense solvers (bench/dense_solver.py): TFLOP/s against n, a line per engine (the same flop
   count as meshla's over each engine's time, the best tile at each n), a panel per routine,
   dtype and GPU count;
@@ -66,6 +67,8 @@ def _figure(panels: int):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if panels == 0:
+        raise SystemExit("report: nothing to chart in this file (no rows with times)")
     columns = min(panels, 3)
     rows = (panels + columns - 1) // columns
     figure, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4 * rows), squeeze=False)
@@ -94,8 +97,10 @@ def collective_chart(run: dict):
             ax.plot(*zip(*points), style, label=variant)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
-        # The JAX benchmark's training step is timed against XLA's faster step, not a GEMM.
-        base = "XLA's faster step" if op == "mlp_train_step" else "the GEMM alone"
+        # The torch benchmark's ratio is to max(GEMM alone, collective alone); the JAX one's to
+        # the GEMM alone, and its training step's to XLA's faster step.
+        base = ("XLA's faster step" if op == "mlp_train_step" else "the GEMM alone" if "jax" in run
+                else "max(GEMM, collective)")
         ax.set(title=op, xlabel="M (rows)", ylabel=f"time / {base}")
         ax.legend(fontsize=7)
     return figure

@@ -1,6 +1,7 @@
 """meshla's three pillars in PyTorch, each against PyTorch's own way of doing the same:
 
-    torchrun --nproc-per-node=N examples/demo_torch.py          # one process per GPU
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        torchrun --nproc-per-node=N examples/demo_torch.py      # one process per GPU
     torchrun --nproc-per-node=2 examples/demo_torch.py --cpu    # without GPUs: gloo, CPU paths
 
 1. A tensor-parallel MLP block (sequence parallel): meshla's all_gather_matmul and
@@ -88,6 +89,11 @@ class Demo:
         return worst.item() < tolerance
 
 
+def round_up(size: int, multiple: int) -> int:
+    """Sizes that split evenly over any number of ranks (with 16-byte rows on each)."""
+    return -(-size // multiple) * multiple
+
+
 def relative_error(out, reference) -> float:
     return ((out.double() - reference).norm() / reference.norm()).item()
 
@@ -95,7 +101,7 @@ def relative_error(out, reference) -> float:
 def mlp_block(demo: Demo) -> bool:
     tp, rank = demo.tp, demo.rank
     tokens, hidden = (128 * tp, 256) if demo.cpu else (4096 * tp, 4096)
-    inner = 4 * hidden
+    inner = round_up(4 * hidden, 8 * tp)
     group = mt.group_from_process_group(device=demo.device)
     x = demo.random(tokens, hidden)
     w_up = demo.random(inner, hidden, scale=hidden**-0.5)  # nn.Linear weights: [out, in]
@@ -161,7 +167,7 @@ def moe_layer(demo: Demo) -> bool:
 
 def solve(demo: Demo) -> bool:
     tp, rank = demo.tp, demo.rank
-    n = 512 if demo.cpu else 16384
+    n = round_up(512 if demo.cpu else 16384, tp)
     rows = slice(rank * n // tp, (rank + 1) * n // tp)
     m = demo.random(n, n, scale=n**-0.5, dtype=torch.float64)
     a = m @ m.T + torch.eye(n, dtype=torch.float64, device=demo.device)  # positive definite

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3.12}
 # The GPU machines run jax 0.11.2; cuBLASMp 0.7 is the last release that runs on their NCCL 2.28.
 "$python" -m pip install -q --disable-pip-version-check "jax[cpu]==0.11.2" nanobind \
-  scikit-build-core nvidia-cutlass
+  scikit-build-core "nvidia-cutlass==4.2.*"
 # cuBLASMp's wheel and NVML's header, downloaded once: carried as they are (a build on the GPU
 # machine installs them), and installed here for build_wheel.sh.
 "$python" -m pip download -q --disable-pip-version-check --no-deps -d .deps \

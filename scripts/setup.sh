@@ -24,7 +24,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 python3 -m pip install -q --disable-pip-version-check \
-  "torch>=2.4" jax optax numpy pytest ruff "nanobind>=2.0" "scikit-build-core>=0.10" nvidia-cutlass \
+  "torch>=2.4" jax optax numpy pytest ruff "nanobind>=2.0" "scikit-build-core>=0.10" "nvidia-cutlass==4.2.*" \
   "nvidia-nvml-dev==13.*" mkdocs mkdocstrings-python pymdown-extensions
 # cuBLASMp's header builds the optional cuBLASMp backend; 0.7 is the last release that runs on
 # NCCL 2.28. --no-deps: its NCCL, cuBLAS and NVSHMEM come with PyTorch or the CUDA toolkit.
@@ -34,8 +34,10 @@ python3 -m pip install -q --disable-pip-version-check --no-deps "nvidia-cublasmp
 echo "setup: building meshla (the CUDA kernels take several minutes on a few cores)"
 mkdir -p build
 log=build/setup.log
+status=0
 python3 -m pip install -v --disable-pip-version-check --no-build-isolation --no-deps \
-  --config-settings=cmake.define.MESHLA_BUILD_TESTS=ON . \
-  > >(tee "$log" | grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] ') 2>&1 ||
+  --config-settings=cmake.define.MESHLA_BUILD_TESTS=ON . 2>&1 | tee "$log" |
+  { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] ' || true; } || status=$?
+[ "$status" -eq 0 ] ||
   { echo "setup: the build failed; its last lines (all of it in $log):"; tail -40 "$log"; exit 1; }
 python3 -c "import meshla; print('setup: meshla installed at', meshla.__file__)"

@@ -12,10 +12,13 @@ python3 -m ruff check python tests bench examples scripts docs
 echo "== C++ unit tests"
 # Built with the package by scripts/setup.sh, in scikit-build-core's build/<wheel tag>; brought up
 # to date with the sources here (a no-op right after setup).
+# A later `pip install .` without the tests reconfigures the same folder with them off (their
+# old binary stays): the cache must still say on.
 tag=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
-build=$(ls -d "build/$tag-$tag-"*/ 2>/dev/null | head -1)
-[ -n "$build" ] && [ -f "$build/tests/cpp/CTestTestfile.cmake" ] ||
-  { echo "test: no C++ tests built for $tag under build/: run scripts/setup.sh first"; exit 1; }
+builds=(build/"$tag-$tag-"*/)
+build=${builds[0]}
+grep -qx 'MESHLA_BUILD_TESTS:BOOL=ON' "$build/CMakeCache.txt" 2>/dev/null ||
+  { echo "test: no C++ tests configured for $tag under build/: run scripts/setup.sh first"; exit 1; }
 cmake --build "$build"
 ctest --test-dir "$build" --output-on-failure
 

@@ -244,11 +244,12 @@ def _address_table(main_grads, m_splits, x, dy) -> torch.Tensor:
 def _grouped_mm_wgrad_accumulate(x, dy, m_splits, main_grads):
     _check_ranks(_PASS.wgrad, m_splits, x=x, dy=dy)
     if x.device.type == "cpu":
-        # The CUDA path's table of the main_grads' addresses, as its check sees it.
+        # The main_grads first, as the CUDA path's address table does; then the call with that
+        # table as its check sees it.
+        _check_main_grads(main_grads, m_splits, x, dy)
         addresses = _meshla.ArrayMeta([len(main_grads)], [1], _meshla.DType.int64, -1)
         _check_call(_PASS.wgrad, m_splits, accumulate=True, x=x, dy=dy,
                     dweight_addresses=addresses)
-        _check_main_grads(main_grads, m_splits, x, dy)
         for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
             main_grads[g] += (dy[start:start + size].T @ x[start:start + size]).float()
         return
