@@ -1,8 +1,19 @@
 """meshla: multi-GPU linear algebra for PyTorch and JAX.
 
 The native extension ``_meshla`` holds the communicator and the plans; framework glue lives in
-``meshla.torch``. Importing meshla needs no GPU: on a machine without one, the torch functions
-run their reference path on CPU tensors.
+``meshla.torch`` and ``meshla.jax``. Importing meshla needs no GPU: on a machine without one, the
+torch functions run their reference path on CPU tensors.
+
+The names exported here come from the extension. ``Algorithm``, ``Backend`` and ``CollectiveOp``
+are the collective matmul's choices (the front ends take them by name, see
+:class:`meshla.torch.Tuning`). ``unique_id()`` returns a fresh 128-byte NCCL id, made on a group's
+rank 0 and handed to the others. ``Communicator(unique_id, rank, size, device, timeout_s=300.0)``
+joins this rank to a group on CUDA device ``device``, and ``Communicator.create_local(devices,
+timeout_s=300.0)`` returns one communicator per device for a group that this process drives.
+``CollectiveMatmul`` is one plan of a group. Their errors are the extension's: a bad rank, size,
+device (out of range, or listed twice), id length or ``timeout_s`` (positive, at most 30 days)
+raises ``ValueError``; ranks that do not all join within ``timeout_s`` raise ``TimeoutError``;
+an NCCL or CUDA failure raises ``RuntimeError`` naming the call.
 """
 
 import atexit
@@ -53,9 +64,15 @@ _release_communicators_no_more_at_exit()
 
 
 def backend_unavailable_reason(backend: str) -> str:
-    """Why the collective-matmul ``backend`` ("auto", "nccl", "symmetric", "cublasmp") cannot run
-    in this process, or ``""`` when it can. Only "cublasmp" can be missing: it needs a build with
-    cuBLASMp's header and, at run time, its library, NVSHMEM and a GPU driver."""
+    """Why the collective-matmul ``backend`` cannot run in this process, or ``""`` when it can.
+
+    ``backend`` is the backend's name: "auto", "nccl", "symmetric" or "cublasmp". Returns the
+    reason as text, or ``""``. Only "cublasmp" can be missing: it needs a build with
+    cuBLASMp's header and, at run time, its library, NVSHMEM and a GPU driver. A name that is not
+    one of the four (an enum member included) raises ``ValueError`` listing them. A meshla.torch
+    call on an unavailable backend raises ``NotImplementedError`` with this reason when it builds
+    its plan.
+    """
     try:
         value = Backend.__members__[backend]
     except KeyError:

@@ -17,7 +17,13 @@ class Tuning:
     "cublasmp": cuBLASMp's own overlap, see :func:`meshla.backend_unavailable_reason`),
     ``algorithm`` ("auto", "sequential", "pipelined", "ring"), ``chunks`` (pipeline depth, 0: the
     default), ``comm_sms`` (SMs the overlapped GEMMs leave to NCCL, -1: default) and ``comm_ctas``
-    (thread blocks NCCL may use for the transfers, 0: NCCL's choice)."""
+    (thread blocks NCCL may use for the transfers, 0: NCCL's choice).
+
+    The constructor takes the enum members and checks nothing; :meth:`of` makes one from the
+    public functions' keywords and checks the names and integers. Ranges are the extension's and
+    are checked by the call that uses the Tuning: a negative ``chunks``, a ``comm_sms`` below -1 or
+    a negative ``comm_ctas`` raises ``ValueError`` there, a combination a backend does not run
+    (``backend="cublasmp"`` with ``algorithm="pipelined"``, say) ``NotImplementedError``."""
 
     algorithm: _meshla.Algorithm = _meshla.Algorithm.auto
     chunks: int = 0
@@ -28,6 +34,11 @@ class Tuning:
     @staticmethod
     def of(algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
            backend="auto", *, cached: bool = True) -> Tuning:
+        """The Tuning of a call's keywords: ``algorithm`` and ``backend`` by name ("ring") or as
+        ``meshla.Algorithm`` / ``meshla.Backend`` members, the numbers as integers (numpy
+        integers too). ``cached=False`` makes a new one instead of taking it from the cache of
+        earlier calls. Raises ``ValueError`` naming the argument for a name that is not one of
+        the choices or a number that is not an integer."""
         # Uncached where the caller says so (torch.compile warns at every lru_cache call it
         # traces; the Tuning becomes a constant of the graph anyway), and for an unhashable
         # argument, which the uncached path then names.
@@ -39,16 +50,21 @@ class Tuning:
         return _tuning_of.__wrapped__(algorithm, chunks, comm_sms, comm_ctas, backend)
 
     def options(self) -> dict:
-        """The op keywords that give this Tuning, e.g. ``matmul_all_reduce(..., **t.options())``."""
+        """The op keywords that give this Tuning, e.g. ``matmul_all_reduce(..., **t.options())``:
+        a dict of its five fields by name, holding the enum members."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def ints(self) -> list[int]:
-        """This Tuning as a torch.ops.meshla op's ``int[] tuning`` (see :meth:`of_ints`)."""
+        """This Tuning as a torch.ops.meshla op's ``int[] tuning`` (see :meth:`of_ints`): the list
+        ``[algorithm, chunks, comm_sms, comm_ctas, backend]``, the choices as their enum values."""
         return [self.algorithm.value, self.chunks, self.comm_sms, self.comm_ctas,
                 self.backend.value]
 
     @staticmethod
     def of_ints(values) -> Tuning:
+        """The Tuning of a torch.ops.meshla op's ``int[] tuning``, the five integers that
+        :meth:`ints` gives. Raises ``ValueError`` for a sequence of another length, or for an
+        algorithm or backend value that names no choice."""
         return _tuning_of_ints(tuple(values))
 
 

@@ -1,6 +1,10 @@
 """JAX front end of meshla: collective matmuls for tensor parallelism
 (:mod:`meshla.jax.collective`, also importable from here) and distributed dense solvers over the
-GPUs of a mesh (:mod:`meshla.jax.linalg`)."""
+GPUs of a mesh (:mod:`meshla.jax.linalg`).
+
+Bad arguments raise ``ValueError`` when a call is traced, and what cannot run here
+``NotImplementedError``; failures inside a GPU's custom call surface as
+``jax.errors.JaxRuntimeError``. Each module's notes give the details."""
 
 from meshla.jax import collective, linalg
 from meshla.jax.collective import (

@@ -343,8 +343,21 @@ def all_gather_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
     how long the GPUs of a group wait for each other: the first call traced on a (mesh, axis)
     makes its groups with it, and later calls share them (and that timeout).
 
+    ``algorithm``, ``chunks``, ``comm_sms``, ``comm_ctas`` and ``backend`` tune it as in
+    meshla.torch (:class:`meshla.torch.Tuning`).
+
     A column-parallel layer with sequence parallelism: ``a``'s gradient is the reduce-scatter of
-    the product's gradient times ``b``ᵀ (a :func:`matmul_reduce_scatter`)."""
+    the product's gradient times ``b``ᵀ (a :func:`matmul_reduce_scatter`).
+
+    Errors are the module's: ``ValueError`` at trace time for bad shapes, dtypes or tuning, an
+    ``axis_name`` that is not a mesh axis, no mesh, a call outside ``jax.shard_map`` over
+    ``axis_name`` or a shard_map whose axis size differs from ``mesh``'s; on GPUs,
+    ``NotImplementedError`` for a meshla built without XLA's FFI headers or a group with several
+    GPUs in each of several processes, and ``ValueError`` for a group across processes without
+    ``jax.distributed``; ``NotImplementedError`` when differentiated under ``check_vma=False``.
+    Making a group waits at most ``timeout_s`` for its other processes, then fails. A failure
+    inside the custom call, a GPU that never arrives to build the shape's plan within
+    ``timeout_s`` included, surfaces as ``jax.errors.JaxRuntimeError``."""
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     out, gathered = _run(_Op.all_gather_matmul, a, b, bias, axis_name, mesh, trans_b,
                          return_gathered, tuning, timeout_s)
@@ -359,8 +372,15 @@ def matmul_reduce_scatter(a, b, *, axis_name: str, mesh: Mesh | None = None, bia
     (+ bias)``, ``a`` [m, k/tp] and ``b`` [k/tp, n] (or [n, k/tp] with ``trans_b``) the slices
     of a row-parallel layer. The bias is added once, not once per rank.
 
+    ``bias`` is [n]; m must be divisible by tp. ``mesh``, ``timeout_s`` and the tuning as in
+    :func:`all_gather_matmul`. Returns the [m/tp, n] block.
+
     Its gradient all-gathers the product's gradient, fused with ``a``'s gradient in an
-    :func:`all_gather_matmul`."""
+    :func:`all_gather_matmul`.
+
+    Raises as :func:`all_gather_matmul` does (``ValueError`` at trace time, an m that tp does
+    not divide included; ``NotImplementedError``; ``jax.errors.JaxRuntimeError`` from the custom
+    call)."""
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     out, _ = _run(_Op.matmul_reduce_scatter, a, b, bias, axis_name, mesh, trans_b, False, tuning,
                   timeout_s)
@@ -372,7 +392,13 @@ def matmul_all_reduce(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
                       comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
                       timeout_s: float = DEFAULT_TIMEOUT_S):
     """Inside ``jax.shard_map``: ``sum over axis_name(a @ b) (+ bias)``, [m, n] on every shard,
-    ``a`` [m, k/tp] and ``b`` [k/tp, n] (or [n, k/tp] with ``trans_b``). The bias is added once.
+    ``a`` [m, k/tp] and ``b`` [k/tp, n] (or [n, k/tp] with ``trans_b``). The bias, [n], is
+    added once. ``mesh``, ``timeout_s`` and the tuning as in :func:`all_gather_matmul`. Returns
+    the [m, n] sum.
+
+    Differentiable, as the module describes. Raises as :func:`all_gather_matmul` does
+    (``ValueError`` at trace time, ``NotImplementedError``, ``jax.errors.JaxRuntimeError`` from
+    the custom call).
     """
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     out, _ = _run(_Op.matmul_all_reduce, a, b, bias, axis_name, mesh, trans_b, False, tuning,
@@ -413,7 +439,12 @@ def all_gather_matmul_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
                              trans_b: bool = False, return_gathered: bool = False, **tuning):
     """:func:`all_gather_matmul` on global arrays: ``a`` [m, k] sharded by rows over
     ``axis_name``, ``b``'s output columns (and ``bias``) sharded over it. Returns [m, n] sharded
-    by columns (and the gathered [m, k], replicated). Arrays laid out otherwise are moved."""
+    by columns (and the gathered [m, k], replicated). Arrays laid out otherwise are moved.
+    ``mesh`` is required; ``tuning`` takes :func:`all_gather_matmul`'s other keywords
+    (``algorithm``, ``chunks``, ``comm_sms``, ``comm_ctas``, ``backend``, ``timeout_s``).
+
+    Raises ``ValueError`` for an array of the wrong rank or a dimension that the devices of
+    ``axis_name`` do not divide, and otherwise as :func:`all_gather_matmul` does."""
     def shard(a, b, bias):
         return all_gather_matmul(a, b, axis_name=axis_name, mesh=mesh, bias=bias,
                                  trans_b=trans_b, return_gathered=return_gathered, **tuning)
@@ -438,7 +469,10 @@ def matmul_reduce_scatter_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
                                  trans_b: bool = False, **tuning):
     """:func:`matmul_reduce_scatter` on global arrays: ``a`` [m, k] sharded by columns over
     ``axis_name`` and ``b``'s contraction rows with them; returns ``a @ b (+ bias)`` [m, n]
-    sharded by rows."""
+    sharded by rows. ``bias`` [n] is replicated; ``mesh`` and ``tuning`` as in
+    :func:`all_gather_matmul_global`. Raises as :func:`all_gather_matmul_global` does (an array
+    of the wrong rank or a dimension the axis does not divide: ``ValueError``), and as
+    :func:`matmul_reduce_scatter`."""
     return _reduction_global(matmul_reduce_scatter, a, b, bias, mesh, axis_name, trans_b,
                              P(axis_name, None), tuning)
 
@@ -446,6 +480,9 @@ def matmul_reduce_scatter_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
 def matmul_all_reduce_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
                              trans_b: bool = False, **tuning):
     """:func:`matmul_all_reduce` on global arrays sharded as for
-    :func:`matmul_reduce_scatter_global`; returns ``a @ b (+ bias)`` [m, n] replicated."""
+    :func:`matmul_reduce_scatter_global`; returns ``a @ b (+ bias)`` [m, n] replicated.
+    ``mesh`` and ``tuning`` as in :func:`all_gather_matmul_global`. Raises as
+    :func:`all_gather_matmul_global` does (``ValueError`` for an array of the wrong rank or a
+    dimension the axis does not divide), and as :func:`matmul_all_reduce`."""
     return _reduction_global(matmul_all_reduce, a, b, bias, mesh, axis_name, trans_b,
                              P(None, None), tuning)

@@ -62,6 +62,13 @@ DEFAULT_TIMEOUT_S = 3600.0
 takes minutes)."""
 
 class CholeskySolve(NamedTuple):
+    """What :func:`cho_solve_shard` returns: ``x``, this device's rows of X; ``logdet``, log det A,
+    a scalar of A's real dtype, the same on every device; ``info``, an int32 scalar, 0 on success
+    and > 0 where A is not positive definite (``x`` and ``logdet`` are NaN then);
+    ``overwritten_a``, the buffer the solver worked in (garbage; a zero-size placeholder where it
+    padded, and on CPU devices the unchanged row block of A). A plain named tuple: making one
+    checks nothing."""
+
     x: jax.Array
     logdet: jax.Array
     info: jax.Array
@@ -69,6 +76,11 @@ class CholeskySolve(NamedTuple):
 
 
 class Eigh(NamedTuple):
+    """What :func:`eigh_shard` returns: ``eigenvalues``, all n in ascending order, of A's real
+    dtype, the same on every device; ``eigenvectors``, this device's rows of V, or None with
+    ``eigvals_only``; ``info``, an int32 scalar, 0 on success and > 0 where the eigensolver did
+    not converge (the outputs are NaN then). A plain named tuple: making one checks nothing."""
+
     eigenvalues: jax.Array
     eigenvectors: jax.Array | None
     info: jax.Array
@@ -154,7 +166,22 @@ def _reference_cholesky(a_full: jax.Array) -> tuple[jax.Array, jax.Array]:
 def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
                     timeout_s: float = DEFAULT_TIMEOUT_S) -> CholeskySolve:
     """Inside ``shard_map``: this device's rows of A ([n/P, n]) and of B ([n/P, nrhs]) give its
-    rows of X = A⁻¹ B, log det A (the same on every device) and info."""
+    rows of X = A⁻¹ B, log det A (the same on every device) and info.
+
+    ``mesh`` is the shard_map's and ``axis`` the mesh axis the rows are sharded over (default:
+    the mesh's only axis); A is symmetric (Hermitian) positive definite, float32, float64,
+    complex64 or complex128, B of its dtype with 1 to 256 columns. ``tile`` is the block-cyclic
+    tile (0: meshla's choice); ``timeout_s`` how long the devices of the call wait for each
+    other. Returns a :class:`CholeskySolve`.
+
+    Raises ``ValueError`` at trace time for an ``axis`` not in ``mesh`` (or none named on a mesh
+    of several axes), an ``a_block`` that is not 2-D, a ``b_block`` whose rows or dtype differ,
+    an unsupported dtype, nrhs outside 1 to 256, an n that the axis's devices do not divide or a
+    negative ``tile``; on GPUs, ``NotImplementedError`` for a mesh whose devices span processes
+    or a meshla built without XLA's FFI headers. A matrix that is not positive definite raises
+    nothing: NaN outputs and info > 0. Failures inside the custom call (a device whose handler
+    never arrives within ``timeout_s`` included; see the module's notes) surface as
+    ``jax.errors.JaxRuntimeError``."""
     axis = _axis_of(mesh, axis)
     _check_matrix(a_block, "cho_solve")
     rows, n = a_block.shape
@@ -189,7 +216,14 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
 
 def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
                            timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[jax.Array, jax.Array]:
-    """Inside ``shard_map``: this device's rows of A⁻¹ for a positive-definite A, and info."""
+    """Inside ``shard_map``: this device's rows of A⁻¹ for a positive-definite A, and info.
+
+    ``a_block`` is this device's rows of A ([n/P, n]); ``mesh``, ``axis``, ``tile`` and
+    ``timeout_s`` as in :func:`cho_solve_shard`. Returns the tuple (rows of A⁻¹, info: an int32
+    scalar, 0 on success and > 0 where A is not positive definite, with NaN rows). Raises as
+    :func:`cho_solve_shard` does, and ``NotImplementedError`` at trace time for n above 46340
+    (padding to the tile included): the inverse runs cusolverDn's potri, whose sizes are
+    32-bit."""
     axis = _axis_of(mesh, axis)
     _check_matrix(a_block, "cholesky_inverse")
     rows, n = a_block.shape
@@ -211,7 +245,13 @@ def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile
 def eigh_shard(a_block, *, mesh: Mesh, axis: str | None = None, eigvals_only: bool = False,
                tile: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> Eigh:
     """Inside ``shard_map``: the eigenvalues of A (ascending, the same on every device), this
-    device's rows of the eigenvectors V (A V = V diag(w); None with ``eigvals_only``), and info."""
+    device's rows of the eigenvectors V (A V = V diag(w); None with ``eigvals_only``), and info.
+
+    ``a_block`` is this device's rows of a symmetric (Hermitian) A ([n/P, n]); ``mesh``,
+    ``axis``, ``tile`` and ``timeout_s`` as in :func:`cho_solve_shard`. Returns an
+    :class:`Eigh`. Raises as :func:`cho_solve_shard` does, and ``ValueError`` for a ``tile``
+    above 1024 on several devices; an eigensolver that does not converge raises nothing (NaN
+    outputs, info > 0)."""
     axis = _axis_of(mesh, axis)
     _check_matrix(a_block, "eigh")
     rows, n = a_block.shape
@@ -259,7 +299,19 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     like A). Return it from a function jitted with ``a`` donated and XLA hands the solver A's
     own buffer, so the solve needs no second copy of A (the way to the largest n):
     ``jax.jit(lambda a, b: cho_solve(a, b, mesh, overwrite_a=True), donate_argnums=0)``. It
-    needs n / GPUs to be a multiple of the tile (no padding)."""
+    needs n / GPUs to be a multiple of the tile (no padding).
+
+    ``axis`` defaults to the mesh's only axis; ``timeout_s`` is how long the devices of the call
+    wait for each other. Returns X alone, or the tuple (X, then log det A with
+    ``return_logdet``, info with ``return_info``, the worked-in buffer with ``overwrite_a``).
+    log det A is a scalar of A's real dtype, info an int32 scalar.
+
+    Raises ``ValueError`` at trace time for an ``a`` that is not 2-D, ``overwrite_a`` where the
+    solver would pad, and the checks of :func:`cho_solve_shard` (axis, shapes, dtype, nrhs, n,
+    tile); ``NotImplementedError`` on GPUs for a mesh whose devices span processes or a meshla
+    built without XLA's FFI headers. A matrix that is not positive definite raises nothing: X
+    and log det A are NaN and info > 0. Failures inside the custom call, a device whose handler
+    never arrives within ``timeout_s`` included, surface as ``jax.errors.JaxRuntimeError``."""
     axis = _axis_of(mesh, axis)
     if a.ndim != 2:
         raise ValueError(f"cho_solve: a has shape {a.shape}; expected [n, n]")
@@ -282,7 +334,14 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
 def cholesky_inverse(a, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
                      return_info: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
     """A⁻¹ of a symmetric (Hermitian) positive-definite A sharded by rows over ``axis`` of
-    ``mesh``, sharded the same way."""
+    ``mesh``, sharded the same way.
+
+    ``axis``, ``tile`` and ``timeout_s`` as in :func:`cho_solve`. Returns A⁻¹, or with
+    ``return_info`` the tuple (A⁻¹, info), info an int32 scalar, 0 on success and > 0 where A is
+    not positive definite (A⁻¹ is NaN then). Raises as :func:`cholesky_inverse_shard` does
+    (``ValueError`` at trace time; ``NotImplementedError`` for n above 46340, for a mesh whose
+    devices span processes or a meshla built without XLA's FFI headers;
+    ``jax.errors.JaxRuntimeError`` from the custom call)."""
     axis = _axis_of(mesh, axis)
     invert = functools.partial(cholesky_inverse_shard, mesh=mesh, axis=axis, tile=tile,
                                timeout_s=timeout_s)
@@ -294,7 +353,14 @@ def eigh(a, mesh: Mesh, axis: str | None = None, *, eigvals_only: bool = False, 
          return_info: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
     """Eigenvalues (ascending, replicated) and eigenvectors (columns of V, sharded by rows like
     ``a``) of a symmetric (Hermitian) A sharded by rows over ``axis`` of ``mesh``, as
-    ``jnp.linalg.eigh``; only the eigenvalues with ``eigvals_only``."""
+    ``jnp.linalg.eigh``; only the eigenvalues with ``eigvals_only``.
+
+    ``axis``, ``tile`` and ``timeout_s`` as in :func:`cho_solve`. Returns the tuple (w, V), or w
+    alone with ``eigvals_only``; ``return_info`` appends info, an int32 scalar: 0 on success,
+    positive where the eigensolver did not converge (the outputs are NaN then). Raises as
+    :func:`eigh_shard` does (``ValueError`` at trace time, a ``tile`` above 1024 on several
+    devices included; ``NotImplementedError``; ``jax.errors.JaxRuntimeError`` from the custom
+    call)."""
     axis = _axis_of(mesh, axis)
     decompose = functools.partial(eigh_shard, mesh=mesh, axis=axis, eigvals_only=eigvals_only,
                                   tile=tile, timeout_s=timeout_s)

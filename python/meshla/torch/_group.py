@@ -47,10 +47,18 @@ def group_of(key: int) -> TPGroup:
 class TPGroup:
     """A tensor-parallel group.
 
+    ``rank`` and ``size`` are this rank's place in the group and the group's size (tp);
     ``comm`` is the NCCL communicator for CUDA tensors (None where the group has no GPU);
     ``process_group`` the torch.distributed group used by the CPU reference path (None for groups
     made by :func:`local_groups` or :func:`group_from_mpi`); ``device`` the communicator's GPU,
     or the CPU; ``key`` names the group in the torch.ops.meshla ops.
+
+    Make one with :func:`group_from_process_group`, :func:`group_from_mpi` or
+    :func:`local_groups`; the constructor takes ``rank``, ``size``, ``comm`` and
+    ``process_group`` and checks nothing. A copy (``copy.copy``, ``copy.deepcopy``) is the group
+    itself; pickling raises ``TypeError``, since its communicators belong to this process. Keep
+    the group alive while ops, or graphs compiled with them, use it: a torch.ops.meshla op whose
+    group was let go of raises ``ValueError``.
     """
 
     rank: int
@@ -90,7 +98,13 @@ class TPGroup:
 
     def plan(self, config: _meshla.CollectiveMatmulConfig) -> _meshla.CollectiveMatmul:
         """The group's plan for ``config`` (describe_call's), built on first use; valid until the
-        group's plans are cleared."""
+        group's plans are cleared.
+
+        Building a plan is collective: every rank asks for the same configs in the same order.
+        Ranks that ask for different ones raise ``ValueError`` naming the fields that differ, a
+        backend that cannot run on every rank ``NotImplementedError``, and a rank that never asks
+        leaves the others a ``TimeoutError`` after the group's ``timeout_s``. A group without a
+        CUDA communicator raises ``ValueError``."""
         if self._plans is None:
             raise ValueError(f"{config.op.name}: this TPGroup has no CUDA communicator (it was "
                              "built for CPU tensors)")
@@ -98,7 +112,9 @@ class TPGroup:
 
     def all_gather_plan(self, dtype: torch.dtype, rows: int, cols: int) -> _meshla.AllGather:
         """The group's all-gather of [rows, cols] per rank (for a backward that gathers rows
-        again), in the order of its collective matmuls."""
+        again), in the order of its collective matmuls; ``dtype`` is a torch dtype. Only for a
+        group with a CUDA communicator. ``rows`` or ``cols`` below 1, or a dtype other than
+        bfloat16, float16 or float32, raise ``ValueError``."""
         return self._plans.all_gather(DTYPES[dtype], rows, cols)
 
 
@@ -118,7 +134,17 @@ def group_from_process_group(group=None, device=None, timeout_s: float = 300.0) 
 
     Collective over ``group``. Its rank 0 makes the NCCL unique id and broadcasts it through the
     group itself, whatever its backend (gloo, nccl, mpi). ``device`` is this rank's GPU (default:
-    the current one); pass ``"cpu"``, or run without GPUs, for a CPU-only group.
+    the current one); pass ``"cpu"``, or run without GPUs, for a CPU-only group. ``timeout_s`` is
+    how long the group's GPUs wait for each other: making the communicator, building a plan, and
+    meshla's watchdog, which ends the process when an eager run has not finished that long after
+    it was enqueued (a peer that died or never made its matching call).
+
+    Returns the :class:`TPGroup`, with ``rank`` and ``size`` those of ``group``; a CPU-only group
+    has no communicator (and ``timeout_s`` is unused). Raises ``ValueError`` when
+    torch.distributed is not initialized, for a ``device`` that is neither a CUDA device nor the
+    CPU or a CUDA ordinal out of range, and for a ``timeout_s`` that is not positive or exceeds
+    30 days; ``TimeoutError`` when the group's ranks do not all make the communicator within
+    ``timeout_s``; ``RuntimeError`` for an NCCL or CUDA failure, naming the call.
     """
     if not dist.is_initialized():
         raise ValueError("group_from_process_group: torch.distributed is not initialized")
@@ -141,7 +167,15 @@ def _exchange_unique_id(group) -> bytes:
 
 
 def group_from_mpi(mpi_comm, device=None, timeout_s: float = 300.0) -> TPGroup:
-    """The TPGroup of an mpi4py communicator; the unique id travels by ``mpi_comm.bcast``."""
+    """The TPGroup of an mpi4py communicator; the unique id travels by ``mpi_comm.bcast``.
+
+    Collective over ``mpi_comm``, whose rank and size the group takes. ``device`` is this rank's
+    GPU (default: the current one); ``timeout_s`` as in :func:`group_from_process_group`.
+    Returns a :class:`TPGroup` without a torch.distributed process group, so it runs CUDA
+    tensors only. Raises ``ValueError`` where there is no CUDA device (``device="cpu"``, or no
+    GPU visible), and otherwise the errors of :func:`group_from_process_group`'s communicator
+    (``ValueError``, ``TimeoutError``, ``RuntimeError``).
+    """
     rank = mpi_comm.Get_rank()
     size = mpi_comm.Get_size()
     cuda_device = _cuda_device(device)
@@ -153,7 +187,15 @@ def group_from_mpi(mpi_comm, device=None, timeout_s: float = 300.0) -> TPGroup:
 
 
 def local_groups(devices, timeout_s: float = 300.0) -> list[TPGroup]:
-    """One TPGroup per device for a group driven by this process, each used from its own thread."""
+    """One TPGroup per device for a group driven by this process, each used from its own thread.
+
+    ``devices`` are CUDA ordinals (or CUDA devices), in rank order; ``timeout_s`` as in
+    :func:`group_from_process_group`. Returns the list of groups, rank ``i`` on ``devices[i]``.
+    They have no torch.distributed process group, so they run CUDA tensors only, and each rank's
+    ops must be called from a thread of its own (a collective waits for every rank's matching
+    call). Raises ``ValueError`` for an empty list, a device listed twice, a CUDA ordinal out of
+    range or a bad ``timeout_s``, ``RuntimeError`` for an NCCL or CUDA failure.
+    """
     devices = [_cuda_device(d) if not isinstance(d, int) else d for d in devices]
     comms = _meshla.Communicator.create_local(devices, timeout_s=timeout_s)
     return [TPGroup(rank=c.rank, size=c.size, comm=c) for c in comms]

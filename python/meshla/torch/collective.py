@@ -74,9 +74,11 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
                       fuse_wgrad_accumulation: bool = False):
     """``all_gather(a) @ b (+ bias)`` with a row-sharded ``a`` of shape [m/tp, k] on every rank.
 
-    ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight). Returns the [m, n]
-    product, and with ``return_gathered`` also the gathered [m, k] ``a``.
-    ``out`` and ``gathered_out`` are optional preallocated outputs.
+    ``b`` is [k, n], or [n, k] with ``trans_b`` (a torch.nn.Linear weight); ``bias`` is [n];
+    ``group`` is the :class:`TPGroup` of the ranks (tp of them) that share the call. Returns the
+    [m, n] product in ``a``'s dtype, and with ``return_gathered`` the tuple (product, gathered
+    [m, k] ``a``). ``out`` and ``gathered_out`` are optional preallocated outputs of those shapes,
+    contiguous, in ``a``'s dtype and on its device, sharing no memory with the inputs.
 
     ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas`` choose how the data
     moves and how it overlaps the GEMM (see :class:`Tuning`); the defaults are meshla's measured
@@ -93,6 +95,20 @@ def all_gather_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
     ``recompute_gathered``. Under torch.autocast the operands are cast to its dtype as for a
     matmul, unless outputs are given. ``fuse_wgrad_accumulation`` adds ``b``'s gradient to
     ``b.main_grad`` instead (see :func:`column_parallel_matmul`).
+
+    Errors, the same for every collective matmul: ``ValueError``, naming the argument and the
+    shapes, for a ``group`` that is not a :class:`TPGroup`, an ``a`` or ``b`` that is not a
+    tensor, shapes, dtypes (bfloat16, float16 or float32, the same for all), devices or outputs
+    that do not fit the call, bad tuning, CPU tensors on a group without a process group, or CUDA
+    tensors on a group without a communicator. ``NotImplementedError`` for what this build or
+    machine cannot run (a backend for which :func:`meshla.backend_unavailable_reason` gives a
+    reason, ``backend="symmetric"`` without peer access, a combination the backend does not
+    take), and under autograd (grad mode on, an input requiring grad) for outputs given or
+    ``backend="cublasmp"``. CUDA, NCCL and cuBLAS failures raise ``RuntimeError`` naming the call.
+    On CUDA tensors the first call of a shape builds its plan with every rank: ranks that pass
+    different shapes raise ``ValueError`` naming both, and a rank that never calls leaves the
+    others a ``TimeoutError`` after the group's ``timeout_s``. A later eager run that a peer never
+    joins ends the process ``timeout_s`` after it was enqueued (meshla's watchdog, naming the op).
     """
     op = _meshla.CollectiveOp.all_gather_matmul
     weight = b
@@ -115,7 +131,9 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     """This rank's [m/tp, n] row block of ``sum over ranks(a @ b) (+ bias)``.
 
     ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``): the slices of
-    a row-parallel linear layer. The bias is added once, not once per rank.
+    a row-parallel linear layer; m must be divisible by the group's size. ``bias`` [n] is added
+    once, not once per rank. Returns the [m/tp, n] block in ``a``'s dtype; ``out``, the group and
+    the tuning as in :func:`all_gather_matmul`.
 
     Differentiable in ``a``, ``b`` and ``bias`` (a row-parallel layer with sequence parallelism):
     the output's gradient is all-gathered (fused with ``a``'s gradient in an
@@ -125,6 +143,10 @@ def matmul_reduce_scatter(a, b, group: TPGroup, *, bias=None, trans_b: bool = Fa
     sequence-parallel bias, whose partial sums it all-reduces later). Every rank of the group must
     run the backward, as it runs the forward, with the same inputs requiring grad.
     ``fuse_wgrad_accumulation`` as in :func:`column_parallel_matmul`.
+
+    Raises as :func:`all_gather_matmul` does (``ValueError``, ``NotImplementedError``,
+    ``RuntimeError``, ``TimeoutError`` while a plan is built, the watchdog after); an m that the
+    group's size does not divide is a ``ValueError``.
     """
     op = _meshla.CollectiveOp.matmul_reduce_scatter
     weight = b
@@ -142,10 +164,17 @@ def matmul_all_reduce(a, b, group: TPGroup, *, bias=None, trans_b: bool = False,
                       backend="auto", fuse_wgrad_accumulation: bool = False):
     """``sum over ranks(a @ b) (+ bias)``, the whole [m, n] result on every rank.
 
+    ``a`` is [m, k_local] and ``b`` [k_local, n] (or [n, k_local] with ``trans_b``), this rank's
+    slices of the contraction; ``bias`` [n] is added once. Returns the [m, n] sum in ``a``'s
+    dtype; ``out``, the group and the tuning as in :func:`all_gather_matmul`.
+
     Differentiable in ``a``, ``b`` and ``bias`` (a row-parallel layer without sequence
     parallelism): the result is the same on every rank, so each rank's loss is taken as the same
     function of it and its gradient is used as it is, with no communication (as Megatron-LM's
     row-parallel layer does). ``fuse_wgrad_accumulation`` as in :func:`column_parallel_matmul`.
+
+    Raises as :func:`all_gather_matmul` does (``ValueError``, ``NotImplementedError``,
+    ``RuntimeError``, ``TimeoutError`` while a plan is built, the watchdog after).
     """
     op = _meshla.CollectiveOp.matmul_all_reduce
     weight = b
@@ -165,7 +194,8 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
     """``a @ b (+ bias)`` for a column-parallel layer without sequence parallelism: ``a`` [m, k]
     is the same on every rank, ``b`` this rank's [k, n] column slice ([n, k] with ``trans_b``).
 
-    The forward is a local GEMM. Differentiable in ``a``, ``b`` and ``bias``: ``a``'s gradient is
+    ``bias`` is [n]. Returns the [m, n] product (this rank's output columns). The forward is a
+    local GEMM. Differentiable in ``a``, ``b`` and ``bias``: ``a``'s gradient is
     summed over the ranks, its GEMM fused with that all-reduce (a :func:`matmul_all_reduce`, with
     ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas``); ``b``'s and
     ``bias``'s are this rank's own. It is the conjugate of :func:`matmul_all_reduce`, as
@@ -184,6 +214,15 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
     the main_grad's contents instead. A trained ``b`` must be in the compute dtype: under
     torch.autocast it is not cast. Eager only: torch.compile breaks its graph at the call
     (``fullgraph=True`` refuses it).
+
+    Errors: ``ValueError`` for a ``group`` that is not a :class:`TPGroup`, an ``a`` or ``b`` that
+    is not a tensor, an ``algorithm`` or ``backend`` that is not one of the choices, or a tuning
+    number that is not an integer; the forward is torch's own GEMM, so operands that do not fit
+    raise torch's error. ``NotImplementedError`` for ``backend="cublasmp"`` under autograd. The
+    backward's all-reduce raises as :func:`matmul_all_reduce` does. With
+    ``fuse_wgrad_accumulation``: ``ValueError`` where torch.autocast would cast ``b``, or where
+    the backward finds no ``main_grad`` of a dtype, shape and device as above;
+    ``NotImplementedError`` under torch.compile.
     """
     name = "column_parallel_matmul"
     weight = b

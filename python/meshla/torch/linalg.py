@@ -40,12 +40,25 @@ __all__ = [
 
 
 class CholeskySolve(NamedTuple):
+    """What :func:`cho_solve` and :func:`cho_solve_shard` return: ``x``, the row blocks of X, one
+    per shard, each shaped and placed like its block of B (from :func:`cho_solve_shard`, this
+    rank's block alone, a tensor); ``logdet``, log det A as a Python float; ``info``, 0 on
+    success and > 0 where A is not positive definite (with ``check_errors=False``; ``x`` and
+    ``logdet`` are NaN then). A plain named tuple: making one checks nothing."""
+
     x: list[torch.Tensor]
     logdet: float
     info: int
 
 
 class Eigh(NamedTuple):
+    """What :func:`eigh` and :func:`eigh_shard` return: ``eigenvalues``, all n in ascending order,
+    of A's real dtype, on the first shard's device (from :func:`eigh_shard`, on this rank's);
+    ``eigenvectors``, the row blocks of V, one per shard (from :func:`eigh_shard`, this rank's
+    block alone), or None with ``eigvals_only``; ``info``, 0 on success and > 0 where the
+    eigensolver did not converge (with ``check_errors=False``; the outputs are NaN then). A plain
+    named tuple: making one checks nothing."""
+
     eigenvalues: torch.Tensor  # on the first shard's device
     eigenvectors: list[torch.Tensor] | None
     info: int
@@ -136,7 +149,21 @@ def cho_solve(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor]
               tile: int = 0, overwrite_a: bool = False,
               check_errors: bool = True) -> CholeskySolve:
     """Row blocks of X = A⁻¹ B (B's row blocks [n/P, nrhs], nrhs <= 256) and log det A.
-    ``overwrite_a`` lets the solver factor in A's own buffers (they hold garbage afterwards)."""
+    ``overwrite_a`` lets the solver factor in A's own buffers (they hold garbage afterwards).
+
+    ``a_shards`` are the P row blocks [n/P, n] of a symmetric (Hermitian) positive-definite A,
+    float32, float64, complex64 or complex128, one per CUDA device (or all on the CPU), n
+    divisible by P; ``b_shards`` the row blocks of B, each on its A block's device, of its rows
+    and dtype. ``tile`` is the block-cyclic tile (0: meshla's choice). Returns a
+    :class:`CholeskySolve`.
+
+    Raises ``ValueError`` for an empty ``a_shards``, blocks that are not 2-D, differ in dtype or
+    width, do not make up n rows or do not divide n evenly, B blocks that do not match A's, an
+    unsupported dtype, nrhs outside 1 to 256, a negative ``tile``, ``overwrite_a`` where n/P is
+    not a multiple of the tile, shards on CPU and CUDA together, two on one GPU or more than 16;
+    ``NotImplementedError`` where the GPUs cannot access each other's memory; ``RuntimeError``
+    for a CUDA or cuSOLVER failure; ``torch.linalg.LinAlgError`` where A is not positive
+    definite, unless ``check_errors=False`` (then X and log det A are NaN and info > 0)."""
     n, dtype = _check_shards("cho_solve", a_shards)
     nrhs = _check_rhs("cho_solve", a_shards, b_shards)
     _check_call(_meshla.SolverOp.cholesky_solve, a_shards, nrhs, tile, overwrite_a)
@@ -172,7 +199,16 @@ def cholesky_inverse(a_shards: Sequence[torch.Tensor], *, tile: int = 0,
                      overwrite_a: bool = False,
                      check_errors: bool = True) -> tuple[list[torch.Tensor], int]:
     """Row blocks of A⁻¹ for a positive-definite A, and info. With ``overwrite_a`` the inverse
-    is written over ``a_shards`` (and those are returned)."""
+    is written over ``a_shards`` (and those are returned; on CPU tensors ``a_shards`` are left
+    as they are).
+
+    ``a_shards``, ``tile`` and ``check_errors`` as in :func:`cho_solve`. Returns the tuple (row
+    blocks of A⁻¹, each like its block of A; info, 0 on success and > 0 where A is not positive
+    definite). Raises as :func:`cho_solve` does (``ValueError``, ``NotImplementedError``,
+    ``RuntimeError``, ``torch.linalg.LinAlgError`` unless ``check_errors=False``, which gives NaN
+    blocks), and also ``ValueError`` for ``overwrite_a`` with non-contiguous CUDA shards and
+    ``NotImplementedError`` for n above 46340 (padding to the tile included): the inverse runs
+    cusolverDn's potri, whose sizes are 32-bit."""
     n, dtype = _check_shards("cholesky_inverse", a_shards)
     _check_call(_meshla.SolverOp.cholesky_inverse, a_shards, 0, tile, overwrite_a)
     if _on_cpu(a_shards):
@@ -207,7 +243,15 @@ def _cholesky_inverse_cuda(devices, n, dtype, a_shards, out, tile, overwrite_a):
 def eigh(a_shards: Sequence[torch.Tensor], *, eigvals_only: bool = False, tile: int = 0,
          overwrite_a: bool = False, check_errors: bool = True) -> Eigh:
     """Eigenvalues (ascending) and row blocks of the eigenvectors (columns of V, A V = V diag(w))
-    of a symmetric (Hermitian) A, as ``torch.linalg.eigh``."""
+    of a symmetric (Hermitian) A, as ``torch.linalg.eigh``.
+
+    ``a_shards``, ``tile``, ``overwrite_a`` and ``check_errors`` as in :func:`cho_solve`; with
+    ``eigvals_only`` only the eigenvalues are computed. Returns an :class:`Eigh`. Raises as
+    :func:`cho_solve` does (``ValueError``, a ``tile`` above 1024 on several GPUs included;
+    ``NotImplementedError``; ``RuntimeError``), and ``torch.linalg.LinAlgError`` where the
+    eigensolver does not converge, unless ``check_errors=False`` (then NaN outputs and info > 0).
+    On CPU tensors the reference is ``torch.linalg.eigh``: info is 0 and a failure raises
+    torch's own error, whatever ``check_errors``."""
     n, dtype = _check_shards("eigh", a_shards)
     _check_call(_meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh, a_shards,
                 0, tile, overwrite_a)
@@ -311,7 +355,14 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     its row block of B, ranks in the order of ``group`` (a torch.distributed process group of any
     backend; default the world). Collective; every process must see every GPU with the same
     numbering (torchrun's default). Returns a :class:`CholeskySolve` whose ``x`` is this rank's
-    row block of X."""
+    row block of X. ``tile``, ``overwrite_a`` and ``check_errors`` as in :func:`cho_solve`.
+
+    The checks of :func:`cho_solve` run on the group's first rank, and its error
+    (``ValueError``, ``NotImplementedError``, ``RuntimeError`` or ``torch.linalg.LinAlgError``;
+    any other as ``RuntimeError``) is raised on every rank; so is a ``ValueError`` where a rank's
+    GPU is not the GPU of the same number on the first rank. A matrix that is not positive
+    definite raises ``torch.linalg.LinAlgError`` on every rank unless ``check_errors=False``.
+    The waits are torch.distributed's, bounded by the group's own timeout."""
     if a.device.type == "cpu":
         result = cho_solve(_gather_rows(group, a), _gather_rows(group, b), tile=tile,
                            overwrite_a=overwrite_a, check_errors=check_errors)
@@ -336,7 +387,11 @@ def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
                            overwrite_a: bool = False,
                            check_errors: bool = True) -> tuple[torch.Tensor, int]:
     """:func:`cholesky_inverse` with one process per GPU (see :func:`cho_solve_shard`): this
-    rank's row block of A⁻¹, and info."""
+    rank's row block of A⁻¹, and info. ``a`` is this rank's row block of A, ``group``, ``tile``,
+    ``overwrite_a`` and ``check_errors`` as in :func:`cho_solve_shard`. Returns the tuple (row
+    block, info). Raises as :func:`cho_solve_shard` does, with :func:`cholesky_inverse`'s
+    checks; ``overwrite_a`` with a non-contiguous CUDA ``a`` raises ``ValueError`` on that rank
+    before the call meets the others."""
     if a.device.type == "cpu":
         inverse, info = cholesky_inverse(_gather_rows(group, a), tile=tile,
                                          check_errors=check_errors)
@@ -360,7 +415,11 @@ def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
 def eigh_shard(a: torch.Tensor, group=None, *, eigvals_only: bool = False, tile: int = 0,
                overwrite_a: bool = False, check_errors: bool = True) -> Eigh:
     """:func:`eigh` with one process per GPU (see :func:`cho_solve_shard`): every rank gets all
-    eigenvalues on its device and, unless ``eigvals_only``, its row block of the eigenvectors."""
+    eigenvalues on its device and, unless ``eigvals_only``, its row block of the eigenvectors.
+    ``a`` is this rank's row block of A, the other arguments as in :func:`eigh` and
+    :func:`cho_solve_shard`. Returns an :class:`Eigh`. Raises as :func:`cho_solve_shard` does,
+    with :func:`eigh`'s checks, and ``torch.linalg.LinAlgError`` on every rank where the
+    eigensolver does not converge, unless ``check_errors=False``."""
     if a.device.type == "cpu":
         result = eigh(_gather_rows(group, a), eigvals_only=eigvals_only, tile=tile,
                       overwrite_a=overwrite_a, check_errors=check_errors)

@@ -92,7 +92,8 @@ class _ParallelLinear(torch.nn.Module):
         device's default one, and keeps this rank's shard. Every rank must start from the same
         generator state (e.g. ``torch.manual_seed(seed)`` on each, as Megatron-LM assumes for its
         master weights): then the shards make the layer that torch.nn.Linear would have drawn,
-        whatever the group's size. Draws the whole weight once, on the layer's device."""
+        whatever the group's size. Draws the whole weight once, on the layer's device. Returns
+        nothing."""
         weight = torch.empty(self.out_features, self.in_features, device=self.weight.device,
                              dtype=self.weight.dtype)
         torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
@@ -107,7 +108,10 @@ class _ParallelLinear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, group: TPGroup, **options):
         """This rank's shard of ``linear`` (e.g. a pretrained layer, on any device), on the
         group's device in ``linear``'s dtype, with and without a bias as ``linear``;
-        ``options`` as the constructor's other keywords."""
+        ``options`` as the constructor's other keywords. Returns the new layer. Raises
+        ``ValueError`` where ``linear`` is not a torch.nn.Linear or ``options`` name ``device``,
+        ``dtype`` or ``bias`` (they come from ``linear`` and the group), and the constructor's
+        errors."""
         name = cls.__name__
         if not isinstance(linear, torch.nn.Linear):
             raise ValueError(f"{name}.from_linear: linear must be a torch.nn.Linear, got "
@@ -177,6 +181,18 @@ class ColumnParallelLinear(_ParallelLinear):
     Parameters are created on the group's device (``device="meta"`` defers them) and drawn by
     :meth:`reset_parameters`; :meth:`from_linear` shards an existing layer instead. Every rank of
     the group must call the layer (and its backward) with the same shapes.
+
+    ``in_features`` and ``out_features`` are the whole layer's, ``out_features`` divisible by the
+    group's size; ``group`` is the :class:`~meshla.torch.TPGroup`; ``bias`` whether the layer
+    has one; ``device`` and ``dtype`` those of the parameters (default: the group's device and
+    torch's default dtype). The constructor raises ``ValueError`` for a ``group`` that is not a
+    TPGroup, features below 1 or not divisible as above, ``recompute_gathered`` without
+    ``sequence_parallel``, a ``device`` other than the group's (or ``meta``), or a tuning that
+    :class:`~meshla.torch.Tuning` refuses. Calling the layer returns ``y`` as above and raises
+    ``ValueError`` for an ``x`` that is not a tensor [..., in_features] (with
+    ``sequence_parallel``, at least 2-D), and otherwise the errors of the matmul it runs
+    (:func:`~meshla.torch.all_gather_matmul` with ``sequence_parallel``,
+    :func:`~meshla.torch.column_parallel_matmul` without).
     """
 
     _split_dim = 0
@@ -196,6 +212,7 @@ class ColumnParallelLinear(_ParallelLinear):
         self.recompute_gathered = recompute_gathered
 
     def forward(self, x):
+        """``y`` for ``x`` as the class describes; raises as the class describes."""
         rows = self._rows(x, self.in_features)
         options = self._options()
         if self.sequence_parallel:
@@ -221,7 +238,13 @@ class RowParallelLinear(_ParallelLinear):
       Megatron-LM does for the partial sums of its sequence-parallel biases).
 
     Tuning, ``fuse_wgrad_accumulation``, parameters and :meth:`from_linear` as in
-    :class:`ColumnParallelLinear`.
+    :class:`ColumnParallelLinear`; so are the constructor's arguments and errors, except that
+    ``in_features`` must be divisible by the group's size and there is no
+    ``recompute_gathered``. Calling the layer returns ``y`` as above and raises ``ValueError``
+    for an ``x`` that is not a tensor [..., in_features / tp] (with ``sequence_parallel``, at
+    least 2-D, its first dimension divisible by tp), and otherwise the errors of the collective
+    matmul it runs (:func:`~meshla.torch.matmul_reduce_scatter` with ``sequence_parallel``,
+    :func:`~meshla.torch.matmul_all_reduce` without).
     """
 
     _split_dim = 1
@@ -236,6 +259,7 @@ class RowParallelLinear(_ParallelLinear):
                               comm_ctas=comm_ctas, backend=backend))
 
     def forward(self, x):
+        """``y`` for ``x`` as the class describes; raises as the class describes."""
         tp = self.group.size
         rows = self._rows(x, self.in_features // tp)
         options = self._options()
