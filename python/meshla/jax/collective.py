@@ -14,7 +14,11 @@ On GPUs each call is one XLA FFI custom call per device. Its prepare stage build
 stream, so XLA may capture it in a command buffer. The communicators are made when a call on a
 (mesh, axis) is first traced (see ``meshla/jax/_groups.py``): one process driving every GPU of a
 group, or one process per GPU under ``jax.distributed.initialize()``. A peer that never arrives
-ends the call with an error after ``timeout_s``.
+while a plan is built ends the call with an error after ``timeout_s``; a run enqueued eagerly
+that a peer never joins ends the process after ``timeout_s`` with a message naming the op (the
+group's watchdog, as in meshla.torch). Runs inside XLA's command buffers are CUDA graph replays,
+which the watchdog does not see: there a missing peer leaves the GPUs waiting, as in a torch
+graph's replay.
 
 On CPU devices the same functions run a ``jax.numpy`` reference (lax collectives and matmuls in
 float32), so a program written for GPUs runs unchanged on a machine without them.
