@@ -167,6 +167,12 @@ def test_bad_input_is_named(mesh):
         shard_call(mesh, lambda a, b, bias: mj.matmul_all_reduce(
             a, b, bias=bias, axis_name="tp", mesh=mesh), a, jnp.ones((6, 4), jnp.float32),
                    jnp.ones((4,), jnp.float16), specs=(P("tp", None), P("tp", None), P()))
+    # A 0-d bias would read as no bias in the extension (and broadcast in the reference).
+    with pytest.raises(ValueError, match=r"matmul_all_reduce: bias.shape=\[\]: meshla takes "
+                                         "arrays of 1 to 4 dimensions"):
+        shard_call(mesh, lambda a, b, bias: mj.matmul_all_reduce(
+            a, b, bias=bias, axis_name="tp", mesh=mesh), a, jnp.ones((6, 4), jnp.float32),
+                   jnp.float32(5), specs=(P("tp", None), P("tp", None), P()))
     with pytest.raises(ValueError, match=r"matmul_reduce_scatter: a.shape\[0\]=3 is not "
                                          "divisible by tp_size=2"):
         shard_call(mesh, mj.matmul_reduce_scatter, jnp.ones((6, 6), jnp.float32),
