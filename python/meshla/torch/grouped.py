@@ -91,7 +91,8 @@ def _cpu_groups(m_splits, rows):
 @torch.compiler.assume_constant_result
 def packed_group_stride(out_features: int, in_features: int, dtype: torch.dtype) -> int:
     """Elements between the groups of a packed ``[G, out, in]`` buffer whose groups each start
-    on a 256-byte boundary."""
+    on a 256-byte boundary. Raises ``ValueError`` for sizes below 1 or a dtype meshla does not
+    take."""
     if dtype not in DTYPES:
         raise ValueError(f"packed_group_stride: dtype {dtype} is not one meshla takes")
     return _meshla.packed_group_stride(out_features, in_features, DTYPES[dtype])
@@ -339,7 +340,17 @@ def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor
     Differentiable in x, weight and bias (once: the backward is not itself differentiable). The
     weight gradient is computed into one packed buffer whose groups start on 256-byte boundaries
     and handed to autograd as a ``[G, out, in]`` view of it; autograd copies it into the weight's
-    own layout where it accumulates the ``.grad`` of a leaf whose strides differ."""
+    own layout where it accumulates the ``.grad`` of a leaf whose strides differ. Returns ``y``,
+    ``[rows, out]``.
+
+    Raises ``ValueError`` naming the argument and the shapes, on CPU and CUDA tensors alike, for:
+    x and the weights in different dtypes (with a hint when torch.autocast is on, which does not
+    cast these inputs), a dtype other than bfloat16, float16 or float32, shapes that do not fit
+    together, operands on other devices than ``m_splits``, and 16-bit in or out features that are
+    not multiples of 8 or rows not on 16-byte boundaries (TMA's rule). Group sizes that are
+    negative or do not sum to ``rows`` raise at once on the CPU; on a GPU they are found on the
+    device, the call's outputs are filled with NaN, and the next grouped call on that device (or
+    :func:`check_device_errors`) raises."""
     _check_same_dtype("grouped_linear", x, weight)
     return _GroupedMatmulFunction.apply(x.contiguous(), m_splits, weight, bias)
 
@@ -406,6 +417,11 @@ class GroupedLinear(torch.nn.Module):
       has it zeroed first, so the gradient replaces its contents.
     - ``delay_wgrad_compute``: backward computes only input and bias gradients; call
       :meth:`backward_dw` later (on any stream) for the weight gradients.
+
+    Calling the layer as ``layer(x, m_splits)`` returns ``[rows, out_features]``. It raises
+    ``ValueError`` for sizes below 1 at construction, for an ``x`` that is not ``[rows,
+    in_features]`` or an ``m_splits`` that is not ``[num_groups]``, for missing main_grads with
+    ``fuse_wgrad_accumulation``, and otherwise as :func:`grouped_linear` does.
     """
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, bias: bool = True,
