@@ -298,3 +298,52 @@ def test_dtype_mismatch_names_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(ValueError, match="torch.autocast is on"):
             layer(x, splits([2, 3]))
+
+
+def _on_gpu_0(t):
+    """``t``'s metadata as the CUDA path's check would see it: the same array on cuda:0."""
+    from meshla import _meshla
+    from meshla.torch._dtypes import DTYPES
+    return _meshla.ArrayMeta(t.shape, t.stride(), DTYPES[t.dtype], 0, t.data_ptr())
+
+
+@pytest.mark.parametrize("case", ["float64", "unaligned bf16", "weight groups", "bias dtype",
+                                  "int32 sizes", "2-D sizes", "dgrad weight", "wgrad rows"])
+def test_cpu_and_cuda_checks_say_the_same(case):
+    """Each bad call on CPU tensors raises exactly what GroupedMatmul.run's checks raise for the
+    same arrays on a GPU (the same check on their metadata, placed on cuda:0)."""
+    from meshla import _meshla
+    sizes = splits([3, 3])
+    x, w, bias = torch.randn(6, 8), torch.randn(2, 16, 8), torch.randn(2, 16)
+    grouped_pass = _meshla.GroupedPass.forward
+    if case == "float64":
+        x, w, bias = x.double(), w.double(), bias.double()
+    elif case == "unaligned bf16":
+        x, w, bias = torch.randn(6, 12).bfloat16(), torch.randn(2, 16, 12).bfloat16(), None
+    elif case == "weight groups":
+        w = torch.randn(3, 16, 8)
+    elif case == "bias dtype":
+        bias = bias.half()
+    elif case == "int32 sizes":
+        sizes = sizes.int()
+    elif case == "2-D sizes":
+        sizes = sizes[None]
+    if case == "dgrad weight":
+        grouped_pass, dy, w = _meshla.GroupedPass.dgrad, torch.randn(6, 16), torch.randn(2, 8, 8)
+        call = lambda: torch.ops.meshla.grouped_mm_dgrad(dy, sizes, w)  # noqa: E731
+        operands = dict(dy=dy, weight=w, dx=torch.empty(6, w.shape[2]))
+    elif case == "wgrad rows":
+        grouped_pass, dy = _meshla.GroupedPass.wgrad, torch.randn(5, 16)
+        stride = mt.packed_group_stride(16, 8, torch.float32)
+        call = lambda: torch.ops.meshla.grouped_mm_wgrad(x, dy, sizes, stride)  # noqa: E731
+        dweight = torch.empty(2 * stride).as_strided((2, 16, 8), (stride, 8, 1))
+        operands = dict(x=x, dy=dy, dweight=dweight)
+    else:
+        call = lambda: torch.ops.meshla.grouped_mm(x, sizes, w, bias)  # noqa: E731
+        operands = dict(x=x, weight=w, bias=bias, y=torch.empty(6, w.shape[1], dtype=x.dtype))
+    with pytest.raises(ValueError) as on_cpu:
+        call()
+    with pytest.raises(ValueError) as on_cuda:
+        _meshla.check_grouped_call(grouped_pass, _on_gpu_0(sizes), **{
+            name: None if t is None else _on_gpu_0(t) for name, t in operands.items()})
+    assert str(on_cpu.value) == str(on_cuda.value)
