@@ -94,13 +94,10 @@ def _meta(op: str, name: str, x, device: int):
     if x is None:
         return None
     _check_array(op, name, x)
-    # The extension's arrays have 1 to 4 dimensions; a 0-d one would read as absent there.
-    if not 1 <= x.ndim <= 4:
-        raise ValueError(f"{op}: {name}.shape={list(x.shape)}: meshla takes arrays of 1 to 4 "
-                         "dimensions")
     shape = [int(d) for d in x.shape]
     strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]  # JAX arrays are row-major
-    return _meshla.ArrayMeta(shape, strides, dtype_of(f"{op}: {name}", x), device, 0)
+    return _meshla.ArrayMeta(shape, strides, dtype_of(f"{op}: {name}", x), device, 0,
+                             f"{op}: {name}")
 
 
 def _describe(op, a, b, bias, *, axis: str, tp: int, group: int | None, trans_b: bool,

@@ -41,14 +41,10 @@ def meta(name: str, t: torch.Tensor | None, device: int | None = None):
     where it has data (not a fake or meta tensor's)."""
     if t is None:
         return None
-    # The extension's arrays have 1 to 4 dimensions; a 0-d one would read as absent there.
-    if not 1 <= t.dim() <= 4:
-        raise ValueError(f"{name}.shape={list(t.shape)}: meshla takes arrays of 1 to 4 "
-                         "dimensions")
     abstract = t.device.type == "meta" or is_fake(t)
     if device is None:
         device = device_of(name, t)
     if abstract:  # sizes may be symbolic under torch.compile: the check takes them as they are
         return _meshla.ArrayMeta([int(d) for d in t.shape], [int(d) for d in t.stride()],
-                                 dtype_of(name, t), device, 0)
-    return _meshla.ArrayMeta(t.shape, t.stride(), dtype_of(name, t), device, t.data_ptr())
+                                 dtype_of(name, t), device, 0, name)
+    return _meshla.ArrayMeta(t.shape, t.stride(), dtype_of(name, t), device, t.data_ptr(), name)

@@ -6,6 +6,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <string>
 #include <vector>
 
 #include "core/checks.hpp"
@@ -74,26 +76,31 @@ void bind_arrays(nb::module_& m) {
       .def(
           "__init__",
           [](TensorView* self, const std::vector<std::int64_t>& shape,
-             const std::vector<std::int64_t>& strides, DType dtype, int device,
-             std::uintptr_t data) {
-            MESHLA_CHECK_ARG(shape.size() <= static_cast<std::size_t>(kMaxTensorDims) &&
-                                 strides.size() == shape.size(),
-                             "ArrayMeta: " << shape.size() << " dimensions and " << strides.size()
-                                           << " strides; at most " << kMaxTensorDims << " each");
+             const std::vector<std::int64_t>& strides, DType dtype, int device, std::uintptr_t data,
+             const std::string& name) {
             TensorView view;
+            view.ndim = static_cast<int>(shape.size());
+            for (int i = 0; i < std::min(view.ndim, kMaxTensorDims); ++i) view.shape[i] = shape[i];
+            // A 0-d array would read as an absent one (TensorView::given) in every check.
+            MESHLA_CHECK_ARG(
+                view.ndim >= 1 && view.ndim <= kMaxTensorDims,
+                name << ".shape="
+                     << (view.ndim <= kMaxTensorDims ? view.shape_string()
+                                                     : std::to_string(view.ndim) + " dimensions")
+                     << ": meshla takes arrays of 1 to " << kMaxTensorDims << " dimensions");
+            MESHLA_CHECK_ARG(strides.size() == shape.size(), name << ": " << shape.size()
+                                                                  << " dimensions but "
+                                                                  << strides.size() << " strides");
             view.data = reinterpret_cast<void*>(data);
             view.dtype = dtype;
             view.device_kind = device < 0 ? DeviceKind::kCpu : DeviceKind::kCuda;
             view.device = device < 0 ? 0 : device;
-            view.ndim = static_cast<int>(shape.size());
-            for (int i = 0; i < view.ndim; ++i) {
-              view.shape[i] = shape[i];
-              view.strides[i] = strides[i];
-            }
+            for (int i = 0; i < view.ndim; ++i) view.strides[i] = strides[i];
             new (self) TensorView(view);
           },
-          "shape"_a, "strides"_a, "dtype"_a, "device"_a, "data"_a = 0,
-          "`device`: the CUDA ordinal, or -1 for the host.")
+          "shape"_a, "strides"_a, "dtype"_a, "device"_a, "data"_a = 0, "name"_a = "array",
+          "`device`: the CUDA ordinal, or -1 for the host; `name` the argument's, for messages "
+          "(1 to 4 dimensions are taken).")
       .def_prop_ro("shape", [](const TensorView& view) { return view.shape_string(); });
 }
 
