@@ -302,9 +302,8 @@ def test_dtype_mismatch_names_autocast():
 
 def _on_gpu_0(t):
     """``t``'s metadata as the CUDA path's check would see it: the same array on cuda:0."""
-    from meshla import _meshla
-    from meshla.torch._dtypes import DTYPES
-    return _meshla.ArrayMeta(t.shape, t.stride(), DTYPES[t.dtype], 0, t.data_ptr())
+    from meshla.torch._dtypes import meta
+    return meta("t", t, device=0)
 
 
 @pytest.mark.parametrize("case", ["float64", "unaligned bf16", "weight groups", "bias dtype",
