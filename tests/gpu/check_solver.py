@@ -38,23 +38,55 @@ from meshla.torch import linalg as torch_linalg  # noqa: E402
 from meshla.torch._dtypes import DTYPES as MESHLA_DTYPES  # noqa: E402
 from reporting import Reporter  # noqa: E402
 
+# The double-precision references run on a GPU through torch (cuBLAS and cuSOLVER's one-GPU
+# routines, none of meshla's code): on the host, the checks at n = 6144 to 10000 took minutes
+# each, and the 4-GPU run never finished.
+REFERENCE = "cuda:0"
+
+
+def double(m):
+    """m (numpy or jax) as a float64 or complex128 tensor on the reference GPU."""
+    m = np.asarray(m)
+    return torch.from_numpy(m.astype(np.complex128 if np.iscomplexobj(m) else np.float64)
+                            ).to(REFERENCE)
+
+
+def spectral_norm(m):
+    """‖m‖₂ by 200 steps of power iteration on mᴴm. ‖mv‖ for a unit v never exceeds ‖m‖₂, so
+    a residual divided by this is never understated."""
+    v = torch.randn(m.shape[1], 1, dtype=m.dtype, device=m.device)
+    for _ in range(200):
+        v = m.conj().T @ (m @ (v / torch.linalg.norm(v)))
+    v = v / torch.linalg.norm(v)
+    return float(torch.linalg.norm(m @ v))
+
+
 def solve_residual(a, x, b):
-    a, x, b = (np.asarray(v, np.complex128) for v in (a, x, b))
-    return np.linalg.norm(a @ x - b) / (np.linalg.norm(a, 2) * np.linalg.norm(x))
+    a, x, b = double(a), double(x), double(b)
+    return float(torch.linalg.norm(a @ x - b)) / (spectral_norm(a) * float(torch.linalg.norm(x)))
 
 
 def inverse_residual(a, inverse):
-    a, inverse = (np.asarray(v, np.complex128) for v in (a, inverse))
-    return np.linalg.norm(a @ inverse - np.eye(len(a))) / (
-        np.linalg.norm(a, 2) * np.linalg.norm(inverse, 2))
+    a, inverse = double(a), double(inverse)
+    identity = torch.eye(len(a), dtype=a.dtype, device=a.device)
+    return float(torch.linalg.norm(a @ inverse - identity)) / (
+        spectral_norm(a) * spectral_norm(inverse))
 
 
 def eigen_residuals(a, values, vectors):
-    a, vectors = (np.asarray(v, np.complex128) for v in (a, vectors))
-    values = np.asarray(values, np.float64)
-    residual = np.linalg.norm(a @ vectors - vectors * values) / np.linalg.norm(a, 2)
-    orthogonality = np.linalg.norm(vectors.conj().T @ vectors - np.eye(len(a)))
+    a, vectors, values = double(a), double(vectors), double(values).real
+    identity = torch.eye(len(a), dtype=a.dtype, device=a.device)
+    residual = float(torch.linalg.norm(a @ vectors - vectors * values)) / spectral_norm(a)
+    orthogonality = float(torch.linalg.norm(vectors.conj().T @ vectors - identity))
     return residual, orthogonality
+
+
+def log_determinant(a):
+    return float(torch.linalg.slogdet(double(a))[1])
+
+
+def eigenvalues(h):
+    return torch.linalg.eigvalsh(double(h)).cpu().numpy()
 
 
 class Checks:
@@ -75,7 +107,7 @@ class Checks:
         label = f"jax g={g} n={n} tile={tile or 'auto'} {np.dtype(dtype).name}"
         rows = NamedSharding(mesh, P("x", None))
         tol = tolerance(dtype, n)
-        a = random_spd(n, dtype, self.rng)
+        a = random_spd(n, dtype, self.rng, device=REFERENCE)
         b = self.rng.standard_normal((n, 3)).astype(dtype)
 
         def solve():
@@ -83,7 +115,7 @@ class Checks:
                 a, b, mesh, tile=tile, return_logdet=True, return_info=True))(
                 jax.device_put(a, rows), jax.device_put(b, rows))
             residual = solve_residual(a, x, b)
-            expected = np.linalg.slogdet(a.astype(np.complex128))[1]
+            expected = log_determinant(a)
             logdet_error = abs(float(logdet) - expected) / max(1.0, abs(expected))
             ok = int(info) == 0 and residual < tol and logdet_error < 100 * tol
             return ok, f"residual {residual:.2e}, logdet error {logdet_error:.2e} (tol {tol:.1e})"
@@ -99,7 +131,7 @@ class Checks:
             values, vectors, info = jax.jit(lambda a: linalg.eigh(
                 a, mesh, tile=tile, return_info=True))(jax.device_put(h, rows))
             residual, orthogonality = eigen_residuals(h, values, vectors)
-            reference = np.linalg.eigvalsh(h.astype(np.complex128))
+            reference = eigenvalues(h)
             value_error = np.abs(np.asarray(values) - reference).max() / np.abs(reference).max()
             only = jax.jit(lambda a: linalg.eigh(a, mesh, tile=tile, eigvals_only=True))(
                 jax.device_put(h, rows))
@@ -119,14 +151,14 @@ class Checks:
         n = 128 * g
 
         def ill_conditioned():
-            a = random_spd(n, np.float64, self.rng, condition=1e10)
+            a = random_spd(n, np.float64, self.rng, condition=1e10, device=REFERENCE)
             b = self.rng.standard_normal((n, 1))
             x = linalg.cho_solve(jax.device_put(a, rows), jax.device_put(b, rows), mesh)
             residual = solve_residual(a, x, b)
             return residual < 1e-12, f"cond 1e10: backward residual {residual:.2e}"
 
         def not_spd():
-            a = random_spd(n, np.float64, self.rng)
+            a = random_spd(n, np.float64, self.rng, device=REFERENCE)
             a[n // 2, n // 2] = -10.0
             b = np.ones((n, 1))
             x, info = linalg.cho_solve(jax.device_put(a, rows), jax.device_put(b, rows), mesh,
@@ -138,7 +170,7 @@ class Checks:
             return ok, f"info {int(info)}, inverse info {int(inverse_info)}"
 
         def twice_in_one_jit():
-            a = random_spd(n, np.float64, self.rng)
+            a = random_spd(n, np.float64, self.rng, device=REFERENCE)
             b = self.rng.standard_normal((n, 2))
 
             @jax.jit
@@ -155,7 +187,7 @@ class Checks:
             return error < 1e-10, f"relative error {error:.2e}"
 
         def donated():
-            a = random_spd(n, np.float64, self.rng)
+            a = random_spd(n, np.float64, self.rng, device=REFERENCE)
             b = self.rng.standard_normal((n, 1))
             a_device = jax.device_put(a, rows)
             pointers = {s.device: s.data.unsafe_buffer_pointer()
@@ -178,8 +210,8 @@ class Checks:
     def jax_two_meshes(self, devices):
         meshes = [Mesh(np.array(devices[0:2]), ("x",)), Mesh(np.array(devices[2:4]), ("x",))]
         n = 512
-        problems = [(random_spd(n, np.float64, self.rng), self.rng.standard_normal((n, 4)))
-                    for _ in meshes]
+        problems = [(random_spd(n, np.float64, self.rng, device=REFERENCE),
+                     self.rng.standard_normal((n, 4))) for _ in meshes]
         errors = [None, None]
 
         def work(i):
@@ -220,7 +252,7 @@ class Checks:
                     for p, d in enumerate(devices)]
 
         def solve():
-            a = random_spd(n, dtype, self.rng)
+            a = random_spd(n, dtype, self.rng, device=REFERENCE)
             b = self.rng.standard_normal((n, 2)).astype(dtype)
             solved = torch_linalg.cho_solve(shards(a), shards(b))
             x = torch.cat([s.cpu() for s in solved.x]).numpy()
@@ -228,7 +260,7 @@ class Checks:
             return residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
 
         def inverse_in_place():
-            a = random_spd(n, dtype, self.rng)
+            a = random_spd(n, dtype, self.rng, device=REFERENCE)
             a_shards = shards(a)
             result, info = torch_linalg.cholesky_inverse(a_shards, overwrite_a=True)
             same = all(r.data_ptr() == s.data_ptr() for r, s in zip(result, a_shards))
@@ -239,7 +271,7 @@ class Checks:
         def poisoned_outputs():
             # DenseSolver directly, every output NaN before the call.
             solver = torch_linalg._solver(tuple(devices))
-            a = random_spd(n, dtype, self.rng)
+            a = random_spd(n, dtype, self.rng, device=REFERENCE)
             h = random_symmetric(n, dtype, self.rng)
             name = MESHLA_DTYPES[tdtype]
             streams = torch_linalg._streams(devices)
@@ -271,7 +303,7 @@ class Checks:
         def factorizations_agree():
             # The same solve with each factorization (meshla's is the default), outputs poisoned.
             solver = torch_linalg._solver(tuple(devices))
-            a = random_spd(n, dtype, self.rng)
+            a = random_spd(n, dtype, self.rng, device=REFERENCE)
             b = self.rng.standard_normal((n, 2)).astype(dtype)
             name = MESHLA_DTYPES[tdtype]
             op = _meshla.SolverOp.cholesky_solve
@@ -286,7 +318,7 @@ class Checks:
                                                 x, none, none, workspaces,
                                                 torch_linalg._streams(devices), cholesky=cholesky)
                 residual = solve_residual(a, torch.cat([v.cpu() for v in x]).numpy(), b)
-                logdet_error = abs(logdet - np.linalg.slogdet(a.astype(np.complex128))[1]) / n
+                logdet_error = abs(logdet - log_determinant(a)) / n
                 ok = ok and info == 0 and residual < tol and logdet_error < 100 * tol
                 details.append(f"{cholesky}: residual {residual:.2e}, logdet error "
                                f"{logdet_error:.2e}")
@@ -294,7 +326,7 @@ class Checks:
 
         def overwrite_padded():
             # A padded layout works in a workspace of its own: overwrite_a cannot be honoured.
-            a = random_spd(n, dtype, self.rng)
+            a = random_spd(n, dtype, self.rng, device=REFERENCE)
             b = self.rng.standard_normal((n, 1)).astype(dtype)
             tile = 5  # does not divide n/GPUs = 192
             try:
@@ -324,7 +356,7 @@ class Checks:
             rows, tol = n // g, tolerance(dtype, n)
             for cholesky in ("meshla", "cusolvermg"):
                 def inverse():
-                    a = random_spd(n, dtype, self.rng)
+                    a = random_spd(n, dtype, self.rng, device=REFERENCE)
                     shards = [torch.from_numpy(a[p * rows:(p + 1) * rows]).to(f"cuda:{d}")
                               for p, d in enumerate(devices)]
                     out = [torch.full((rows, n), float("nan"), dtype=tdtype, device=f"cuda:{d}")
@@ -336,8 +368,9 @@ class Checks:
                                                torch_linalg._streams(devices), cholesky=cholesky)
                     inverse = torch.cat([x.cpu() for x in out]).numpy()
                     residual = inverse_residual(a, inverse)
-                    asymmetry = (np.linalg.norm(inverse - inverse.conj().T)
-                                 / np.linalg.norm(inverse))
+                    inverse = double(inverse)
+                    asymmetry = float(torch.linalg.norm(inverse - inverse.conj().T)
+                                      / torch.linalg.norm(inverse))
                     return info == 0 and residual < tol and asymmetry < tol, (
                         f"residual {residual:.2e}, asymmetry {asymmetry:.2e} (tol {tol:.1e})")
                 self.run(f"torch g={g} n={n} tile={tile or 'auto'} {np.dtype(dtype).name} "
@@ -360,6 +393,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", required=True)
     parser.add_argument("--model", default="solver")
+    parser.add_argument("--gpu-counts", type=int, nargs="+", default=[1, 2, 4],
+                        help="mesh sizes to check (those above the visible GPUs are skipped)")
     args = parser.parse_args()
     checks = Checks(Reporter(args.results, args.model))
     devices = jax.devices("gpu")
@@ -368,7 +403,7 @@ def main():
     one = Mesh(np.array(devices[:1]), ("x",))
     checks.run("jax g=1 n=1", lambda: (lambda x: (abs(float(x[0, 0]) - 0.5) < 1e-15, str(x)))(
         np.asarray(linalg.cho_solve(jnp.full((1, 1), 4.0), jnp.full((1, 1), 2.0), one))))
-    for g in (1, 2, 4):
+    for g in args.gpu_counts:
         if g > len(devices):
             checks.report.record(f"g={g}", 0, True, f"skipped: {len(devices)} GPUs")
             continue

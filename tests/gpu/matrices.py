@@ -14,14 +14,16 @@ def tolerance(dtype, n):
     return 30 * EPS[dtype] * max(n, 16) ** 0.5
 
 
-def random_spd(n, dtype, rng, condition=None):
+def random_spd(n, dtype, rng, condition=None, device="cpu"):
+    """Q diag(spectrum) Qᴴ with Q from the QR of a Gaussian matrix (in double precision on
+    `device`: the host takes minutes for the largest checks' n)."""
     m = rng.standard_normal((n, n))
     if np.issubdtype(dtype, np.complexfloating):
         m = m + 1j * rng.standard_normal((n, n))
-    q, _ = np.linalg.qr(m)
-    spectrum = (np.geomspace(1.0, 1.0 / condition, n) if condition
-                else rng.uniform(0.5, 2.0, n))
-    return ((q * spectrum) @ q.conj().T).astype(dtype)
+    q, _ = torch.linalg.qr(torch.from_numpy(m).to(device))
+    spectrum = torch.from_numpy(np.geomspace(1.0, 1.0 / condition, n) if condition
+                                else rng.uniform(0.5, 2.0, n)).to(device)
+    return ((q * spectrum) @ q.conj().T).cpu().numpy().astype(dtype)
 
 
 def random_symmetric(n, dtype, rng):
