@@ -43,7 +43,7 @@ import meshla
 import meshla.torch as mt
 from meshla.torch import _collective_ops as collective_ops
 from meshla.torch._dtypes import DTYPES
-from reporting import Reporter, relative_error
+from reporting import Reporter, add_families_argument, relative_error
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 # Which of (a, b, bias) need gradients in the reduce-scatter's autograd cases with frozen inputs.
@@ -1306,27 +1306,37 @@ def check_cublasmp_refused_in_threads(group, reporter, label):
     reporter.record(name, group.rank, ok, detail)
 
 
+# The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
+FAMILIES = ("correctness", "autograd", "layers", "graphs", "stress", "errors", "lifetime",
+            "cublasmp")
+
+
 def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
     torch.cuda.set_device(group.device)
+    run = reporter.family
     if quick:
-        check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,))
+        run("correctness", check_correctness, group, reporter, label, seed_base,
+            dtypes=(torch.bfloat16,))
         return
     if group.size > 1:  # first, while cuBLAS's complex GEMM is not loaded in this process
-        check_first_use_after_collective(group, reporter, label, seed_base + 39_000)
-    check_correctness(group, reporter, label, seed_base)
-    check_autograd(group, reporter, label, seed_base + 40_000)
-    check_layers(group, reporter, label, seed_base + 45_000)
-    check_fused_wgrad(group, reporter, label, seed_base + 47_000)
-    check_graph_replay(group, reporter, label, seed_base + 50_000)
-    check_graph_sequence(group, reporter, label, seed_base + 60_000)
-    check_graph_two_streams(group, reporter, label, seed_base + 65_000)
-    check_stress(group, reporter, label, seed_base + 70_000, stress_calls)
-    check_argument_errors(group, reporter, label)
-    check_out_written_seen_by_autograd(group, reporter, label, seed_base + 80_000)
+        run("correctness", check_first_use_after_collective, group, reporter, label,
+            seed_base + 39_000)
+    run("correctness", check_correctness, group, reporter, label, seed_base)
+    run("autograd", check_autograd, group, reporter, label, seed_base + 40_000)
+    run("layers", check_layers, group, reporter, label, seed_base + 45_000)
+    run("layers", check_fused_wgrad, group, reporter, label, seed_base + 47_000)
+    run("graphs", check_graph_replay, group, reporter, label, seed_base + 50_000)
+    run("graphs", check_graph_sequence, group, reporter, label, seed_base + 60_000)
+    run("graphs", check_graph_two_streams, group, reporter, label, seed_base + 65_000)
+    run("stress", check_stress, group, reporter, label, seed_base + 70_000, stress_calls)
+    run("errors", check_argument_errors, group, reporter, label)
+    run("autograd", check_out_written_seen_by_autograd, group, reporter, label,
+        seed_base + 80_000)
     if group.size > 1:  # a group of one has no rank to disagree with
-        check_plans_must_agree(group, reporter, label, seed_base + 90_000)
+        run("errors", check_plans_must_agree, group, reporter, label, seed_base + 90_000)
     for index, backend in enumerate(("nccl", "symmetric")):
-        check_shared_workspace(group, reporter, label, seed_base + 95_000 + 100 * index, backend)
+        run("lifetime", check_shared_workspace, group, reporter, label,
+            seed_base + 95_000 + 100 * index, backend)
 
 
 def main_processes(args, reporter):
@@ -1338,26 +1348,27 @@ def main_processes(args, reporter):
     dist.broadcast_object_list(seed, src=0)
     device = torch.device("cuda", local_rank)
     world = mt.group_from_process_group(device=device)
+    run, label = reporter.family, f"tp{size}"
     if args.cublasmp:
         torch.cuda.set_device(device)
-        check_cublasmp(world, reporter, f"tp{size}", seed[0])
+        run("cublasmp", check_cublasmp, world, reporter, label, seed[0])
         dist.barrier()
         dist.destroy_process_group()
         return
-    run_all(world, reporter, f"tp{size}", seed[0], args.quick)
+    run_all(world, reporter, label, seed[0], args.quick)
     if not args.quick:
-        check_gather_forms(world, reporter, f"tp{size}", seed[0] + 80_000)
+        run("correctness", check_gather_forms, world, reporter, label, seed[0] + 80_000)
     if size == 1 and not args.quick:
-        check_clean_exit(reporter, f"tp{size}", local_rank)
+        run("lifetime", check_clean_exit, reporter, label, local_rank)
     if not args.quick:
         # Here, not in run_all: the profiler is the process's, and the threads model's threads
         # would each start one at once (kineto then crashed the process).
-        check_observed_calls(world, reporter, f"tp{size}", seed[0] + 85_000)
-        check_graph_outlives_group(world, reporter, f"tp{size}", seed[0] + 57_000)
-        check_teardown_during_capture(world, reporter, f"tp{size}", seed[0] + 58_000)
+        run("autograd", check_observed_calls, world, reporter, label, seed[0] + 85_000)
+        run("graphs", check_graph_outlives_group, world, reporter, label, seed[0] + 57_000)
+        run("graphs", check_teardown_during_capture, world, reporter, label, seed[0] + 58_000)
     if size >= 2:
-        check_drop_order(world, reporter, f"tp{size}", seed[0] + 88_000)
-        check_workspace_outlives_plans(world, reporter, f"tp{size}", seed[0] + 89_000)
+        run("lifetime", check_drop_order, world, reporter, label, seed[0] + 88_000)
+        run("lifetime", check_workspace_outlives_plans, world, reporter, label, seed[0] + 89_000)
     if size == 4 and not args.quick:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         sub = mt.group_from_process_group(pairs[rank // 2], device=device)
@@ -1380,7 +1391,8 @@ def main_threads(args, reporter):
         try:
             run_all(groups[index], reporter, f"threads-tp{len(devices)}", seed, args.quick,
                     stress_calls=THREADS_STRESS_CALLS)
-            check_cublasmp_refused_in_threads(groups[index], reporter, f"threads-tp{len(devices)}")
+            reporter.family("cublasmp", check_cublasmp_refused_in_threads, groups[index],
+                            reporter, f"threads-tp{len(devices)}")
             if pairs and not args.quick:
                 run_all(pairs[index], reporter, f"threads-tp2-in-4/pair{index // 2}", seed + 7,
                         False, stress_calls=THREADS_STRESS_CALLS)
@@ -1421,9 +1433,10 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="bf16 correctness only")
     parser.add_argument("--cublasmp", action="store_true", help="the cuBLASMp backend alone")
     parser.add_argument("--model", default=None, help="label of this run in the results")
+    add_families_argument(parser, FAMILIES)
     args = parser.parse_args()
     model = args.model or ("threads" if args.threads else "processes")
-    reporter = Reporter(args.results, model)
+    reporter = Reporter(args.results, model, args.families)
     faulthandler.dump_traceback_later(CHECKS_WITHIN_S, exit=True)
     (main_threads if args.threads else main_processes)(args, reporter)
     exit_within(EXIT_WITHIN_S)

@@ -19,7 +19,7 @@ import torch
 
 import meshla.torch as mt
 from meshla.torch import grouped
-from reporting import Reporter, relative_error
+from reporting import Reporter, add_families_argument, relative_error
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 # (groups, in_features, out_features, rows); 24 x 40 makes out*in*2 bytes a non-multiple of 256;
@@ -575,45 +575,57 @@ def check_compile(report):
                   f"module {module_err:.2e}")
 
 
+# The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
+FAMILIES = ("capture", "passes", "autograd", "errors", "main-grads", "edges", "compile")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", required=True)
     parser.add_argument("--model", default="grouped")
+    add_families_argument(parser, FAMILIES)
     args = parser.parse_args()
-    report = Reporter(args.results, args.model)
-    # First: the engine must be created inside a capture, before any other call makes it.
-    checks = [("cold-capture", lambda: check_cold_capture(report))]
-    checks += [(f"passes/{dtype}/{shape}",
+    report = Reporter(args.results, args.model, args.families)
+    # (family, name, check). First: the engine must be created inside a capture, before any
+    # other call makes it.
+    checks = [("capture", "cold-capture", lambda: check_cold_capture(report))]
+    checks += [("passes", f"passes/{dtype}/{shape}",
                 lambda d=dtype, s=shape, i=i: check_passes(report, d, s, i))
                for i, (dtype, shape) in enumerate((d, s) for d in TOLERANCE for s in SHAPES)]
-    checks += [(f"passes-k-tails/{d}",
+    checks += [("passes", f"passes-k-tails/{d}",
                 lambda d=d: check_passes(report, d, K_TAIL_SHAPE, 17, sizes=K_TAIL_SIZES))
                for d in TOLERANCE]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     split_sizes = split_tail_sizes(sms)
-    checks += [(f"passes-split-tails/{d}",
+    checks += [("passes", f"passes-split-tails/{d}",
                 lambda d=d: check_passes(report, d, (len(split_sizes), 1024, 512, sum(split_sizes)),
                                          23, sizes=split_sizes))
                for d in TOLERANCE]
-    checks += [(f"split-tails/{d}", lambda d=d: check_split_tails(report, d))
+    checks += [("passes", f"split-tails/{d}", lambda d=d: check_split_tails(report, d))
                for d in (torch.bfloat16, torch.float16)]
-    checks += [(f"module/{d}", lambda d=d: check_module_autograd(report, d, 3)) for d in TOLERANCE]
-    checks += [("bad-splits", lambda: check_bad_splits(report))]
-    checks += [(f"graph/{d}", lambda d=d: check_graph_capture(report, d))
+    checks += [("autograd", f"module/{d}", lambda d=d: check_module_autograd(report, d, 3))
+               for d in TOLERANCE]
+    checks += [("errors", "bad-splits", lambda: check_bad_splits(report))]
+    checks += [("capture", f"graph/{d}", lambda d=d: check_graph_capture(report, d))
                for d in (torch.bfloat16, torch.float32)]
-    checks += [(f"main-grads-anywhere/{d}", lambda d=d: check_main_grads_anywhere(report, d))
+    checks += [("main-grads", f"main-grads-anywhere/{d}",
+                lambda d=d: check_main_grads_anywhere(report, d))
                for d in (torch.bfloat16, torch.float32)]
-    checks += [(f"main-grads-fsdp/{d}", lambda d=d: check_main_grads_fsdp(report, d))
+    checks += [("main-grads", f"main-grads-fsdp/{d}", lambda d=d: check_main_grads_fsdp(report, d))
                for d in (torch.bfloat16, torch.float32)]
-    checks += [("edge-shapes", lambda: check_edge_shapes(report)),
-               ("delayed-wgrad", lambda: check_delayed_wgrad_side_stream(report)),
-               ("compile", lambda: check_compile(report))]
-    for name, check in checks:
+    checks += [("edges", "edge-shapes", lambda: check_edge_shapes(report)),
+               ("main-grads", "delayed-wgrad", lambda: check_delayed_wgrad_side_stream(report)),
+               ("compile", "compile", lambda: check_compile(report))]
+
+    def guarded(name, check):
         try:
             check()
         except Exception:
             report.record(name, 0, False, traceback.format_exc(limit=4))
         print(f"done {name}", flush=True)
+
+    for family, name, check in checks:
+        report.family(family, guarded, name, check)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ import subprocess
 import sys
 import traceback
 
+from reporting import Reporter, add_families_argument
+
+# The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
+FAMILIES = ("ops", "gradients", "loop", "donation")
 parser = argparse.ArgumentParser()
 parser.add_argument("--results", required=True)
 parser.add_argument("--model", default="jax-collective")
@@ -29,6 +33,7 @@ parser.add_argument("--processes", type=int, default=0,
 parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
 parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
 parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+add_families_argument(parser, FAMILIES)
 args = parser.parse_args()
 
 
@@ -71,9 +76,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
 import meshla.jax as mj  # noqa: E402
-from reporting import Reporter  # noqa: E402
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -262,7 +265,8 @@ class Checks:
 
 
 def main():
-    checks = Checks(Reporter(args.results, args.model))
+    report = Reporter(args.results, args.model, args.families)
+    checks, run = Checks(report), report.family
     devices = np.array(jax.devices("gpu"))
     count = len(devices)
     buffers = "XLA default" if args.command_buffers is None else repr(args.command_buffers)
@@ -278,12 +282,13 @@ def main():
         for dtype in DTYPES:
             for trans_b in (False, True):
                 for backend in (("auto", "nccl", "symmetric") if tp > 1 else ("auto",)):
-                    checks.ops(mesh, dtype, trans_b, backend)
-        checks.mlp_gradients(mesh, trans_b=True)
-        checks.many_calls(mesh)
-        checks.donated(mesh)
+                    run("ops", checks.ops, mesh, dtype, trans_b, backend)
+        run("gradients", checks.mlp_gradients, mesh, trans_b=True)
+        run("loop", checks.many_calls, mesh)
+        run("donation", checks.donated, mesh)
     if count % 2 == 0:  # a data × tensor mesh: two tensor-parallel groups
-        checks.mlp_gradients(Mesh(devices.reshape(2, count // 2), ("data", "tp")), False)
+        run("gradients", checks.mlp_gradients, Mesh(devices.reshape(2, count // 2), ("data", "tp")),
+            False)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from meshla.jax import linalg  # noqa: E402
 from matrices import DTYPES, TORCH_DTYPES, random_spd, random_symmetric, tolerance  # noqa: E402
 from meshla.torch import linalg as torch_linalg  # noqa: E402
 from meshla.torch._dtypes import DTYPES as MESHLA_DTYPES  # noqa: E402
-from reporting import Reporter  # noqa: E402
+from reporting import Reporter, add_families_argument  # noqa: E402
 
 # The double-precision references run on a GPU through torch (cuBLAS and cuSOLVER's one-GPU
 # routines, none of meshla's code): on the host, the checks at n = 6144 to 10000 took minutes
@@ -389,40 +389,49 @@ class Checks:
         self.run(f"torch g={len(devices)} shards on one GPU twice", wrong_device)
 
 
+# The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
+FAMILIES = ("jax", "torch", "large", "special")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", required=True)
     parser.add_argument("--model", default="solver")
     parser.add_argument("--gpu-counts", type=int, nargs="+", default=[1, 2, 4],
                         help="mesh sizes to check (those above the visible GPUs are skipped)")
+    add_families_argument(parser, FAMILIES)
     args = parser.parse_args()
-    checks = Checks(Reporter(args.results, args.model))
+    report = Reporter(args.results, args.model, args.families)
+    checks = Checks(report)
+    run = report.family
     devices = jax.devices("gpu")
     print(f"{len(devices)} GPUs: {devices[0].device_kind}", flush=True)
 
     one = Mesh(np.array(devices[:1]), ("x",))
-    checks.run("jax g=1 n=1", lambda: (lambda x: (abs(float(x[0, 0]) - 0.5) < 1e-15, str(x)))(
+    run("special", checks.run, "jax g=1 n=1", lambda: (
+        lambda x: (abs(float(x[0, 0]) - 0.5) < 1e-15, str(x)))(
         np.asarray(linalg.cho_solve(jnp.full((1, 1), 4.0), jnp.full((1, 1), 2.0), one))))
     for g in args.gpu_counts:
         if g > len(devices):
-            checks.report.record(f"g={g}", 0, True, f"skipped: {len(devices)} GPUs")
+            print(f"g={g}: skipped, {len(devices)} GPUs", flush=True)
             continue
         mesh = Mesh(np.array(devices[:g]), ("x",))
+        hardware = [d.local_hardware_id for d in devices[:g]]
         for dtype in DTYPES:
-            checks.jax_routines(mesh, 256 * g, dtype)         # one tile per GPU
-            checks.jax_routines(mesh, 256 * g, dtype, tile=64)  # four tiles per GPU
-            checks.jax_routines(mesh, 300 * g, dtype)         # padded
-            checks.jax_routines(mesh, 96 * g, dtype, tile=40)  # explicit tile, padded
-            checks.torch_routines([d.local_hardware_id for d in devices[:g]], 192 * g, dtype)
+            run("jax", checks.jax_routines, mesh, 256 * g, dtype)         # one tile per GPU
+            run("jax", checks.jax_routines, mesh, 256 * g, dtype, tile=64)  # four tiles per GPU
+            run("jax", checks.jax_routines, mesh, 300 * g, dtype)         # padded
+            run("jax", checks.jax_routines, mesh, 96 * g, dtype, tile=40)  # explicit tile, padded
+            run("torch", checks.torch_routines, hardware, 192 * g, dtype)
         # More than 1024 rows a GPU: on several GPUs the eigensolver's own tile (768) is below
         # Cholesky's (1536), as cuSolverMg's syevd takes no tile over 1024 (one GPU: untiled).
-        checks.jax_routines(mesh, 1536 * g, np.float64)
-        checks.torch_large_inverse([d.local_hardware_id for d in devices[:g]])
-        checks.jax_special(mesh)
+        run("large", checks.jax_routines, mesh, 1536 * g, np.float64)
+        run("large", checks.torch_large_inverse, hardware)
+        run("special", checks.jax_special, mesh)
         if g > 1:
-            checks.torch_errors([d.local_hardware_id for d in devices[:g]])
+            run("special", checks.torch_errors, hardware)
     if len(devices) >= 4:
-        checks.jax_two_meshes(devices)
+        run("special", checks.jax_two_meshes, devices)
 
 
 if __name__ == "__main__":

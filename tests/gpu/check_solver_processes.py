@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from matrices import TORCH_DTYPES, random_spd, random_symmetric, tolerance
 from meshla.torch import linalg as torch_linalg
-from reporting import Reporter
+from reporting import Reporter, add_families_argument
 
 
 def gathered(block):
@@ -39,26 +39,34 @@ def poison_cache(rows, cols, dtype, device):
     del junk
 
 
-def check(reporter, name, rank, fn):
-    print(f"rank {rank}: {name}", flush=True)  # where a rank that dies (no record) stopped
-    try:
-        ok, detail = fn()
-    except Exception as e:  # a check that raises is a failed check, not a crash
-        ok, detail = False, f"{type(e).__name__}: {e}"
-    reporter.record(name, rank, ok, detail)
+# The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
+FAMILIES = ("routines", "special")
+
+
+def check(reporter, family, name, rank, fn):
+    def run():
+        print(f"rank {rank}: {name}", flush=True)  # where a rank that dies (no record) stopped
+        try:
+            ok, detail = fn()
+        except Exception as e:  # a check that raises is a failed check, not a crash
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, rank, ok, detail)
+
+    reporter.family(family, run)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", required=True)
     parser.add_argument("--model", default="solver-processes")
+    add_families_argument(parser, FAMILIES)
     args = parser.parse_args()
     faulthandler.enable()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("gloo")  # the IPC handles travel over gloo
     rank, size = dist.get_rank(), dist.get_world_size()
-    reporter = Reporter(args.results, args.model)
+    reporter = Reporter(args.results, args.model, args.families)
     seed = [random.randrange(2**30) if rank == 0 else None]
     dist.broadcast_object_list(seed, src=0)
     device = torch.device("cuda", local_rank)
@@ -108,9 +116,9 @@ def main():
             ok = result.info == 0 and residual < tol and value_error < tol
             return ok, f"residual {residual:.2e}, eigenvalues {value_error:.2e} (tol {tol:.1e})"
 
-        check(reporter, f"{label}/cho_solve_shard/{dtype_name}/n={n}", rank, solve)
-        check(reporter, f"{label}/cholesky_inverse_shard/{dtype_name}/n={n}", rank, inverse)
-        check(reporter, f"{label}/eigh_shard/{dtype_name}/n={n}", rank, eigen)
+        for routine, fn in (("cho_solve_shard", solve), ("cholesky_inverse_shard", inverse),
+                            ("eigh_shard", eigen)):
+            check(reporter, "routines", f"{label}/{routine}/{dtype_name}/n={n}", rank, fn)
 
     def not_spd():
         n = 512
@@ -137,8 +145,9 @@ def main():
         return info == 0 and same and residual < tol, (
             f"residual {residual:.2e} (tol {tol:.1e}), written over a: {same}")
 
-    check(reporter, f"{label}/cho_solve_shard/not_spd", rank, not_spd)
-    check(reporter, f"{label}/cholesky_inverse_shard/overwrite_a", rank, inverse_in_place)
+    check(reporter, "special", f"{label}/cho_solve_shard/not_spd", rank, not_spd)
+    check(reporter, "special", f"{label}/cholesky_inverse_shard/overwrite_a", rank,
+          inverse_in_place)
     dist.barrier()
     dist.destroy_process_group()
 

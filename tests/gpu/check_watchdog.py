@@ -33,7 +33,7 @@ import time
 import torch
 
 import meshla.torch as mt
-from reporting import Reporter, relative_error
+from reporting import Reporter, add_families_argument, relative_error
 
 # The hold: torch.cuda._sleep cycles, about 10 s and 0.5 s at the H100's and H200's ~2 GHz.
 HOLD_CYCLES = {"held": 20_000_000_000, "control": 1_000_000_000, "dropped": 1_000_000_000}
@@ -241,12 +241,13 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="watchdog", help="label of this run in the results")
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="nccl", help=argparse.SUPPRESS)
+    add_families_argument(parser, CASES)  # a family per case
     args = parser.parse_args()
     if args.child:
         child(args.child, args.backend)
     else:
-        reporter = Reporter(args.results, args.model)
+        reporter = Reporter(args.results, args.model, args.families)
         cases = [c for c in CASES if c not in TWO_GPUS or torch.cuda.device_count() >= 2]
         for backend in ("nccl", "symmetric"):
             for case in cases:
-                check(reporter, backend, case)
+                reporter.family(case, check, reporter, backend, case)

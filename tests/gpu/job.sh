@@ -2,7 +2,8 @@
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
 #   tests/gpu/job.sh COMMIT [suite] [bench] [mlp-bench] [grouped-bench] [one-rank-bench] [solver-bench]
 #     [cusolvermp-bench]
-#   (default: suite and bench; SUITE_MODELS picks suite models; BENCH_TP the group sizes of bench,
+#   (default: suite and bench; SUITE_K selects suite tests as pytest's -k does, e.g.
+#   SUITE_K="threads or grouped"; BENCH_TP the group sizes of bench,
 #   2 and 4 by default; CUSOLVERMP_GPUS the world sizes of cusolvermp-bench, CUSOLVERMP_BENCH_ARGS
 #   its grids, sizes and blocks)
 set -uo pipefail
@@ -26,7 +27,7 @@ for step in $steps; do
   case $step in
     suite)
       # The lease returns at most 8 files: the per-launcher logs come back as one archive.
-      LOG_DIR=/tmp/meshla-suite MESHLA_SKIP_BUILD=1 tests/gpu/run.sh ${SUITE_MODELS:-} 2>&1 | tee "$OUT/suite.txt" | tail -60
+      LOG_DIR=/tmp/meshla-suite MESHLA_SKIP_BUILD=1 tests/gpu/run.sh ${SUITE_K:+-k "$SUITE_K"} 2>&1 | tee "$OUT/suite.txt" | tail -60
       cp /tmp/meshla-suite/results.jsonl "$OUT/suite_results.jsonl"
       tar -czf "$OUT/suite_logs.tar.gz" -C /tmp/meshla-suite --exclude results.jsonl . 2>/dev/null
       ;;

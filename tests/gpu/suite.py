@@ -1,0 +1,209 @@
+"""The GPU suite's process models: how each is launched and how its checks are judged.
+
+A model is one launch of a check script (torchrun workers, one process driving several GPUs, or
+processes the script starts itself) on some of the visible GPUs. Its checks come in families
+(the scripts' ``--families``); tests/gpu/test_gpu_suite.py makes a pytest test per (model,
+family) plus one for the launch itself, and launches each model once for all its selected tests.
+No import of torch or JAX here: the harness is tested on machines without GPUs
+(tests/python/test_gpu_suite_harness.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+# Never NVLink multicast: it can take a shared host's GPUs out of service.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+# The family of a launch's own test: the launcher's exit, and records made outside any family.
+LAUNCH = "launch"
+
+COLLECTIVE_FAMILIES = ("correctness", "autograd", "layers", "graphs", "stress", "errors",
+                       "lifetime")
+JAX_FAMILIES = ("ops", "gradients", "loop", "donation")
+WATCHDOG_CASES = ("held", "control", "capture", "dropped", "missing-peer", "peer-late")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """One launch. ``argv`` may name {python}, {gpus} (how many it is given), {results} and
+    {model}; the families asked for (some of ``families``) are appended as ``--families ...``."""
+
+    name: str
+    argv: tuple[str, ...]
+    families: tuple[str, ...]
+    gpus: int | None = None  # the first `gpus` visible GPUs; None: every visible one
+    min_gpus: int = 1
+    timeout_s: float = 300.0
+    env: tuple[tuple[str, str], ...] = ()
+
+    def gpus_given(self, visible: int) -> int:
+        return visible if self.gpus is None else self.gpus
+
+    def runs_on(self, visible: int) -> bool:
+        return visible >= max(self.min_gpus, self.gpus or 0)
+
+
+def _script(name: str) -> str:
+    return os.path.join(HERE, name)
+
+
+def _torchrun(script: str, *args: str, gpus: str = "{gpus}") -> tuple[str, ...]:
+    # --standalone: a free rendezvous port, so that two suites may share a host.
+    return ("{python}", "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+            _script(script), "--results", "{results}", "--model", "{model}", *args)
+
+
+def _python(script: str, *args: str) -> tuple[str, ...]:
+    return ("{python}", _script(script), "--results", "{results}", "--model", "{model}", *args)
+
+
+MODELS = (
+    Model("grouped", _python("check_grouped.py"),
+          ("capture", "passes", "autograd", "errors", "main-grads", "edges", "compile"), gpus=1),
+    # One process driving 1, 2 and 4 GPUs (as many as there are).
+    Model("solver", _python("check_solver.py"), ("jax", "torch", "large", "special"),
+          timeout_s=600.0),
+    # meshla.jax, one process driving every GPU; command buffers at XLA's default, off, and
+    # with the collectives in them.
+    Model("jax-collective", _python("check_jax_collective.py"), JAX_FAMILIES),
+    Model("jax-collective-no-command-buffers",
+          _python("check_jax_collective.py", "--command-buffers", ""), JAX_FAMILIES),
+    Model("jax-collective-command-buffer-collectives",
+          _python("check_jax_collective.py", "--command-buffers", "+COLLECTIVES"), JAX_FAMILIES),
+    # One process per GPU under jax.distributed (the script starts them).
+    Model("jax-collective-processes", _python("check_jax_collective.py", "--processes", "{gpus}"),
+          JAX_FAMILIES, min_gpus=2),
+    # The solvers' *_shard forms, one process per GPU (CUDA IPC to the first rank).
+    Model("solver-processes-tp2", _torchrun("check_solver_processes.py"), ("routines", "special"),
+          gpus=2),
+    Model("solver-processes-tp4", _torchrun("check_solver_processes.py"), ("routines", "special"),
+          gpus=4),
+    # A collective matmul that never finishes ends its process at the timeout.
+    Model("watchdog", _python("check_watchdog.py"), WATCHDOG_CASES[:4], gpus=1),
+    Model("watchdog-two-gpus", _python("check_watchdog.py"), WATCHDOG_CASES[4:], gpus=2),
+    # The collective checks, a process per GPU: a group of one (the ops' local paths), two, four
+    # (with two tp=2 groups inside it).
+    Model("processes-tp1", _torchrun("check_collective_matmul.py"), COLLECTIVE_FAMILIES, gpus=1),
+    Model("processes-tp2", _torchrun("check_collective_matmul.py"), COLLECTIVE_FAMILIES, gpus=2),
+    Model("processes-tp4", _torchrun("check_collective_matmul.py"), COLLECTIVE_FAMILIES, gpus=4),
+    # cuBLASMp's backend (needs the nvidia-cublasmp-cu13 wheel; a check says so when it is
+    # missing).
+    Model("cublasmp-tp2", _torchrun("check_collective_matmul.py", "--cublasmp"), ("cublasmp",),
+          gpus=2),
+    Model("cublasmp-tp4", _torchrun("check_collective_matmul.py", "--cublasmp"), ("cublasmp",),
+          gpus=4),
+    # One process, a thread per GPU (with 4 GPUs, then two tp=2 groups at once).
+    Model("threads", _python("check_collective_matmul.py", "--threads"),
+          (*COLLECTIVE_FAMILIES, "cublasmp"), min_gpus=2),
+    # NCCL's network transport (the path that crosses nodes) instead of NVLink / shared memory.
+    Model("network", _torchrun("check_collective_matmul.py", "--quick"), ("correctness",),
+          min_gpus=2, env=(("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))),
+)
+
+
+@dataclasses.dataclass
+class Launch:
+    model: Model
+    status: int | str  # the exit status, or "timeout"
+    seconds: float
+    log: str
+    results: str
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log, errors="replace") as f:
+                return "".join(collections.deque(f, lines))
+        except OSError as error:
+            return f"(no log: {error})"
+
+
+def visible_gpus(count: int) -> list[str]:
+    """The ordinals CUDA_VISIBLE_DEVICES names (or 0..count-1): a model's GPUs are the first of
+    these, so that a suite confined to some GPUs stays on them."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return listed.split(",")[:count] if listed else [str(i) for i in range(count)]
+
+
+def launch(model: Model, visible: list[str], families: list[str], log_dir: str, results: str,
+           python: str = sys.executable) -> Launch:
+    """Runs the model on its GPUs, asking for `families`, and waits for it up to its time limit,
+    after which its whole process group is killed."""
+    devices = visible[:model.gpus_given(len(visible))]
+    fields = {"python": python, "gpus": len(devices), "results": results, "model": model.name}
+    argv = [part.format(**fields) for part in model.argv] + ["--families", *families]
+    env = {**os.environ, **NO_MULTICAST, **dict(model.env),
+           "CUDA_VISIBLE_DEVICES": ",".join(devices), "PYTHONUNBUFFERED": "1",
+           # The checks' own limit sits a little under this (they dump their stacks first).
+           "MESHLA_LAUNCH_TIMEOUT": str(int(model.timeout_s))}
+    log = os.path.join(log_dir, f"{model.name}.log")
+    started = time.monotonic()
+    with open(log, "w") as out:
+        out.write(f"$ CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} {' '.join(argv)}\n")
+        out.flush()
+        process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        try:
+            status: int | str = process.wait(timeout=model.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # torchrun's workers too
+            process.wait()
+            status = "timeout"
+    return Launch(model, status, time.monotonic() - started, log, results)
+
+
+def read_records(results: str, model: str) -> list[dict]:
+    if not os.path.exists(results):
+        return []
+    with open(results) as f:
+        return [r for r in map(json.loads, f) if r["model"] == model]
+
+
+@dataclasses.dataclass
+class Verdict:
+    ok: bool
+    message: str
+
+
+def _failures(records: list[dict]) -> tuple[int, list[str]]:
+    """(checks, failures): a check passes when every rank of it did."""
+    checks = collections.defaultdict(list)
+    for r in records:
+        checks[r["name"]].append(r)
+    failed = []
+    for name, ranks in checks.items():
+        bad = [r for r in ranks if not r["ok"]]
+        if bad:
+            failed.append(f"{name} (rank {bad[0]['rank']}): {bad[0]['detail'][:400]}")
+    return len(checks), failed
+
+
+def judge(launch: Launch, family: str) -> Verdict:
+    """The verdict on one family of a launch's checks, or (family "launch") on the launch."""
+    records = [r for r in read_records(launch.results, launch.model.name)
+               if r.get("family", LAUNCH) == family]
+    checks, failed = _failures(records)
+    where = f"log {launch.log}, {launch.seconds:.0f} s"
+    if family == LAUNCH:
+        if launch.status != 0 or failed:
+            reason = ("exceeded its time limit" if launch.status == "timeout"
+                      else f"exited with status {launch.status}")
+            return Verdict(False, "\n".join([f"{launch.model.name} {reason} ({where})", *failed,
+                                             "--- log tail ---", launch.log_tail()]))
+        return Verdict(True, f"exited 0 ({where})")
+    if failed:
+        return Verdict(False, "\n".join([f"{len(failed)} of {checks} {family} checks failed "
+                                         f"({where}):", *failed[:20]]))
+    if checks == 0:
+        return Verdict(False, f"no {family} check ran ({where}); log tail:\n{launch.log_tail()}")
+    return Verdict(True, f"{checks} {family} checks passed")
