@@ -13,6 +13,23 @@ import suite  # noqa: E402
 def pytest_addoption(parser):
     parser.addoption("--log-dir", default=os.path.join(os.environ.get("OUT", "/tmp"), "gpu-suite"),
                      help="the launches' logs and results.jsonl (every rank's result per check)")
+    parser.addoption("--models", default=None,
+                     help="comma-separated model names to run (default: all); -k also selects, "
+                     "by substring")
+
+
+def pytest_collection_modifyitems(config, items):
+    names = config.getoption("--models")
+    if names is None:
+        return
+    wanted = set(names.split(","))
+    unknown = wanted - {model.name for model in suite.MODELS}
+    if unknown:
+        raise pytest.UsageError(f"--models: no model named {', '.join(sorted(unknown))}; the "
+                                f"models: {', '.join(m.name for m in suite.MODELS)}")
+    keep = [i for i in items if i.callspec.params["model"].name in wanted]
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = keep
 
 
 @pytest.fixture(scope="session")

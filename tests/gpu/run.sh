@@ -4,6 +4,7 @@
 # Logs and every rank's result per check go to $LOG_DIR (default $OUT/gpu-suite).
 #   tests/gpu/run.sh                          build, then every model the GPUs allow
 #   tests/gpu/run.sh -k "threads or grouped"  pytest's arguments: some models or families
+#   tests/gpu/run.sh --models grouped,threads these models (names in tests/gpu/suite.py)
 #   MESHLA_SKIP_BUILD=1 ...                   reuse the installed package
 set -uo pipefail
 # Never NVLink multicast: it can take a shared host's GPUs out of service.

@@ -46,6 +46,8 @@ class Model:
     min_gpus: int = 1
     timeout_s: float = 300.0
     env: tuple[tuple[str, str], ...] = ()
+    # Words whose appearance in the launch's log fails its launch test (a warning at exit, say).
+    log_must_not_contain: tuple[str, ...] = ()
 
     def gpus_given(self, visible: int) -> int:
         return visible if self.gpus is None else self.gpus
@@ -84,11 +86,11 @@ MODELS = (
     # One process per GPU under jax.distributed (the script starts them).
     Model("jax-collective-processes", _python("check_jax_collective.py", "--processes", "{gpus}"),
           JAX_FAMILIES, min_gpus=2),
-    # The solvers' *_shard forms, one process per GPU (CUDA IPC to the first rank).
-    Model("solver-processes-tp2", _torchrun("check_solver_processes.py"), ("routines", "special"),
-          gpus=2),
-    Model("solver-processes-tp4", _torchrun("check_solver_processes.py"), ("routines", "special"),
-          gpus=4),
+    # The solvers' *_shard forms, one process per GPU (CUDA IPC to the first rank); torch warns
+    # at a process's exit of tensors it shared through CUDA IPC that were never released.
+    *(Model(f"solver-processes-tp{tp}", _torchrun("check_solver_processes.py"),
+            ("routines", "special"), gpus=tp,
+            log_must_not_contain=("shared CUDA tensors released",)) for tp in (2, 4)),
     # A collective matmul that never finishes ends its process at the timeout.
     Model("watchdog", _python("check_watchdog.py"), WATCHDOG_CASES[:4], gpus=1),
     Model("watchdog-two-gpus", _python("check_watchdog.py"), WATCHDOG_CASES[4:], gpus=2),
@@ -107,7 +109,8 @@ MODELS = (
     Model("threads", _python("check_collective_matmul.py", "--threads"),
           (*COLLECTIVE_FAMILIES, "cublasmp"), min_gpus=2),
     # NCCL's network transport (the path that crosses nodes) instead of NVLink / shared memory.
-    Model("network", _torchrun("check_collective_matmul.py", "--quick"), ("correctness",),
+    Model("network", _torchrun("check_collective_matmul.py", "--quick"),
+          ("correctness", "lifetime"),
           min_gpus=2, env=(("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))),
 )
 
@@ -195,9 +198,13 @@ def judge(launch: Launch, family: str) -> Verdict:
     checks, failed = _failures(records)
     where = f"log {launch.log}, {launch.seconds:.0f} s"
     if family == LAUNCH:
-        if launch.status != 0 or failed:
+        with open(launch.log, errors="replace") as f:
+            log = f.read()
+        unwanted = [words for words in launch.model.log_must_not_contain if words in log]
+        if launch.status != 0 or failed or unwanted:
             reason = ("exceeded its time limit" if launch.status == "timeout"
                       else f"exited with status {launch.status}")
+            reason += "".join(f"; its log says {words!r}" for words in unwanted)
             return Verdict(False, "\n".join([f"{launch.model.name} {reason} ({where})", *failed,
                                              "--- log tail ---", launch.log_tail()]))
         return Verdict(True, f"exited 0 ({where})")

@@ -31,6 +31,8 @@ FAKE = textwrap.dedent("""
     report.family("alpha", alpha)
     report.family("beta", beta)
     print("gpus", os.environ["CUDA_VISIBLE_DEVICES"], flush=True)
+    if args.behaviour == "warn":
+        print("Producer process has been terminated before all shared CUDA tensors released")
     if args.behaviour == "crash":
         sys.exit(3)
     if args.behaviour == "hang":
@@ -47,7 +49,8 @@ def fake(tmp_path):
     def run(behaviour="pass", families=("alpha", "beta"), timeout_s=60.0, gpus=None):
         model = suite.Model("fake", ("{python}", str(script), "--results", "{results}", "--model",
                                      "{model}", "--behaviour", behaviour), ("alpha", "beta"),
-                            gpus=gpus, timeout_s=timeout_s)
+                            gpus=gpus, timeout_s=timeout_s,
+                            log_must_not_contain=("shared CUDA tensors released",))
         results = str(tmp_path / "results.jsonl")
         return suite.launch(model, ["4", "5", "6"], list(families), str(tmp_path), results)
 
@@ -85,6 +88,13 @@ def test_a_crashed_launch_fails_its_launch_test_with_the_log(fake):
     verdict = suite.judge(launch, suite.LAUNCH)
     assert not verdict.ok and "exited with status 3" in verdict.message
     assert "gpus 4,5,6" in verdict.message  # the log's tail
+
+
+def test_unwanted_words_in_the_log_fail_the_launch(fake):
+    launch = fake("warn")
+    assert launch.status == 0 and suite.judge(launch, "alpha").ok
+    verdict = suite.judge(launch, suite.LAUNCH)
+    assert not verdict.ok and "its log says 'shared CUDA tensors released'" in verdict.message
 
 
 def test_a_hung_launch_is_killed_with_its_children(fake):

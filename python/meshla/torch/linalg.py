@@ -299,12 +299,15 @@ def _on_first_rank(name, group, tensors, work):
     device = next(t.device for t in tensors if t is not None)
     # The exporter's pending writes must be done before another process reads the memory.
     torch.cuda.current_stream(device).synchronize()
+    # The first rank uses its own tensors as they are: a handle it made for them would never be
+    # opened, and torch warns at exit of shared tensors never released.
+    first = dist.get_rank(group) == 0
     mine = (device.index, str(torch.cuda.get_device_properties(device).uuid),
-            [None if t is None else reduce_tensor(t) for t in tensors])
+            None if first else [None if t is None else reduce_tensor(t) for t in tensors])
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     outcome = None
-    if dist.get_rank(group) == 0:
+    if first:
         try:
             for rank, (index, uuid, _) in enumerate(everyone[1:], start=1):
                 visible = index < torch.cuda.device_count() and str(
