@@ -92,6 +92,19 @@ def test_grouped_linear_compiles_with_gradients():
         torch.testing.assert_close(got.grad, want.grad)
 
 
+def test_a_layer_no_call_could_run_is_refused_when_made():
+    with pytest.raises(ValueError, match=r"GroupedLinear\(num_groups=2, in_features=8, "
+                                         r"out_features=16, dtype=torch.float64\): no call could "
+                                         r"run: grouped_linear forward: x is float64; grouped GEMM "
+                                         r"takes bfloat16, float16 or float32"):
+        mt.GroupedLinear(2, 8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"in_features=1000 and out_features=1001 must be "
+                                         r"multiples of 8 for bfloat16"):
+        mt.GroupedLinear(2, 1000, 1001, dtype=torch.bfloat16)
+    mt.GroupedLinear(2, 1000, 1001, dtype=torch.float32)  # float32 rows need no alignment
+    mt.GroupedLinear(2, 8, 16, dtype=torch.bfloat16, device="meta")
+
+
 def test_packed_group_stride_aligns_groups_to_256_bytes():
     assert mt.packed_group_stride(3, 5, torch.float32) == 64
     assert mt.packed_group_stride(8, 16, torch.bfloat16) == 128

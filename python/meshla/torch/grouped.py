@@ -419,7 +419,9 @@ class GroupedLinear(torch.nn.Module):
       :meth:`backward_dw` later (on any stream) for the weight gradients.
 
     Calling the layer as ``layer(x, m_splits)`` returns ``[rows, out_features]``. It raises
-    ``ValueError`` for sizes below 1 at construction, for an ``x`` that is not ``[rows,
+    ``ValueError`` at construction for sizes below 1 and for a layer no call could run (a dtype
+    other than bfloat16, float16 and float32; 16-bit features that are not multiples of 8), for
+    an ``x`` that is not ``[rows,
     in_features]`` or an ``m_splits`` that is not ``[num_groups]``, for missing main_grads with
     ``fuse_wgrad_accumulation``, and otherwise as :func:`grouped_linear` does.
     """
@@ -449,6 +451,23 @@ class GroupedLinear(torch.nn.Module):
                     f"bias{g}", torch.nn.Parameter(torch.empty(
                         out_features, device=device, dtype=dtype).uniform_(-bound, bound)))
         self._pack()
+        self._check_every_call_could_run()
+
+    def _check_every_call_could_run(self):
+        """The grouped GEMM's rules on a forward of no rows (the extension's: dtype, the rows TMA
+        reads), so that a layer no call could run is refused here rather than at its first call.
+        A layer on the meta device is checked when it is materialized and called."""
+        weight, bias = self._packed_views()
+        if weight.device.type == "meta":
+            return
+        try:
+            _check_call(_PASS.forward, weight.new_zeros(self.num_groups, dtype=torch.int64),
+                        x=weight.new_empty(0, self.in_features), weight=weight, bias=bias,
+                        y=weight.new_empty(0, self.out_features))
+        except ValueError as error:
+            raise ValueError(f"GroupedLinear(num_groups={self.num_groups}, in_features="
+                             f"{self.in_features}, out_features={self.out_features}, dtype="
+                             f"{weight.dtype}): no call could run: {error}") from None
 
     def weights(self) -> list[torch.nn.Parameter]:
         return [getattr(self, f"weight{g}") for g in range(self.num_groups)]
