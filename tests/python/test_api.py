@@ -329,3 +329,30 @@ def test_backend_query_names_what_is_missing():
         assert "libcuda" in reason or "MESHLA_WITH_CUBLASMP" in reason, reason
     with pytest.raises(ValueError, match="backend='cublas'; expected one of"):
         meshla.backend_unavailable_reason("cublas")
+
+
+def test_column_parallel_matmul_checks_its_operands_in_the_cores_words(world1):
+    """Its forward is a local GEMM: operands that do not fit are refused as matmul_all_reduce
+    words it, under column_parallel_matmul's name; the backward's tuning is checked at the call
+    where a's gradient will need it."""
+    a, b = torch.randn(4, 8), torch.randn(8, 5)
+    cases = [
+        ((a, torch.randn(7, 5)), {}, r"column_parallel_matmul: b.shape=\[7, 5\] \(\[k, n\]\) does "
+                                     r"not match a.shape=\[4, 8\]: the contraction needs k=8"),
+        ((a, b.double()), {}, r"column_parallel_matmul: b.dtype=float64 but a.dtype=float32"),
+        ((a, b), {"bias": torch.randn(4)}, r"column_parallel_matmul: bias.shape=\[4\] but "
+                                           r"expected \[5\]"),
+        ((a, torch.randn(5, 8)), {"trans_b": False}, r"contraction needs k=8"),
+        ((a.clone().requires_grad_(), b), {"chunks": -1},
+         r"column_parallel_matmul: chunks=-1 is negative"),
+    ]
+    for args, options, words in cases:
+        with pytest.raises(ValueError, match=words):
+            mt.column_parallel_matmul(*args, world1, **options)
+    with pytest.raises(NotImplementedError, match=r"column_parallel_matmul: backend=symmetric runs "
+                                                  r"algorithm=ring only"):
+        mt.column_parallel_matmul(a.clone().requires_grad_(), b, world1, backend="symmetric",
+                                  algorithm="sequential")
+    # b as [n, k]; without a gradient of a, the all-reduce's tuning is never used.
+    assert mt.column_parallel_matmul(a, torch.randn(5, 8), world1, trans_b=True).shape == (4, 5)
+    assert mt.column_parallel_matmul(a, b, world1, chunks=-1).shape == (4, 5)

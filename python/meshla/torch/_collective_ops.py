@@ -42,17 +42,26 @@ def place_of(op: str, a, group: TPGroup) -> int:
 
 
 def describe(op, a, b, bias, group: TPGroup, trans_b: bool, tuning: Tuning, out=None,
-             gathered=None, return_gathered: bool = False) -> _meshla.CollectiveMatmulConfig:
-    """The call's config, checked by the extension (describe_call) on the tensors' metadata."""
-    place = place_of(op.name, a, group)
+             gathered=None, return_gathered: bool = False,
+             caller: str | None = None) -> _meshla.CollectiveMatmulConfig:
+    """The call's config, checked by the extension (describe_call) on the tensors' metadata. Its
+    errors begin with ``caller``'s name in place of the op's where a public function other than
+    the op checks its operands by the op's rules."""
+    place = place_of(caller or op.name, a, group)
 
     def of(name, t):  # a meta tensor stands in for one where the call runs
         return meta(name, t, place if t is not None and t.device.type == "meta" else None)
 
-    return _meshla.describe_call(
-        op, of("a", a), of("b", b), of("bias", bias), of("out", out), of("gathered", gathered),
-        trans_b, return_gathered, group.size, place, tuning.algorithm, tuning.chunks,
-        tuning.comm_sms, tuning.comm_ctas, tuning.backend)
+    try:
+        return _meshla.describe_call(
+            op, of("a", a), of("b", b), of("bias", bias), of("out", out),
+            of("gathered", gathered), trans_b, return_gathered, group.size, place,
+            tuning.algorithm, tuning.chunks, tuning.comm_sms, tuning.comm_ctas, tuning.backend)
+    except (ValueError, NotImplementedError) as error:
+        prefix = f"{op.name}: "
+        if caller is None or not str(error).startswith(prefix):
+            raise
+        raise type(error)(f"{caller}: {str(error)[len(prefix):]}") from None
 
 
 def _made(given, shape, like):

@@ -217,9 +217,11 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
 
     Errors: ``ValueError`` for a ``group`` that is not a :class:`TPGroup`, an ``a`` or ``b`` that
     is not a tensor, an ``algorithm`` or ``backend`` that is not one of the choices, or a tuning
-    number that is not an integer; the forward is torch's own GEMM, so operands that do not fit
-    raise torch's error. ``NotImplementedError`` for ``backend="cublasmp"`` under autograd. The
-    backward's all-reduce raises as :func:`matmul_all_reduce` does. With
+    number that is not an integer; for operands that do not fit, as :func:`matmul_all_reduce`
+    words it (shapes, dtypes, devices); and, where ``a`` requires grad, for a tuning that the
+    backward's all-reduce refuses, at the call (eager; under torch.compile, torch's GEMM raises
+    its own error while tracing, and the backward's all-reduce checks its tuning when it runs).
+    ``NotImplementedError`` for ``backend="cublasmp"`` under autograd. With
     ``fuse_wgrad_accumulation``: ``ValueError`` where torch.autocast would cast ``b``, or where
     the backward finds no ``main_grad`` of a dtype, shape and device as above;
     ``NotImplementedError`` under torch.compile.
@@ -228,7 +230,18 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
     weight = b
     a, b, bias, tuning = _prepare(name, a, b, bias, group, algorithm, chunks,
                                   comm_sms, comm_ctas, backend)
-    if _wants_grad(name, (a, b, bias), tuning):
+    wants_grad = _wants_grad(name, (a, b, bias), tuning)
+    if not torch.compiler.is_compiling():  # traced, the local GEMM's fake raises torch's words
+        # The forward is a local GEMM, whose operands follow a matmul_all_reduce's rules; a's
+        # gradient is a matmul_all_reduce of the output's gradient and b, checked now with the
+        # call's tuning. The extension's rules and words, under this function's name.
+        ops.describe(ops.OPS.matmul_all_reduce, a, b, bias, group, trans_b, Tuning.of(),
+                     caller=name)
+        if wants_grad and a.requires_grad:
+            n = b.shape[0] if trans_b else b.shape[1]
+            ops.describe(ops.OPS.matmul_all_reduce, a.new_empty((a.shape[0], n), device="meta"),
+                         b, None, group, not trans_b, tuning, caller=name)
+    if wants_grad:
         return autograd.ColumnParallelMatmul.apply(a, b, bias, group, trans_b, tuning,
                                            autograd.fused_wgrad(name, weight, b,
                                                                 fuse_wgrad_accumulation))
