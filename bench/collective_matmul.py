@@ -3,14 +3,18 @@
 One process per GPU; the whole world is the tensor-parallel group:
   torchrun --nproc-per-node=TP bench/collective_matmul.py --commit SHA --out bench/results/F.json
 
-Shapes are a Llama-70B MLP in bf16 (hidden 8192, intermediate 28672): all_gather_matmul is the
+Shapes are a transformer MLP in bf16 (--models: Llama-70B's hidden 8192 and intermediate 28672
+by default, Qwen2.5-14B's 5120 / 13824, Llama-3-8B's 4096 / 14336): all_gather_matmul is the
 column-parallel up projection, matmul_reduce_scatter and matmul_all_reduce the row-parallel down
-projection. Every variant of one (op, M) runs on the same inputs. For all_gather_matmul,
-gemm_blocks and gemm_blocks_pushing time the GEMM work of the copy-engine all-gather without and
-with its concurrent pushes (PyTorch's symmetric memory, no meshla): the floor of that design. A
-time is the median over repetitions of `iters` back-to-back calls, after `--warmup-ms` of the
-variant alone, taken on the slowest rank. Rank 0 appends the run to the JSON file at --out and
-prints a table last.
+projection. The weights are stored as models keep them (--layout linear: torch.nn.Linear's
+[out, in], called with trans_b=True) or as [in, out] (--layout kn). The bar is the fastest GEMM of
+the same per-GPU product in either layout (gemm_linear: a @ w.t() of w [n, k]; gemm_kn: a @ b of
+b [k, n]), whose time is the row "gemm": every ratio is a time over it. Every variant of one
+(op, M) runs on the same inputs. For all_gather_matmul, gemm_blocks and gemm_blocks_pushing time
+the GEMM work of the copy-engine all-gather without and with its concurrent pushes (PyTorch's
+symmetric memory, no meshla): the floor of that design. A time is the median over repetitions of
+`iters` back-to-back calls, after `--warmup-ms` of the variant alone, taken on the slowest rank.
+Rank 0 appends the run to the JSON file at --out and prints a table last.
 """
 
 import os
@@ -35,6 +39,10 @@ import torch.distributed as dist  # noqa: E402
 from progress import Progress  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 8192, 28672
+# (hidden, intermediate) of the MLPs whose shapes --models names.
+MODELS = {"llama-70b": (HIDDEN, INTERMEDIATE), "qwen2.5-14b": (5120, 13824),
+          "llama-3-8b": (4096, 14336)}
+LAYOUTS = ("linear", "kn")
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 CHECK_TOLERANCE = 2e-2
 
@@ -45,7 +53,7 @@ class Case:
 
     n: int
     k: int
-    variants: dict[str, Callable[[], object]]
+    variants: dict[str, Callable[[], object]]  # gemm_linear and gemm_kn among them
     torch_out: torch.Tensor  # written by torch_sequential
     meshla_out: torch.Tensor  # written by every meshla variant
 
@@ -60,26 +68,36 @@ def empty(*shape: int) -> torch.Tensor:
     return torch.empty(*shape, dtype=torch.bfloat16, device="cuda")
 
 
-def meshla_variants(meshla_op, a, b, group, out, args) -> dict[str, Callable[[], object]]:
+def gemm_variants(a, b_kn, w_nk, out) -> dict[str, Callable[[], object]]:
+    """The same product in both weight layouts: the bar every variant is measured against is the
+    faster of the two."""
+    return {"gemm_linear": lambda: torch.matmul(a, w_nk.t(), out=out),
+            "gemm_kn": lambda: torch.matmul(a, b_kn, out=out)}
+
+
+def meshla_variants(meshla_op, a, b_kn, w_nk, layout, group, out,
+                    args) -> dict[str, Callable[[], object]]:
     """meshla_<algorithm> on NCCL at its defaults, meshla_symmetric (the copy-engine backend),
     meshla_cublasmp (cuBLASMp's own overlap), meshla_auto (meshla's own choice), plus the sweeps:
     meshla_<algorithm>_s<sms>_c<chunks>[_t<ctas>]
     on NCCL and meshla_symmetric_c<chunks>, and all_gather_matmul's GEMM forced into each form
-    (meshla_symmetric_per_batch, meshla_symmetric_one_launch; --gather-forms)."""
+    (meshla_symmetric_per_batch, meshla_symmetric_one_launch; --gather-forms). Each is called
+    with the weights in `layout`; cuBLASMp's always as [n, k], the layout its GEMM+AllReduce
+    needs."""
+    b, trans_b = (w_nk, True) if layout == "linear" else (b_kn, False)
     settings = [(backend, algorithm, (-1, 0, 0)) for backend, algorithm in (
         ("nccl", "sequential"), ("nccl", "pipelined"), ("nccl", "ring"), ("symmetric", "ring"),
         ("auto", "auto"))]
     settings += [("nccl", algorithm, knobs) for algorithm in ("pipelined", "ring")
                  for knobs in args.sweep]
     settings += [("symmetric", "ring", (-1, chunks, 0)) for chunks in args.symmetric_chunks]
-    # cuBLASMp on the same product with b stored [n, k], the layout its GEMM+AllReduce needs.
-    b_t = b.t().contiguous()
-    variants = {"meshla_cublasmp": lambda: meshla_op(a, b_t, group, trans_b=True,
+    variants = {"meshla_cublasmp": lambda: meshla_op(a, w_nk, group, trans_b=True,
                                                      backend="cublasmp", out=out)}
     if meshla_op.__name__ == "all_gather_matmul":
         for form, form_group in args.gather_form_groups.items():
             variants[f"meshla_symmetric_{form}"] = built_with_form(
-                form, lambda g=form_group: meshla_op(a, b, g, backend="symmetric", out=out))
+                form, lambda g=form_group: meshla_op(a, b, g, trans_b=trans_b,
+                                                     backend="symmetric", out=out))
     for backend, algorithm, (sms, chunks, ctas) in settings:
         name = "meshla_" + ("symmetric" if backend == "symmetric" else algorithm)
         if backend == "symmetric" and chunks:
@@ -87,9 +105,9 @@ def meshla_variants(meshla_op, a, b, group, out, args) -> dict[str, Callable[[],
         elif (sms, chunks, ctas) != (-1, 0, 0):
             name += f"_s{sms}_c{chunks}" + (f"_t{ctas}" if ctas else "")
         variants[name] = (lambda backend=backend, algorithm=algorithm, sms=sms, chunks=chunks,
-                          ctas=ctas: meshla_op(a, b, group, backend=backend, algorithm=algorithm,
-                                               comm_sms=sms, chunks=chunks, comm_ctas=ctas,
-                                               out=out))
+                          ctas=ctas: meshla_op(a, b, group, trans_b=trans_b, backend=backend,
+                                               algorithm=algorithm, comm_sms=sms, chunks=chunks,
+                                               comm_ctas=ctas, out=out))
     return variants
 
 
@@ -112,15 +130,21 @@ def built_with_form(form: str, fn: Callable[[], object]) -> Callable[[], object]
     return call
 
 
-def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, symm_mem_error,
-                           args) -> Case:
-    k, n = HIDDEN, INTERMEDIATE // tp
-    block = m // tp
-    a, b = randn(block, k), randn(k, n)
-    gathered, torch_out, meshla_out = empty(m, k), empty(m, n), empty(m, n)
+def weights(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One weight in both layouts: b [k, n] and w = b.t() stored [n, k] (nn.Linear's)."""
+    b_kn = randn(k, n)
+    return b_kn, b_kn.t().contiguous()
 
-    def gemm():
-        torch.matmul(gathered, b, out=torch_out)
+
+def all_gather_matmul_case(m: int, tp: int, shape: tuple[int, int], meshla_op, group,
+                           group_name: str, symm_mem_error, args) -> Case:
+    hidden, intermediate = shape
+    k, n = hidden, intermediate // tp
+    block = m // tp
+    a = randn(block, k)
+    b_kn, w_nk = weights(k, n)
+    b = w_nk.t() if args.layout == "linear" else b_kn  # the product's [k, n] operand
+    gathered, torch_out, meshla_out = empty(m, k), empty(m, n), empty(m, n)
 
     def gemm_blocks():
         # The GEMM work of the copy-engine all-gather: one GEMM per rank's block.
@@ -133,18 +157,19 @@ def all_gather_matmul_case(m: int, tp: int, meshla_op, group, group_name: str, s
 
     def torch_sequential():
         collective()
-        gemm()
+        torch.matmul(gathered, b, out=torch_out)
 
     def torch_symm_mem():
         # Allocates its outputs on every call: that is the API PyTorch offers.
         torch.ops.symm_mem.fused_all_gather_matmul(a, [b], gather_dim=0, group_name=group_name)
 
-    variants = {"gemm": gemm, "collective": collective, "torch_sequential": torch_sequential,
-                "torch_symm_mem": torch_symm_mem}
+    variants = {**gemm_variants(gathered, b_kn, w_nk, torch_out), "collective": collective,
+                "torch_sequential": torch_sequential, "torch_symm_mem": torch_symm_mem}
     if not symm_mem_error:
         variants["gemm_blocks"] = gemm_blocks
         variants["gemm_blocks_pushing"] = gemm_blocks_pushing(a, gemm_blocks, group_name)
-    variants.update(meshla_variants(meshla_op, a, b, group, meshla_out, args))
+    variants.update(meshla_variants(meshla_op, a, b_kn, w_nk, args.layout, group, meshla_out,
+                                    args))
     return Case(n, k, variants, torch_out, meshla_out)
 
 
@@ -175,18 +200,18 @@ def gemm_blocks_pushing(a: torch.Tensor, gemm_blocks: Callable[[], None], group_
     return call
 
 
-def row_parallel_case(op: str, m: int, tp: int, meshla_op, group, group_name: str,
-                      args) -> Case:
+def row_parallel_case(op: str, m: int, tp: int, shape: tuple[int, int], meshla_op, group,
+                      group_name: str, args) -> Case:
     """matmul_reduce_scatter or matmul_all_reduce: a [M, K/tp] @ b [K/tp, N], summed over ranks."""
-    k, n = INTERMEDIATE // tp, HIDDEN
-    a, b = randn(m, k), randn(k, n)
+    hidden, intermediate = shape
+    k, n = intermediate // tp, hidden
+    a = randn(m, k)
+    b_kn, w_nk = weights(k, n)
+    b = w_nk.t() if args.layout == "linear" else b_kn  # the product's [k, n] operand
     partial = empty(m, n)
     reduce_scatter = op == "matmul_reduce_scatter"
     torch_out = empty(m // tp, n) if reduce_scatter else partial
     meshla_out = empty(m // tp, n) if reduce_scatter else empty(m, n)
-
-    def gemm():
-        torch.matmul(a, b, out=partial)
 
     def collective():
         if reduce_scatter:
@@ -196,17 +221,19 @@ def row_parallel_case(op: str, m: int, tp: int, meshla_op, group, group_name: st
             dist.all_reduce(partial)
 
     def torch_sequential():
-        gemm()
+        torch.matmul(a, b, out=partial)
         collective()
 
     def torch_symm_mem():
         torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim=0,
                                                        group_name=group_name)
 
-    variants = {"gemm": gemm, "collective": collective, "torch_sequential": torch_sequential}
+    variants = {**gemm_variants(a, b_kn, w_nk, partial), "collective": collective,
+                "torch_sequential": torch_sequential}
     if reduce_scatter:  # PyTorch has no fused matmul + all-reduce
         variants["torch_symm_mem"] = torch_symm_mem
-    variants.update(meshla_variants(meshla_op, a, b, group, meshla_out, args))
+    variants.update(meshla_variants(meshla_op, a, b_kn, w_nk, args.layout, group, meshla_out,
+                                    args))
     return Case(n, k, variants, torch_out, meshla_out)
 
 
@@ -301,20 +328,26 @@ def bench_case(op: str, m: int, tp: int, case: Case, symm_mem_error, args) -> li
                   f"error {error:.2e} >= {CHECK_TOLERANCE}", flush=True)
     times = {name: time_ms(fn, args.iters, args.warmup_ms, args.reps)
              for name, fn in case.variants.items() if name not in unavailable}
-    limits = [times[name] for name in ("gemm", "collective") if name in times]
-    limit = max(limits) if len(limits) == 2 else None
+    # The bar: the faster layout of the same product ("gemm", a row of its own).
+    gemms = {name: times[name] for name in ("gemm_linear", "gemm_kn") if name in times}
+    fastest = min(gemms, key=gemms.get) if gemms else None
+    if fastest:
+        times["gemm"] = gemms[fastest]
+    bar = times.get("gemm")
     baseline = times.get("meshla_sequential")
     rows = []
-    for name in case.variants:
+    for name in ["gemm", *case.variants]:
         t = times.get(name)
         rows.append({
             "op": op, "m": m, "n": case.n, "k": case.k, "tp": tp, "variant": name,
+            "layout": fastest.removeprefix("gemm_") if name == "gemm" and fastest else
+            None if name.startswith("gemm_") or name == "collective" else args.layout,
             "time_ms": t,
-            "ratio": t / limit if t and limit else None,  # 1.0: perfect overlap
+            "ratio": t / bar if t and bar else None,  # 1.0: as fast as the fastest GEMM alone
             "speedup_vs_meshla_sequential": baseline / t if t and baseline else None,
             # the worse of meshla ring and symmetric vs torch_sequential, this (op, M)
             "check_error": check_error,
-            "unavailable": unavailable.get(name),
+            "unavailable": unavailable.get(name) or (None if t else "no GEMM timed"),
         })
     return rows
 
@@ -332,7 +365,8 @@ def print_table(rows: list[dict]):
         print(f"{r['op']:<22} {r['m']:>6} {r['tp']:>3} {r['variant']:<18} "
               f"{number(r['time_ms'], 3):>9} {number(r['ratio'], 2):>6} "
               f"{number(r['speedup_vs_meshla_sequential'], 2):>8}  {note}".rstrip())
-    print("ratio = time / max(gemm, collective); speedup = meshla_sequential time / time")
+    print("ratio = time / gemm (the faster layout of the GEMM alone); speedup = "
+          "meshla_sequential time / time")
 
 
 def append_run(path: str, run: dict):
@@ -374,6 +408,12 @@ def parse_args() -> argparse.Namespace:
                         "(comm_sms:chunks:comm_ctas; -1, 0 and 0 mean the defaults)")
     parser.add_argument("--symmetric-chunks", type=int, nargs="*", default=[], metavar="C",
                         help="extra chunk counts (reduce rounds) to time on the symmetric backend")
+    parser.add_argument("--layout", choices=LAYOUTS, default="linear",
+                        help="how the weights are stored for the collective variants: linear "
+                        "(nn.Linear's [out, in], trans_b=True; default) or kn ([in, out])")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=["llama-70b"],
+                        metavar="MODEL", help=f"MLP shapes to time, of: {', '.join(MODELS)} "
+                        "(default: llama-70b)")
     parser.add_argument("--gather-forms", action="store_true",
                         help="also time all_gather_matmul's symmetric GEMM in each form, per "
                         "batch and in one launch (meshla_symmetric_per_batch, _one_launch)")
@@ -395,8 +435,10 @@ def check_launch(parser: argparse.ArgumentParser, args: argparse.Namespace):
     if "LOCAL_RANK" not in os.environ:
         parser.error("launch with torchrun --nproc-per-node=TP (one process per GPU)")
     tp = int(os.environ["WORLD_SIZE"])
-    if INTERMEDIATE % tp or any(m % tp for m in args.m):
-        parser.error(f"the world size {tp} must divide {INTERMEDIATE} and every --tokens")
+    intermediates = [MODELS[name][1] for name in getattr(args, "models", ["llama-70b"])]
+    if any(size % tp for size in intermediates) or any(m % tp for m in args.m):
+        parser.error(f"the world size {tp} must divide the intermediate sizes {intermediates} "
+                     "and every --tokens")
     if min(args.iters, args.reps) < 1 or args.warmup_ms < 0:
         parser.error("--iters and --reps must be at least 1, --warmup-ms at least 0")
 
@@ -446,21 +488,26 @@ def main():
     symm_mem_error = enable_symm_mem()
 
     rows = []
-    progress = Progress("collective_matmul", len(args.ops) * len(args.m), enabled=rank == 0)
-    for op in args.ops:
-        for m in args.m:
-            progress.start(f"{op} M={m}")
-            meshla_op = getattr(mt, op)
-            if op == "all_gather_matmul":
-                case = all_gather_matmul_case(m, tp, meshla_op, group, group_name,
-                                              symm_mem_error, args)
-            else:
-                case = row_parallel_case(op, m, tp, meshla_op, group, group_name, args)
-            rows += bench_case(op, m, tp, case, symm_mem_error, args)
-            del case  # free this shape's tensors before the next one's
+    progress = Progress("collective_matmul", len(args.models) * len(args.ops) * len(args.m),
+                        enabled=rank == 0)
+    for model in args.models:
+        shape = MODELS[model]
+        for op in args.ops:
+            for m in args.m:
+                progress.start(f"{model} {op} M={m}")
+                meshla_op = getattr(mt, op)
+                if op == "all_gather_matmul":
+                    case = all_gather_matmul_case(m, tp, shape, meshla_op, group, group_name,
+                                                  symm_mem_error, args)
+                else:
+                    case = row_parallel_case(op, m, tp, shape, meshla_op, group, group_name, args)
+                rows += [{"model": model, **row}
+                         for row in bench_case(op, m, tp, case, symm_mem_error, args)]
+                del case  # free this shape's tensors before the next one's
 
     if rank == 0:
-        append_run(args.out, run_record(device, args, rows))
+        append_run(args.out, run_record(device, args, rows, layout=args.layout,
+                                        ratio_to="gemm (the faster layout of the GEMM alone)"))
         print_table(rows)
     dist.destroy_process_group()
 

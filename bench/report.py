@@ -4,13 +4,13 @@
     python3 bench/report.py --png bench/results/FILE.json ...   # FILE.png beside each
 
 Tables (collective-matmul JSON of bench/collective_matmul.py): one per tp, for each op and M the
-time of each variant in ms, with its ratio to the limit max(GEMM alone, collective alone) and,
-for meshla's algorithms, the speedup over meshla's sequential algorithm.
+time of each variant in ms, with its ratio as the run defines it (its "ratio_to": the faster
+layout of the GEMM alone; runs before that field, max(GEMM alone, collective alone)) and, for
+meshla's algorithms, the speedup over meshla's sequential algorithm.
 
 Charts (needs matplotlib), by what the file holds:
 - collective matmul (bench/collective_matmul.py, bench/jax_collective_matmul.py): each op's ratio
-  (as the benchmark defines it: the torch one's to max(GEMM alone, collective alone), the JAX
-  one's to the GEMM alone) against M, a line per variant, from the file's last run;
+  (as the run defines it) against M, a line per variant, from the file's last run;
 - dense solvers (bench/dense_solver.py): TFLOP/s against n, a line per engine (the same flop
   count as meshla's over each engine's time, the best tile at each n), a panel per routine,
   dtype and GPU count;
@@ -35,17 +35,19 @@ def cell(row) -> str:
 
 
 def render(run) -> str:
+    layout = f", weights {run['layout']}" if "layout" in run else ""
     lines = [f"### tp={run['tp']}: {run['device']} x{run['tp']}, {run['date']}, commit "
-             f"{run['commit']}, torch {run['torch']}, NCCL {run['nccl']}, {run['dtype']}",
+             f"{run['commit']}, torch {run['torch']}, NCCL {run['nccl']}, {run['dtype']}{layout}",
              "",
-             "ms per call (ratio to max(gemm, collective)); meshla algorithms also show their "
-             "speedup over meshla_sequential.",
+             f"ms per call (ratio to {run.get('ratio_to', 'max(gemm, collective)')}); meshla "
+             "algorithms also show their speedup over meshla_sequential.",
              "",
              "| op | M | N | K | " + " | ".join(COLUMNS) + " |",
              "|---|---|---|---|" + "---|" * len(COLUMNS)]
     cases = {}
     for row in run["rows"]:
-        cases.setdefault((row["op"], row["m"], row["n"], row["k"]), {})[row["variant"]] = row
+        key = (row["op"], row["m"], row["n"], row["k"])
+        cases.setdefault(key, {})[row["variant"]] = row
     for (op, m, n, k), variants in cases.items():
         cells = [cell(variants.get(name)) for name in COLUMNS]
         lines.append(f"| {op} | {m} | {n} | {k} | " + " | ".join(cells) + " |")
