@@ -5,10 +5,17 @@
 // a is [m, k] row-major, op(b) is b [k, n] or, with trans_b, the transpose of b stored [n, k]
 // (a torch.nn.Linear weight). Batched rows of a and d sit at fixed strides; b and the bias are
 // shared by the batch. bf16 and fp16 accumulate in fp32; fp32 is computed in full fp32.
+//
+// fp8 (float8_e4m3fn or float8_e5m2 a and b, not both e5m2) is scaled: with tensorwise scales
+// d = a_scale * b_scale * (a @ op(b)) (+ bias), with rowwise ones d[i, j] = a_scale[i] *
+// b_scale[j] * (a @ op(b))[i, j] (+ bias[j]): float32 scales on the device, read when the GEMM
+// runs (no host sync, graph-capturable), as torch._scaled_mm's. d is bfloat16, float16 or
+// float32; b is stored [n, k] (trans_b), the only operand order cuBLASLt's fp8 kernels take.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include <cuda_runtime_api.h>
 
@@ -17,8 +24,14 @@
 
 namespace meshla {
 
+// How an fp8 product's operands are scaled back (see above); kNone for every other dtype.
+enum class MatmulScaling { kNone, kTensorwise, kRowwise };
+
 struct MatmulShape {
-  DType dtype = DType::kBFloat16;
+  DType dtype = DType::kBFloat16;  // a's, and b's and d's unless given below
+  std::optional<DType> b_dtype;    // fp8: b's where it differs from a's (e4m3 with e5m2)
+  std::optional<DType> out_dtype;  // fp8: d's and the bias's
+  MatmulScaling scaling = MatmulScaling::kNone;
   std::int64_t m = 0, n = 0, k = 0;
   bool trans_b = false;
   int batch = 1;
@@ -36,7 +49,13 @@ struct MatmulOperands {
   const void* bias = nullptr;
   const void* addend = nullptr;
   void* d = nullptr;
+  const float* a_scale = nullptr;  // fp8: one float (tensorwise) or m (rowwise)
+  const float* b_scale = nullptr;  // fp8: one float (tensorwise) or n (rowwise)
 };
+
+// The rules prepare() and run() apply to a shape (extents, pitches, dtypes, scales), on the shape
+// alone: throws kInvalidArgument or kNotImplemented with a message that names what is wrong.
+MESHLA_API void check_matmul_shape(const MatmulShape& shape);
 
 class MESHLA_API Matmul {
  public:

@@ -20,7 +20,9 @@ enum class DType {
   kComplex64,
   kComplex128,
   kInt32,
-  kInt64
+  kInt64,
+  kFloat8E4M3,  // float8_e4m3fn: finite, no infinities (torch's and JAX's name)
+  kFloat8E5M2   // float8_e5m2
 };
 
 MESHLA_API std::string_view dtype_name(DType dtype);

@@ -18,6 +18,10 @@ cudaDataType_t cuda_data_type(DType dtype) {
       return CUDA_C_32F;
     case DType::kComplex128:
       return CUDA_C_64F;
+    case DType::kFloat8E4M3:
+      return CUDA_R_8F_E4M3;
+    case DType::kFloat8E5M2:
+      return CUDA_R_8F_E5M2;
     default:
       MESHLA_THROW(kNotImplemented, "no CUDA library data type for dtype " << dtype_name(dtype));
   }

@@ -24,12 +24,19 @@ std::string_view dtype_name(DType dtype) {
       return "int32";
     case DType::kInt64:
       return "int64";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3fn";
+    case DType::kFloat8E5M2:
+      return "float8_e5m2";
   }
   return "unknown";
 }
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      return 1;
     case DType::kFloat16:
     case DType::kBFloat16:
       return 2;

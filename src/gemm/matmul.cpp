@@ -59,9 +59,14 @@ class LtOwned {
   Handle handle_ = nullptr;
 };
 
-bool supported(DType dtype) {
+bool is_16_or_32_bit_float(DType dtype) {
   return dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32;
 }
+
+bool is_fp8(DType dtype) { return dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2; }
+
+DType b_dtype_of(const MatmulShape& s) { return s.b_dtype.value_or(s.dtype); }
+DType out_dtype_of(const MatmulShape& s) { return s.out_dtype.value_or(s.dtype); }
 
 // Largest power of two up to 256 dividing the address and every step from it.
 std::uint32_t alignment_of(const void* pointer, std::int64_t pitch_bytes,
@@ -80,10 +85,12 @@ struct Alignments {
 // Null operands count as fully aligned. Alignments past 16 bytes choose the same kernels, so they
 // are folded to 16 to keep the cache small.
 Alignments alignments_of(const MatmulShape& s, const MatmulOperands& ops) {
-  const std::int64_t element = static_cast<std::int64_t>(dtype_size(s.dtype));
+  const auto size = [](DType dtype) { return static_cast<std::int64_t>(dtype_size(dtype)); };
+  const std::int64_t a_element = size(s.dtype), b_element = size(b_dtype_of(s));
+  const std::int64_t element = size(out_dtype_of(s));  // d's, the addend's and the bias's
   Alignments align;
-  align.a = alignment_of(ops.a, s.lda * element, s.batch_stride_a * element);
-  align.b = alignment_of(ops.b, s.ldb * element, 0);
+  align.a = alignment_of(ops.a, s.lda * a_element, s.batch_stride_a * a_element);
+  align.b = alignment_of(ops.b, s.ldb * b_element, 0);
   align.d = alignment_of(ops.d, s.ldd * element, s.batch_stride_d * element);
   if (s.addend)
     align.addend = alignment_of(ops.addend, s.ldd * element, s.batch_stride_d * element);
@@ -101,8 +108,10 @@ struct ResolvedShape {
   auto key() const {
     const MatmulShape& s = shape;
     return std::tuple_cat(
-        std::make_tuple(static_cast<int>(s.dtype), s.m, s.n, s.k, s.trans_b, s.batch, s.lda, s.ldb,
-                        s.ldd, s.batch_stride_a, s.batch_stride_d, s.bias, s.addend, s.sm_count),
+        std::make_tuple(static_cast<int>(s.dtype), static_cast<int>(b_dtype_of(s)),
+                        static_cast<int>(out_dtype_of(s)), static_cast<int>(s.scaling), s.m, s.n,
+                        s.k, s.trans_b, s.batch, s.lda, s.ldb, s.ldd, s.batch_stride_a,
+                        s.batch_stride_d, s.bias, s.addend, s.sm_count),
         alignments.tie());
   }
 };
@@ -116,7 +125,7 @@ MatmulShape with_packed_pitches(MatmulShape shape) {
   return shape;
 }
 
-void validate(const MatmulShape& s) {
+void check_packed_shape(const MatmulShape& s) {
   MESHLA_CHECK_ARG(s.m >= 0 && s.n >= 0 && s.k >= 0,
                    "matmul: negative extent in m=" << s.m << ", n=" << s.n << ", k=" << s.k);
   MESHLA_CHECK_ARG(s.batch >= 1, "matmul: batch=" << s.batch << " must be at least 1");
@@ -128,6 +137,44 @@ void validate(const MatmulShape& s) {
                                   << ", k=" << s.k << ")");
   MESHLA_CHECK_ARG(s.ldd >= s.n, "matmul: ldd=" << s.ldd << " is smaller than n=" << s.n);
   MESHLA_CHECK_ARG(s.sm_count >= 0, "matmul: sm_count=" << s.sm_count << " is negative");
+  const DType b_dtype = b_dtype_of(s), out_dtype = out_dtype_of(s);
+  if (!is_fp8(s.dtype) && !is_fp8(b_dtype)) {
+    MESHLA_CHECK(kNotImplemented, is_16_or_32_bit_float(s.dtype),
+                 "matmul: dtype " << dtype_name(s.dtype)
+                                  << " is not supported; use bfloat16, float16 or float32 (or "
+                                     "float8 with scales)");
+    MESHLA_CHECK_ARG(b_dtype == s.dtype && out_dtype == s.dtype,
+                     "matmul: a " << dtype_name(s.dtype) << " product takes b and d of its dtype, "
+                                  << "not b " << dtype_name(b_dtype) << " and d "
+                                  << dtype_name(out_dtype));
+    MESHLA_CHECK_ARG(s.scaling == MatmulScaling::kNone,
+                     "matmul: scales apply to float8 operands, not " << dtype_name(s.dtype));
+    return;
+  }
+  MESHLA_CHECK_ARG(is_fp8(s.dtype) && is_fp8(b_dtype),
+                   "matmul: a (" << dtype_name(s.dtype) << ") and b (" << dtype_name(b_dtype)
+                                 << ") must both be float8");
+  MESHLA_CHECK(kNotImplemented, s.dtype != DType::kFloat8E5M2 || b_dtype != DType::kFloat8E5M2,
+               "matmul: cuBLASLt has no float8_e5m2 x float8_e5m2 GEMM; make one operand "
+               "float8_e4m3fn");
+  MESHLA_CHECK_ARG(is_16_or_32_bit_float(out_dtype),
+                   "matmul: a float8 product's d is bfloat16, float16 or float32, not "
+                       << dtype_name(out_dtype));
+  MESHLA_CHECK_ARG(s.scaling != MatmulScaling::kNone,
+                   "matmul: float8 operands need their scales (tensorwise or rowwise)");
+  MESHLA_CHECK(kNotImplemented, s.trans_b,
+               "matmul: float8 needs b stored [n, k] (trans_b): cuBLASLt's fp8 GEMM reads both "
+               "operands along k");
+  MESHLA_CHECK_ARG(s.k % 16 == 0 && s.lda % 16 == 0 && s.ldb % 16 == 0,
+                   "matmul: float8 rows must start 16 bytes apart: k=" << s.k << ", lda=" << s.lda
+                                                                       << " and ldb=" << s.ldb
+                                                                       << " must be multiples "
+                                                                          "of 16");
+  MESHLA_CHECK(kNotImplemented, !s.addend, "matmul: a float8 product takes no addend");
+  MESHLA_CHECK(kNotImplemented, !s.bias || out_dtype != DType::kFloat32,
+               "matmul: a float8 product with a float32 d takes no bias");
+  MESHLA_CHECK(kNotImplemented, s.scaling != MatmulScaling::kRowwise || s.batch == 1,
+               "matmul: rowwise scales take a batch of 1, not " << s.batch);
 }
 
 // The cuBLASLt objects for one shape and alignment, made once.
@@ -135,11 +182,20 @@ class Descriptors {
  public:
   Descriptors(cublasLtHandle_t handle, const ResolvedShape& resolved, std::size_t workspace_bytes) {
     const MatmulShape& s = resolved.shape;
-    MESHLA_CHECK(kNotImplemented, supported(s.dtype),
-                 "matmul: dtype " << dtype_name(s.dtype)
-                                  << " is not supported; use bfloat16, float16 or float32");
-    const cudaDataType_t type = detail::cuda_data_type(s.dtype);
+    const cudaDataType_t a_type = detail::cuda_data_type(s.dtype);
+    const cudaDataType_t b_type = detail::cuda_data_type(b_dtype_of(s));
+    const cudaDataType_t type = detail::cuda_data_type(out_dtype_of(s));  // d's and the bias's
     MESHLA_CHECK_CUBLAS(cublasLtMatmulDescCreate(desc_.out(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    scaled_ = s.scaling != MatmulScaling::kNone;
+    if (s.scaling == MatmulScaling::kRowwise) {
+      // One float per row of cuBLAS's A (our b: per output column) and of its B (our a: per row).
+      const std::int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      for (const auto attribute :
+           {CUBLASLT_MATMUL_DESC_A_SCALE_MODE, CUBLASLT_MATMUL_DESC_B_SCALE_MODE}) {
+        MESHLA_CHECK_CUBLAS(
+            cublasLtMatmulDescSetAttribute(desc_.get(), attribute, &mode, sizeof(mode)));
+      }
+    }
     // Row-major d = a @ op(b) is column-major d^T = op(b)^T a^T: cuBLAS's first operand is b.
     const cublasOperation_t op_b = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t op_n = CUBLAS_OP_N;
@@ -159,11 +215,11 @@ class Descriptors {
           desc_.get(), CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &s.sm_count, sizeof(s.sm_count)));
     }
     if (s.trans_b) {
-      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_b_.out(), type, s.k, s.n, s.ldb));
+      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_b_.out(), b_type, s.k, s.n, s.ldb));
     } else {
-      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_b_.out(), type, s.n, s.k, s.ldb));
+      MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_b_.out(), b_type, s.n, s.k, s.ldb));
     }
-    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_a_.out(), type, s.k, s.m, s.lda));
+    MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_a_.out(), a_type, s.k, s.m, s.lda));
     MESHLA_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(layout_d_.out(), type, s.n, s.m, s.ldd));
     if (s.batch > 1) {
       set_batch(layout_b_.get(), s.batch, 0);  // b is shared by the batch
@@ -255,6 +311,12 @@ class Descriptors {
       MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
           desc_.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ops.bias, sizeof(ops.bias)));
     }
+    if (scaled_) {  // cuBLAS's A is our b, its B our a
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+          desc_.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &ops.b_scale, sizeof(ops.b_scale)));
+      MESHLA_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+          desc_.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &ops.a_scale, sizeof(ops.a_scale)));
+    }
     const float alpha = 1.0f;
     const float beta = addend ? 1.0f : 0.0f;
     const void* c = addend ? ops.addend : ops.d;
@@ -271,6 +333,7 @@ class Descriptors {
   cublasLtMatmulAlgo_t algorithm_{};
   std::vector<cublasLtMatmulAlgo_t> candidates_;
   bool tuned_ = false;
+  bool scaled_ = false;  // float8: the scale pointers are set at each launch
 };
 
 // The device's cuBLASLt handle, made on first use and kept for the process's life: a registry
@@ -318,15 +381,19 @@ Matmul& Matmul::operator=(Matmul&&) noexcept = default;
 
 int Matmul::device() const { return impl_->device; }
 
+void check_matmul_shape(const MatmulShape& shape) {
+  check_packed_shape(with_packed_pitches(shape));
+}
+
 void Matmul::prepare(const MatmulShape& shape) {
   const MatmulShape packed = with_packed_pitches(shape);
-  validate(packed);
+  check_packed_shape(packed);
   if (packed.m == 0 || packed.n == 0) return;
   // Operands as the framework allocators hand them out: aligned far past 16 bytes.
   Descriptors& descriptors = impl_->lookup({packed, alignments_of(packed, MatmulOperands{})});
   if (!descriptors.needs_tuning()) return;
   // Scratch operands of the shape's extent, filled with random data, for timing candidates.
-  const std::size_t element = dtype_size(packed.dtype);
+  const DType b_dtype = b_dtype_of(packed), out_dtype = out_dtype_of(packed);
   const auto extent = [](std::int64_t rows, std::int64_t cols, std::int64_t pitch, int batch,
                          std::int64_t batch_stride) {
     return static_cast<std::size_t>((batch - 1) * batch_stride + (rows - 1) * pitch + cols);
@@ -337,6 +404,8 @@ void Matmul::prepare(const MatmulShape& shape) {
                                              : extent(packed.k, packed.n, packed.ldb, 1, 0);
   const std::size_t d_count =
       extent(packed.m, packed.n, packed.ldd, packed.batch, packed.batch_stride_d);
+  const bool rowwise = packed.scaling == MatmulScaling::kRowwise;
+  const bool scaled = packed.scaling != MatmulScaling::kNone;
   const int device = impl_->device;
   detail::DeviceGuard guard(device);
   detail::Stream stream(device, /*high_priority=*/false);
@@ -344,25 +413,34 @@ void Matmul::prepare(const MatmulShape& shape) {
   // peer device whose queued work waits for this thread (several GPUs driven from one process).
   // The timing runs have a workspace of their own, so that runs already queued may use the
   // Matmul's meanwhile.
+  const auto scratch = [&](std::size_t count, DType dtype) {
+    detail::StreamBuffer buffer(count * dtype_size(dtype), stream.get());
+    detail::random_fill(buffer.data(), dtype, count, 17, stream.get());
+    return buffer;
+  };
   detail::StreamBuffer workspace(kWorkspaceBytes, stream.get());
-  detail::StreamBuffer a(a_count * element, stream.get());
-  detail::StreamBuffer b(b_count * element, stream.get());
-  detail::StreamBuffer d(d_count * element, stream.get());
-  detail::StreamBuffer addend(packed.addend ? d_count * element : 0, stream.get());
-  detail::StreamBuffer bias(packed.bias ? packed.n * element : 0, stream.get());
-  for (auto* buffer : {&a, &b, &addend, &bias}) {
-    detail::random_fill(buffer->data(), packed.dtype, buffer->bytes() / element, 17, stream.get());
-  }
-  descriptors.tune(
-      impl_->handle,
-      {.a = a.data(), .b = b.data(), .bias = bias.data(), .addend = addend.data(), .d = d.data()},
-      packed.addend, workspace.data(), workspace.bytes(), stream.get(), device);
+  detail::StreamBuffer a = scratch(a_count, packed.dtype);
+  detail::StreamBuffer b = scratch(b_count, b_dtype);
+  detail::StreamBuffer d(d_count * dtype_size(out_dtype), stream.get());
+  detail::StreamBuffer addend = scratch(packed.addend ? d_count : 0, out_dtype);
+  detail::StreamBuffer bias = scratch(packed.bias ? packed.n : 0, out_dtype);
+  detail::StreamBuffer a_scale = scratch(scaled ? (rowwise ? packed.m : 1) : 0, DType::kFloat32);
+  detail::StreamBuffer b_scale = scratch(scaled ? (rowwise ? packed.n : 1) : 0, DType::kFloat32);
+  descriptors.tune(impl_->handle,
+                   {.a = a.data(),
+                    .b = b.data(),
+                    .bias = bias.data(),
+                    .addend = addend.data(),
+                    .d = d.data(),
+                    .a_scale = static_cast<const float*>(a_scale.data()),
+                    .b_scale = static_cast<const float*>(b_scale.data())},
+                   packed.addend, workspace.data(), workspace.bytes(), stream.get(), device);
   MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
 }
 
 void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream_t stream) {
   const MatmulShape packed = with_packed_pitches(shape);
-  validate(packed);
+  check_packed_shape(packed);
   if (packed.m == 0 || packed.n == 0) return;
   MESHLA_CHECK_ARG(ops.a && ops.b && ops.d,
                    "matmul: a, b and d must be non-null (m=" << packed.m << ", n=" << packed.n
@@ -370,6 +448,8 @@ void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream
   MESHLA_CHECK_ARG(!packed.bias || ops.bias, "matmul: the shape asks for a bias but none is given");
   MESHLA_CHECK_ARG(!packed.addend || ops.addend,
                    "matmul: the shape asks for an addend but none is given");
+  MESHLA_CHECK_ARG(packed.scaling == MatmulScaling::kNone || (ops.a_scale && ops.b_scale),
+                   "matmul: a float8 product needs a_scale and b_scale");
   detail::DeviceGuard guard(impl_->device);
   impl_->lookup({packed, alignments_of(packed, ops)})
       .run(impl_->handle, ops, packed.addend, impl_->workspace.data(), impl_->workspace.bytes(),

@@ -1,5 +1,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "core/cuda_checks.hpp"
 #include "gemm/random_fill.hpp"
@@ -47,6 +48,10 @@ void random_fill(void* data, DType dtype, std::size_t count, std::uint32_t seed,
       return launch<__half>(data, count, seed, stream);
     case DType::kFloat32:
       return launch<float>(data, count, seed, stream);
+    case DType::kFloat8E4M3:
+      return launch<__nv_fp8_e4m3>(data, count, seed, stream);
+    case DType::kFloat8E5M2:
+      return launch<__nv_fp8_e5m2>(data, count, seed, stream);
     default:
       MESHLA_THROW(kNotImplemented, "random_fill: dtype " << dtype_name(dtype));
   }

@@ -15,6 +15,8 @@ DTYPES = {
     np.dtype(jnp.complex128): _meshla.DType.complex128,
     np.dtype(jnp.int32): _meshla.DType.int32,
     np.dtype(jnp.int64): _meshla.DType.int64,
+    np.dtype(jnp.float8_e4m3fn): _meshla.DType.float8_e4m3fn,
+    np.dtype(jnp.float8_e5m2): _meshla.DType.float8_e5m2,
 }
 
 

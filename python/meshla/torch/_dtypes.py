@@ -15,6 +15,8 @@ DTYPES = {
     torch.complex128: _meshla.DType.complex128,
     torch.int32: _meshla.DType.int32,
     torch.int64: _meshla.DType.int64,
+    torch.float8_e4m3fn: _meshla.DType.float8_e4m3fn,
+    torch.float8_e5m2: _meshla.DType.float8_e5m2,
 }
 
 

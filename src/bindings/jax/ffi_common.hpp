@@ -32,6 +32,10 @@ inline DType dtype_of(ffi::DataType type, const char* name) {
       return DType::kInt32;
     case ffi::DataType::S64:
       return DType::kInt64;
+    case ffi::DataType::F8E4M3FN:
+      return DType::kFloat8E4M3;
+    case ffi::DataType::F8E5M2:
+      return DType::kFloat8E5M2;
     default:
       MESHLA_THROW(kInvalidArgument, name << ": XLA element type " << static_cast<int>(type)
                                           << " is not one meshla takes");

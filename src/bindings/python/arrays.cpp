@@ -29,6 +29,10 @@ DType dtype_of(const Array& array, const char* name) {
     if (code == nb::dlpack::dtype_code::Complex && type.bits == 128) return DType::kComplex128;
     if (code == nb::dlpack::dtype_code::Int && type.bits == 32) return DType::kInt32;
     if (code == nb::dlpack::dtype_code::Int && type.bits == 64) return DType::kInt64;
+    if (code == nb::dlpack::dtype_code::Float8_E4M3FN && type.bits == 8) {
+      return DType::kFloat8E4M3;
+    }
+    if (code == nb::dlpack::dtype_code::Float8_E5M2 && type.bits == 8) return DType::kFloat8E5M2;
   }
   MESHLA_THROW(kInvalidArgument, name << ": DLPack dtype (code " << int(type.code) << ", "
                                       << int(type.bits) << " bits, " << type.lanes
@@ -68,7 +72,9 @@ void bind_arrays(nb::module_& m) {
       .value("complex64", DType::kComplex64)
       .value("complex128", DType::kComplex128)
       .value("int32", DType::kInt32)
-      .value("int64", DType::kInt64);
+      .value("int64", DType::kInt64)
+      .value("float8_e4m3fn", DType::kFloat8E4M3)
+      .value("float8_e5m2", DType::kFloat8E5M2);
 
   nb::class_<TensorView>(m, "ArrayMeta",
                          "An array as the checks see it: shape, strides (elements), dtype, where "
