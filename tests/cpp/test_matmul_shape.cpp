@@ -5,22 +5,12 @@
 #include <functional>
 #include <string>
 
+#include "error_message.hpp"
 #include "meshla/error.hpp"
 #include "meshla/matmul.hpp"
 
 namespace meshla {
 namespace {
-
-std::string message_of(const std::function<void()>& call, ErrorCode expected) {
-  try {
-    call();
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), expected) << error.what();
-    return error.what();
-  }
-  ADD_FAILURE() << "no error was raised";
-  return "";
-}
 
 MatmulShape fp8_shape() {
   return {.dtype = DType::kFloat8E4M3,

@@ -9,21 +9,11 @@
 
 #include "collective/cublasmp/cublasmp_layout.hpp"
 #include "collective/validation.hpp"
+#include "error_message.hpp"
 #include "meshla/error.hpp"
 
 namespace meshla::collective {
 namespace {
-
-std::string message_of(const std::function<void()>& call, ErrorCode expected) {
-  try {
-    call();
-  } catch (const Error& error) {
-    EXPECT_EQ(error.code(), expected) << error.what();
-    return error.what();
-  }
-  ADD_FAILURE() << "no error was raised";
-  return "";
-}
 
 // Fake device addresses: validation never dereferences them.
 void* fake_address(std::uintptr_t offset) { return reinterpret_cast<void*>(0x100000 + offset); }
