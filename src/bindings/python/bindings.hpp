@@ -36,6 +36,7 @@ inline cudaStream_t to_stream(std::uintptr_t stream) {
 void bind_arrays(nb::module_& m);
 void bind_collective(nb::module_& m);
 void bind_grouped(nb::module_& m);
+void bind_matmul(nb::module_& m);
 void bind_solver(nb::module_& m);
 void bind_jax(nb::module_& m);
 

@@ -110,6 +110,7 @@ NB_MODULE(_meshla, m) {
   bindings::bind_arrays(m);
   bindings::bind_collective(m);
   bindings::bind_grouped(m);
+  bindings::bind_matmul(m);
   bindings::bind_solver(m);
   bindings::bind_jax(m);
 }

@@ -1,0 +1,115 @@
+// Python bindings of the GEMM every compute step is built on (meshla/matmul.hpp): a Matmul on one
+// device, run on arrays, for the GPU suite's checks of each dtype (fp8 included) and for tools.
+#include <nanobind/stl/string.h>
+
+#include <string>
+
+#include "bindings/python/bindings.hpp"
+#include "core/checks.hpp"
+#include "meshla/matmul.hpp"
+
+using namespace nanobind::literals;
+
+namespace meshla::bindings {
+namespace {
+
+// The rows of a 2-D array: their count, length and pitch. The GEMM reads rows (unit stride).
+struct Rows {
+  std::int64_t count = 0, length = 0, pitch = 0;
+};
+
+Rows rows_of(const TensorView& view, const char* name, int device) {
+  MESHLA_CHECK_ARG(view.ndim == 2 && view.strides[1] == 1 && view.strides[0] >= view.shape[1],
+                   "matmul: " << name << " must be a 2-D array of unit-stride rows, got shape "
+                              << view.shape_string());
+  MESHLA_CHECK_ARG(
+      view.device_kind == DeviceKind::kCuda && view.device == device,
+      "matmul: " << name << " is on " << view.place_string() << ", not cuda:" << device);
+  return {view.shape[0], view.shape[1], view.strides[0]};
+}
+
+const float* scale_of(const TensorView& view, const char* name, std::int64_t count, int device) {
+  if (view.data == nullptr) return nullptr;
+  MESHLA_CHECK_ARG(
+      view.dtype == DType::kFloat32 && view.numel() == count && view.is_row_major_contiguous(),
+      "matmul: " << name << " must be " << count << " contiguous float32 values, got "
+                 << dtype_name(view.dtype) << " " << view.shape_string());
+  MESHLA_CHECK_ARG(
+      view.device_kind == DeviceKind::kCuda && view.device == device,
+      "matmul: " << name << " is on " << view.place_string() << ", not cuda:" << device);
+  return static_cast<const float*>(view.data);
+}
+
+MatmulScaling scaling_of(const std::string& name) {
+  if (name == "none") return MatmulScaling::kNone;
+  if (name == "tensorwise") return MatmulScaling::kTensorwise;
+  MESHLA_CHECK_ARG(name == "rowwise",
+                   "matmul: scaling=" << name << " is not one of none, tensorwise, rowwise");
+  return MatmulScaling::kRowwise;
+}
+
+}  // namespace
+
+void bind_matmul(nb::module_& m) {
+  nb::class_<Matmul>(m, "Matmul",
+                     "meshla's GEMM on one device (meshla/matmul.hpp): d = a @ op(b) (+ bias), "
+                     "fp8 operands scaled.")
+      .def(nb::init<int>(), "device"_a)
+      .def(
+          "run",
+          [](Matmul& matmul, const Array& a, const Array& b, const Array& d,
+             const std::optional<Array>& bias, bool trans_b, const std::string& scaling,
+             const std::optional<Array>& a_scale, const std::optional<Array>& b_scale,
+             std::uintptr_t stream) {
+            const int device = matmul.device();
+            const TensorView va = view_of(a, "a"), vb = view_of(b, "b"), vd = view_of(d, "d");
+            const TensorView vbias = view_of(bias, "bias");
+            const Rows ra = rows_of(va, "a", device), rb = rows_of(vb, "b", device);
+            const Rows rd = rows_of(vd, "d", device);
+            const std::int64_t k = trans_b ? rb.length : rb.count;
+            const std::int64_t n = trans_b ? rb.count : rb.length;
+            MESHLA_CHECK_ARG(ra.length == k && rd.count == ra.count && rd.length == n,
+                             "matmul: a " << va.shape_string() << " @ b " << vb.shape_string()
+                                          << (trans_b ? " (trans_b)" : "") << " does not make d "
+                                          << vd.shape_string());
+            if (vbias.data != nullptr) {
+              MESHLA_CHECK_ARG(vbias.ndim == 1 && vbias.shape[0] == n && vbias.dtype == vd.dtype,
+                               "matmul: bias must be [" << n << "] of d's dtype, got "
+                                                        << dtype_name(vbias.dtype) << " "
+                                                        << vbias.shape_string());
+            }
+            const MatmulScaling scales = scaling_of(scaling);
+            const bool rowwise = scales == MatmulScaling::kRowwise;
+            const MatmulShape shape{.dtype = va.dtype,
+                                    .b_dtype = vb.dtype,
+                                    .out_dtype = vd.dtype,
+                                    .scaling = scales,
+                                    .m = ra.count,
+                                    .n = n,
+                                    .k = k,
+                                    .trans_b = trans_b,
+                                    .lda = ra.pitch,
+                                    .ldb = rb.pitch,
+                                    .ldd = rd.pitch,
+                                    .bias = vbias.data != nullptr};
+            matmul.run(shape,
+                       {.a = va.data,
+                        .b = vb.data,
+                        .bias = vbias.data,
+                        .d = vd.data,
+                        .a_scale = scale_of(view_of(a_scale, "a_scale"), "a_scale",
+                                            rowwise ? ra.count : 1, device),
+                        .b_scale = scale_of(view_of(b_scale, "b_scale"), "b_scale", rowwise ? n : 1,
+                                            device)},
+                       to_stream(stream));
+          },
+          "a"_a, "b"_a, "d"_a, "bias"_a.none() = nb::none(), "trans_b"_a = false,
+          "scaling"_a = "none", "a_scale"_a.none() = nb::none(), "b_scale"_a.none() = nb::none(),
+          "stream"_a = 0,
+          "Enqueues d = a @ op(b) (+ bias) on `stream` (a cudaStream_t as an integer): a [m, k], "
+          "b [k, n] or with trans_b [n, k], d [m, n], dtypes from the arrays; fp8 a and b with "
+          "scaling 'tensorwise' (a_scale, b_scale one float32 each) or 'rowwise' (m and n).")
+      .def_prop_ro("device", &Matmul::device);
+}
+
+}  // namespace meshla::bindings

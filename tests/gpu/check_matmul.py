@@ -1,0 +1,150 @@
+"""GPU checks of meshla's GEMM (meshla/matmul.hpp, through _meshla.Matmul), which every
+collective matmul runs, and its scaled fp8 products: each dtype, layout, bias and scaling
+against a float64 reference of the same (for fp8, dequantized) operands, on NaN-poisoned outputs
+with fresh random inputs; and fp8's refusals in the core's words.
+
+  python tests/gpu/check_matmul.py --results FILE
+"""
+
+import argparse
+import itertools
+import os
+import traceback
+
+import torch
+
+from meshla import _meshla
+from reporting import Reporter, add_families_argument, relative_error
+
+# The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
+FAMILIES = ("products", "fp8")
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+# m, n, k: square-ish, ragged (no multiple of the tiles), and a large one. k and the rows of fp8
+# operands must be multiples of 16.
+SHAPES = [(256, 384, 512), (1000, 528, 272), (8192, 4096, 4096)]
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def poisoned(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+class Checks:
+    def __init__(self, report: Reporter):
+        self.report = report
+        self.matmul = _meshla.Matmul(torch.cuda.current_device())
+
+    def run(self, name, body):
+        try:
+            ok, detail = body()
+        except Exception:
+            ok, detail = False, traceback.format_exc(limit=6)
+        self.report.record(name, 0, bool(ok), detail)
+
+    def products(self):
+        """bf16, fp16, fp32: b as [k, n] and as [n, k], with and without a bias."""
+        for (m, n, k), dtype, trans_b, bias in itertools.product(
+                SHAPES, TOLERANCE, (False, True), (False, True)):
+            def body():
+                a = torch.randn(m, k, device="cuda").to(dtype)
+                b = torch.randn(*((n, k) if trans_b else (k, n)), device="cuda").to(dtype)
+                c = torch.randn(n, device="cuda").to(dtype) if bias else None
+                d = poisoned(m, n, dtype=dtype)
+                self.matmul.run(a, b, d, bias=c, trans_b=trans_b, stream=stream())
+                want = a.double() @ (b.double().T if trans_b else b.double())
+                if bias:
+                    want += c.double()
+                error = relative_error(d, want)
+                return error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+            self.run(f"{m}x{n}x{k} {str(dtype)[6:]} trans_b={trans_b} bias={bias}", body)
+
+    def fp8(self):
+        """Scaled fp8 products, tensorwise and rowwise, e4m3 with e4m3 or e5m2 either way round,
+        into bf16 or fp32, a bf16 bias: against the dequantized operands' product in float64."""
+        kinds = [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)]
+        for (m, n, k), (a_dtype, b_dtype), out, scaling, bias in itertools.product(
+                SHAPES, kinds, (torch.bfloat16, torch.float32), ("tensorwise", "rowwise"),
+                (False, True)):
+            if bias and out == torch.float32:
+                continue  # refused below
+
+            def body():
+                a, a_scale = quantized(torch.randn(m, k, device="cuda"), a_dtype, scaling)
+                b, b_scale = quantized(torch.randn(n, k, device="cuda"), b_dtype, scaling)
+                c = torch.randn(n, device="cuda").to(out) if bias else None
+                d = poisoned(m, n, dtype=out)
+                self.matmul.run(a, b, d, bias=c, trans_b=True, scaling=scaling,
+                                a_scale=a_scale, b_scale=b_scale, stream=stream())
+                want = dequantized(a, a_scale) @ dequantized(b, b_scale).T
+                if bias:
+                    want += c.double()
+                error = relative_error(d, want)
+                tolerance = 1e-2 if out == torch.bfloat16 else 1e-4
+                return error < tolerance, f"relative error {error:.2e} (tolerance {tolerance})"
+
+            self.run(f"fp8 {m}x{n}x{k} {str(a_dtype)[6:]} x {str(b_dtype)[6:]} -> "
+                     f"{str(out)[6:]} {scaling} bias={bias}", body)
+
+        def refused(name, expected, words, **change):
+            def body():
+                options = dict(a_dtype=E4M3, b_dtype=E4M3, out=torch.bfloat16, trans_b=True,
+                               bias=False)
+                options.update(change)
+                a, a_scale = quantized(torch.randn(64, 64, device="cuda"), options["a_dtype"],
+                                       "tensorwise")
+                b, b_scale = quantized(torch.randn(64, 64, device="cuda"), options["b_dtype"],
+                                       "tensorwise")
+                c = (torch.zeros(64, device="cuda", dtype=options["out"]) if options["bias"]
+                     else None)
+                try:
+                    self.matmul.run(a, b, poisoned(64, 64, dtype=options["out"]), bias=c,
+                                    trans_b=options["trans_b"], scaling="tensorwise",
+                                    a_scale=a_scale, b_scale=b_scale, stream=stream())
+                except expected as error:
+                    return words in str(error), f"{type(error).__name__}: {error}"
+                return False, "accepted"
+
+            self.run(f"fp8 refused: {name}", body)
+
+        refused("b as [k, n]", NotImplementedError, "float8 needs b stored [n, k] (trans_b)",
+                trans_b=False)
+        refused("e5m2 x e5m2", NotImplementedError, "no float8_e5m2 x float8_e5m2 GEMM",
+                a_dtype=E5M2, b_dtype=E5M2)
+        refused("a bias with a float32 d", NotImplementedError,
+                "a float8 product with a float32 d takes no bias", out=torch.float32, bias=True)
+
+
+def quantized(x: torch.Tensor, dtype, scaling: str):
+    """x in fp8 with float32 scales (x ≈ q * scale): one scale, or one per row ([rows])."""
+    amax = (x.abs().amax() if scaling == "tensorwise" else x.abs().amax(dim=1)).clamp(min=1e-12)
+    scale = (amax / FP8_MAX[dtype]).float()
+    q = (x / (scale if scaling == "tensorwise" else scale[:, None])).to(dtype)
+    return q, scale.reshape(-1).contiguous()
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    scale = scale.double()
+    return q.double() * (scale if scale.numel() == 1 else scale[:, None])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", required=True)
+    parser.add_argument("--model", default="matmul")
+    add_families_argument(parser, FAMILIES)
+    args = parser.parse_args()
+    report = Reporter(args.results, args.model, args.families)
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    checks = Checks(report)
+    report.family("products", checks.products)
+    report.family("fp8", checks.fp8)
+
+
+if __name__ == "__main__":
+    main()
