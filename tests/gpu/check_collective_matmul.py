@@ -18,7 +18,6 @@ per-dtype threshold. tests/gpu/run.sh runs every model and prints "N passed, N f
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import copy
@@ -43,7 +42,7 @@ import meshla
 import meshla.torch as mt
 from meshla.torch import _collective_ops as collective_ops
 from meshla.torch._dtypes import DTYPES
-from reporting import Reporter, add_families_argument, relative_error
+from reporting import Reporter, check_parser, relative_error
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 # Which of (a, b, bias) need gradients in the reduce-scatter's autograd cases with frozen inputs.
@@ -1427,13 +1426,10 @@ def exit_within(seconds: float):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", required=True, help="JSON-lines file to append to")
+    parser = check_parser(__doc__, None, FAMILIES)
     parser.add_argument("--threads", action="store_true", help="one process, a thread per GPU")
     parser.add_argument("--quick", action="store_true", help="bf16 correctness only")
     parser.add_argument("--cublasmp", action="store_true", help="the cuBLASMp backend alone")
-    parser.add_argument("--model", default=None, help="label of this run in the results")
-    add_families_argument(parser, FAMILIES)
     args = parser.parse_args()
     model = args.model or ("threads" if args.threads else "processes")
     reporter = Reporter(args.results, model, args.families)

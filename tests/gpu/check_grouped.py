@@ -11,7 +11,6 @@ m_splits; CUDA-graph capture with m_splits changing between replays; delayed wei
 a side stream under allocator pressure; torch.compile.
 """
 
-import argparse
 import copy
 import traceback
 
@@ -19,7 +18,7 @@ import torch
 
 import meshla.torch as mt
 from meshla.torch import grouped
-from reporting import Reporter, add_families_argument, relative_error
+from reporting import Reporter, check_parser, relative_error
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 # (groups, in_features, out_features, rows); 24 x 40 makes out*in*2 bytes a non-multiple of 256;
@@ -580,10 +579,7 @@ FAMILIES = ("capture", "passes", "autograd", "errors", "main-grads", "edges", "c
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--results", required=True)
-    parser.add_argument("--model", default="grouped")
-    add_families_argument(parser, FAMILIES)
+    parser = check_parser(__doc__, "grouped", FAMILIES)
     args = parser.parse_args()
     report = Reporter(args.results, args.model, args.families)
     # (family, name, check). First: the engine must be created inside a capture, before any

@@ -19,13 +19,11 @@ import subprocess
 import sys
 import traceback
 
-from reporting import Reporter, add_families_argument
+from reporting import Reporter, check_parser
 
 # The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
 FAMILIES = ("ops", "gradients", "loop", "donation")
-parser = argparse.ArgumentParser()
-parser.add_argument("--results", required=True)
-parser.add_argument("--model", default="jax-collective")
+parser = check_parser(__doc__, "jax-collective", FAMILIES)
 parser.add_argument("--command-buffers", default=None,
                     help="XLA's --xla_gpu_enable_command_buffer (default: XLA's own)")
 parser.add_argument("--processes", type=int, default=0,
@@ -33,7 +31,6 @@ parser.add_argument("--processes", type=int, default=0,
 parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
 parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
 parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
-add_families_argument(parser, FAMILIES)
 args = parser.parse_args()
 
 

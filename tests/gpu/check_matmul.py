@@ -6,7 +6,6 @@ with fresh random inputs; and fp8's refusals in the core's words.
   python tests/gpu/check_matmul.py --results FILE
 """
 
-import argparse
 import itertools
 import os
 import traceback
@@ -14,7 +13,7 @@ import traceback
 import torch
 
 from meshla import _meshla
-from reporting import Reporter, add_families_argument, relative_error
+from reporting import Reporter, check_parser, relative_error
 
 # The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
 FAMILIES = ("products", "fp8")
@@ -134,11 +133,7 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", required=True)
-    parser.add_argument("--model", default="matmul")
-    add_families_argument(parser, FAMILIES)
-    args = parser.parse_args()
+    args = check_parser(__doc__, "matmul", FAMILIES).parse_args()
     report = Reporter(args.results, args.model, args.families)
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     checks = Checks(report)

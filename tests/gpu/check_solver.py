@@ -17,7 +17,6 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPUs
 
-import argparse
 import threading
 import traceback
 
@@ -36,7 +35,7 @@ from meshla.jax import linalg  # noqa: E402
 from matrices import DTYPES, TORCH_DTYPES, random_spd, random_symmetric, tolerance  # noqa: E402
 from meshla.torch import linalg as torch_linalg  # noqa: E402
 from meshla.torch._dtypes import DTYPES as MESHLA_DTYPES  # noqa: E402
-from reporting import Reporter, add_families_argument  # noqa: E402
+from reporting import Reporter, check_parser  # noqa: E402
 
 # The double-precision references run on a GPU through torch (cuBLAS and cuSOLVER's one-GPU
 # routines, none of meshla's code): on the host, the checks at n = 6144 to 10000 took minutes
@@ -394,12 +393,9 @@ FAMILIES = ("jax", "torch", "large", "special")
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--results", required=True)
-    parser.add_argument("--model", default="solver")
+    parser = check_parser(__doc__, "solver", FAMILIES)
     parser.add_argument("--gpu-counts", type=int, nargs="+", default=[1, 2, 4],
                         help="mesh sizes to check (those above the visible GPUs are skipped)")
-    add_families_argument(parser, FAMILIES)
     args = parser.parse_args()
     report = Reporter(args.results, args.model, args.families)
     checks = Checks(report)

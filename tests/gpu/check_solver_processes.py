@@ -11,7 +11,6 @@ rank), an inverse written over a's own buffers, and a rank whose outputs were po
 call in the memory the solver's outputs reuse.
 """
 
-import argparse
 import faulthandler
 import os
 import random
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from matrices import TORCH_DTYPES, random_spd, random_symmetric, tolerance
 from meshla.torch import linalg as torch_linalg
-from reporting import Reporter, add_families_argument
+from reporting import Reporter, check_parser
 
 
 def gathered(block):
@@ -56,11 +55,7 @@ def check(reporter, family, name, rank, fn):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", required=True)
-    parser.add_argument("--model", default="solver-processes")
-    add_families_argument(parser, FAMILIES)
-    args = parser.parse_args()
+    args = check_parser(__doc__, "solver-processes", FAMILIES).parse_args()
     faulthandler.enable()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)

@@ -33,7 +33,7 @@ import time
 import torch
 
 import meshla.torch as mt
-from reporting import Reporter, add_families_argument, relative_error
+from reporting import Reporter, check_parser, relative_error
 
 # The hold: torch.cuda._sleep cycles, about 10 s and 0.5 s at the H100's and H200's ~2 GHz.
 HOLD_CYCLES = {"held": 20_000_000_000, "control": 1_000_000_000, "dropped": 1_000_000_000}
@@ -236,12 +236,9 @@ def check(reporter: Reporter, backend: str, case: str) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", help="JSON-lines file to append to")
-    parser.add_argument("--model", default="watchdog", help="label of this run in the results")
+    parser = check_parser(__doc__, "watchdog", CASES, results_required=False)  # a family a case
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="nccl", help=argparse.SUPPRESS)
-    add_families_argument(parser, CASES)  # a family per case
     args = parser.parse_args()
     if args.child:
         child(args.child, args.backend)

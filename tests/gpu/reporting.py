@@ -10,10 +10,19 @@ import threading
 OUTSIDE_FAMILIES = "launch"
 
 
-def add_families_argument(parser: argparse.ArgumentParser, families) -> None:
+def check_parser(doc: str | None, model: str | None, families,
+                 results_required: bool = True) -> argparse.ArgumentParser:
+    """The arguments every check script takes: --results (the JSON-lines file to append to),
+    --model (this run's label in it) and --families (which of `families` to run; all by
+    default). The script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    parser.add_argument("--results", required=results_required,
+                        help="JSON-lines file to append to")
+    parser.add_argument("--model", default=model, help="label of this run in the results")
     parser.add_argument("--families", nargs="+", choices=families, default=None, metavar="FAMILY",
                         help=f"run only these families of checks ({', '.join(families)}); "
                         "default: all")
+    return parser
 
 
 class Reporter:

@@ -14,13 +14,11 @@ sys.path.insert(0, GPU_TESTS)
 import suite  # noqa: E402
 
 FAKE = textwrap.dedent("""
-    import argparse, os, subprocess, sys, time
+    import os, subprocess, sys, time
     sys.path.insert(0, {gpu_tests!r})
-    from reporting import Reporter, add_families_argument
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--results"); parser.add_argument("--model")
+    from reporting import Reporter, check_parser
+    parser = check_parser(None, "fake", ("alpha", "beta"))
     parser.add_argument("--behaviour", default="pass")
-    add_families_argument(parser, ("alpha", "beta"))
     args = parser.parse_args()
     report = Reporter(args.results, args.model, args.families)
     def alpha():
