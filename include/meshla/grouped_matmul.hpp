@@ -1,5 +1,5 @@
 // Grouped GEMM for Mixture-of-Experts: G linear layers, layer g applied to its own contiguous
-// slice of m_splits[g] rows. The group sizes live on the device (int64 [G]) and the host never
+// slice of m_splits[g] rows. The group sizes live on the device (int64 or int32 [G]) and the host never
 // reads them, so every call only enqueues work and can be captured in a CUDA graph.
 //
 //   forward   y_g  = x_g · W_gᵀ (+ b_g)        x [rows, in]   W [G, out, in]   y [rows, out]
@@ -39,7 +39,7 @@ enum class GroupedPass { kForward, kDgrad, kWgrad, kBiasGrad };
 // for this call (stream-ordered: two calls in flight at once must not share one). Unused fields
 // stay empty (data == nullptr).
 struct GroupedMatmulArgs {
-  TensorView m_splits;  // int64 [G], on the device
+  TensorView m_splits;  // int64 or int32 (JAX's ragged_dot's) [G], on the device
   TensorView x;         // [rows, in]: forward, wgrad
   TensorView dy;        // [rows, out]: dgrad, wgrad, bias_grad
   TensorView weight;    // [G, out, in]: forward, dgrad

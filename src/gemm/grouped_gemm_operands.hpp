@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "core/host_device.hpp"
 #include "meshla/grouped_matmul.hpp"
 
 namespace meshla::gemm {
@@ -15,11 +16,17 @@ constexpr int kIndexThreads = 256;
 
 // The prefix sums of a call's m_splits, written to the workspace by launch_group_index.
 struct GroupIndex {
-  const std::int64_t* m_splits;
+  const void* m_splits;   // [groups] sizes: int64, or int32 where sizes_int32 (JAX's ragged_dot)
   std::int64_t* offsets;  // [groups + 1]: group g owns rows [offsets[g], offsets[g + 1])
   std::int32_t* invalid;  // 1 when m_splits failed the checks; then every offset is 0
   std::int64_t groups;
   std::int64_t rows;
+  bool sizes_int32 = false;
+
+  MESHLA_HOST_DEVICE std::int64_t size(std::int64_t g) const {
+    return sizes_int32 ? static_cast<const std::int32_t*>(m_splits)[g]
+                       : static_cast<const std::int64_t*>(m_splits)[g];
+  }
 };
 
 // Operands of one pass of the grouped GEMM, as raw pointers and element strides.

@@ -40,7 +40,7 @@ __device__ inline SplitsCheck check_splits(const GroupIndex& index) {
   std::int64_t negative = kNoGroup;
   // Each thread meets its groups in increasing order, so its first negative is its lowest.
   for (std::int64_t g = threadIdx.x; g < index.groups; g += kIndexThreads) {
-    const std::int64_t size = index.m_splits[g];
+    const std::int64_t size = index.size(g);
     total += size;
     if (size < 0 && negative == kNoGroup) negative = g;
   }
@@ -68,7 +68,7 @@ __device__ inline bool build_group_index(const GroupIndex& index, DeviceStatus* 
       const bool has_negative = check.lowest_negative != kNoGroup;
       volatile DeviceStatus* report = status;
       report->group = has_negative ? static_cast<std::int32_t>(check.lowest_negative) : -1;
-      report->value = has_negative ? index.m_splits[check.lowest_negative] : check.total;
+      report->value = has_negative ? index.size(check.lowest_negative) : check.total;
       report->rows = index.rows;
       __threadfence_system();
       report->code = has_negative ? kNegativeSize : kSumMismatch;
@@ -79,7 +79,7 @@ __device__ inline bool build_group_index(const GroupIndex& index, DeviceStatus* 
   std::int64_t carry = 0;
   for (std::int64_t base = 0; base < index.groups; base += kIndexThreads) {
     const std::int64_t g = base + threadIdx.x;
-    const std::int64_t size = valid && g < index.groups ? index.m_splits[g] : 0;
+    const std::int64_t size = valid && g < index.groups ? index.size(g) : 0;
     std::int64_t prefix, chunk_total;
     Scan(scan_storage).ExclusiveSum(size, prefix, chunk_total);
     __syncthreads();
@@ -137,7 +137,7 @@ __device__ inline void fill_elements(const GroupedSpan& span, std::int64_t group
 // them) returns after one load.
 __device__ inline void clear_if_empty(const GroupIndex& index, const GroupedSpan& span) {
   const std::int64_t g = blockIdx.y;
-  if (index.m_splits[g] != 0) return;  // the same for the whole block
+  if (index.size(g) != 0) return;  // the same for the whole block
   const bool valid = check_splits(index).valid(index.rows);
   fill_elements(span, g, valid ? Fill::kZero : Fill::kNaN, grid_thread(), grid_threads());
 }

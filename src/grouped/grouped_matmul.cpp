@@ -147,10 +147,12 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
 
   detail::DeviceGuard guard(impl_->device);
   auto* base = static_cast<char*>(ws.data);
-  const grouped::GroupIndex index{static_cast<const std::int64_t*>(args.m_splits.data),
+  const grouped::GroupIndex index{args.m_splits.data,
                                   reinterpret_cast<std::int64_t*>(base + layout.offsets),
                                   reinterpret_cast<std::int32_t*>(base + layout.invalid),
-                                  shape.groups, shape.rows};
+                                  shape.groups,
+                                  shape.rows,
+                                  args.m_splits.dtype == DType::kInt32};
   if (!cutlass_pass) grouped::launch_group_index(index, impl_->status, stream);
 
   if (pass == GroupedPass::kBiasGrad) {

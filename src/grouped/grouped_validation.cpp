@@ -155,8 +155,9 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
   const std::string where = check.prefix();
   const TensorView& splits = args.m_splits;
   check.require(splits, "m_splits");
-  MESHLA_CHECK_ARG(splits.dtype == DType::kInt64,
-                   where << ": m_splits is " << dtype_name(splits.dtype) << ", expected int64");
+  MESHLA_CHECK_ARG(
+      splits.dtype == DType::kInt64 || splits.dtype == DType::kInt32,
+      where << ": m_splits is " << dtype_name(splits.dtype) << ", expected int64 or int32");
   MESHLA_CHECK_ARG(splits.ndim == 1 && splits.shape[0] >= 1 && splits.is_row_major_contiguous(),
                    where << ": m_splits.shape=" << splits.shape_string()
                          << " must be a contiguous [G] with G >= 1");

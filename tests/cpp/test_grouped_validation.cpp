@@ -74,9 +74,11 @@ TEST(GroupedValidation, NamesArgumentAndShapes) {
             "grouped_linear forward: weight.shape=[3, 32, 64] must be [G, out, in] = [4, 32, 64]");
 
   args = Forward{}.args();
-  args.m_splits.dtype = DType::kInt32;
+  args.m_splits.dtype = DType::kInt32;  // JAX's group sizes
+  EXPECT_EQ(error_of(GroupedPass::kForward, args), "");
+  args.m_splits.dtype = DType::kFloat32;
   EXPECT_EQ(error_of(GroupedPass::kForward, args),
-            "grouped_linear forward: m_splits is int32, expected int64");
+            "grouped_linear forward: m_splits is float32, expected int64 or int32");
 
   args = Forward{}.args();
   args.bias.dtype = DType::kFloat16;

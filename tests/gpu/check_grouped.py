@@ -12,6 +12,7 @@ a side stream under allocator pressure; torch.compile.
 """
 
 import copy
+import itertools
 import traceback
 
 import torch
@@ -91,13 +92,14 @@ def reference(pass_name, x, dy, weight, bias, sizes):
     return torch.cat(outs)
 
 
-def check_passes(report, dtype, shape, seed, sizes=None):
-    """Every pass on `shape` against the float64 reference, with random splits unless `sizes`."""
+def check_passes(report, dtype, shape, seed, sizes=None, sizes_dtype=torch.int64):
+    """Every pass on `shape` against the float64 reference, with random splits unless `sizes`,
+    given to the passes as int64 or int32 (JAX's ragged_dot's) group sizes."""
     groups, in_features, out_features, rows = shape
     gen = torch.Generator().manual_seed(seed)
     dev = torch.device("cuda")
     sizes = random_splits(groups, rows, gen) if sizes is None else torch.tensor(sizes)
-    m_splits = sizes.to(dev)
+    m_splits = sizes.to(dev, sizes_dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dev, dtype)
     dy = torch.randn(rows, out_features, generator=gen).to(dev, dtype)
     # Weights in a padded packed buffer, as GroupedLinear keeps them.
@@ -106,6 +108,8 @@ def check_passes(report, dtype, shape, seed, sizes=None):
     weight = grouped._packed(flat, groups, out_features, in_features, stride)
     bias = torch.randn(groups, out_features, generator=gen).to(dev, dtype)
     tag = f"{str(dtype)[6:]}/G{groups}x{in_features}x{out_features}/rows{rows}"
+    if sizes_dtype != torch.int64:
+        tag += f"/{str(sizes_dtype)[6:]}-sizes"
     nan = float("nan")
 
     def compare(name, out, ref, per_row_group=True):
@@ -260,14 +264,16 @@ def check_bad_splits(report):
     dev = torch.device("cuda")
     x = torch.randn(64, 32, device=dev, dtype=torch.bfloat16)
     w = torch.randn(3, 16, 32, device=dev, dtype=torch.bfloat16)
-    for sizes, expected in (([30, -2, 36], "m_splits[1]=-2 is negative"),
-                            ([10, 10, 10], "sums to 30 but the input has 64 rows")):
-        y = mt.grouped_linear(x, torch.tensor(sizes, device=dev), w)
+    for (sizes, expected), sizes_dtype in itertools.product(
+            (([30, -2, 36], "m_splits[1]=-2 is negative"),
+             ([10, 10, 10], "sums to 30 but the input has 64 rows")), (torch.int64, torch.int32)):
+        y = mt.grouped_linear(x, torch.tensor(sizes, device=dev, dtype=sizes_dtype), w)
         torch.cuda.synchronize()
         poisoned = bool(torch.isnan(y).all())
         raised = _value_error_of(
             lambda: mt.grouped_linear(x, torch.tensor([64, 0, 0], device=dev), w))
-        report.record(f"bad-splits/{sizes}", 0, poisoned and expected in raised,
+        report.record(f"bad-splits/{sizes}/{str(sizes_dtype)[6:]}", 0,
+                      poisoned and expected in raised,
                       f"output all NaN: {poisoned}; next call: {raised}")
     mt.grouped_linear(x, torch.tensor([1, 2, 3], device=dev), w)
     raised = _value_error_of(mt.check_device_errors)
@@ -596,6 +602,9 @@ def main():
     checks += [("passes", f"passes-split-tails/{d}",
                 lambda d=d: check_passes(report, d, (len(split_sizes), 1024, 512, sum(split_sizes)),
                                          23, sizes=split_sizes))
+               for d in TOLERANCE]
+    checks += [("passes", f"passes-int32-sizes/{d}",
+                lambda d=d: check_passes(report, d, SHAPES[4], 29, sizes_dtype=torch.int32))
                for d in TOLERANCE]
     checks += [("passes", f"split-tails/{d}", lambda d=d: check_split_tails(report, d))
                for d in (torch.bfloat16, torch.float16)]

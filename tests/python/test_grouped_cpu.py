@@ -234,8 +234,10 @@ def test_argument_errors():
         mt.grouped_linear(x, splits([7, -1]), w)
     with pytest.raises(ValueError, match="sums to 5 but the input has 6 rows"):
         mt.grouped_linear(x, splits([2, 3]), w)
-    with pytest.raises(ValueError, match="forward: m_splits is int32, expected int64"):
-        mt.grouped_linear(x, torch.tensor([3, 3], dtype=torch.int32), w)
+    with pytest.raises(ValueError, match="forward: m_splits is float32, expected int64 or int32"):
+        mt.grouped_linear(x, torch.tensor([3.0, 3.0]), w)
+    int32_sizes = mt.grouped_linear(x, torch.tensor([2, 4], dtype=torch.int32), w)
+    torch.testing.assert_close(int32_sizes, mt.grouped_linear(x, splits([2, 4]), w))
     # The CUDA path's rules and words (the extension checks both): float64 and 16-bit rows that
     # TMA cannot read are refused on the CPU too.
     with pytest.raises(ValueError, match="grouped_linear forward: x is float64; grouped GEMM takes "
@@ -320,7 +322,7 @@ def _on_gpu_0(t):
 
 
 @pytest.mark.parametrize("case", ["float64", "unaligned bf16", "weight groups", "bias dtype",
-                                  "int32 sizes", "2-D sizes", "dgrad weight", "wgrad rows"])
+                                  "float sizes", "2-D sizes", "dgrad weight", "wgrad rows"])
 def test_cpu_and_cuda_checks_say_the_same(case):
     """Each bad call on CPU tensors raises exactly what GroupedMatmul.run's checks raise for the
     same arrays on a GPU (the same check on their metadata, placed on cuda:0)."""
@@ -336,8 +338,8 @@ def test_cpu_and_cuda_checks_say_the_same(case):
         w = torch.randn(3, 16, 8)
     elif case == "bias dtype":
         bias = bias.half()
-    elif case == "int32 sizes":
-        sizes = sizes.int()
+    elif case == "float sizes":
+        sizes = sizes.float()
     elif case == "2-D sizes":
         sizes = sizes[None]
     if case == "dgrad weight":

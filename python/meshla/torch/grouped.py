@@ -1,9 +1,9 @@
 """Grouped GEMM for Mixture-of-Experts on PyTorch.
 
 Group ``g`` of a grouped linear applies ``weight[g]`` (``[out, in]``, a ``torch.nn.Linear`` weight)
-to its own contiguous slice of ``m_splits[g]`` rows of ``x``. ``m_splits`` is an int64 tensor on
-the same device as ``x``: it is read only by the GPU, so no call waits for the device and every
-call can be captured in a CUDA graph.
+to its own contiguous slice of ``m_splits[g]`` rows of ``x``. ``m_splits`` is an int64 (or int32)
+tensor on the same device as ``x``: it is read only by the GPU, so no call waits for the device
+and every call can be captured in a CUDA graph.
 
 Ops (``torch.ops.meshla.*``, with fake implementations for ``torch.compile``; they carry no
 autograd of their own: :func:`grouped_linear` and :class:`GroupedLinear` differentiate through
@@ -336,7 +336,7 @@ def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor
     """``y[rows of group g] = x[rows of group g] @ weight[g].T (+ bias[g])``.
 
     ``x`` is ``[rows, in]``, ``weight`` ``[G, out, in]`` (contiguous rows, any group stride),
-    ``bias`` ``[G, out]``, ``m_splits`` int64 ``[G]`` on x's device summing to ``rows``.
+    ``bias`` ``[G, out]``, ``m_splits`` int64 or int32 ``[G]`` on x's device summing to ``rows``.
     Differentiable in x, weight and bias (once: the backward is not itself differentiable). The
     weight gradient is computed into one packed buffer whose groups start on 256-byte boundaries
     and handed to autograd as a ``[G, out, in]`` view of it; autograd copies it into the weight's
