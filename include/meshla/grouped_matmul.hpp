@@ -1,6 +1,6 @@
 // Grouped GEMM for Mixture-of-Experts: G linear layers, layer g applied to its own contiguous
-// slice of m_splits[g] rows. The group sizes live on the device (int64 or int32 [G]) and the host never
-// reads them, so every call only enqueues work and can be captured in a CUDA graph.
+// slice of m_splits[g] rows. The group sizes live on the device (int64 or int32 [G]) and the host
+// never reads them, so every call only enqueues work and can be captured in a CUDA graph.
 //
 //   forward   y_g  = x_g · W_gᵀ (+ b_g)        x [rows, in]   W [G, out, in]   y [rows, out]
 //   dgrad     dx_g = dy_g · W_g                dy [rows, out]                  dx [rows, in]
