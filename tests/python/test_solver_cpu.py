@@ -135,6 +135,11 @@ def test_torch_cpu_row_blocks(dtype):
     assert abs(solved.logdet - float(torch.linalg.slogdet(a)[1])) < 1e-10
     inverse, info = torch_linalg.cholesky_inverse(shards)
     assert info == 0 and torch.linalg.norm(a @ torch.cat(inverse) - torch.eye(n)) < 1e-10
+    # overwrite_a: the inverse in A's own blocks, which are returned, as on CUDA.
+    own = [s.clone() for s in shards]
+    written, info = torch_linalg.cholesky_inverse(own, overwrite_a=True)
+    assert info == 0 and all(w is o for w, o in zip(written, own))
+    torch.testing.assert_close(torch.cat(own), torch.cat(inverse))
     values, vectors, _ = torch_linalg.eigh(shards)
     v = torch.cat(vectors)
     assert torch.linalg.norm(a @ v - v * values.to(dtype)) < 1e-10
@@ -209,6 +214,9 @@ def _shard_forms(rank, size, results):
         rows = slice(rank * n // size, (rank + 1) * n // size)
         solved = torch_linalg.cho_solve_shard(a[rows], b[rows])
         inverse, info = torch_linalg.cholesky_inverse_shard(a[rows])
+        own = a[rows].clone()
+        written, _ = torch_linalg.cholesky_inverse_shard(own, overwrite_a=True)
+        assert written is own and torch.equal(own, inverse)
         eig = torch_linalg.eigh_shard(a[rows])
         results[rank] = (solved.x, solved.logdet, inverse, info, eig.eigenvalues, eig.eigenvectors)
     finally:

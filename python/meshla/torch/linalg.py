@@ -199,8 +199,7 @@ def cholesky_inverse(a_shards: Sequence[torch.Tensor], *, tile: int = 0,
                      overwrite_a: bool = False,
                      check_errors: bool = True) -> tuple[list[torch.Tensor], int]:
     """Row blocks of A⁻¹ for a positive-definite A, and info. With ``overwrite_a`` the inverse
-    is written over ``a_shards`` (and those are returned; on CPU tensors ``a_shards`` are left
-    as they are).
+    is written over ``a_shards``, and those are returned (on CPU tensors too).
 
     ``a_shards``, ``tile`` and ``check_errors`` as in :func:`cho_solve`. Returns the tuple (row
     blocks of A⁻¹, each like its block of A; info, 0 on success and > 0 where A is not positive
@@ -218,7 +217,12 @@ def cholesky_inverse(a_shards: Sequence[torch.Tensor], *, tile: int = 0,
         inverse = torch.cholesky_inverse(factor)
         if info > 0:
             inverse.fill_(float("nan"))
-        return list(inverse.split([a.shape[0] for a in a_shards])), info
+        blocks = list(inverse.split([a.shape[0] for a in a_shards]))
+        if overwrite_a:  # as the CUDA path: the inverse in A's own blocks
+            for a, block in zip(a_shards, blocks):
+                a.copy_(block)
+            blocks = list(a_shards)
+        return blocks, info
     devices = _devices("cholesky_inverse", a_shards)
     if overwrite_a and not all(a.is_contiguous() for a in a_shards):
         raise ValueError("cholesky_inverse: overwrite_a needs contiguous a_shards")
@@ -397,8 +401,9 @@ def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
     before the call meets the others."""
     if a.device.type == "cpu":
         inverse, info = cholesky_inverse(_gather_rows(group, a), tile=tile,
-                                         check_errors=check_errors)
-        return _own_rows(group, inverse), info
+                                         overwrite_a=overwrite_a, check_errors=check_errors)
+        mine = _own_rows(group, inverse)
+        return (a.copy_(mine) if overwrite_a else mine), info
     if overwrite_a and not a.is_contiguous():
         raise ValueError("cholesky_inverse_shard: overwrite_a needs a contiguous a")
     out = a if overwrite_a else torch.empty_like(a, memory_format=torch.contiguous_format)
