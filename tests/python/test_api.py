@@ -356,3 +356,12 @@ def test_column_parallel_matmul_checks_its_operands_in_the_cores_words(world1):
     # b as [n, k]; without a gradient of a, the all-reduce's tuning is never used.
     assert mt.column_parallel_matmul(a, torch.randn(5, 8), world1, trans_b=True).shape == (4, 5)
     assert mt.column_parallel_matmul(a, b, world1, chunks=-1).shape == (4, 5)
+
+
+def test_float8_operands_are_refused_in_the_cores_words(world1):
+    """float8 is a meshla dtype (its GEMM takes it) that the collective ops do not take yet: the
+    same words as meshla.jax's (tests/python/test_jax_collective_cpu.py)."""
+    a, b = torch.ones(8, 16).to(torch.float8_e4m3fn), torch.ones(16, 16).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="matmul_all_reduce: a.dtype=float8_e4m3fn is not "
+                                         "supported; use bfloat16, float16 or float32"):
+        mt.matmul_all_reduce(a, b, world1)
