@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import traceback
 
 from reporting import Reporter, check_parser
 
@@ -106,11 +105,7 @@ class Checks:
         self.rng = np.random.default_rng(seed)
 
     def run(self, name, body):
-        try:
-            ok, detail = body()
-        except Exception:
-            ok, detail = False, traceback.format_exc(limit=8)
-        self.report.record(name, jax.process_index(), bool(ok), detail)
+        self.report.check(name, body, rank=jax.process_index(), traceback_limit=8)
 
     def random(self, shape, dtype):
         return self.rng.standard_normal(shape).astype(dtype)

@@ -8,7 +8,6 @@ with fresh random inputs; and fp8's refusals in the core's words.
 
 import itertools
 import os
-import traceback
 
 import torch
 
@@ -39,11 +38,7 @@ class Checks:
         self.matmul = _meshla.Matmul(torch.cuda.current_device())
 
     def run(self, name, body):
-        try:
-            ok, detail = body()
-        except Exception:
-            ok, detail = False, traceback.format_exc(limit=6)
-        self.report.record(name, 0, bool(ok), detail)
+        self.report.check(name, body)
 
     def products(self):
         """bf16, fp16, fp32: b as [k, n] and as [n, k], with and without a bias."""

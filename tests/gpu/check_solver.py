@@ -94,11 +94,7 @@ class Checks:
         self.rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
 
     def run(self, name, body):
-        try:
-            ok, detail = body()
-        except Exception:
-            ok, detail = False, traceback.format_exc(limit=6)
-        self.report.record(name, 0, bool(ok), detail)
+        self.report.check(name, body)
 
     # --- JAX ------------------------------------------------------------------------------
     def jax_routines(self, mesh, n, dtype, tile=0):

@@ -5,6 +5,7 @@ measure."""
 import argparse
 import json
 import threading
+import traceback
 
 # The family of a record made outside any family (a worker's own failure, say).
 OUTSIDE_FAMILIES = "launch"
@@ -48,6 +49,15 @@ class Reporter:
             checks(*args, **kwargs)
         finally:
             self.current.family = outer
+
+    def check(self, name: str, body, rank: int = 0, traceback_limit: int = 6) -> None:
+        """Records body()'s (ok, detail) as check `name`; a body that raises is a failed check
+        whose detail is the traceback."""
+        try:
+            ok, detail = body()
+        except Exception:
+            ok, detail = False, traceback.format_exc(limit=traceback_limit)
+        self.record(name, rank, bool(ok), detail)
 
     def record(self, name: str, rank: int, ok: bool, detail: str):
         family = getattr(self.current, "family", None) or OUTSIDE_FAMILIES

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from reporting import OUTSIDE_FAMILIES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
@@ -26,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 # The family of a launch's own test: the launcher's exit, and records made outside any family.
-LAUNCH = "launch"
+LAUNCH = OUTSIDE_FAMILIES
 
 COLLECTIVE_FAMILIES = ("correctness", "autograd", "layers", "graphs", "stress", "errors",
                        "lifetime")
