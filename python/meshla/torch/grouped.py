@@ -27,6 +27,7 @@ sizes at once), so a call the GPU would refuse is refused on the CPU, in the sam
 """
 
 import atexit
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -84,8 +85,7 @@ def _cpu_groups(m_splits, rows):
     """(start, size) of each group, after the device-side check's rules on the sizes."""
     sizes = m_splits.tolist()
     _meshla.check_group_sizes(sizes, rows)
-    starts = [sum(sizes[:g]) for g in range(len(sizes))]
-    return list(zip(starts, sizes))
+    return list(zip(itertools.accumulate(sizes, initial=0), sizes))
 
 
 @torch.compiler.assume_constant_result
