@@ -69,11 +69,33 @@ def _made(given, shape, like):
     return given if given is not None else like.new_empty(shape)
 
 
-def _run(config, group: TPGroup, a, b, bias, out, gathered, given=()):
-    """Executes the group's plan for ``config`` into ``out`` (and ``gathered``); ``given`` are
-    those of them the caller passed (out=, gathered_out=)."""
+def _planned(op, a, b, bias, group: TPGroup, trans_b: bool, tuning: Tuning, out=None,
+             gathered=None, return_gathered: bool = False):
+    """(config, the group's plan for it, the product's shape) for a call on CUDA tensors. One into
+    fresh outputs is remembered by its operands' metadata, which alone decide describe_call's
+    answer, so the same call again skips it (the plan's execute checks the tensors against its
+    config in any case); outputs given are checked every time, their addresses too."""
+    def described():
+        config = describe(op, a, b, bias, group, trans_b, tuning, out, gathered,
+                          return_gathered)
+        return config, group.plan(config), config.product_shape(group.size)
+
+    if out is not None or gathered is not None:
+        return described()
+    key = (op, trans_b, return_gathered, tuning, metadata(a), metadata(b), metadata(bias))
+    return group.remembered_call(key, described)
+
+
+def metadata(t):
+    """What describe_call reads of a tensor besides its address, as a key."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def _run(plan, a, b, bias, out, gathered, given=()):
+    """Executes ``plan`` into ``out`` (and ``gathered``); ``given`` are those of them the caller
+    passed (out=, gathered_out=)."""
     capsule = _library.capsule
-    group.plan(config).execute(
+    plan.execute(
         capsule(a.contiguous()), capsule(b.contiguous()),
         capsule(None if bias is None else bias.contiguous()), capsule(out), capsule(gathered),
         _library.current_stream(a.get_device()))
@@ -97,16 +119,18 @@ def _refuse_autograd(op: str, *tensors):
 def _all_gather_matmul_into(a, b, bias, group, trans_b, return_gathered, tuning, out,
                             gathered_out):
     """(product, gathered a or None), into the outputs given or fresh ones."""
-    config = describe(OPS.all_gather_matmul, a, b, bias, group, trans_b, tuning, out,
-                      gathered_out, return_gathered)
     if a.device.type == "cpu":
+        describe(OPS.all_gather_matmul, a, b, bias, group, trans_b, tuning, out, gathered_out,
+                 return_gathered)
         gathered = _reference.gathered_rows(a, group)
         product = _reference.product(gathered, b, bias, trans_b, True).to(a.dtype)
         return (_reference.deliver(product, out),
                 _reference.deliver(gathered, gathered_out) if return_gathered else None)
-    product = _made(out, config.product_shape(group.size), a)
+    config, plan, product_shape = _planned(OPS.all_gather_matmul, a, b, bias, group, trans_b,
+                                           tuning, out, gathered_out, return_gathered)
+    product = _made(out, product_shape, a)
     gathered = _made(gathered_out, (config.m, config.k), a) if return_gathered else None
-    _run(config, group, a, b, bias, product, gathered, (out, gathered_out))
+    _run(plan, a, b, bias, product, gathered, (out, gathered_out))
     return product, gathered
 
 
@@ -142,16 +166,18 @@ def all_gather_matmul(a, b, bias, group, trans_b, return_gathered, tuning, out=N
 
 
 def _matmul_reduce_scatter_into(a, b, bias, group, trans_b, tuning, out):
-    config = describe(OPS.matmul_reduce_scatter, a, b, bias, group, trans_b, tuning, out)
     if a.device.type == "cpu":
+        config = describe(OPS.matmul_reduce_scatter, a, b, bias, group, trans_b, tuning, out)
         total = _reference.summed_over_ranks(a, b, bias, trans_b, group)
         rows = config.product_shape(group.size)[0]
         # A copy: a view would keep the whole sum alive (and an op's output must start at
         # offset 0, as its fake does).
         own_rows = total[group.rank * rows:(group.rank + 1) * rows].to(a.dtype, copy=True)
         return _reference.deliver(own_rows, out)
-    product = _made(out, config.product_shape(group.size), a)
-    _run(config, group, a, b, bias, product, None, (out,))
+    _, plan, product_shape = _planned(OPS.matmul_reduce_scatter, a, b, bias, group, trans_b,
+                                      tuning, out)
+    product = _made(out, product_shape, a)
+    _run(plan, a, b, bias, product, None, (out,))
     return product
 
 
@@ -183,12 +209,14 @@ def matmul_reduce_scatter(a, b, bias, group, trans_b, tuning, out=None):
 
 
 def _matmul_all_reduce_into(a, b, bias, group, trans_b, tuning, out):
-    config = describe(OPS.matmul_all_reduce, a, b, bias, group, trans_b, tuning, out)
     if a.device.type == "cpu":
+        describe(OPS.matmul_all_reduce, a, b, bias, group, trans_b, tuning, out)
         total = _reference.summed_over_ranks(a, b, bias, trans_b, group)
         return _reference.deliver(total.to(a.dtype), out)
-    product = _made(out, config.product_shape(group.size), a)
-    _run(config, group, a, b, bias, product, None, (out,))
+    _, plan, product_shape = _planned(OPS.matmul_all_reduce, a, b, bias, group, trans_b, tuning,
+                                      out)
+    product = _made(out, product_shape, a)
+    _run(plan, a, b, bias, product, None, (out,))
     return product
 
 

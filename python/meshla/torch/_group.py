@@ -43,6 +43,9 @@ def group_of(key: int) -> TPGroup:
     return group
 
 
+_MAX_CALLS = 1024
+
+
 @dataclass(eq=False)
 class TPGroup:
     """A tensor-parallel group.
@@ -72,6 +75,8 @@ class TPGroup:
     # one workspace sized by the largest shape, so a plan per shape costs its GEMMs' tuning, not
     # device memory.
     _plans: _meshla.CollectivePlans | None = field(init=False, repr=False)
+    # Calls seen on CUDA tensors, by their operands' metadata (see remembered_call).
+    _calls: dict = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self):
         # Plain attributes, which torch.compile reads as constants.
@@ -109,6 +114,19 @@ class TPGroup:
             raise ValueError(f"{config.op.name}: this TPGroup has no CUDA communicator (it was "
                              "built for CPU tensors)")
         return self._plans.matmul(config)
+
+    def remembered_call(self, key, described):
+        """What ``described()`` gave for the call that ``key`` names (its op, options and every
+        operand's metadata), computed on the first such call. A model's calls repeat a few shapes,
+        and describing one costs about 20 us of host time; a shape per call (no two alike) is
+        forgotten in batches of _MAX_CALLS."""
+        hit = self._calls.get(key)
+        if hit is None:
+            hit = described()
+            if len(self._calls) >= _MAX_CALLS:
+                self._calls.clear()
+            self._calls[key] = hit
+        return hit
 
     def all_gather_plan(self, dtype: torch.dtype, rows: int, cols: int) -> _meshla.AllGather:
         """The group's all-gather of [rows, cols] per rank (for a backward that gathers rows

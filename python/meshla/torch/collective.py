@@ -232,17 +232,24 @@ def column_parallel_matmul(a, b, group: TPGroup, *, bias=None, trans_b: bool = F
                                   comm_sms, comm_ctas, backend)
     wants_grad = _wants_grad(name, (a, b, bias), tuning)
     if not torch.compiler.is_compiling():  # traced, the local GEMM's fake raises torch's words
-        # The forward is a local GEMM, whose operands follow a matmul_all_reduce's rules; a's
-        # gradient is a matmul_all_reduce of the output's gradient and b, checked now with the
-        # call's tuning. The extension's rules and words, under this function's name.
-        ops.describe(ops.OPS.matmul_all_reduce, a, b, bias, group, trans_b, Tuning.of(),
-                     caller=name)
-        if wants_grad and a.requires_grad:
-            n = b.shape[0] if trans_b else b.shape[1]
-            ops.describe(ops.OPS.matmul_all_reduce, a.new_empty((a.shape[0], n), device="meta"),
-                         b, None, group, not trans_b, tuning, caller=name)
+        grad_of_a = wants_grad and a.requires_grad
+        key = (name, trans_b, tuning, grad_of_a, ops.metadata(a), ops.metadata(b),
+               ops.metadata(bias))
+        group.remembered_call(key, lambda: _check_column_parallel(
+            name, a, b, bias, group, trans_b, tuning, grad_of_a))
     if wants_grad:
         return autograd.ColumnParallelMatmul.apply(a, b, bias, group, trans_b, tuning,
                                            autograd.fused_wgrad(name, weight, b,
                                                                 fuse_wgrad_accumulation))
     return autograd.local_product(a, b, bias, trans_b)
+
+
+def _check_column_parallel(name, a, b, bias, group, trans_b, tuning, grad_of_a):
+    """The forward is a local GEMM, whose operands follow a matmul_all_reduce's rules; a's
+    gradient is a matmul_all_reduce of the output's gradient and b, checked now with the call's
+    tuning. The extension's rules and words, under the caller's name."""
+    ops.describe(ops.OPS.matmul_all_reduce, a, b, bias, group, trans_b, Tuning.of(), caller=name)
+    if grad_of_a:
+        n = b.shape[0] if trans_b else b.shape[1]
+        ops.describe(ops.OPS.matmul_all_reduce, a.new_empty((a.shape[0], n), device="meta"), b,
+                     None, group, not trans_b, tuning, caller=name)
