@@ -10,7 +10,9 @@
 // d = a_scale * b_scale * (a @ op(b)) (+ bias), with rowwise ones d[i, j] = a_scale[i] *
 // b_scale[j] * (a @ op(b))[i, j] (+ bias[j]): float32 scales on the device, read when the GEMM
 // runs (no host sync, graph-capturable), as torch._scaled_mm's. d is bfloat16, float16 or
-// float32; b is stored [n, k] (trans_b), the only operand order cuBLASLt's fp8 kernels take.
+// float32 (rowwise: bfloat16 or float32); b is stored [n, k] (trans_b), the only operand order
+// cuBLASLt's fp8 kernels take. Rowwise scales on Hopper run meshla's CUTLASS kernel, as
+// cuBLASLt's outer-vector scales do not run there; everything else runs on cuBLASLt.
 #pragma once
 
 #include <cstdint>

@@ -12,6 +12,7 @@
 #include "core/cuda_handles.hpp"
 #include "core/cuda_types.hpp"
 #include "gemm/random_fill.hpp"
+#include "gemm/sm90_rowwise_fp8_gemm.hpp"
 
 namespace meshla {
 namespace {
@@ -175,6 +176,9 @@ void check_packed_shape(const MatmulShape& s) {
                "matmul: a float8 product with a float32 d takes no bias");
   MESHLA_CHECK(kNotImplemented, s.scaling != MatmulScaling::kRowwise || s.batch == 1,
                "matmul: rowwise scales take a batch of 1, not " << s.batch);
+  MESHLA_CHECK(kNotImplemented,
+               s.scaling != MatmulScaling::kRowwise || out_dtype != DType::kFloat16,
+               "matmul: a rowwise float8 product's d is bfloat16 or float32, not float16");
 }
 
 // The cuBLASLt objects for one shape and alignment, made once.
@@ -354,11 +358,27 @@ cublasLtHandle_t device_handle(int device) {
   return handle;
 }
 
+int device_attribute(int device, cudaDeviceAttr attribute) {
+  int value = 0;
+  MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&value, attribute, device));
+  return value;
+}
+
 }  // namespace
 
 struct Matmul::Impl {
   explicit Impl(int device_)
-      : device(device_), handle(device_handle(device_)), workspace(device_, kWorkspaceBytes) {}
+      : device(device_),
+        handle(device_handle(device_)),
+        workspace(device_, kWorkspaceBytes),
+        sm_count(device_attribute(device_, cudaDevAttrMultiProcessorCount)),
+        cutlass_rowwise(device_attribute(device_, cudaDevAttrComputeCapabilityMajor) == 9) {}
+
+  // Rowwise fp8 on Hopper runs meshla's CUTLASS kernel (sm90_rowwise_fp8_gemm.hpp), which needs
+  // no tuning; elsewhere cuBLASLt's outer-vector scales.
+  bool runs_cutlass(const MatmulShape& shape) const {
+    return cutlass_rowwise && shape.scaling == MatmulScaling::kRowwise;
+  }
 
   Descriptors& lookup(const ResolvedShape& resolved) {
     auto key = resolved.key();
@@ -371,6 +391,8 @@ struct Matmul::Impl {
   int device;
   cublasLtHandle_t handle = nullptr;
   detail::DeviceBuffer workspace;
+  int sm_count;
+  bool cutlass_rowwise;
   std::map<Key, std::unique_ptr<Descriptors>> cache;
 };
 
@@ -388,7 +410,7 @@ void check_matmul_shape(const MatmulShape& shape) {
 void Matmul::prepare(const MatmulShape& shape) {
   const MatmulShape packed = with_packed_pitches(shape);
   check_packed_shape(packed);
-  if (packed.m == 0 || packed.n == 0) return;
+  if (packed.m == 0 || packed.n == 0 || impl_->runs_cutlass(packed)) return;
   // Operands as the framework allocators hand them out: aligned far past 16 bytes.
   Descriptors& descriptors = impl_->lookup({packed, alignments_of(packed, MatmulOperands{})});
   if (!descriptors.needs_tuning()) return;
@@ -451,6 +473,12 @@ void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream
   MESHLA_CHECK_ARG(packed.scaling == MatmulScaling::kNone || (ops.a_scale && ops.b_scale),
                    "matmul: a float8 product needs a_scale and b_scale");
   detail::DeviceGuard guard(impl_->device);
+  if (impl_->runs_cutlass(packed)) {
+    gemm::run_sm90_rowwise_fp8(packed, ops, impl_->device,
+                               packed.sm_count > 0 ? packed.sm_count : impl_->sm_count,
+                               impl_->workspace.data(), impl_->workspace.bytes(), stream);
+    return;
+  }
   impl_->lookup({packed, alignments_of(packed, ops)})
       .run(impl_->handle, ops, packed.addend, impl_->workspace.data(), impl_->workspace.bytes(),
            stream);

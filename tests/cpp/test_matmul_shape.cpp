@@ -108,6 +108,11 @@ TEST(MatmulShape, Fp8ProductsTakeScalesKMajorOperandsAndAlignedRows) {
   s.batch_stride_a = 64 * 128;
   s.batch_stride_d = 64 * 32;
   refused(s, ErrorCode::kNotImplemented, "rowwise scales take a batch of 1, not 2");
+  s = fp8_shape();
+  s.scaling = MatmulScaling::kRowwise;
+  s.out_dtype = DType::kFloat16;
+  refused(s, ErrorCode::kNotImplemented,
+          "a rowwise float8 product's d is bfloat16 or float32, not float16");
 }
 
 }  // namespace
