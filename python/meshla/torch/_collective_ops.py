@@ -92,15 +92,17 @@ def metadata(t):
 
 
 def _run(plan, a, b, bias, out, gathered, given=()):
-    """Executes ``plan`` into ``out`` (and ``gathered``); ``given`` are those of them the caller
-    passed (out=, gathered_out=)."""
-    capsule = _library.capsule
-    plan.execute(
-        capsule(a.contiguous()), capsule(b.contiguous()),
-        capsule(None if bias is None else bias.contiguous()), capsule(out), capsule(gathered),
-        _library.current_stream(a.get_device()))
-    # The plan writes through DLPack, which autograd does not see: a caller's output that a
-    # backward saved must read as changed, as after torch's own out= ops, or that backward would
+    """Executes ``plan`` into ``out`` (and ``gathered``), which _planned described with these
+    tensors; ``given`` are those of them the caller passed (out=, gathered_out=)."""
+    # Held until the plan has enqueued its work: a copy made here and let go of sooner could hand
+    # its memory to the next one.
+    a, b = a.contiguous(), b.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    plan.execute(a.data_ptr(), b.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                 out.data_ptr(), 0 if gathered is None else gathered.data_ptr(),
+                 _library.current_stream(a.get_device()))
+    # The plan writes through raw addresses, which autograd does not see: a caller's output that
+    # a backward saved must read as changed, as after torch's own out= ops, or that backward would
     # use the new contents without a word.
     for written in given:
         if written is not None:
