@@ -13,7 +13,8 @@
 // also sit anywhere, each at its own address (dweight_addresses).
 //
 // bf16 and fp16 accumulate in fp32 on CUTLASS's Hopper grouped GEMM (TMA + WGMMA, problem sizes
-// read on the device); fp32 is computed in full fp32 by a meshla kernel. 16-bit operands need
+// read on the device; other GPUs refuse them with kNotImplemented for now); fp32 is computed in
+// full fp32 by a meshla kernel, on any GPU. 16-bit operands need
 // in_features and out_features divisible by 8 and 16-byte aligned data.
 //
 // Checks that need m_splits (no negative size, sizes summing to the rows of x) run on the device.

@@ -1,5 +1,7 @@
 #include "core/cuda_handles.hpp"
 
+#include <cstdlib>
+#include <string_view>
 #include <thread>
 
 #include "core/cuda_checks.hpp"
@@ -119,6 +121,15 @@ cudaError_t wait_for_event(cudaEvent_t event, std::chrono::milliseconds timeout)
 
 cudaError_t wait_for_stream(cudaStream_t stream, std::chrono::milliseconds timeout) {
   return poll([stream] { return cudaStreamQuery(stream); }, timeout);
+}
+
+bool runs_hopper_kernels(int device) {
+  const char* portable = std::getenv("MESHLA_PORTABLE");
+  if (portable != nullptr && std::string_view(portable) == "1") return false;
+  int major = 0, minor = 0;
+  MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
 }
 
 }  // namespace meshla::detail

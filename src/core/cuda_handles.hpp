@@ -90,6 +90,11 @@ class StreamBuffer {
   cudaStream_t stream_ = nullptr;
 };
 
+// Whether meshla's Hopper kernels (CUTLASS with TMA and WGMMA, built for sm_90a alone) run on
+// `device`: compute capability 9.0, unless the environment sets MESHLA_PORTABLE=1, which sends
+// every call down the paths other GPUs take (how those are tested on Hopper).
+bool runs_hopper_kernels(int device);
+
 // Polls `event` until it has completed or `timeout` has passed: cudaSuccess, cudaErrorNotReady
 // on timeout, or the error the event reports. Never throws, so destructors may use it.
 cudaError_t wait_for_event(cudaEvent_t event, std::chrono::milliseconds timeout);

@@ -372,7 +372,16 @@ struct Matmul::Impl {
         handle(device_handle(device_)),
         workspace(device_, kWorkspaceBytes),
         sm_count(device_attribute(device_, cudaDevAttrMultiProcessorCount)),
-        cutlass_rowwise(device_attribute(device_, cudaDevAttrComputeCapabilityMajor) == 9) {}
+        capability(10 * device_attribute(device_, cudaDevAttrComputeCapabilityMajor) +
+                   device_attribute(device_, cudaDevAttrComputeCapabilityMinor)),
+        cutlass_rowwise(detail::runs_hopper_kernels(device_)) {}
+
+  // fp8 tensor cores came with Ada and Hopper (compute capability 8.9).
+  void check_runs(const MatmulShape& shape) const {
+    MESHLA_CHECK(kNotImplemented, shape.scaling == MatmulScaling::kNone || capability >= 89,
+                 "matmul: float8 needs compute capability 8.9 or newer; cuda:"
+                     << device << " is " << capability / 10 << "." << capability % 10);
+  }
 
   // Rowwise fp8 on Hopper runs meshla's CUTLASS kernel (sm90_rowwise_fp8_gemm.hpp), which needs
   // no tuning; elsewhere cuBLASLt's outer-vector scales.
@@ -392,6 +401,7 @@ struct Matmul::Impl {
   cublasLtHandle_t handle = nullptr;
   detail::DeviceBuffer workspace;
   int sm_count;
+  int capability;  // 10 * major + minor
   bool cutlass_rowwise;
   std::map<Key, std::unique_ptr<Descriptors>> cache;
 };
@@ -410,6 +420,7 @@ void check_matmul_shape(const MatmulShape& shape) {
 void Matmul::prepare(const MatmulShape& shape) {
   const MatmulShape packed = with_packed_pitches(shape);
   check_packed_shape(packed);
+  impl_->check_runs(packed);
   if (packed.m == 0 || packed.n == 0 || impl_->runs_cutlass(packed)) return;
   // Operands as the framework allocators hand them out: aligned far past 16 bytes.
   Descriptors& descriptors = impl_->lookup({packed, alignments_of(packed, MatmulOperands{})});
@@ -463,6 +474,7 @@ void Matmul::prepare(const MatmulShape& shape) {
 void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream_t stream) {
   const MatmulShape packed = with_packed_pitches(shape);
   check_packed_shape(packed);
+  impl_->check_runs(packed);
   if (packed.m == 0 || packed.n == 0) return;
   MESHLA_CHECK_ARG(ops.a && ops.b && ops.d,
                    "matmul: a, b and d must be non-null (m=" << packed.m << ", n=" << packed.n

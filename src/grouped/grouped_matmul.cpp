@@ -131,6 +131,12 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
   // The CUTLASS passes (bf16, fp16) build the index, poison a failed call's output and zero empty
   // groups' weight gradients in their table kernel; the others launch each.
   const bool cutlass_pass = Impl::uses_cutlass(pass, shape.dtype);
+  MESHLA_CHECK(kNotImplemented, !cutlass_pass || detail::runs_hopper_kernels(impl_->device),
+               "grouped_linear " << grouped_pass_name(pass) << ": " << dtype_name(shape.dtype)
+                                 << " groups run meshla's Hopper (sm_90) kernel, which cuda:"
+                                 << impl_->device
+                                 << " cannot run (or MESHLA_PORTABLE=1 asks for the portable "
+                                    "paths); float32 groups run on any GPU");
   const CutlassWorkspace parts = impl_->cutlass_workspace(pass, shape.dtype, shape.groups);
   const grouped::WorkspaceLayout layout = grouped::workspace_layout(
       shape.groups, Impl::pass_bytes(pass, shape.groups, shape.out_features, parts));

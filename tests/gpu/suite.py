@@ -116,6 +116,10 @@ MODELS = (
     Model("network", _torchrun("check_collective_matmul.py", "--quick"),
           ("correctness", "lifetime"),
           min_gpus=2, env=(("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))),
+    # The paths GPUs other than Hopper take (per-batch cuBLASLt GEMMs for the one-launch gathered
+    # GEMM), forced on Hopper.
+    Model("portable", _torchrun("check_collective_matmul.py", "--quick"),
+          ("correctness", "lifetime"), min_gpus=2, env=(("MESHLA_PORTABLE", "1"),)),
 )
 
 

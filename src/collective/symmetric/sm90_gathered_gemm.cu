@@ -3,6 +3,7 @@
 // the block has landed (gemm/sm90_claiming_scheduler.cuh, TileOrder::landed).
 #include "collective/symmetric/sm90_gathered_gemm.hpp"
 
+#include "core/cuda_handles.hpp"
 #include "gemm/sm90_grouped_gemm.cuh"
 
 namespace meshla::collective {
@@ -79,6 +80,7 @@ __global__ void __launch_bounds__(gemm::kIndexThreads)
 }  // namespace
 
 std::string gathered_gemm_unsupported(const GatheredGemmShape& shape) {
+  if (!detail::runs_hopper_kernels(shape.device)) return "not a Hopper (sm_90) GPU";
   if (shape.dtype != DType::kBFloat16 && shape.dtype != DType::kFloat16) {
     return "dtype is neither bfloat16 nor float16";
   }

@@ -31,8 +31,9 @@ struct GatheredGemmShape {
   int sm_count = 0;  // SMs the kernel may occupy
 };
 
-// Why GatheredGemm cannot run `shape`, or "" when it can: bf16 or fp16, at most
-// kMaxGatheredBlocks blocks, n and k multiples of 8 (TMA moves 16-byte aligned rows).
+// Why GatheredGemm cannot run `shape`, or "" when it can: a Hopper GPU (its kernel is built for
+// sm_90a alone; see detail::runs_hopper_kernels), bf16 or fp16, at most kMaxGatheredBlocks
+// blocks, n and k multiples of 8 (TMA moves 16-byte aligned rows).
 std::string gathered_gemm_unsupported(const GatheredGemmShape& shape);
 
 // Whether the one launch should run `shape` rather than a GEMM per batch of blocks: when each
