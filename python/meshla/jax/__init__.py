@@ -1,12 +1,13 @@
 """JAX front end of meshla: collective matmuls for tensor parallelism
-(:mod:`meshla.jax.collective`, also importable from here) and distributed dense solvers over the
+(:mod:`meshla.jax.collective`, also importable from here), the grouped GEMM of Mixture-of-Experts
+layers (:func:`grouped_linear`, :mod:`meshla.jax.grouped`) and distributed dense solvers over the
 GPUs of a mesh (:mod:`meshla.jax.linalg`).
 
 Bad arguments raise ``ValueError`` when a call is traced, and what cannot run here
 ``NotImplementedError``; failures inside a GPU's custom call surface as
 ``jax.errors.JaxRuntimeError``. Each module's notes give the details."""
 
-from meshla.jax import collective, linalg
+from meshla.jax import collective, grouped, linalg
 from meshla.jax.collective import (
     all_gather_matmul,
     all_gather_matmul_global,
@@ -15,11 +16,14 @@ from meshla.jax.collective import (
     matmul_reduce_scatter,
     matmul_reduce_scatter_global,
 )
+from meshla.jax.grouped import grouped_linear
 
 __all__ = [
     "all_gather_matmul",
     "all_gather_matmul_global",
     "collective",
+    "grouped",
+    "grouped_linear",
     "linalg",
     "matmul_all_reduce",
     "matmul_all_reduce_global",

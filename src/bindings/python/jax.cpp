@@ -7,6 +7,7 @@
 #include "bindings/python/bindings.hpp"
 #ifdef MESHLA_WITH_JAX
 #include "bindings/jax/collective.hpp"
+#include "bindings/jax/grouped.hpp"
 #include "bindings/jax/solver.hpp"
 #endif
 
@@ -21,6 +22,9 @@ void bind_jax(nb::module_& m) {
       [] {
         nb::dict targets;
         for (const auto& [name, handler] : jax_ffi::targets()) {
+          targets[nb::str(name.c_str())] = nb::capsule(handler);
+        }
+        for (const auto& [name, handler] : jax_ffi::grouped_targets()) {
           targets[nb::str(name.c_str())] = nb::capsule(handler);
         }
         for (const auto& [name, stages] : jax_ffi::collective_targets()) {
@@ -42,8 +46,10 @@ void bind_jax(nb::module_& m) {
         nb::gil_scoped_release release;
         jax_ffi::release_groups();
         jax_ffi::release_solvers();
+        jax_ffi::release_grouped();
       },
-      "Lets go of the JAX handlers' groups, plans and DenseSolvers (at interpreter exit).");
+      "Lets go of the JAX handlers' groups, plans, DenseSolvers and GroupedMatmuls (at "
+      "interpreter exit).");
   m.attr("with_jax") = true;
 #else
   m.attr("with_jax") = false;

@@ -1,0 +1,237 @@
+"""Grouped GEMM for Mixture-of-Experts in JAX: :func:`grouped_linear`, meshla.torch's function of
+that name, with its arguments, rules and words.
+
+Group ``g`` applies ``weight[g]`` (``[out, in]``, a linear layer's weight) to its own contiguous
+slice of ``m_splits[g]`` rows of ``x``. ``m_splits`` is int32 (``jax.lax.ragged_dot``'s group
+sizes) or int64, on the device: nothing waits for it on the host.
+
+On GPUs each pass (the product, and in the backward the input gradient, the weight gradient and
+the bias gradient) is one XLA FFI custom call running meshla's grouped kernels (CUTLASS's Hopper
+grouped GEMM for bf16 and fp16, meshla's own kernel for fp32), which only enqueues: XLA may
+capture it in a command buffer. On CPU devices a ``jax.numpy`` reference runs
+(``jax.lax.ragged_dot`` and per-group sums, accumulating in float32), so the same program runs
+without GPUs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshla import _meshla
+from meshla.jax._dtypes import dtype_of
+from meshla.jax._ffi import register_targets
+
+__all__ = ["grouped_linear"]
+
+_PASS = _meshla.GroupedPass
+_NAME = "grouped_linear"
+# Bytes XLA may leave before the first 256-byte boundary of a workspace it allocates.
+_ALIGNMENT_SLACK = 256
+
+
+def _gpus_present() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def _meta(name: str, x, device: int):
+    shape = [int(d) for d in x.shape]
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]  # JAX arrays are row-major
+    return _meshla.ArrayMeta(shape, strides, dtype_of(name, x), device, 0, name)
+
+
+def _check(grouped_pass, m_splits, device: int, **arrays) -> None:
+    """The extension's checks of one pass (GroupedMatmul.run's own, on the arrays' metadata):
+    meshla.torch's rules and words."""
+    _meshla.check_grouped_call(grouped_pass, _meta("m_splits", m_splits, device),
+                               **{name: None if a is None else _meta(name, a, device)
+                                  for name, a in arrays.items()})
+
+
+_RANKS = {"x": 2, "dy": 2, "weight": 3}
+
+
+def _check_ranks(grouped_pass, m_splits, device: int, **operands) -> None:
+    """Outputs are shaped from the operands' sizes before the pass is checked: operands of the
+    wrong rank go to the checks first, which refuse them in their words (as meshla.torch's)."""
+    if m_splits.ndim != 1 or any(a.ndim != _RANKS[name] for name, a in operands.items()):
+        _check(grouped_pass, m_splits, device, **operands)
+
+
+# The extension's GroupedMatmul of the first GPU, which sizes the workspaces: XLA allocates a
+# call's when it runs, at the size fixed when it is traced.
+_sizes_lock = threading.Lock()
+_sizer: list = []
+
+
+@functools.lru_cache(maxsize=None)
+def _workspace_bytes(grouped_pass, dtype, groups: int, out_features: int) -> int:
+    with _sizes_lock:
+        if not _sizer:
+            _sizer.append(_meshla.GroupedMatmul(jax.devices("gpu")[0].local_hardware_id))
+    return _sizer[0].workspace_bytes(grouped_pass, dtype, groups, out_features)
+
+
+def _group_of_rows(m_splits, rows: int):
+    """Each row's group, and whether the sizes are valid (none negative, summing to ``rows``)."""
+    sizes = m_splits.astype(jnp.int32)
+    groups = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(rows), side="right")
+    valid = jnp.all(sizes >= 0) & (jnp.sum(sizes) == rows)
+    return groups, valid
+
+
+def _poisoned(out, valid):
+    """``out``, or NaN where the group sizes were bad (as the GPU's device-side check leaves it)."""
+    return jnp.where(valid, out, jnp.nan).astype(out.dtype)
+
+
+def _reference(grouped_pass, m_splits, **operands):
+    """One pass on the CPU, in float32 (float64 stays float64)."""
+    f32 = jnp.promote_types(jnp.float32, next(iter(operands.values())).dtype)
+    if grouped_pass == _PASS.forward:
+        x, weight, bias = operands["x"], operands["weight"], operands["bias"]
+        groups, valid = _group_of_rows(m_splits, x.shape[0])
+        y = jax.lax.ragged_dot(x, jnp.swapaxes(weight, 1, 2), m_splits.astype(jnp.int32),
+                               preferred_element_type=f32)
+        if bias is not None:
+            y = y + bias.astype(f32)[jnp.clip(groups, 0, weight.shape[0] - 1)]
+        return _poisoned(y.astype(x.dtype), valid)
+    dy = operands["dy"]
+    groups, valid = _group_of_rows(m_splits, dy.shape[0])
+    if grouped_pass == _PASS.dgrad:
+        weight = operands["weight"]
+        dx = jax.lax.ragged_dot(dy, weight, m_splits.astype(jnp.int32),
+                                preferred_element_type=f32)
+        return _poisoned(dx.astype(dy.dtype), valid)
+    num_groups = m_splits.shape[0]
+    # A row of a group past the last (sizes summing to fewer rows) belongs to none.
+    member = jax.nn.one_hot(groups, num_groups, dtype=f32)
+    if grouped_pass == _PASS.wgrad:
+        x = operands["x"]
+        dweight = jnp.einsum("rg,ro,ri->goi", member, dy.astype(f32), x.astype(f32))
+        return _poisoned(dweight.astype(x.dtype), valid)
+    dbias = member.T @ dy.astype(f32)
+    return _poisoned(dbias.astype(dy.dtype), valid)
+
+
+_TARGETS = {_PASS.forward: "meshla_grouped_forward", _PASS.dgrad: "meshla_grouped_dgrad",
+            _PASS.wgrad: "meshla_grouped_wgrad", _PASS.bias_grad: "meshla_grouped_bias_grad"}
+
+
+def _on_gpu(grouped_pass, m_splits, out_shape, lead, out_features: int, operands):
+    workspace = _workspace_bytes(grouped_pass, dtype_of("x", lead), m_splits.shape[0],
+                                 out_features) + _ALIGNMENT_SLACK
+    results = (jax.ShapeDtypeStruct(out_shape, lead.dtype),
+               jax.ShapeDtypeStruct(((workspace + 3) // 4,), jnp.int32))
+    out, _ = jax.ffi.ffi_call(_TARGETS[grouped_pass], results)(m_splits, *operands)
+    return out
+
+
+def _pass(grouped_pass, m_splits, out_shape, lead, out_features: int, **operands):
+    """One pass: checked now (its output's shape included), run by the extension on GPUs and by
+    the reference on CPUs."""
+    gpus = _gpus_present()
+    _check(grouped_pass, m_splits, 0 if gpus else -1, **operands,
+           **{_OUTPUTS[grouped_pass]: jax.ShapeDtypeStruct(out_shape, lead.dtype)})
+
+    def reference(m_splits, *arrays):
+        return _reference(grouped_pass, m_splits, **_named(operands, arrays))
+
+    if not gpus:
+        return reference(m_splits, *operands.values())
+    register_targets()
+    # An absent bias is a zero-size operand of the custom call.
+    arrays = [jnp.zeros((0,), lead.dtype) if a is None else a for a in operands.values()]
+    return jax.lax.platform_dependent(
+        m_splits, *arrays, cpu=lambda m, *a: reference(m, *_absent_as_none(operands, a)),
+        cuda=lambda m, *a: _on_gpu(grouped_pass, m, out_shape, lead, out_features, a))
+
+
+_OUTPUTS = {_PASS.forward: "y", _PASS.dgrad: "dx", _PASS.wgrad: "dweight",
+            _PASS.bias_grad: "dbias"}
+
+
+def _named(operands: dict, arrays) -> dict:
+    return dict(zip(operands, arrays))
+
+
+def _absent_as_none(operands: dict, arrays):
+    return [None if given is None else a for given, a in zip(operands.values(), arrays)]
+
+
+def _forward(x, m_splits, weight, bias):
+    _check_ranks(_PASS.forward, m_splits, 0 if _gpus_present() else -1, x=x, weight=weight)
+    return _pass(_PASS.forward, m_splits, (x.shape[0], weight.shape[1]), x, weight.shape[1],
+                 x=x, weight=weight, bias=bias)
+
+
+def _check_concrete_sizes(x, m_splits, weight, bias) -> None:
+    """An eager call's group sizes, checked before anything runs (as meshla.torch's CPU path does,
+    in the device-side check's words), after the shapes they are checked against."""
+    if isinstance(m_splits, jax.core.Tracer):
+        return
+    device = 0 if _gpus_present() else -1
+    _check_ranks(_PASS.forward, m_splits, device, x=x, weight=weight)
+    _check(_PASS.forward, m_splits, device, x=x, weight=weight, bias=bias,
+           y=jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), x.dtype))
+    _meshla.check_group_sizes(np.asarray(m_splits).tolist(), x.shape[0])
+
+
+@jax.custom_vjp
+def _grouped(x, m_splits, weight, bias):
+    return _forward(x, m_splits, weight, bias)
+
+
+def _grouped_fwd(x, m_splits, weight, bias):
+    return _forward(x, m_splits, weight, bias), (x, m_splits, weight, bias is not None)
+
+
+def _grouped_bwd(residuals, dy):
+    x, m_splits, weight, has_bias = residuals
+    num_groups, out_features, in_features = weight.shape
+    dx = _pass(_PASS.dgrad, m_splits, x.shape, dy, out_features, dy=dy, weight=weight)
+    dweight = _pass(_PASS.wgrad, m_splits, weight.shape, x, out_features, x=x, dy=dy)
+    dbias = (_pass(_PASS.bias_grad, m_splits, (num_groups, out_features), dy, out_features,
+                   dy=dy) if has_bias else None)
+    # Group sizes are integers: their cotangent is float0.
+    return dx, np.zeros(m_splits.shape, jax.dtypes.float0), dweight.astype(weight.dtype), dbias
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_linear(x, m_splits, weight, bias=None):
+    """``y[rows of group g] = x[rows of group g] @ weight[g].T (+ bias[g])``.
+
+    ``x`` is ``[rows, in]``, ``weight`` ``[G, out, in]``, ``bias`` ``[G, out]``, ``m_splits``
+    int32 or int64 ``[G]`` summing to ``rows`` (groups may be empty). bfloat16, float16 or float32,
+    the same for x, the weights and the bias. Differentiable in x, weight and bias
+    (``jax.grad``, ``jax.checkpoint``): the input gradient is the grouped product with the
+    weights, the weight gradient the per-group ``dyᵀ x`` (zero for an empty group), the bias
+    gradient the per-group sum of ``dy``. Returns ``y``, ``[rows, out]``, in x's dtype.
+
+    Raises ``ValueError`` when traced, naming the argument and the shapes in meshla.torch's
+    words, for: x and the weights in different dtypes, a dtype other than bfloat16, float16 or
+    float32, shapes that do not fit together, and 16-bit in or out features that are not
+    multiples of 8 (TMA's rule, on CPUs too, so that a program refused on a GPU is refused
+    everywhere). Group sizes that are negative or do not sum to ``rows`` raise ``ValueError``
+    at once where they are concrete (an eager call); under ``jax.jit`` the call's outputs are
+    NaN, and on a GPU the next grouped call on that GPU fails with
+    ``jax.errors.JaxRuntimeError`` in the same words (the sizes are read on the device only).
+    """
+    for name, a in (("x", x), ("m_splits", m_splits), ("weight", weight)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"{_NAME}: {name} must be an array, got {type(a).__name__}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"{_NAME}: x is {x.dtype} but the weights are {weight.dtype}; they must "
+                         "match")
+    _check_concrete_sizes(x, m_splits, weight, bias)
+    return _grouped(x, m_splits, weight, bias)

@@ -1,0 +1,168 @@
+#include "bindings/jax/grouped.hpp"
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "bindings/jax/ffi_common.hpp"
+#include "core/alignment.hpp"
+#include "meshla/grouped_matmul.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace meshla::jax_ffi {
+namespace {
+
+// One GroupedMatmul per GPU of this process, made by the first call on it. Its host-mapped record
+// carries a call's failed check of the group sizes to the next call on that GPU, which returns
+// it as XLA's error. Calls on one GPU may come from several threads (two executables at once):
+// each enqueues under the GPU's lock.
+class GroupedRegistry {
+ public:
+  template <typename Body>
+  void with_engine(int device, Body&& body) {
+    Entry* entry;
+    {
+      std::lock_guard lock(mutex_);
+      std::unique_ptr<Entry>& slot = entries_[device];
+      if (!slot) slot = std::make_unique<Entry>(device);
+      entry = slot.get();
+    }
+    std::lock_guard lock(entry->mutex);
+    body(entry->engine);
+  }
+
+  void clear() {
+    std::lock_guard lock(mutex_);
+    entries_.clear();
+  }
+
+ private:
+  struct Entry {
+    explicit Entry(int device) : engine(device) {}
+    std::mutex mutex;
+    GroupedMatmul engine;
+  };
+  std::mutex mutex_;
+  std::map<int, std::unique_ptr<Entry>> entries_;
+};
+
+GroupedRegistry& engines() {
+  static GroupedRegistry registry;
+  return registry;
+}
+
+// A zero-size buffer stands for an absent bias.
+TensorView present_or_absent(const ffi::AnyBuffer& buffer, int device, const char* name) {
+  return buffer.element_count() == 0 ? TensorView{} : view_of(buffer, device, name);
+}
+
+ffi::Error run(GroupedPass pass, cudaStream_t stream, int device, GroupedMatmulArgs args,
+               const ffi::AnyBuffer& workspace) {
+  return guarded([&] {
+    // XLA aligns its buffers to fewer bytes than the pass wants (256): meshla.jax asks for that
+    // many more, and the workspace starts at the first boundary.
+    const auto address = reinterpret_cast<std::uintptr_t>(workspace.untyped_data());
+    const std::size_t skipped = detail::align_up(address) - address;
+    MESHLA_CHECK(kInternal, workspace.size_bytes() >= skipped,
+                 "grouped_linear: a workspace of " << workspace.size_bytes() << " bytes");
+    args.workspace = make_tensor_view(
+        reinterpret_cast<void*>(address + skipped), DType::kInt32,
+        {static_cast<std::int64_t>((workspace.size_bytes() - skipped) / 4)}, device);
+    engines().with_engine(device, [&](GroupedMatmul& engine) { engine.run(pass, args, stream); });
+  });
+}
+
+ffi::Error forward(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_splits,
+                   ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
+                   ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> workspace) {
+  return run(GroupedPass::kForward, stream, device,
+             {.m_splits = view_of(m_splits, device, "m_splits"),
+              .x = view_of(x, device, "x"),
+              .weight = view_of(weight, device, "weight"),
+              .bias = present_or_absent(bias, device, "bias"),
+              .y = view_of(*y, device, "y")},
+             *workspace);
+}
+
+ffi::Error dgrad(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_splits,
+                 ffi::AnyBuffer dy, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> dx,
+                 ffi::Result<ffi::AnyBuffer> workspace) {
+  return run(GroupedPass::kDgrad, stream, device,
+             {.m_splits = view_of(m_splits, device, "m_splits"),
+              .dy = view_of(dy, device, "dy"),
+              .weight = view_of(weight, device, "weight"),
+              .dx = view_of(*dx, device, "dx")},
+             *workspace);
+}
+
+ffi::Error wgrad(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_splits,
+                 ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dweight,
+                 ffi::Result<ffi::AnyBuffer> workspace) {
+  return run(GroupedPass::kWgrad, stream, device,
+             {.m_splits = view_of(m_splits, device, "m_splits"),
+              .x = view_of(x, device, "x"),
+              .dy = view_of(dy, device, "dy"),
+              .dweight = view_of(*dweight, device, "dweight")},
+             *workspace);
+}
+
+ffi::Error bias_grad(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_splits,
+                     ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dbias,
+                     ffi::Result<ffi::AnyBuffer> workspace) {
+  return run(GroupedPass::kBiasGrad, stream, device,
+             {.m_splits = view_of(m_splits, device, "m_splits"),
+              .dy = view_of(dy, device, "dy"),
+              .dbias = view_of(*dbias, device, "dbias")},
+             *workspace);
+}
+
+auto bound() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+
+}  // namespace
+
+// Each pass: m_splits and its operands, then its output and the workspace.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_forward, forward,
+                              bound()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_dgrad, dgrad,
+                              bound()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_wgrad, wgrad,
+                              bound()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    meshla_grouped_bias_grad, bias_grad,
+    bound().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
+    {ffi::Traits::kCmdBufferCompatible});
+
+std::vector<std::pair<std::string, void*>> grouped_targets() {
+  return {{"meshla_grouped_forward", reinterpret_cast<void*>(&meshla_grouped_forward)},
+          {"meshla_grouped_dgrad", reinterpret_cast<void*>(&meshla_grouped_dgrad)},
+          {"meshla_grouped_wgrad", reinterpret_cast<void*>(&meshla_grouped_wgrad)},
+          {"meshla_grouped_bias_grad", reinterpret_cast<void*>(&meshla_grouped_bias_grad)}};
+}
+
+void release_grouped() { engines().clear(); }
+
+}  // namespace meshla::jax_ffi

@@ -1,0 +1,115 @@
+"""GPU checks of meshla.jax.grouped_linear (one GPU), one JSON line per check.
+
+  python tests/gpu/check_jax_grouped.py --results FILE
+
+Every pass (the product, and through jax.grad the input, weight and bias gradients) against a
+float64 per-group loop over the same (rounded) inputs, for bf16, fp16 and fp32, skewed group sizes
+with an empty group, with and without a bias, under jax.jit (XLA's command buffers at their
+default). XLA hands a custom call fresh output buffers, which NaN cannot be written into before
+the call; instead each check runs twice on fresh random inputs of one shape, so that an output
+left unwritten holds the first run's values and fails the second. Also: bad group sizes under jit
+give NaN, and the next grouped call on the GPU raises the device-side check's words.
+"""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import meshla.jax as mj  # noqa: E402
+from reporting import Reporter, check_parser  # noqa: E402
+
+FAMILIES = ("passes", "errors")
+TOLERANCE = {jnp.bfloat16: 1e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
+# (sizes, in_features, out_features): an empty group, a group of one row, groups past a tile.
+SHAPES = [([300, 0, 1, 77, 1000], 64, 128), ([4096, 2048, 0, 2048], 1024, 512)]
+
+
+def relative(got, want) -> float:
+    got = np.asarray(got, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def loop(x, sizes, weight, bias, dy):
+    """y, dx, dweight, dbias in float64."""
+    x, weight, dy = (np.asarray(a, np.float64) for a in (x, weight, dy))
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    y, dx = np.zeros((x.shape[0], weight.shape[1])), np.zeros_like(x)
+    dweight, dbias = np.zeros_like(weight), np.zeros((len(sizes), weight.shape[1]))
+    for g in range(len(sizes)):
+        rows = slice(starts[g], starts[g + 1])
+        y[rows] = x[rows] @ weight[g].T + (0 if bias is None else np.asarray(bias[g], np.float64))
+        dx[rows] = dy[rows] @ weight[g]
+        dweight[g] = dy[rows].T @ x[rows]
+        dbias[g] = dy[rows].sum(0)
+    return y, dx, dweight, dbias
+
+
+def passes(report: Reporter, seed: int) -> None:
+    for sizes, in_features, out_features in SHAPES:
+        for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+            for with_bias in (False, True):
+                def body():
+                    errors = []
+                    for run in range(2):
+                        keys = jax.random.split(jax.random.key(seed + run), 4)
+                        rows = sum(sizes)
+                        x = jax.random.normal(keys[0], (rows, in_features), dtype)
+                        w = (jax.random.normal(keys[1], (len(sizes), out_features, in_features))
+                             / in_features**0.5).astype(dtype)
+                        b = (jax.random.normal(keys[2], (len(sizes), out_features), dtype)
+                             if with_bias else None)
+                        dy = jax.random.normal(keys[3], (rows, out_features), dtype)
+                        m_splits = jnp.asarray(sizes, jnp.int32)
+
+                        def step(x, w, b):
+                            y, pullback = jax.vjp(
+                                lambda x, w, b: mj.grouped_linear(x, m_splits, w, b), x, w, b)
+                            return (y, *pullback(dy))
+
+                        got = jax.jit(step)(x, w, b)
+                        want = loop(x, sizes, w, b, dy)
+                        errors.append([relative(g, r) for g, r in zip(got, want) if g is not None])
+                        # The empty group's weight gradient is zero.
+                        empty_group = np.asarray(got[2][sizes.index(0)], np.float64)
+                        errors[-1].append(float(np.abs(empty_group).max()))
+                    worst = max(max(e[:-1]) for e in errors)
+                    empty = max(e[-1] for e in errors)
+                    return (worst < TOLERANCE[dtype] and empty == 0,
+                            f"relative errors y/dx/dW/db by run {errors}")
+
+                report.check(f"sizes={sizes} in={in_features} out={out_features} "
+                             f"{jnp.dtype(dtype).name} bias={with_bias}", body)
+
+
+def errors(report: Reporter, seed: int) -> None:
+    def body():
+        keys = jax.random.split(jax.random.key(seed), 2)
+        x = jax.random.normal(keys[0], (96, 64), jnp.bfloat16)
+        w = jax.random.normal(keys[1], (2, 32, 64), jnp.bfloat16)
+        call = jax.jit(mj.grouped_linear)
+        poisoned = np.asarray(call(x, jnp.asarray([100, -4], jnp.int32), w), np.float32)
+        try:
+            np.asarray(call(x, jnp.asarray([48, 48], jnp.int32), w))
+        except jax.errors.JaxRuntimeError as error:
+            named = "m_splits[1]=-4 is negative" in str(error)
+            return (bool(np.all(np.isnan(poisoned))) and named,
+                    f"NaN output {np.all(np.isnan(poisoned))}; next call: {error}")
+        return False, "the next call did not raise"
+
+    report.check("bad sizes: NaN, then the next call raises", body)
+
+
+def main():
+    args = check_parser(__doc__, "jax-grouped", FAMILIES).parse_args()
+    report = Reporter(args.results, args.model, args.families)
+    seed = int.from_bytes(os.urandom(4), "little")
+    report.family("passes", passes, report, seed)
+    report.family("errors", errors, report, seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""CPU tests of meshla.jax.grouped_linear: the reference path against a float64 loop, its
+gradients, jit, bad group sizes, and errors in meshla.torch's words. The GPU handlers are checked
+by tests/gpu/check_jax_grouped.py."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import meshla.jax as mj
+import meshla.torch as mt
+
+
+def loop_reference(x, sizes, weight, bias):
+    """y and the gradients of sum(y * dy) for x, weight and bias, in float64."""
+    x, weight = np.asarray(x, np.float64), np.asarray(weight, np.float64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    y = np.zeros((x.shape[0], weight.shape[1]))
+    for g in range(len(sizes)):
+        rows = slice(starts[g], starts[g + 1])
+        y[rows] = x[rows] @ weight[g].T + (0 if bias is None else np.asarray(bias[g], np.float64))
+    return y
+
+
+def gradients(x, sizes, weight, bias, dy):
+    x, weight, dy = (np.asarray(a, np.float64) for a in (x, weight, dy))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    dx, dweight = np.zeros_like(x), np.zeros_like(weight)
+    dbias = np.zeros((len(sizes), weight.shape[1]))
+    for g in range(len(sizes)):
+        rows = slice(starts[g], starts[g + 1])
+        dx[rows] = dy[rows] @ weight[g]
+        dweight[g] = dy[rows].T @ x[rows]
+        dbias[g] = dy[rows].sum(0)
+    return dx, dweight, (dbias if bias is not None else None)
+
+
+def operands(sizes, in_features=6, out_features=3, seed=0, bias=True, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (sum(sizes), in_features), dtype)
+    weight = jax.random.normal(keys[1], (len(sizes), out_features, in_features), dtype)
+    b = jax.random.normal(keys[2], (len(sizes), out_features), dtype) if bias else None
+    return x, jnp.asarray(sizes, jnp.int32), weight, b
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("jit", [False, True])
+def test_matches_a_float64_loop_with_gradients(bias, jit):
+    sizes = [5, 0, 7, 1]
+    x, m_splits, weight, b = operands(sizes, bias=bias, seed=1 + bias)
+    call = jax.jit(mj.grouped_linear) if jit else mj.grouped_linear
+    y = call(x, m_splits, weight, b)
+    np.testing.assert_allclose(y, loop_reference(x, sizes, weight, b), rtol=1e-5, atol=1e-5)
+    dy = jax.random.normal(jax.random.key(7), y.shape)
+
+    def loss(x, weight, b):
+        return jnp.sum(mj.grouped_linear(x, m_splits, weight, b) * dy)
+
+    got = jax.grad(loss, argnums=(0, 1, 2) if bias else (0, 1))(x, weight, b)
+    want = gradients(x, sizes, weight, b, dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got[1][1]))  # the empty group's weight gradient is zero
+
+
+def test_int64_sizes_and_checkpoint():
+    sizes = [3, 3]
+    x, m_splits, weight, _ = operands(sizes, bias=False)
+    with jax.enable_x64(True):
+        y64 = mj.grouped_linear(x, jnp.asarray(sizes, jnp.int64), weight)
+    np.testing.assert_allclose(y64, mj.grouped_linear(x, m_splits, weight), rtol=1e-6)
+    grad = jax.grad(jax.checkpoint(lambda x: jnp.sum(mj.grouped_linear(x, m_splits, weight))))(x)
+    np.testing.assert_allclose(grad, gradients(x, sizes, weight, None, np.ones((6, 3)))[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_sizes_raise_eagerly_and_poison_under_jit():
+    x, _, weight, _ = operands([3, 3], bias=False)
+    with pytest.raises(ValueError, match=r"m_splits\[1\]=-1 is negative"):
+        mj.grouped_linear(x, jnp.asarray([7, -1], jnp.int32), weight)
+    with pytest.raises(ValueError, match="sums to 5 but the input has 6 rows"):
+        mj.grouped_linear(x, jnp.asarray([2, 3], jnp.int32), weight)
+    y = jax.jit(mj.grouped_linear)(x, jnp.asarray([2, 3], jnp.int32), weight)
+    assert np.all(np.isnan(y))
+
+
+def message(call) -> str:
+    with pytest.raises(ValueError) as error:
+        call()
+    return str(error.value)
+
+
+@pytest.mark.parametrize("case", ["float64", "bf16 rows", "weight shape", "sizes dtype"])
+def test_errors_are_meshla_torchs(case):
+    """The same bad call refused by both front ends in the same words (dtype names aside)."""
+    x, w = np.random.randn(6, 4).astype(np.float32), np.random.randn(2, 3, 4).astype(np.float32)
+    sizes = np.array([3, 3], np.int64)
+    if case == "float64":
+        x, w = x.astype(np.float64), w.astype(np.float64)
+    if case == "weight shape":
+        w = np.random.randn(2, 3, 5).astype(np.float32)
+    if case == "sizes dtype":
+        sizes = sizes.astype(np.float32)
+    to_torch = {"bf16 rows": lambda a: torch.from_numpy(a).bfloat16()}.get(
+        case, torch.from_numpy)
+    to_jax = {"bf16 rows": lambda a: jnp.asarray(a, jnp.bfloat16)}.get(case, jnp.asarray)
+    with jax.enable_x64(case == "float64"):
+        from_jax = message(lambda: mj.grouped_linear(to_jax(x), jnp.asarray(sizes), to_jax(w)))
+    from_torch = message(lambda: mt.grouped_linear(to_torch(x), torch.from_numpy(sizes),
+                                                   to_torch(w)))
+    assert re.sub(r"torch\.", "", from_torch) == from_jax
+    assert from_jax.startswith("grouped_linear forward: ")
+
+
+def test_mismatched_dtypes_are_named():
+    x, m_splits, weight, _ = operands([3, 3], bias=False)
+    with pytest.raises(ValueError, match="grouped_linear: x is float32 but the weights are "
+                                         "bfloat16; they must match"):
+        mj.grouped_linear(x, m_splits, weight.astype(jnp.bfloat16))
