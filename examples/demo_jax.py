@@ -7,7 +7,8 @@
 1. A tensor-parallel MLP block (sequence parallel) inside shard_map: meshla.jax's
    all_gather_matmul and matmul_reduce_scatter against jax.numpy on sharded arrays (XLA inserts
    the collectives).
-2. The grouped GEMM of a Mixture-of-Experts layer: not in meshla.jax yet; the line says so.
+2. The grouped GEMM of a Mixture-of-Experts layer, forward and backward on one device:
+   meshla.jax.grouped_linear against jax.lax.ragged_dot.
 3. A distributed Cholesky solve: meshla.jax.linalg.cho_solve over every device against
    jax.scipy.linalg.cho_solve on one.
 
@@ -110,6 +111,34 @@ def solve(mesh: Mesh, cpu: bool, where: str, runs: int) -> bool:
                       "jax.scipy.linalg on one device", error, 1e-8)
 
 
+def moe_layer(cpu: bool, where: str, runs: int) -> bool:
+    experts, hidden, ffn, tokens = (4, 64, 128, 512) if cpu else (8, 4096, 2048, 32768)
+    dtype = jnp.float32 if cpu else jnp.bfloat16
+    sizes = np.full(experts, tokens // experts)
+    sizes[0], sizes[-1] = sizes[0] + tokens // (2 * experts), sizes[-1] - tokens // (2 * experts)
+    keys = jax.random.split(jax.random.key(1), 2)
+    x = jax.random.normal(keys[0], (tokens, hidden), dtype)
+    w = (jax.random.normal(keys[1], (experts, ffn, hidden)) / hidden**0.5).astype(dtype)
+    m_splits = jnp.asarray(sizes, jnp.int32)
+
+    def forward_backward(layer):  # the layer's output and the gradients of its sum
+        return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(layer(x, w).astype(jnp.float32)),
+                                          argnums=(0, 1)))
+
+    ours = forward_backward(lambda x, w: mj.grouped_linear(x, m_splits, w))
+    # JAX's own grouped GEMM, its rhs [G, in, out]: the weights transposed once, outside the timing.
+    w_t = jnp.swapaxes(w, 1, 2)
+    theirs = forward_backward(lambda x, w_t: jax.lax.ragged_dot(x, w_t, m_splits))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    reference = np.concatenate([x64[starts[g]:starts[g + 1]] @ w64[g].T for g in range(experts)])
+    error = relative_error(mj.grouped_linear(x, m_splits, w), reference)
+    return report(f"MoE grouped GEMM forward + backward, {experts} experts, {tokens} tokens, "
+                  f"{hidden} -> {ffn}, {jnp.dtype(dtype).name}", where,
+                  time_ms(lambda: ours(x, w), runs), time_ms(lambda: theirs(x, w_t), runs),
+                  "jax.lax.ragged_dot", error, 1e-2 if dtype == jnp.bfloat16 else 1e-5)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,9 +149,9 @@ def main():
     where = (f"{len(devices)} CPU device(s) (meshla's reference paths, for correctness, not "
              "speed)" if cpu else f"{len(devices)}x {devices[0].device_kind}")
     mesh = Mesh(np.array(devices), ("tp",))
-    results = [mlp_block(mesh, cpu, where, args.runs)]
-    print("[jax] MoE grouped GEMM: not in meshla.jax yet (jax.lax.ragged_dot is JAX's own; "
-          "meshla.torch has GroupedLinear)", flush=True)
+    one = ("1 CPU device (meshla's reference path, for correctness, not speed)" if cpu
+           else f"1x {devices[0].device_kind}")
+    results = [mlp_block(mesh, cpu, where, args.runs), moe_layer(cpu, one, args.runs)]
     results.append(solve(mesh, cpu, where, args.runs))
     print("[jax] demo:", "OK" if all(results) else "FAILED")
     raise SystemExit(0 if all(results) else 1)

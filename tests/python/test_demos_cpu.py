@@ -29,5 +29,5 @@ def test_demo_runs_every_pillar_on_cpu(framework):
     lines = [line for line in out.splitlines() if line.startswith(f"[{framework}]")]
     assert lines[-1] == f"[{framework}] demo: OK", out
     checked = [line for line in lines if "vs float64" in line]
-    assert len(checked) == (3 if framework == "torch" else 2), out
+    assert len(checked) == 3, out
     assert all(line.endswith(": OK") for line in checked), out

@@ -1,0 +1,135 @@
+"""Grouped GEMM in JAX on one GPU: meshla.jax.grouped_linear against jax.lax.ragged_dot, one dense
+GEMM of the same total size, and meshla.torch's grouped_linear at the same shapes, in one run.
+
+  python bench/jax_grouped.py --commit SHA --out results.json
+
+TFLOP/s of forward (y = x W_gᵀ), dgrad (dx = dy W_g) and wgrad (dW_g = dy_gᵀ x_g) for
+bench/grouped_linear.py's shapes and routings (DeepSeek-V3's experts over 8 and 32, Qwen3-30B-A3B's
+up_proj; uniform and skewed). JAX's passes are jitted functions of their own (meshla's through
+jax.vjp of grouped_linear, ragged_dot's through jax.vjp of ragged_dot with its rhs [G, in, out]),
+timed as `calls` back-to-back calls after a warm-up, the median of `reps`; torch's with CUDA
+events the same way.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+from grouped_linear import SHAPES, routing  # noqa: E402
+
+import meshla.jax as mj  # noqa: E402
+import meshla.torch as mt  # noqa: E402
+
+
+def jax_ms(fn, args, calls: int, reps: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(times)
+
+
+def torch_ms(fn, calls: int, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / calls)
+    return statistics.median(times)
+
+
+def jax_passes(grouped, x, w, dy):
+    """(forward, dgrad, wgrad) of ``grouped(x, w)`` as jitted functions of (x, w, dy)."""
+    forward = jax.jit(lambda x, w, dy: grouped(x, w))
+    dgrad = jax.jit(lambda x, w, dy: jax.vjp(lambda x: grouped(x, w), x)[1](dy)[0])
+    wgrad = jax.jit(lambda x, w, dy: jax.vjp(lambda w: grouped(x, w), w)[1](dy)[0])
+    return {"forward": forward, "dgrad": dgrad, "wgrad": wgrad}
+
+
+def bench_shape(name, groups, k, n, tokens, skewed, args) -> list[dict]:
+    sizes = routing(groups, tokens, skewed)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (tokens, k), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (groups, n, k)) / k**0.5).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (tokens, n), jnp.bfloat16)
+    m_splits = jnp.asarray(sizes, jnp.int32)
+    w_t = jnp.swapaxes(w, 1, 2)  # ragged_dot's rhs, [G, in, out]
+    variants = {
+        "meshla.jax": (jax_passes(lambda x, w: mj.grouped_linear(x, m_splits, w), x, w, dy),
+                       (x, w, dy)),
+        "jax.lax.ragged_dot": (jax_passes(lambda x, w_t: jax.lax.ragged_dot(x, w_t, m_splits),
+                                          x, w_t, dy), (x, w_t, dy)),
+        "dense GEMM": (jax_passes(lambda x, w0: x @ w0.T, x, w[0], dy), (x, w[0], dy)),
+    }
+    flops = 2.0 * tokens * k * n
+    rows = []
+    for variant, (passes, operands) in variants.items():
+        for pass_name, fn in passes.items():
+            ms = jax_ms(fn, operands, args.calls, args.reps)
+            rows.append({"shape": name, "routing": "skewed" if skewed else "uniform",
+                         "pass": pass_name, "variant": variant, "ms": ms,
+                         "tflops": flops / ms / 1e9})
+    # meshla.torch at the same shape, for the within-3% target.
+    tx = torch.from_dlpack(x).contiguous()
+    tw, tdy = torch.from_dlpack(w).contiguous(), torch.from_dlpack(dy).contiguous()
+    splits = torch.tensor(sizes, dtype=torch.int64, device=tx.device)
+    grouped = mt.grouped
+    torch_passes = {
+        "forward": lambda: grouped._grouped_mm(tx, splits, tw, None),
+        "dgrad": lambda: grouped._grouped_mm_dgrad(tdy, splits, tw),
+        "wgrad": lambda: grouped._weight_grad(tx, tdy, splits, groups, tx.dtype),
+    }
+    for pass_name, fn in torch_passes.items():
+        ms = torch_ms(fn, args.calls, args.reps)
+        rows.append({"shape": name, "routing": "skewed" if skewed else "uniform",
+                     "pass": pass_name, "variant": "meshla.torch", "ms": ms,
+                     "tflops": flops / ms / 1e9})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--out", help="JSON file to append this run to")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    rows = []
+    for shape in SHAPES:
+        for skewed in (False, True):
+            rows += bench_shape(*shape, skewed, args)
+            for r in rows[-12:]:
+                print(f"{r['shape']:<26} {r['routing']:<8} {r['pass']:<8} {r['variant']:<20} "
+                      f"{r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s", flush=True)
+    if args.out:
+        run = {"device": jax.devices()[0].device_kind, "commit": args.commit,
+               "jax": jax.__version__, "torch": torch.__version__,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "calls": args.calls, "reps": args.reps, "rows": rows}
+        runs = []
+        if os.path.exists(args.out):
+            with open(args.out) as f:
+                runs = json.load(f)
+        with open(args.out, "w") as f:
+            json.dump(runs + [run], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
