@@ -373,20 +373,25 @@ struct Matmul::Impl {
         workspace(device_, kWorkspaceBytes),
         sm_count(device_attribute(device_, cudaDevAttrMultiProcessorCount)),
         capability(10 * device_attribute(device_, cudaDevAttrComputeCapabilityMajor) +
-                   device_attribute(device_, cudaDevAttrComputeCapabilityMinor)),
-        cutlass_rowwise(detail::runs_hopper_kernels(device_)) {}
+                   device_attribute(device_, cudaDevAttrComputeCapabilityMinor)) {}
 
-  // fp8 tensor cores came with Ada and Hopper (compute capability 8.9).
+  // fp8 tensor cores came with Ada and Hopper (compute capability 8.9). On Hopper rowwise scales
+  // have only meshla's kernel: CUDA 13.0's cuBLASLt refuses outer-vector scales on sm_90.
   void check_runs(const MatmulShape& shape) const {
     MESHLA_CHECK(kNotImplemented, shape.scaling == MatmulScaling::kNone || capability >= 89,
                  "matmul: float8 needs compute capability 8.9 or newer; cuda:"
                      << device << " is " << capability / 10 << "." << capability % 10);
+    MESHLA_CHECK(
+        kNotImplemented,
+        shape.scaling != MatmulScaling::kRowwise || capability != 90 || runs_cutlass(shape),
+        "matmul: rowwise float8 on sm_90 runs meshla's Hopper kernel, which "
+        "MESHLA_PORTABLE=1 turns off (cuBLASLt has no outer-vector scales there)");
   }
 
   // Rowwise fp8 on Hopper runs meshla's CUTLASS kernel (sm90_rowwise_fp8_gemm.hpp), which needs
   // no tuning; elsewhere cuBLASLt's outer-vector scales.
   bool runs_cutlass(const MatmulShape& shape) const {
-    return cutlass_rowwise && shape.scaling == MatmulScaling::kRowwise;
+    return shape.scaling == MatmulScaling::kRowwise && detail::runs_hopper_kernels(device);
   }
 
   Descriptors& lookup(const ResolvedShape& resolved) {
@@ -402,7 +407,6 @@ struct Matmul::Impl {
   detail::DeviceBuffer workspace;
   int sm_count;
   int capability;  // 10 * major + minor
-  bool cutlass_rowwise;
   std::map<Key, std::unique_ptr<Descriptors>> cache;
 };
 

@@ -712,7 +712,7 @@ def check_workspace_outlives_plans(world, reporter, label, seed_base):
         errors = []
         for index, m in enumerate((1024 * world.size, 128 * world.size)):
             if index == 1 and world.rank == 0:
-                group._plans.clear()  # rank 0's plans go; the other ranks keep theirs
+                group.clear_plans()  # rank 0's plans go; the other ranks keep theirs
                 gc.collect()
             p = Problem("matmul_all_reduce", world, dtype, m, n, k, seed_base + index, False, True)
             run_op("matmul_all_reduce", p, group, "ring", False, backend=backend)
@@ -1142,7 +1142,7 @@ def check_gather_forms(group, reporter, label, seed_base):
     try:
         for form in ("per_batch", "one_launch"):
             os.environ["MESHLA_GATHER_GEMM"] = form
-            group._plans.clear()  # plans read the variable when they are built
+            group.clear_plans()  # plans read the variable when they are built
             for dtype, trans_b, (rows, n, k) in itertools.product(
                     (torch.bfloat16, torch.float16), (False, True), ((200, 384, 256),
                                                                      (1024, 768, 512))):
@@ -1178,7 +1178,7 @@ def check_gather_forms(group, reporter, label, seed_base):
         reporter.record(name, group.rank, ok, detail)
     finally:
         del os.environ["MESHLA_GATHER_GEMM"]
-        group._plans.clear()
+        group.clear_plans()
 
 
 def run_cublasmp(op, problem, group, algorithm, trans_b):

@@ -133,7 +133,7 @@ def child_dropped(backend: str) -> None:
     torch.cuda._sleep(HOLD_CYCLES["dropped"])
     mt.all_gather_matmul(a, b, group, out=out, **kwargs)
     before, start = ticks[0], time.monotonic()
-    group._plans.clear()  # the plan's only reference: destroying it waits for the held run
+    group.clear_plans()  # the plan's only reference: destroying it waits for the held run
     drop_ms, during = (time.monotonic() - start) * 1e3, ticks[0] - before
     stop.set()
     ticker.join()
@@ -167,7 +167,7 @@ def child_peer_late(backend: str) -> None:
         mt.all_gather_matmul(*inputs[r], groups[r], out=outs[r], **kwargs)
         if r == 0:
             times["returned"] = time.monotonic()
-            groups[0]._plans.clear()  # the plan's only reference: it goes here
+            groups[0].clear_plans()  # the plan's only reference: it goes here
         torch.cuda.synchronize(r)
 
     on_both_ranks(rank)

@@ -365,3 +365,20 @@ def test_float8_operands_are_refused_in_the_cores_words(world1):
     with pytest.raises(ValueError, match="matmul_all_reduce: a.dtype=float8_e4m3fn is not "
                                          "supported; use bfloat16, float16 or float32"):
         mt.matmul_all_reduce(a, b, world1)
+
+
+def test_remembered_calls_cache_any_answer_and_go_with_the_plans():
+    """A call is described once per group, None answers included (column_parallel_matmul's
+    checks), and forgotten when the group's plans are let go of: what it remembers may hold them."""
+    group = mt.TPGroup(rank=0, size=1)
+    described = []
+
+    def describe():
+        described.append(1)
+
+    for _ in range(3):
+        assert group.remembered_call(("key",), describe) is None
+    assert len(described) == 1
+    group.clear_plans()
+    group.remembered_call(("key",), describe)
+    assert len(described) == 2

@@ -15,6 +15,7 @@ without GPUs.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import math
 import threading
@@ -66,18 +67,21 @@ def _check_ranks(grouped_pass, m_splits, device: int, **operands) -> None:
         _check(grouped_pass, m_splits, device, **operands)
 
 
-# The extension's GroupedMatmul of the first GPU, which sizes the workspaces: XLA allocates a
-# call's when it runs, at the size fixed when it is traced.
-_sizes_lock = threading.Lock()
-_sizer: list = []
+# A GroupedMatmul per local GPU, which size the workspaces: XLA allocates a call's when it runs,
+# at a size fixed when it is traced, before XLA has chosen the GPU. The largest over the GPUs (the
+# size grows with the SM count) fits whichever runs it.
+_sizers_lock = threading.Lock()
+_sizers: list = []
+atexit.register(_sizers.clear)  # before the interpreter tears the extension down
 
 
 @functools.lru_cache(maxsize=None)
 def _workspace_bytes(grouped_pass, dtype, groups: int, out_features: int) -> int:
-    with _sizes_lock:
-        if not _sizer:
-            _sizer.append(_meshla.GroupedMatmul(jax.devices("gpu")[0].local_hardware_id))
-    return _sizer[0].workspace_bytes(grouped_pass, dtype, groups, out_features)
+    with _sizers_lock:
+        if not _sizers:
+            _sizers.extend(_meshla.GroupedMatmul(d.local_hardware_id)
+                           for d in jax.local_devices(backend="gpu"))
+    return max(s.workspace_bytes(grouped_pass, dtype, groups, out_features) for s in _sizers)
 
 
 def _group_of_rows(m_splits, rows: int):
@@ -174,9 +178,12 @@ def _forward(x, m_splits, weight, bias):
 
 
 def _check_concrete_sizes(x, m_splits, weight, bias) -> None:
-    """An eager call's group sizes, checked before anything runs (as meshla.torch's CPU path does,
-    in the device-side check's words), after the shapes they are checked against."""
+    """An eager call's group sizes on the CPU, checked before anything runs (as meshla.torch's CPU
+    path does, in the device-side check's words), after the shapes they are checked against.
+    Sizes on a GPU are read there only, as in meshla.torch: nothing waits for them."""
     if isinstance(m_splits, jax.core.Tracer):
+        return
+    if isinstance(m_splits, jax.Array) and any(d.platform != "cpu" for d in m_splits.devices()):
         return
     device = 0 if _gpus_present() else -1
     _check_ranks(_PASS.forward, m_splits, device, x=x, weight=weight)
@@ -223,9 +230,11 @@ def grouped_linear(x, m_splits, weight, bias=None):
     float32, shapes that do not fit together, and 16-bit in or out features that are not
     multiples of 8 (TMA's rule, on CPUs too, so that a program refused on a GPU is refused
     everywhere). Group sizes that are negative or do not sum to ``rows`` raise ``ValueError``
-    at once where they are concrete (an eager call); under ``jax.jit`` the call's outputs are
-    NaN, and on a GPU the next grouped call on that GPU fails with
+    at once in an eager call on the CPU; under ``jax.jit``, and on a GPU, the call's outputs are
+    NaN, and on a GPU the next grouped call that its handler runs on that GPU fails with
     ``jax.errors.JaxRuntimeError`` in the same words (the sizes are read on the device only).
+    Inside an XLA command buffer a replay does not run the handler, so there the NaN may be all
+    that shows until a call outside one.
     """
     for name, a in (("x", x), ("m_splits", m_splits), ("weight", weight)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):

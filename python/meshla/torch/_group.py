@@ -44,6 +44,7 @@ def group_of(key: int) -> TPGroup:
 
 
 _MAX_CALLS = 1024
+_UNSEEN = object()
 
 
 @dataclass(eq=False)
@@ -119,14 +120,22 @@ class TPGroup:
         """What ``described()`` gave for the call that ``key`` names (its op, options and every
         operand's metadata), computed on the first such call. A model's calls repeat a few shapes,
         and describing one costs about 20 us of host time; a shape per call (no two alike) is
-        forgotten in batches of _MAX_CALLS."""
-        hit = self._calls.get(key)
-        if hit is None:
+        forgotten in batches of _MAX_CALLS. What is remembered may hold the group's plans: it is
+        forgotten with them (clear_plans)."""
+        hit = self._calls.get(key, _UNSEEN)
+        if hit is _UNSEEN:
             hit = described()
             if len(self._calls) >= _MAX_CALLS:
                 self._calls.clear()
             self._calls[key] = hit
         return hit
+
+    def clear_plans(self) -> None:
+        """Lets go of the group's plans (each waits for its last execution) and of the calls
+        remembered with them; the next call of each shape builds its plan again, collectively."""
+        self._calls.clear()
+        if self._plans is not None:
+            self._plans.clear()
 
     def all_gather_plan(self, dtype: torch.dtype, rows: int, cols: int) -> _meshla.AllGather:
         """The group's all-gather of [rows, cols] per rank (for a backward that gathers rows
