@@ -120,3 +120,20 @@ def test_mismatched_dtypes_are_named():
     with pytest.raises(ValueError, match="grouped_linear: x is float32 but the weights are "
                                          "bfloat16; they must match"):
         mj.grouped_linear(x, m_splits, weight.astype(jnp.bfloat16))
+
+
+def test_the_moe_example_trains_like_ragged_dot():
+    """examples/jax_moe.py on the CPU: meshla's losses are jax.lax.ragged_dot's step by step (the
+    example exits non-zero where they differ)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("optax")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "jax_moe.py")
+    done = subprocess.run([sys.executable, example, "--steps", "3", "--tokens", "128",
+                           "--hidden", "32", "--ffn", "64"], env=dict(os.environ,
+                                                                      JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "same losses step by step" in done.stdout
