@@ -2,13 +2,14 @@
 
   python tests/gpu/check_jax_grouped.py --results FILE
 
-Every pass (the product, and through jax.grad the input, weight and bias gradients) against a
+Every pass (the product, and through jax.vjp the input, weight and bias gradients) against a
 float64 per-group loop over the same (rounded) inputs, for bf16, fp16 and fp32, skewed group sizes
 with an empty group, with and without a bias, under jax.jit (XLA's command buffers at their
-default). XLA hands a custom call fresh output buffers, which NaN cannot be written into before
-the call; instead each check runs twice on fresh random inputs of one shape, so that an output
-left unwritten holds the first run's values and fails the second. Also: bad group sizes under jit
-give NaN, and the next grouped call on the GPU raises the device-side check's words.
+default), and inside jax.shard_map. XLA hands a custom call fresh output buffers, which NaN cannot
+be written into before the call; instead each check runs twice on fresh random inputs of one
+shape, so that an output left unwritten holds the first run's values and fails the second. Also:
+bad group sizes under jit give NaN, and the next grouped call on the GPU raises the device-side
+check's words.
 """
 
 import os
@@ -22,7 +23,7 @@ import numpy as np  # noqa: E402
 import meshla.jax as mj  # noqa: E402
 from reporting import Reporter, check_parser  # noqa: E402
 
-FAMILIES = ("passes", "errors")
+FAMILIES = ("passes", "shard-map", "errors")
 TOLERANCE = {jnp.bfloat16: 1e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
 # (sizes, in_features, out_features): an empty group, a group of one row, groups past a tile.
 SHAPES = [([300, 0, 1, 77, 1000], 64, 128), ([4096, 2048, 0, 2048], 1024, 512)]
@@ -85,6 +86,37 @@ def passes(report: Reporter, seed: int) -> None:
                              f"{jnp.dtype(dtype).name} bias={with_bias}", body)
 
 
+def shard_map(report: Reporter, seed: int) -> None:
+    """Inside jax.shard_map over a mesh of this GPU (the custom calls' results typed with the
+    operands' varying axes), weights split over the axis: the loss and gradients of a squared
+    sum against the float64 loop."""
+    def body():
+        from jax.sharding import Mesh
+        from jax.sharding import PartitionSpec as P
+
+        sizes = [300, 0, 77, 1000]
+        mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+        layer = jax.shard_map(lambda x, s, w, b: mj.grouped_linear(x, s, w, b), mesh=mesh,
+                              in_specs=(P("ep"),) * 4, out_specs=P("ep"))
+        m_splits = jnp.asarray(sizes, jnp.int32)
+        step = jax.jit(lambda x, w, b: jax.vjp(lambda x, w, b: layer(x, m_splits, w, b),
+                                               x, w, b))
+        errors = []
+        for run in range(2):  # fresh inputs: an unwritten output keeps the first run's values
+            keys = jax.random.split(jax.random.key(seed + run), 3)
+            x = jax.random.normal(keys[0], (sum(sizes), 64), jnp.float32)
+            w = jax.random.normal(keys[1], (len(sizes), 128, 64), jnp.float32) / 8
+            b = jax.random.normal(keys[2], (len(sizes), 128), jnp.float32)
+            y, pullback = step(x, w, b)
+            dy = 2 * y
+            want = loop(x, sizes, w, b, np.asarray(dy, np.float64))
+            errors.append([relative(g, r) for g, r in zip((y, *pullback(dy)), want)])
+        return (max(map(max, errors)) < TOLERANCE[jnp.float32],
+                f"relative errors y/dx/dW/db by run {errors}")
+
+    report.check("inside shard_map, weights split over the axis", body)
+
+
 def errors(report: Reporter, seed: int) -> None:
     def body():
         keys = jax.random.split(jax.random.key(seed), 2)
@@ -108,6 +140,7 @@ def main():
     report = Reporter(args.results, args.model, args.families)
     seed = int.from_bytes(os.urandom(4), "little")
     report.family("passes", passes, report, seed)
+    report.family("shard-map", shard_map, report, seed)
     report.family("errors", errors, report, seed)
 
 

@@ -2,16 +2,21 @@
 gradients, jit, bad group sizes, and errors in meshla.torch's words. The GPU handlers are checked
 by tests/gpu/check_jax_grouped.py."""
 
+import os
 import re
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
-import torch
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
-import meshla.jax as mj
-import meshla.torch as mt
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import meshla.jax as mj  # noqa: E402
+import meshla.torch as mt  # noqa: E402
 
 
 def loop_reference(x, sizes, weight, bias):
@@ -137,3 +142,34 @@ def test_the_moe_example_trains_like_ragged_dot():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "same losses step by step" in done.stdout
+
+
+@pytest.mark.parametrize("experts_split", [True, False])
+def test_inside_shard_map(experts_split):
+    """Expert parallelism: each device's rows through its own experts (weights split over the
+    axis), or through experts every device holds (their gradients summed over the axis, as JAX's
+    own differentiation of the same model sums them)."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 host devices (XLA_FLAGS set before jax was imported elsewhere)")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("ep",))
+    sizes = [10, 0, 30, 24]
+    x, m_splits, weight, b = operands(sizes * 2 if experts_split else sizes, seed=3)
+    x = jnp.concatenate([x, x[::-1]]) if not experts_split else x
+    specs = (P("ep"), P("ep"), P("ep"), P("ep")) if experts_split else (P("ep"), P(), P(), P())
+
+    def model(layer):
+        return jax.shard_map(lambda x, s, w, b: layer(x, s, w, b), mesh=mesh, in_specs=specs,
+                             out_specs=P("ep"))
+
+    def reference_layer(x, s, w, b):
+        groups = jnp.repeat(jnp.arange(w.shape[0]), s, total_repeat_length=x.shape[0])
+        return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), s) + b[groups]
+
+    def loss(layer):
+        return lambda x, w, b: jnp.sum(model(layer)(x, m_splits, w, b) ** 2)
+
+    got = jax.jit(jax.value_and_grad(loss(mj.grouped_linear), argnums=(0, 1, 2)))(x, weight, b)
+    want = jax.value_and_grad(loss(reference_layer), argnums=(0, 1, 2))(x, weight, b)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)

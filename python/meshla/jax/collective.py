@@ -48,6 +48,7 @@ from meshla._tuning import Tuning
 from meshla.jax import _groups
 from meshla.jax._dtypes import dtype_of
 from meshla.jax._ffi import register_targets
+from meshla.jax._vma import as_varying, typed, varying_axes
 
 __all__ = [
     "all_gather_matmul",
@@ -81,10 +82,6 @@ class _Call:
     varying: tuple[frozenset, frozenset, frozenset]
 
 
-def _varying(x) -> frozenset:
-    return frozenset() if x is None else jax.typeof(x).mat.varying
-
-
 def _check_array(op: str, name: str, x) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise ValueError(f"{op}: {name} must be an array, got {type(x).__name__}")
@@ -112,7 +109,7 @@ def _describe(op, a, b, bias, *, axis: str, tp: int, group: int | None, trans_b:
                  return_gathered=return_gathered, tuning=tuning,
                  out_shape=tuple(config.product_shape(tp)),
                  gathered_shape=(config.m, config.k) if return_gathered else None,
-                 varying=(_varying(a), _varying(b), _varying(bias)))
+                 varying=(varying_axes(a), varying_axes(b), varying_axes(bias)))
 
 
 def _mesh_of(op: str, mesh: Mesh | None, axis: str) -> Mesh:
@@ -183,27 +180,15 @@ def _reference(call: _Call, a, b, bias):
     return product.astype(a.dtype), gathered
 
 
-def _as_varying(x, axes: frozenset):
-    missing = tuple(sorted(axes - _varying(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _typed(shape, dtype, varying: frozenset):
-    """A custom call's result inside shard_map: on the manual mesh, of the given varying axes."""
-    return jax.ShapeDtypeStruct(shape, dtype,
-                                sharding=NamedSharding(jax.sharding.get_abstract_mesh(), P()),
-                                manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
-
-
 def _out_varying(call: _Call, a, b, bias) -> frozenset:
     """The product's type, as the reference's collectives give it: the reduce-scatter's varies
     over the axis; the all-gather's rows do not (its product varies over it where b or the bias
     do), nor does the all-reduce's sum (where the bias does)."""
     if call.op == _Op.matmul_reduce_scatter:
-        return _varying(a) | _varying(b) | _varying(bias) | {call.axis}
+        return varying_axes(a) | varying_axes(b) | varying_axes(bias) | {call.axis}
     if call.op == _Op.all_gather_matmul:
-        return (_varying(a) - {call.axis}) | _varying(b) | _varying(bias)
-    return (_varying(a) | _varying(b)) - {call.axis} | _varying(bias)
+        return (varying_axes(a) - {call.axis}) | varying_axes(b) | varying_axes(bias)
+    return (varying_axes(a) | varying_axes(b)) - {call.axis} | varying_axes(bias)
 
 
 _TARGETS = {
@@ -216,12 +201,12 @@ _TARGETS = {
 def _on_gpus(call: _Call, a, b, bias):
     # One custom call takes operands of one type: each varies over every axis any of them does.
     operands = (a, b, jnp.zeros((0,), a.dtype) if bias is None else bias)
-    varying = frozenset().union(*map(_varying, operands))
-    operands = [_as_varying(x, varying) for x in operands]
-    results = [_typed(call.out_shape, a.dtype, _out_varying(call, a, b, bias))]
+    varying = frozenset().union(*map(varying_axes, operands))
+    operands = [as_varying(x, varying) for x in operands]
+    results = [typed(call.out_shape, a.dtype, _out_varying(call, a, b, bias))]
     if call.op == _Op.all_gather_matmul:
         # A zero-size gathered output tells the handler not to return the rows.
-        results.append(_typed(call.gathered_shape or (0,), a.dtype, _varying(a) - {call.axis}))
+        results.append(typed(call.gathered_shape or (0,), a.dtype, varying_axes(a) - {call.axis}))
     tuning = call.tuning
     outputs = jax.ffi.ffi_call(_TARGETS[call.op], results)(
         *operands, group=call.group, trans_b=call.trans_b, algorithm=tuning.algorithm.value,
@@ -250,10 +235,10 @@ def _cotangent(ct, primal_varying: frozenset, dtype):
     """``ct``, this rank's contribution, as the cotangent of an input of ``primal_varying`` type:
     summed over the axes it varies over and the input does not (where JAX's differentiation of
     the reference sums it), marked varying where the input is."""
-    extra = tuple(sorted(_varying(ct) - primal_varying))
+    extra = tuple(sorted(varying_axes(ct) - primal_varying))
     if extra:
         ct = jax.lax.psum(ct, extra)
-    return _as_varying(ct, primal_varying).astype(dtype)
+    return as_varying(ct, primal_varying).astype(dtype)
 
 
 def _weight_grad(call: _Call, rows, grad, dtype):
@@ -297,7 +282,7 @@ def _collective_bwd(call: _Call, residuals, cotangents):
     a, b, bias, rows = residuals
     grad, gathered_grad = cotangents
     if call.op == _Op.all_gather_matmul:
-        if call.axis in _varying(grad):
+        if call.axis in varying_axes(grad):
             # Each rank's product used its own b: the gathered rows' gradient (grad bᵀ) is summed
             # over the ranks, and each keeps its own rows.
             grad_a, _ = _conjugate(call, _Op.matmul_reduce_scatter, grad, b,
@@ -313,13 +298,13 @@ def _collective_bwd(call: _Call, residuals, cotangents):
         # an a or b the same on every rank gets them summed, as every rank's product was.
         grad_a, grad_rows = _conjugate(call, _Op.all_gather_matmul, grad, b,
                                        trans_b=not call.trans_b, return_gathered=True)
-        grad_a = _as_varying(grad_a, frozenset({call.axis}))
-        grad_b = _weight_grad(call, a, _as_varying(grad_rows, frozenset({call.axis})), b.dtype)
+        grad_a = as_varying(grad_a, frozenset({call.axis}))
+        grad_b = _weight_grad(call, a, as_varying(grad_rows, frozenset({call.axis})), b.dtype)
     else:
         # The sum's gradient: the output's, summed over the axis where a bias made it vary over
         # it; every rank's product then has it as its own contribution (as above).
-        summed = jax.lax.psum(grad, call.axis) if call.axis in _varying(grad) else grad
-        summed = _as_varying(summed, frozenset({call.axis}))
+        summed = jax.lax.psum(grad, call.axis) if call.axis in varying_axes(grad) else grad
+        summed = as_varying(summed, frozenset({call.axis}))
         grad_a = _dot(summed, b if call.trans_b else b.T)
         grad_b = _weight_grad(call, a, summed, b.dtype)
     grad_a = _cotangent(grad_a, call.varying[0], a.dtype)

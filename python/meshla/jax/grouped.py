@@ -27,6 +27,7 @@ import numpy as np
 from meshla import _meshla
 from meshla.jax._dtypes import dtype_of
 from meshla.jax._ffi import register_targets
+from meshla.jax._vma import as_varying, typed, varying_axes
 
 __all__ = ["grouped_linear"]
 
@@ -133,9 +134,17 @@ _TARGETS = {_PASS.forward: "meshla_grouped_forward", _PASS.dgrad: "meshla_groupe
 def _on_gpu(grouped_pass, m_splits, out_shape, lead, out_features: int, operands):
     workspace = _workspace_bytes(grouped_pass, dtype_of("x", lead), m_splits.shape[0],
                                  out_features) + _ALIGNMENT_SLACK
-    results = (jax.ShapeDtypeStruct(out_shape, lead.dtype),
-               jax.ShapeDtypeStruct(((workspace + 3) // 4,), jnp.int32))
-    out, _ = jax.ffi.ffi_call(_TARGETS[grouped_pass], results)(m_splits, *operands)
+    # Inside shard_map (experts split over a mesh axis) one custom call takes operands of one
+    # type, and its results vary over every axis an operand does, as the reference's would.
+    arrays = (m_splits, *operands)
+    varying = frozenset().union(*map(varying_axes, arrays))
+    arrays = [as_varying(a, varying) for a in arrays]
+
+    def result(shape, dtype):
+        return typed(shape, dtype, varying) if varying else jax.ShapeDtypeStruct(shape, dtype)
+
+    results = (result(out_shape, lead.dtype), result(((workspace + 3) // 4,), jnp.int32))
+    out, _ = jax.ffi.ffi_call(_TARGETS[grouped_pass], results)(*arrays)
     return out
 
 
@@ -198,18 +207,29 @@ def _grouped(x, m_splits, weight, bias):
 
 
 def _grouped_fwd(x, m_splits, weight, bias):
-    return _forward(x, m_splits, weight, bias), (x, m_splits, weight, bias is not None)
+    return _forward(x, m_splits, weight, bias), (x, m_splits, weight, bias)
+
+
+def _cotangent(ct, primal):
+    """``ct`` as the cotangent of ``primal`` inside shard_map: summed over the axes it varies
+    over and the primal does not (a weight the same on every device, used by each with its own
+    rows: JAX's differentiation of the reference sums the same way)."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    return (jax.lax.psum(ct, extra) if extra else ct).astype(primal.dtype)
 
 
 def _grouped_bwd(residuals, dy):
-    x, m_splits, weight, has_bias = residuals
-    num_groups, out_features, in_features = weight.shape
+    x, m_splits, weight, bias = residuals
+    num_groups, out_features, _ = weight.shape
     dx = _pass(_PASS.dgrad, m_splits, x.shape, dy, out_features, dy=dy, weight=weight)
     dweight = _pass(_PASS.wgrad, m_splits, weight.shape, x, out_features, x=x, dy=dy)
-    dbias = (_pass(_PASS.bias_grad, m_splits, (num_groups, out_features), dy, out_features,
-                   dy=dy) if has_bias else None)
+    dbias = None
+    if bias is not None:
+        dbias = _cotangent(_pass(_PASS.bias_grad, m_splits, (num_groups, out_features), dy,
+                                 out_features, dy=dy), bias)
     # Group sizes are integers: their cotangent is float0.
-    return dx, np.zeros(m_splits.shape, jax.dtypes.float0), dweight.astype(weight.dtype), dbias
+    return (_cotangent(dx, x), np.zeros(m_splits.shape, jax.dtypes.float0),
+            _cotangent(dweight, weight), dbias)
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
