@@ -4,7 +4,8 @@
 
 A model written for tensor parallelism also runs with tp=1 (on one GPU, or to debug), where each
 collective is the identity and the call should cost what torch.mm does. For each shape and each
-op (backend "auto", bf16, through the public functions as a model calls them), this times `calls`
+op (backend "auto", bf16, through the public functions as a model calls them; with
+column_parallel_matmul, whose forward is a local GEMM after its checks), this times `calls`
 calls queued back to back and reports, per call, the time until the device is done (the median of
 `reps` repetitions) and the host's time to enqueue it. Small shapes measure the host's cost per
 call; large ones the device's. The first call of each shape builds its plan outside the timing.
@@ -62,6 +63,8 @@ def main():
             "all_gather_matmul": lambda: mt.all_gather_matmul(a, b, group),
             "matmul_reduce_scatter": lambda: mt.matmul_reduce_scatter(a, b, group),
             "matmul_all_reduce": lambda: mt.matmul_all_reduce(a, b, group),
+            # The column-parallel layer's forward: a local GEMM after the checks of its backward.
+            "column_parallel_matmul": lambda: mt.column_parallel_matmul(a, b, group),
         }
         for name, fn in variants.items():
             error = ((fn().float() - expected).norm() / expected.norm()).item()
