@@ -10,10 +10,10 @@ CUDA events around 20 back-to-back calls, median of 7; ratios to torch's tensorw
 
 import argparse
 import datetime
-import json
 import statistics
 
 import torch
+from collective_matmul import append_run
 
 from meshla import _meshla
 
@@ -78,13 +78,7 @@ def main():
                "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "rows": rows}
-        try:
-            with open(args.out) as f:
-                runs = json.load(f)
-        except FileNotFoundError:
-            runs = []
-        with open(args.out, "w") as f:
-            json.dump(runs + [run], f, indent=1)
+        append_run(args.out, run)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ bench/grouped_linear.py's shapes and routings (DeepSeek-V3's experts over 8 and 
 up_proj; uniform and skewed). JAX's passes are jitted functions of their own (meshla's through
 jax.vjp of grouped_linear, ragged_dot's through jax.vjp of ragged_dot with its rhs [G, in, out]),
 timed as `calls` back-to-back calls after a warm-up, the median of `reps`; torch's with CUDA
-events the same way.
+events the same way (bench/fp8_gemm.py's time_ms). Runs are appended to --out's "runs".
 """
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import time
@@ -23,6 +22,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
+from collective_matmul import append_run  # noqa: E402
+from fp8_gemm import time_ms as torch_time_ms  # noqa: E402
 from grouped_linear import SHAPES, routing  # noqa: E402
 
 import meshla.jax as mj  # noqa: E402
@@ -38,20 +39,6 @@ def jax_ms(fn, args, calls: int, reps: int) -> float:
             out = fn(*args)
         jax.block_until_ready(out)
         times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
-
-
-def torch_ms(fn, calls: int, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / calls)
     return statistics.median(times)
 
 
@@ -97,7 +84,7 @@ def bench_shape(name, groups, k, n, tokens, skewed, args) -> list[dict]:
         "wgrad": lambda: grouped._weight_grad(tx, tdy, splits, groups, tx.dtype),
     }
     for pass_name, fn in torch_passes.items():
-        ms = torch_ms(fn, args.calls, args.reps)
+        ms = torch_time_ms(fn, args.calls, args.reps)
         rows.append({"shape": name, "routing": "skewed" if skewed else "uniform",
                      "pass": pass_name, "variant": "meshla.torch", "ms": ms,
                      "tflops": flops / ms / 1e9})
@@ -123,12 +110,7 @@ def main():
                "jax": jax.__version__, "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "calls": args.calls, "reps": args.reps, "rows": rows}
-        runs = []
-        if os.path.exists(args.out):
-            with open(args.out) as f:
-                runs = json.load(f)
-        with open(args.out, "w") as f:
-            json.dump(runs + [run], f, indent=1)
+        append_run(args.out, run)
 
 
 if __name__ == "__main__":

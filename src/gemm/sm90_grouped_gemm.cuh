@@ -27,6 +27,7 @@
 #include "core/cuda_checks.hpp"
 #include "gemm/grouped_gemm_operands.hpp"
 #include "gemm/sm90_claiming_scheduler.cuh"
+#include "gemm/sm90_cutlass_element.cuh"
 #include "gemm/sm90_tile_marks.hpp"
 
 #if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
@@ -40,17 +41,6 @@ enum class Epilogue {
   kStore,       // D = acc
   kBias,        // D = acc + bias_g broadcast over rows (no bias: the pointer table is null)
   kAccumulate,  // D (fp32) = acc + D
-};
-
-template <DType dtype>
-struct CutlassElement;
-template <>
-struct CutlassElement<DType::kBFloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct CutlassElement<DType::kFloat16> {
-  using type = cutlass::half_t;
 };
 
 // Row-major [rows, cols] operands in CUTLASS's terms: A is [M, K], B is [N, K], C and D [M, N].

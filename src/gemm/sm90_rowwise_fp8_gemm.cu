@@ -15,6 +15,7 @@
 
 #include "core/checks.hpp"
 #include "core/cuda_checks.hpp"
+#include "gemm/sm90_cutlass_element.cuh"
 
 namespace meshla::gemm {
 namespace {
@@ -23,33 +24,14 @@ namespace fusion = cutlass::epilogue::fusion;
 using cute::_0;
 using cute::_1;
 
-template <DType dtype>
-struct Element;
-template <>
-struct Element<DType::kFloat8E4M3> {
-  using type = cutlass::float_e4m3_t;
-};
-template <>
-struct Element<DType::kFloat8E5M2> {
-  using type = cutlass::float_e5m2_t;
-};
-template <>
-struct Element<DType::kBFloat16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct Element<DType::kFloat32> {
-  using type = float;
-};
-
 // 128 x 128 output tiles, 128 deep (one 128-byte swizzle row of fp8 per k-step); pairs of CTAs
 // along M share each tile of b through TMA multicast. Both consumer warpgroups work on each tile
 // (cooperative), and the persistent scheduler deals the tiles to the SMs.
 template <DType a_dtype, DType b_dtype, DType out_dtype>
 struct RowwiseGemm {
-  using ElementA = typename Element<a_dtype>::type;
-  using ElementB = typename Element<b_dtype>::type;
-  using ElementD = typename Element<out_dtype>::type;
+  using ElementA = typename CutlassElement<a_dtype>::type;
+  using ElementB = typename CutlassElement<b_dtype>::type;
+  using ElementD = typename CutlassElement<out_dtype>::type;
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
   using ClusterShape = cute::Shape<cute::_2, _1, _1>;
   static constexpr int kAlignmentAB = 16;  // 16 bytes of fp8: TMA's minimum

@@ -127,6 +127,9 @@ def _reference(grouped_pass, m_splits, **operands):
     return _poisoned(dbias.astype(dy.dtype), valid)
 
 
+# Each pass's custom call and the name of its output.
+_OUTPUTS = {_PASS.forward: "y", _PASS.dgrad: "dx", _PASS.wgrad: "dweight",
+            _PASS.bias_grad: "dbias"}
 _TARGETS = {_PASS.forward: "meshla_grouped_forward", _PASS.dgrad: "meshla_grouped_dgrad",
             _PASS.wgrad: "meshla_grouped_wgrad", _PASS.bias_grad: "meshla_grouped_bias_grad"}
 
@@ -166,10 +169,6 @@ def _pass(grouped_pass, m_splits, out_shape, lead, out_features: int, **operands
     return jax.lax.platform_dependent(
         m_splits, *arrays, cpu=lambda m, *a: reference(m, *_absent_as_none(operands, a)),
         cuda=lambda m, *a: _on_gpu(grouped_pass, m, out_shape, lead, out_features, a))
-
-
-_OUTPUTS = {_PASS.forward: "y", _PASS.dgrad: "dx", _PASS.wgrad: "dweight",
-            _PASS.bias_grad: "dbias"}
 
 
 def _named(operands: dict, arrays) -> dict:
