@@ -1,12 +1,14 @@
-"""Grouped GEMM in JAX on one GPU: meshla.jax.grouped_linear against jax.lax.ragged_dot, one dense
-GEMM of the same total size, and meshla.torch's grouped_linear at the same shapes, in one run.
+"""Grouped GEMM in JAX on one GPU: meshla.jax.grouped_linear and grouped_matmul against
+jax.lax.ragged_dot, a per-group loop, one dense GEMM of the same total size, and meshla.torch's
+grouped_linear at the same shapes, in one run.
 
   python bench/jax_grouped.py --commit SHA --out results.json
 
 TFLOP/s of forward (y = x W_gᵀ), dgrad (dx = dy W_g) and wgrad (dW_g = dy_gᵀ x_g) for
 bench/grouped_linear.py's shapes and routings (DeepSeek-V3's experts over 8 and 32, Qwen3-30B-A3B's
 up_proj; uniform and skewed). JAX's passes are jitted functions of their own (meshla's through
-jax.vjp of grouped_linear, ragged_dot's through jax.vjp of ragged_dot with its rhs [G, in, out]),
+jax.vjp of grouped_linear, and of grouped_matmul and ragged_dot with their rhs [G, in, out]; the
+loop slices each group's rows at sizes fixed when traced, as a per-expert loop does),
 timed as `calls` back-to-back calls after a warm-up, the median of `reps`; torch's with CUDA
 events the same way (bench/fp8_gemm.py's time_ms). Runs are appended to --out's "runs".
 """
@@ -58,9 +60,18 @@ def bench_shape(name, groups, k, n, tokens, skewed, args) -> list[dict]:
     dy = jax.random.normal(keys[2], (tokens, n), jnp.bfloat16)
     m_splits = jnp.asarray(sizes, jnp.int32)
     w_t = jnp.swapaxes(w, 1, 2)  # ragged_dot's rhs, [G, in, out]
+    starts = [sum(sizes[:g]) for g in range(groups + 1)]
+
+    def per_group_loop(x, w):
+        return jnp.concatenate([x[starts[g]:starts[g + 1]] @ w[g].T for g in range(groups)])
+
     variants = {
         "meshla.jax": (jax_passes(lambda x, w: mj.grouped_linear(x, m_splits, w), x, w, dy),
                        (x, w, dy)),
+        "meshla.jax grouped_matmul": (
+            jax_passes(lambda x, w_t: mj.grouped_matmul(x, w_t, m_splits), x, w_t, dy),
+            (x, w_t, dy)),
+        "per-group loop": (jax_passes(per_group_loop, x, w, dy), (x, w, dy)),
         "jax.lax.ragged_dot": (jax_passes(lambda x, w_t: jax.lax.ragged_dot(x, w_t, m_splits),
                                           x, w_t, dy), (x, w_t, dy)),
         "dense GEMM": (jax_passes(lambda x, w0: x @ w0.T, x, w[0], dy), (x, w[0], dy)),
@@ -75,7 +86,7 @@ def bench_shape(name, groups, k, n, tokens, skewed, args) -> list[dict]:
             row["error"] = error
         rows.append(row)
         speed = f"{ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s" if ms else f"failed: {error}"
-        print(f"{name:<26} {row['routing']:<8} {pass_name:<8} {variant:<20} {speed}", flush=True)
+        print(f"{name:<26} {row['routing']:<8} {pass_name:<8} {variant:<26} {speed}", flush=True)
 
     for variant, (passes, operands) in variants.items():
         for pass_name, fn in passes.items():

@@ -36,6 +36,17 @@ namespace meshla {
 
 enum class GroupedPass { kForward, kDgrad, kWgrad, kBiasGrad };
 
+// How weight and dweight hold each group's matrix.
+enum class WeightLayout {
+  kOutIn,  // [G, out, in]: a linear layer's weight (grouped_linear; the default)
+  kInOut,  // [G, in, out]: jax.lax.ragged_dot's rhs, [G, k, n] (grouped_matmul). The passes
+           // run on the same kernels with the roles swapped (the forward is the [G, out, in]
+           // dgrad of the transposed problem, the dgrad its forward, the wgrad swaps x and dy),
+           // so nothing is transposed; the checks name the arguments as grouped_matmul does:
+           // group_sizes, lhs [rows, in], rhs [G, in, out], out [rows, out]. A bias is added
+           // after the product (the dgrad kernel that runs the forward has no bias epilogue).
+};
+
 // Every pass takes m_splits and a workspace of workspace_bytes() bytes, allocated by the caller
 // for this call (stream-ordered: two calls in flight at once must not share one). Unused fields
 // stay empty (data == nullptr).
@@ -55,6 +66,7 @@ struct GroupedMatmulArgs {
   TensorView dweight_addresses;
   bool accumulate = false;  // wgrad: dweight += dy_gᵀ · x_g
   TensorView workspace;     // uint8-sized bytes on the device
+  WeightLayout weight_layout = WeightLayout::kOutIn;
 };
 
 // Elements between consecutive groups of a packed [G, out, in] buffer in which every group starts
@@ -73,9 +85,11 @@ class MESHLA_API GroupedMatmul {
   GroupedMatmul& operator=(const GroupedMatmul&) = delete;
 
   // Bytes of workspace one call of `pass` needs for `num_groups` groups of `dtype` operands
-  // (the wgrad dtype is x's, whether or not it accumulates into fp32).
+  // (the wgrad dtype is x's, whether or not it accumulates into fp32) whose weights are laid out
+  // as `layout`.
   std::size_t workspace_bytes(GroupedPass pass, DType dtype, std::int64_t num_groups,
-                              std::int64_t out_features) const;
+                              std::int64_t out_features,
+                              WeightLayout layout = WeightLayout::kOutIn) const;
 
   // Checks every argument it can on the host, then enqueues the pass on `stream`.
   void run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStream_t stream);

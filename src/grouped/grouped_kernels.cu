@@ -111,6 +111,28 @@ struct BiasGrad {
   }
 };
 
+template <typename T>
+__global__ void add_group_bias_kernel(GroupIndex index, T* y, std::int64_t out, const T* bias,
+                                      std::int64_t stride) {
+  const std::int64_t total = index.offsets[index.groups] * out;
+  for (std::int64_t i = grid_thread(); i < total; i += grid_threads()) {
+    const std::int64_t row = i / out;
+    const std::int64_t column = i - row * out;
+    const float sum = static_cast<float>(y[i]) +
+                      static_cast<float>(bias[group_of_row(index, row) * stride + column]);
+    y[i] = static_cast<T>(sum);
+  }
+}
+
+template <typename T>
+struct AddGroupBias {
+  static void launch(dim3 grid, int threads, cudaStream_t stream, GroupIndex index, void* y,
+                     std::int64_t out, const void* bias, std::int64_t stride) {
+    add_group_bias_kernel<T><<<grid, threads, 0, stream>>>(index, static_cast<T*>(y), out,
+                                                           static_cast<const T*>(bias), stride);
+  }
+};
+
 // fp32 grouped GEMM: 64x64 tiles, 16-deep slices of K, 4x4 outputs per thread. Group g's
 // operands are A (M x K) and B (K x N) at element strides that depend on the pass.
 constexpr int kTile = 64;
@@ -237,6 +259,15 @@ void launch_zero_empty_groups(const GroupIndex& index, const GroupedSpan& span,
                               cudaStream_t stream) {
   zero_empty_kernel<<<span_grid(span, kIndexThreads), kIndexThreads, 0, stream>>>(index, span);
   MESHLA_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_add_group_bias(const GroupIndex& index, void* y, DType dtype, std::int64_t out,
+                           const void* bias, std::int64_t bias_group_stride, cudaStream_t stream) {
+  // About a thousand blocks striding over the rows, as span_grid's launches.
+  const std::int64_t blocks = (index.rows * out + 255) / 256;
+  launch_by_dtype<AddGroupBias>(
+      dtype, dim3(static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, kSpanBlocks))), 256,
+      stream, index, y, out, bias, bias_group_stride);
 }
 
 void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std::int64_t out,

@@ -63,6 +63,11 @@ void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std:
                       float* accumulator, void* dbias, std::int64_t dbias_group_stride,
                       cudaStream_t stream);
 
+// y[r, :] += bias[g, :] for each row r of group g (rows past the groups' total untouched), in
+// fp32, rounded once: the bias of a pass whose kernel has no bias epilogue.
+void launch_add_group_bias(const GroupIndex& index, void* y, DType dtype, std::int64_t out,
+                           const void* bias, std::int64_t bias_group_stride, cudaStream_t stream);
+
 // fp32 grouped GEMM of any pass but kBiasGrad, in full fp32.
 void launch_grouped_fp32(const GroupIndex& index, const GroupedOperands& operands,
                          cudaStream_t stream);

@@ -15,6 +15,64 @@ namespace meshla {
 
 using grouped::CutlassWorkspace;
 
+namespace {
+
+// The pass that runs a WeightLayout::kInOut pass on the [G, out, in] kernels (see WeightLayout).
+GroupedPass pass_on_out_in_kernels(GroupedPass pass) {
+  switch (pass) {
+    case GroupedPass::kForward:
+      return GroupedPass::kDgrad;
+    case GroupedPass::kDgrad:
+      return GroupedPass::kForward;
+    default:
+      return pass;
+  }
+}
+
+// The group index a pass built in `args.workspace` (workspace_layout's first parts).
+grouped::GroupIndex group_index_of(const GroupedMatmulArgs& args,
+                                   const grouped::GroupedShape& shape) {
+  auto* base = static_cast<char*>(args.workspace.data);
+  const grouped::WorkspaceLayout layout = grouped::workspace_layout(shape.groups, 0);
+  return {args.m_splits.data,
+          reinterpret_cast<std::int64_t*>(base + layout.offsets),
+          reinterpret_cast<std::int32_t*>(base + layout.invalid),
+          shape.groups,
+          shape.rows,
+          args.m_splits.dtype == DType::kInt32};
+}
+
+// A checked kInOut call as the [G, out, in] call of the transposed problem: the weights'
+// [G, in, out] is that problem's [G, out, in], x and dy trade places, and the output stays.
+GroupedMatmulArgs as_out_in(GroupedPass pass, const GroupedMatmulArgs& args) {
+  GroupedMatmulArgs swapped = args;
+  swapped.weight_layout = WeightLayout::kOutIn;
+  switch (pass) {
+    case GroupedPass::kForward:
+      swapped.x = {};
+      swapped.y = {};
+      swapped.bias = {};  // added after the product
+      swapped.dy = args.x;
+      swapped.dx = args.y;
+      break;
+    case GroupedPass::kDgrad:
+      swapped.dy = {};
+      swapped.dx = {};
+      swapped.x = args.dy;
+      swapped.y = args.dx;
+      break;
+    case GroupedPass::kWgrad:
+      swapped.x = args.dy;
+      swapped.dy = args.x;
+      break;
+    case GroupedPass::kBiasGrad:
+      break;
+  }
+  return swapped;
+}
+
+}  // namespace
+
 struct GroupedMatmul::Impl {
   int device = 0;
   int sm_count = 0;
@@ -103,9 +161,10 @@ GroupedMatmul& GroupedMatmul::operator=(GroupedMatmul&&) noexcept = default;
 int GroupedMatmul::device() const { return impl_->device; }
 
 std::size_t GroupedMatmul::workspace_bytes(GroupedPass pass, DType dtype, std::int64_t num_groups,
-                                           std::int64_t out_features) const {
+                                           std::int64_t out_features, WeightLayout layout) const {
   MESHLA_CHECK_ARG(num_groups >= 1,
                    "grouped_linear: num_groups=" << num_groups << " must be at least 1");
+  if (layout == WeightLayout::kInOut) pass = pass_on_out_in_kernels(pass);
   const CutlassWorkspace parts = impl_->cutlass_workspace(pass, dtype, num_groups);
   return grouped::workspace_layout(num_groups,
                                    Impl::pass_bytes(pass, num_groups, out_features, parts))
@@ -120,6 +179,16 @@ void GroupedMatmul::check_device_errors(cudaStream_t stream) {
 void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStream_t stream) {
   impl_->throw_recorded_error();
   const grouped::GroupedShape shape = grouped::validate_grouped_args(pass, args);
+  if (args.weight_layout == WeightLayout::kInOut) {
+    run(pass_on_out_in_kernels(pass), as_out_in(pass, args), stream);
+    if (pass == GroupedPass::kForward && args.bias.given()) {
+      detail::DeviceGuard guard(impl_->device);
+      grouped::launch_add_group_bias(group_index_of(args, shape), args.y.data, shape.dtype,
+                                     shape.out_features, args.bias.data, args.bias.strides[0],
+                                     stream);
+    }
+    return;
+  }
   MESHLA_CHECK_ARG(args.m_splits.device_kind == DeviceKind::kCuda,
                    "grouped_linear " << grouped_pass_name(pass)
                                      << ": m_splits must be a CUDA tensor: its sizes are read on "
@@ -153,12 +222,7 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
 
   detail::DeviceGuard guard(impl_->device);
   auto* base = static_cast<char*>(ws.data);
-  const grouped::GroupIndex index{args.m_splits.data,
-                                  reinterpret_cast<std::int64_t*>(base + layout.offsets),
-                                  reinterpret_cast<std::int32_t*>(base + layout.invalid),
-                                  shape.groups,
-                                  shape.rows,
-                                  args.m_splits.dtype == DType::kInt32};
+  const grouped::GroupIndex index = group_index_of(args, shape);
   if (!cutlass_pass) grouped::launch_group_index(index, impl_->status, stream);
 
   if (pass == GroupedPass::kBiasGrad) {

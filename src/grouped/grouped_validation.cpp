@@ -2,6 +2,7 @@
 
 #include <sstream>
 #include <string>
+#include <string_view>
 
 #include "core/alignment.hpp"
 #include "core/checks.hpp"
@@ -50,12 +51,36 @@ void check_grouped_call(GroupedPass pass, const GroupedMatmulArgs& args) {
 namespace grouped {
 namespace {
 
-// The checks of one call, with its pass's name in every message.
+// What a call's messages call the function, its arguments and the weights' shape: the names of
+// the front-end function that lays its weights out that way (WeightLayout).
+struct Words {
+  const char* function;
+  const char* m_splits;
+  const char* x;
+  const char* weight;
+  const char* y;
+  const char* weight_shape;
+  const char* group_matrix;
+};
+
+constexpr Words kLinearWords{"grouped_linear", "m_splits", "x", "weight", "y",
+                             "[G, out, in]",   "[out, in]"};
+constexpr Words kRaggedWords{"grouped_matmul", "group_sizes", "lhs", "rhs", "out",
+                             "[G, in, out]",   "[in, out]"};
+
+// The checks of one call, with its function's and pass's names in every message.
 class Checker {
  public:
-  Checker(GroupedPass pass, const GroupedMatmulArgs& args) : pass_(pass), args_(args) {}
+  Checker(GroupedPass pass, const GroupedMatmulArgs& args)
+      : pass_(pass),
+        args_(args),
+        words_(args.weight_layout == WeightLayout::kInOut ? kRaggedWords : kLinearWords) {}
 
-  std::string prefix() const { return "grouped_linear " + std::string(grouped_pass_name(pass_)); }
+  const Words& words() const { return words_; }
+
+  std::string prefix() const {
+    return std::string(words_.function) + " " + std::string(grouped_pass_name(pass_));
+  }
 
   void require(const TensorView& view, const char* name) const {
     MESHLA_CHECK_ARG(view.given(), prefix() << ": " << name << " is required");
@@ -66,13 +91,13 @@ class Checker {
     const TensorView& splits = args_.m_splits;
     MESHLA_CHECK_ARG(view.device_kind == splits.device_kind &&
                          (view.device_kind == DeviceKind::kCpu || view.device == splits.device),
-                     prefix() << ": " << name << " is on " << view.place_string()
-                              << " but m_splits is on " << splits.place_string());
+                     prefix() << ": " << name << " is on " << view.place_string() << " but "
+                              << words_.m_splits << " is on " << splits.place_string());
   }
 
   // A row-major matrix with contiguous rows; returns nothing, checks shape [rows, cols].
   void matrix(const TensorView& view, const char* name, std::int64_t rows, std::int64_t cols,
-              const char* expected) const {
+              std::string_view expected) const {
     on_device(view, name);
     MESHLA_CHECK_ARG(view.ndim == 2 && view.shape[0] == rows && view.shape[1] == cols,
                      prefix() << ": " << name << ".shape=" << view.shape_string() << " must be "
@@ -82,14 +107,18 @@ class Checker {
                               << view.shape_string());
   }
 
-  // [G, out, in] with contiguous rows and any group stride of at least out * in.
+  // [G, out, in] (or [G, in, out]: the layout's) with contiguous rows and any group stride of at
+  // least out * in.
   void grouped_weights(const TensorView& view, const char* name, const GroupedShape& shape) const {
     on_device(view, name);
-    MESHLA_CHECK_ARG(view.ndim == 3 && view.shape[0] == shape.groups &&
-                         view.shape[1] == shape.out_features && view.shape[2] == shape.in_features,
-                     prefix() << ": " << name << ".shape=" << view.shape_string()
-                              << " must be [G, out, in] = [" << shape.groups << ", "
-                              << shape.out_features << ", " << shape.in_features << "]");
+    const bool in_out = args_.weight_layout == WeightLayout::kInOut;
+    const std::int64_t rows = in_out ? shape.in_features : shape.out_features;
+    const std::int64_t cols = in_out ? shape.out_features : shape.in_features;
+    MESHLA_CHECK_ARG(view.ndim == 3 && view.shape[0] == shape.groups && view.shape[1] == rows &&
+                         view.shape[2] == cols,
+                     prefix() << ": " << name << ".shape=" << view.shape_string() << " must be "
+                              << words_.weight_shape << " = [" << shape.groups << ", " << rows
+                              << ", " << cols << "]");
     const bool rows_contiguous = (view.shape[2] == 1 || view.strides[2] == 1) &&
                                  (view.shape[1] == 1 || view.strides[1] == view.shape[2]);
     const bool groups_apart =
@@ -97,8 +126,8 @@ class Checker {
     MESHLA_CHECK_ARG(rows_contiguous && groups_apart,
                      prefix() << ": " << name << " has strides [" << view.strides[0] << ", "
                               << view.strides[1] << ", " << view.strides[2]
-                              << "]; each group must be a contiguous [out, in] matrix and groups "
-                                 "may not overlap");
+                              << "]; each group must be a contiguous " << words_.group_matrix
+                              << " matrix and groups may not overlap");
   }
 
   // One fp32 matrix's address a group (GroupedMatmulArgs::dweight_addresses): only in place of
@@ -146,28 +175,31 @@ class Checker {
  private:
   GroupedPass pass_;
   const GroupedMatmulArgs& args_;
+  const Words& words_;
 };
 
 }  // namespace
 
 GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& args) {
   const Checker check(pass, args);
+  const Words& words = check.words();
   const std::string where = check.prefix();
   const TensorView& splits = args.m_splits;
-  check.require(splits, "m_splits");
-  MESHLA_CHECK_ARG(
-      splits.dtype == DType::kInt64 || splits.dtype == DType::kInt32,
-      where << ": m_splits is " << dtype_name(splits.dtype) << ", expected int64 or int32");
+  check.require(splits, words.m_splits);
+  MESHLA_CHECK_ARG(splits.dtype == DType::kInt64 || splits.dtype == DType::kInt32,
+                   where << ": " << words.m_splits << " is " << dtype_name(splits.dtype)
+                         << ", expected int64 or int32");
   MESHLA_CHECK_ARG(splits.ndim == 1 && splits.shape[0] >= 1 && splits.is_row_major_contiguous(),
-                   where << ": m_splits.shape=" << splits.shape_string()
+                   where << ": " << words.m_splits << ".shape=" << splits.shape_string()
                          << " must be a contiguous [G] with G >= 1");
-  MESHLA_CHECK_ARG(splits.shape[0] <= kMaxGridY, where << ": m_splits has " << splits.shape[0]
-                                                       << " groups, more than " << kMaxGridY);
+  MESHLA_CHECK_ARG(splits.shape[0] <= kMaxGridY, where << ": " << words.m_splits << " has "
+                                                       << splits.shape[0] << " groups, more than "
+                                                       << kMaxGridY);
 
   // The operand that fixes the rows and the dtype: x, or dy where the pass has no x.
   const bool has_x = pass == GroupedPass::kForward || pass == GroupedPass::kWgrad;
   const TensorView& lead = has_x ? args.x : args.dy;
-  const char* lead_name = has_x ? "x" : "dy";
+  const char* lead_name = has_x ? words.x : "dy";
   check.require(lead, lead_name);
   MESHLA_CHECK_ARG(lead.ndim == 2, where << ": " << lead_name << ".shape=" << lead.shape_string()
                                          << " must be 2-D [rows, features]");
@@ -178,15 +210,16 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
             << "; grouped GEMM takes bfloat16, float16 or float32");
 
   GroupedShape shape{dtype, splits.shape[0], lead.shape[0], 0, 0};
+  const bool in_out = args.weight_layout == WeightLayout::kInOut;
   switch (pass) {
     case GroupedPass::kForward:
     case GroupedPass::kDgrad:
-      check.require(args.weight, "weight");
-      MESHLA_CHECK_ARG(args.weight.ndim == 3, where
-                                                  << ": weight.shape=" << args.weight.shape_string()
-                                                  << " must be [G, out, in]");
-      shape.out_features = args.weight.shape[1];
-      shape.in_features = args.weight.shape[2];
+      check.require(args.weight, words.weight);
+      MESHLA_CHECK_ARG(args.weight.ndim == 3, where << ": " << words.weight
+                                                    << ".shape=" << args.weight.shape_string()
+                                                    << " must be " << words.weight_shape);
+      shape.out_features = args.weight.shape[in_out ? 2 : 1];
+      shape.in_features = args.weight.shape[in_out ? 1 : 2];
       break;
     case GroupedPass::kWgrad:
       check.require(args.dy, "dy");
@@ -208,20 +241,21 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
       where << ": out_features=" << shape.out_features
             << (has_in ? " and in_features=" + std::to_string(shape.in_features) : "") << " (from "
             << (pass == GroupedPass::kForward || pass == GroupedPass::kDgrad
-                    ? "weight.shape=" + args.weight.shape_string()
+                    ? std::string(words.weight) + ".shape=" + args.weight.shape_string()
                 : pass == GroupedPass::kWgrad
-                    ? "x.shape=" + lead.shape_string() + ", dy.shape=" + args.dy.shape_string()
+                    ? std::string(words.x) + ".shape=" + lead.shape_string() +
+                          ", dy.shape=" + args.dy.shape_string()
                     : "dy.shape=" + lead.shape_string())
             << ") must be at least 1");
 
   switch (pass) {
     case GroupedPass::kForward:
-      check.matrix(args.x, "x", shape.rows, shape.in_features, "[rows, in]");
-      check.grouped_weights(args.weight, "weight", shape);
-      check.dtype(args.weight, "weight", dtype);
-      check.require(args.y, "y");
-      check.matrix(args.y, "y", shape.rows, shape.out_features, "[rows, out]");
-      check.dtype(args.y, "y", dtype);
+      check.matrix(args.x, words.x, shape.rows, shape.in_features, "[rows, in]");
+      check.grouped_weights(args.weight, words.weight, shape);
+      check.dtype(args.weight, words.weight, dtype);
+      check.require(args.y, words.y);
+      check.matrix(args.y, words.y, shape.rows, shape.out_features, "[rows, out]");
+      check.dtype(args.y, words.y, dtype);
       if (args.bias.given()) {
         check.bias_like(args.bias, "bias", shape);
         check.dtype(args.bias, "bias", dtype);
@@ -229,15 +263,16 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
       break;
     case GroupedPass::kDgrad:
       check.matrix(args.dy, "dy", shape.rows, shape.out_features, "[rows, out]");
-      check.grouped_weights(args.weight, "weight", shape);
-      check.dtype(args.weight, "weight", dtype);
+      check.grouped_weights(args.weight, words.weight, shape);
+      check.dtype(args.weight, words.weight, dtype);
       check.require(args.dx, "dx");
       check.matrix(args.dx, "dx", shape.rows, shape.in_features, "[rows, in]");
       check.dtype(args.dx, "dx", dtype);
       break;
     case GroupedPass::kWgrad:
-      check.matrix(args.x, "x", shape.rows, shape.in_features, "[rows, in]");
-      check.matrix(args.dy, "dy", shape.rows, shape.out_features, "[rows, out] (rows of x)");
+      check.matrix(args.x, words.x, shape.rows, shape.in_features, "[rows, in]");
+      check.matrix(args.dy, "dy", shape.rows, shape.out_features,
+                   "[rows, out] (rows of " + std::string(words.x) + ")");
       check.dtype(args.dy, "dy", dtype);
       if (args.dweight_addresses.given()) {
         check.addresses(args.dweight_addresses, "dweight_addresses", shape);
@@ -261,10 +296,10 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
     const auto check_aligned = [&](const TensorView& view, const char* name) {
       if (view.given()) check.aligned(view, name, view.ndim == 3 ? view.strides[0] : 0);
     };
-    check_aligned(args.x, "x");
+    check_aligned(args.x, words.x);
     check_aligned(args.dy, "dy");
-    check_aligned(args.weight, "weight");
-    check_aligned(args.y, "y");
+    check_aligned(args.weight, words.weight);
+    check_aligned(args.y, words.y);
     check_aligned(args.dx, "dx");
     check_aligned(args.dweight, "dweight");
     if (args.bias.given()) check.aligned(args.bias, "bias", args.bias.strides[0]);

@@ -100,6 +100,42 @@ GroupedMatmulArgs on_host(const Forward& forward) {
   return args;
 }
 
+// ragged_dot's layout: rhs [G, in, out], the shape read from it that way, and grouped_matmul's
+// words in every message; its backward passes take [G, in, out] weight gradients.
+TEST(GroupedValidation, InOutLayoutReadsRhsAsGInOutInGroupedMatmulsWords) {
+  GroupedMatmulArgs args = Forward{}.args();
+  args.weight_layout = WeightLayout::kInOut;
+  args.weight = view(0x20000, DType::kBFloat16, {4, 64, 32});
+  const GroupedShape shape = validate_grouped_args(GroupedPass::kForward, args);
+  EXPECT_EQ(shape.in_features, 64);
+  EXPECT_EQ(shape.out_features, 32);
+
+  args.weight = view(0x20000, DType::kBFloat16, {3, 64, 32});
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_matmul forward: rhs.shape=[3, 64, 32] must be [G, in, out] = [4, 64, 32]");
+  args.weight = view(0x20000, DType::kBFloat16, {4, 32, 64});  // [G, out, in]: x's features
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_matmul forward: lhs.shape=[100, 64] must be [rows, in] = [100, 32]");
+  args.weight = view(0x20000, DType::kBFloat16, {4, 64, 32});
+  args.y = view(0x40000, DType::kBFloat16, {100, 64});
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_matmul forward: out.shape=[100, 64] must be [rows, out] = [100, 32]");
+  args = Forward{}.args();
+  args.weight_layout = WeightLayout::kInOut;
+  args.weight = view(0x20000, DType::kBFloat16, {4, 64, 32});
+  args.m_splits.dtype = DType::kFloat32;
+  EXPECT_EQ(error_of(GroupedPass::kForward, args),
+            "grouped_matmul forward: group_sizes is float32, expected int64 or int32");
+
+  GroupedMatmulArgs wgrad = wgrad_args(64);
+  wgrad.weight_layout = WeightLayout::kInOut;
+  wgrad.dweight = view(0x30000, DType::kBFloat16, {4, 64, 32});
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, wgrad), "");
+  wgrad.dweight = view(0x30000, DType::kBFloat16, {4, 32, 64});
+  EXPECT_EQ(error_of(GroupedPass::kWgrad, wgrad),
+            "grouped_matmul wgrad: dweight.shape=[4, 32, 64] must be [G, in, out] = [4, 64, 32]");
+}
+
 TEST(GroupedValidation, HostArraysFollowTheSameRules) {
   GroupedMatmulArgs args = on_host(Forward{});
   EXPECT_EQ(error_of(GroupedPass::kForward, args), "");

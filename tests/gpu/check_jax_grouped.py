@@ -1,13 +1,15 @@
-"""GPU checks of meshla.jax.grouped_linear (one GPU), one JSON line per check.
+"""GPU checks of meshla.jax.grouped_linear and grouped_matmul (one GPU), one JSON line per check.
 
   python tests/gpu/check_jax_grouped.py --results FILE
 
 Every pass (the product, and through jax.vjp the input, weight and bias gradients) against a
 float64 per-group loop over the same (rounded) inputs, for bf16, fp16 and fp32, skewed group sizes
 with an empty group, with and without a bias, under jax.jit (XLA's command buffers at their
-default), and inside jax.shard_map. XLA hands a custom call fresh output buffers, which NaN cannot
-be written into before the call; instead each check runs twice on fresh random inputs of one
-shape, so that an output left unwritten holds the first run's values and fails the second. Also:
+default), and inside jax.shard_map; grouped_matmul the same way with rhs in ragged_dot's
+[G, in, out] layout (the core runs its passes on the other kernels). XLA hands a custom call
+fresh output buffers, which NaN cannot be written into before the call; instead each check runs
+twice on fresh random inputs of one shape, so that an output left unwritten holds the first run's
+values and fails the second. Also:
 bad group sizes under jit give NaN, and the next grouped call on the GPU raises the device-side
 check's words.
 """
@@ -23,7 +25,7 @@ import numpy as np  # noqa: E402
 import meshla.jax as mj  # noqa: E402
 from reporting import Reporter, check_parser  # noqa: E402
 
-FAMILIES = ("passes", "shard-map", "errors")
+FAMILIES = ("passes", "ragged-layout", "shard-map", "errors")
 TOLERANCE = {jnp.bfloat16: 1e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
 # (sizes, in_features, out_features): an empty group, a group of one row, groups past a tile.
 SHAPES = [([300, 0, 1, 77, 1000], 64, 128), ([4096, 2048, 0, 2048], 1024, 512)]
@@ -49,7 +51,8 @@ def loop(x, sizes, weight, bias, dy):
     return y, dx, dweight, dbias
 
 
-def passes(report: Reporter, seed: int) -> None:
+def passes(report: Reporter, seed: int, ragged: bool = False) -> None:
+    """Every pass of grouped_linear, or (ragged) of grouped_matmul with rhs [G, in, out]."""
     for sizes, in_features, out_features in SHAPES:
         for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
             for with_bias in (False, True):
@@ -66,12 +69,20 @@ def passes(report: Reporter, seed: int) -> None:
                         dy = jax.random.normal(keys[3], (rows, out_features), dtype)
                         m_splits = jnp.asarray(sizes, jnp.int32)
 
+                        def layer(x, w, b):
+                            if ragged:
+                                return mj.grouped_matmul(x, w, m_splits, b)
+                            return mj.grouped_linear(x, m_splits, w, b)
+
                         def step(x, w, b):
-                            y, pullback = jax.vjp(
-                                lambda x, w, b: mj.grouped_linear(x, m_splits, w, b), x, w, b)
+                            y, pullback = jax.vjp(layer, x, w, b)
                             return (y, *pullback(dy))
 
-                        got = jax.jit(step)(x, w, b)
+                        if ragged:  # rhs [G, in, out] in memory; its gradient back to [G, out, in]
+                            y, dx, d_rhs, db = jax.jit(step)(x, jnp.swapaxes(w, 1, 2), b)
+                            got = (y, dx, jnp.swapaxes(d_rhs, 1, 2), db)
+                        else:
+                            got = jax.jit(step)(x, w, b)
                         want = loop(x, sizes, w, b, dy)
                         errors.append([relative(g, r) for g, r in zip(got, want) if g is not None])
                         # The empty group's weight gradient is zero.
@@ -82,8 +93,9 @@ def passes(report: Reporter, seed: int) -> None:
                     return (worst < TOLERANCE[dtype] and empty == 0,
                             f"relative errors y/dx/dW/db by run {errors}")
 
-                report.check(f"sizes={sizes} in={in_features} out={out_features} "
-                             f"{jnp.dtype(dtype).name} bias={with_bias}", body)
+                report.check(f"{'grouped_matmul' if ragged else 'grouped_linear'} sizes={sizes} "
+                             f"in={in_features} out={out_features} {jnp.dtype(dtype).name} "
+                             f"bias={with_bias}", body)
 
 
 def shard_map(report: Reporter, seed: int) -> None:
@@ -140,6 +152,7 @@ def main():
     report = Reporter(args.results, args.model, args.families)
     seed = int.from_bytes(os.urandom(4), "little")
     report.family("passes", passes, report, seed)
+    report.family("ragged-layout", passes, report, seed, True)
     report.family("shard-map", shard_map, report, seed)
     report.family("errors", errors, report, seed)
 

@@ -88,8 +88,8 @@ MODELS = (
     Model("jax-collective-command-buffer-collectives",
           _python("check_jax_collective.py", "--command-buffers", "+COLLECTIVES"), JAX_FAMILIES),
     # meshla.jax's grouped GEMM on one GPU.
-    Model("jax-grouped", _python("check_jax_grouped.py"), ("passes", "shard-map", "errors"),
-          gpus=1),
+    Model("jax-grouped", _python("check_jax_grouped.py"),
+          ("passes", "ragged-layout", "shard-map", "errors"), gpus=1),
     # One process per GPU under jax.distributed (the script starts them).
     Model("jax-collective-processes", _python("check_jax_collective.py", "--processes", "{gpus}"),
           JAX_FAMILIES, min_gpus=2),

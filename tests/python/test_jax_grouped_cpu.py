@@ -173,3 +173,66 @@ def test_inside_shard_map(experts_split):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for g, w in zip(got[1], want[1]):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def ragged_operands(sizes, k=6, n=3, seed=0, bias=True):
+    """lhs, group sizes, rhs [G, k, n] (ragged_dot's layout) and a bias."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    lhs = jax.random.normal(keys[0], (sum(sizes), k))
+    rhs = jax.random.normal(keys[1], (len(sizes), k, n))
+    b = jax.random.normal(keys[2], (len(sizes), n)) if bias else None
+    return lhs, jnp.asarray(sizes, jnp.int32), rhs, b
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("jit", [False, True])
+def test_grouped_matmul_is_ragged_dot_with_gradients(bias, jit):
+    sizes = [4, 0, 6, 2]
+    lhs, group_sizes, rhs, b = ragged_operands(sizes, bias=bias, seed=3 + bias)
+    call = jax.jit(mj.grouped_matmul) if jit else mj.grouped_matmul
+    out = call(lhs, rhs, group_sizes, b)
+    weight = jnp.swapaxes(rhs, 1, 2)  # the same product as a linear layer's [G, n, k] weights
+    np.testing.assert_allclose(out, loop_reference(lhs, sizes, weight, b), rtol=1e-5, atol=1e-5)
+    d_out = jax.random.normal(jax.random.key(9), out.shape)
+
+    def loss(lhs, rhs, b):
+        return jnp.sum(mj.grouped_matmul(lhs, rhs, group_sizes, b) * d_out)
+
+    got = jax.grad(loss, argnums=(0, 1, 2) if bias else (0, 1))(lhs, rhs, b)
+    d_lhs, d_weight, d_bias = gradients(lhs, sizes, weight, b, d_out)
+    np.testing.assert_allclose(got[0], d_lhs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], np.swapaxes(d_weight, 1, 2), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got[1][1]))  # the empty group's gradient is zero
+    if bias:
+        np.testing.assert_allclose(got[2], d_bias, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_with_transpose_rhs_is_grouped_linear():
+    lhs, group_sizes, rhs, b = ragged_operands([3, 5], seed=5)
+    weight = jnp.swapaxes(rhs, 1, 2)
+    np.testing.assert_array_equal(
+        mj.grouped_matmul(lhs, weight, group_sizes, b, transpose_rhs=True),
+        mj.grouped_linear(lhs, group_sizes, weight, b))
+
+
+@pytest.mark.parametrize("case,words", [
+    ("rhs shape", "grouped_matmul forward: rhs.shape=[3, 6, 3] must be [G, in, out] = [2, 6, 3]"),
+    ("bf16 features", "grouped_matmul forward: in_features=6 and out_features=3 must be multiples "
+                      "of 8 for bfloat16"),
+    ("sizes dtype", "grouped_matmul forward: group_sizes is float32, expected int64 or int32"),
+    ("bias shape", "grouped_matmul forward: bias.shape=[2, 4] must be [G, out] = [2, 3]"),
+    ("dtypes", "grouped_matmul: lhs is float32 but rhs is bfloat16; they must match"),
+])
+def test_grouped_matmul_errors_name_its_arguments(case, words):
+    lhs, group_sizes, rhs, b = ragged_operands([3, 3])
+    if case == "rhs shape":
+        rhs = jnp.zeros((3, 6, 3))
+    if case == "bf16 features":
+        lhs, rhs, b = (a.astype(jnp.bfloat16) for a in (lhs, rhs, b))
+    if case == "sizes dtype":
+        group_sizes = group_sizes.astype(jnp.float32)
+    if case == "bias shape":
+        b = jnp.zeros((2, 4))
+    if case == "dtypes":
+        rhs = rhs.astype(jnp.bfloat16)
+    assert message(lambda: mj.grouped_matmul(lhs, rhs, group_sizes, b)).startswith(words)

@@ -1,6 +1,7 @@
 """JAX front end of meshla: collective matmuls for tensor parallelism
 (:mod:`meshla.jax.collective`, also importable from here), the grouped GEMM of Mixture-of-Experts
-layers (:func:`grouped_linear`, :mod:`meshla.jax.grouped`) and distributed dense solvers over the
+layers (:func:`grouped_linear`; :func:`grouped_matmul`, ``jax.lax.ragged_dot``'s form;
+:mod:`meshla.jax.grouped`) and distributed dense solvers over the
 GPUs of a mesh (:mod:`meshla.jax.linalg`).
 
 Bad arguments raise ``ValueError`` when a call is traced, and what cannot run here
@@ -16,7 +17,7 @@ from meshla.jax.collective import (
     matmul_reduce_scatter,
     matmul_reduce_scatter_global,
 )
-from meshla.jax.grouped import grouped_linear
+from meshla.jax.grouped import grouped_linear, grouped_matmul
 
 __all__ = [
     "all_gather_matmul",
@@ -24,6 +25,7 @@ __all__ = [
     "collective",
     "grouped",
     "grouped_linear",
+    "grouped_matmul",
     "linalg",
     "matmul_all_reduce",
     "matmul_all_reduce_global",

@@ -1,9 +1,12 @@
 """Grouped GEMM for Mixture-of-Experts in JAX: :func:`grouped_linear`, meshla.torch's function of
-that name, with its arguments, rules and words.
+that name, with its arguments, rules and words, and :func:`grouped_matmul`, ``jax.lax.ragged_dot``'s
+semantics and layout.
 
-Group ``g`` applies ``weight[g]`` (``[out, in]``, a linear layer's weight) to its own contiguous
-slice of ``m_splits[g]`` rows of ``x``. ``m_splits`` is int32 (``jax.lax.ragged_dot``'s group
-sizes) or int64, on the device: nothing waits for it on the host.
+Group ``g`` applies ``weight[g]`` (``[out, in]``, a linear layer's weight; ``[in, out]`` for
+grouped_matmul's rhs, ragged_dot's ``[k, n]``) to its own contiguous slice of ``m_splits[g]`` rows
+of ``x``. ``m_splits`` is int32 (``jax.lax.ragged_dot``'s group sizes) or int64, on the device:
+nothing waits for it on the host. Both layouts run the same kernels (the core swaps the passes'
+roles for ``[in, out]``: meshla/grouped_matmul.hpp's WeightLayout), so nothing is transposed.
 
 On GPUs each pass (the product, and in the backward the input gradient, the weight gradient and
 the bias gradient) is one XLA FFI custom call running meshla's grouped kernels (CUTLASS's Hopper
@@ -29,10 +32,12 @@ from meshla.jax._dtypes import dtype_of
 from meshla.jax._ffi import register_targets
 from meshla.jax._vma import as_varying, typed, varying_axes
 
-__all__ = ["grouped_linear"]
+__all__ = ["grouped_linear", "grouped_matmul"]
 
 _PASS = _meshla.GroupedPass
-_NAME = "grouped_linear"
+_LAYOUT = _meshla.WeightLayout
+# What grouped_matmul calls the operands the core's checks name (its words for WeightLayout.in_out).
+_RAGGED_NAMES = {"m_splits": "group_sizes", "x": "lhs", "weight": "rhs", "y": "out"}
 # Bytes XLA may leave before the first 256-byte boundary of a workspace it allocates.
 _ALIGNMENT_SLACK = 256
 
@@ -44,28 +49,30 @@ def _gpus_present() -> bool:
         return False
 
 
-def _meta(name: str, x, device: int):
+def _meta(name: str, x, device: int, layout):
+    if layout == _LAYOUT.in_out:
+        name = _RAGGED_NAMES.get(name, name)
     shape = [int(d) for d in x.shape]
     strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]  # JAX arrays are row-major
     return _meshla.ArrayMeta(shape, strides, dtype_of(name, x), device, 0, name)
 
 
-def _check(grouped_pass, m_splits, device: int, **arrays) -> None:
+def _check(grouped_pass, m_splits, device: int, layout, **arrays) -> None:
     """The extension's checks of one pass (GroupedMatmul.run's own, on the arrays' metadata):
-    meshla.torch's rules and words."""
-    _meshla.check_grouped_call(grouped_pass, _meta("m_splits", m_splits, device),
-                               **{name: None if a is None else _meta(name, a, device)
-                                  for name, a in arrays.items()})
+    meshla.torch's rules and words (grouped_matmul's for the in_out layout)."""
+    _meshla.check_grouped_call(grouped_pass, _meta("m_splits", m_splits, device, layout),
+                               **{name: None if a is None else _meta(name, a, device, layout)
+                                  for name, a in arrays.items()}, weight_layout=layout)
 
 
 _RANKS = {"x": 2, "dy": 2, "weight": 3}
 
 
-def _check_ranks(grouped_pass, m_splits, device: int, **operands) -> None:
+def _check_ranks(grouped_pass, m_splits, device: int, layout, **operands) -> None:
     """Outputs are shaped from the operands' sizes before the pass is checked: operands of the
     wrong rank go to the checks first, which refuse them in their words (as meshla.torch's)."""
     if m_splits.ndim != 1 or any(a.ndim != _RANKS[name] for name, a in operands.items()):
-        _check(grouped_pass, m_splits, device, **operands)
+        _check(grouped_pass, m_splits, device, layout, **operands)
 
 
 # A GroupedMatmul per local GPU, which size the workspaces: XLA allocates a call's when it runs,
@@ -77,12 +84,13 @@ atexit.register(_sizers.clear)  # before the interpreter tears the extension dow
 
 
 @functools.lru_cache(maxsize=None)
-def _workspace_bytes(grouped_pass, dtype, groups: int, out_features: int) -> int:
+def _workspace_bytes(grouped_pass, dtype, groups: int, out_features: int, layout) -> int:
     with _sizers_lock:
         if not _sizers:
             _sizers.extend(_meshla.GroupedMatmul(d.local_hardware_id)
                            for d in jax.local_devices(backend="gpu"))
-    return max(s.workspace_bytes(grouped_pass, dtype, groups, out_features) for s in _sizers)
+    return max(s.workspace_bytes(grouped_pass, dtype, groups, out_features, layout)
+               for s in _sizers)
 
 
 def _group_of_rows(m_splits, rows: int):
@@ -98,8 +106,14 @@ def _poisoned(out, valid):
     return jnp.where(valid, out, jnp.nan).astype(out.dtype)
 
 
-def _reference(grouped_pass, m_splits, **operands):
-    """One pass on the CPU, in float32 (float64 stays float64)."""
+def _reference(grouped_pass, m_splits, layout, **operands):
+    """One pass on the CPU, in float32 (float64 stays float64); the in_out layout's weights as the
+    out_in pass's, transposed (the reference may move data)."""
+    if layout == _LAYOUT.in_out:
+        if "weight" in operands:
+            operands = {**operands, "weight": jnp.swapaxes(operands["weight"], 1, 2)}
+        out = _reference(grouped_pass, m_splits, _LAYOUT.out_in, **operands)
+        return jnp.swapaxes(out, 1, 2) if grouped_pass == _PASS.wgrad else out
     f32 = jnp.promote_types(jnp.float32, next(iter(operands.values())).dtype)
     if grouped_pass == _PASS.forward:
         x, weight, bias = operands["x"], operands["weight"], operands["bias"]
@@ -134,9 +148,9 @@ _TARGETS = {_PASS.forward: "meshla_grouped_forward", _PASS.dgrad: "meshla_groupe
             _PASS.wgrad: "meshla_grouped_wgrad", _PASS.bias_grad: "meshla_grouped_bias_grad"}
 
 
-def _on_gpu(grouped_pass, m_splits, out_shape, lead, out_features: int, operands):
+def _on_gpu(grouped_pass, m_splits, out_shape, lead, out_features: int, layout, operands):
     workspace = _workspace_bytes(grouped_pass, dtype_of("x", lead), m_splits.shape[0],
-                                 out_features) + _ALIGNMENT_SLACK
+                                 out_features, layout) + _ALIGNMENT_SLACK
     # Inside shard_map (experts split over a mesh axis) one custom call takes operands of one
     # type, and its results vary over every axis an operand does, as the reference's would.
     arrays = (m_splits, *operands)
@@ -147,19 +161,21 @@ def _on_gpu(grouped_pass, m_splits, out_shape, lead, out_features: int, operands
         return typed(shape, dtype, varying) if varying else jax.ShapeDtypeStruct(shape, dtype)
 
     results = (result(out_shape, lead.dtype), result(((workspace + 3) // 4,), jnp.int32))
-    out, _ = jax.ffi.ffi_call(_TARGETS[grouped_pass], results)(*arrays)
+    # The GEMM passes' weight_layout attribute is the core's WeightLayout.
+    attributes = {} if grouped_pass == _PASS.bias_grad else {"weight_layout": np.int32(layout)}
+    out, _ = jax.ffi.ffi_call(_TARGETS[grouped_pass], results)(*arrays, **attributes)
     return out
 
 
-def _pass(grouped_pass, m_splits, out_shape, lead, out_features: int, **operands):
+def _pass(grouped_pass, m_splits, out_shape, lead, out_features: int, layout, **operands):
     """One pass: checked now (its output's shape included), run by the extension on GPUs and by
     the reference on CPUs."""
     gpus = _gpus_present()
-    _check(grouped_pass, m_splits, 0 if gpus else -1, **operands,
+    _check(grouped_pass, m_splits, 0 if gpus else -1, layout, **operands,
            **{_OUTPUTS[grouped_pass]: jax.ShapeDtypeStruct(out_shape, lead.dtype)})
 
     def reference(m_splits, *arrays):
-        return _reference(grouped_pass, m_splits, **_named(operands, arrays))
+        return _reference(grouped_pass, m_splits, layout, **_named(operands, arrays))
 
     if not gpus:
         return reference(m_splits, *operands.values())
@@ -168,7 +184,7 @@ def _pass(grouped_pass, m_splits, out_shape, lead, out_features: int, **operands
     arrays = [jnp.zeros((0,), lead.dtype) if a is None else a for a in operands.values()]
     return jax.lax.platform_dependent(
         m_splits, *arrays, cpu=lambda m, *a: reference(m, *_absent_as_none(operands, a)),
-        cuda=lambda m, *a: _on_gpu(grouped_pass, m, out_shape, lead, out_features, a))
+        cuda=lambda m, *a: _on_gpu(grouped_pass, m, out_shape, lead, out_features, layout, a))
 
 
 def _named(operands: dict, arrays) -> dict:
@@ -179,13 +195,19 @@ def _absent_as_none(operands: dict, arrays):
     return [None if given is None else a for given, a in zip(operands.values(), arrays)]
 
 
-def _forward(x, m_splits, weight, bias):
-    _check_ranks(_PASS.forward, m_splits, 0 if _gpus_present() else -1, x=x, weight=weight)
-    return _pass(_PASS.forward, m_splits, (x.shape[0], weight.shape[1]), x, weight.shape[1],
+def _out_features(weight, layout) -> int:
+    return weight.shape[2 if layout == _LAYOUT.in_out else 1]
+
+
+def _forward(x, m_splits, weight, bias, layout):
+    _check_ranks(_PASS.forward, m_splits, 0 if _gpus_present() else -1, layout, x=x,
+                 weight=weight)
+    out_features = _out_features(weight, layout)
+    return _pass(_PASS.forward, m_splits, (x.shape[0], out_features), x, out_features, layout,
                  x=x, weight=weight, bias=bias)
 
 
-def _check_concrete_sizes(x, m_splits, weight, bias) -> None:
+def _check_concrete_sizes(x, m_splits, weight, bias, layout) -> None:
     """An eager call's group sizes on the CPU, checked before anything runs (as meshla.torch's CPU
     path does, in the device-side check's words), after the shapes they are checked against.
     Sizes on a GPU are read there only, as in meshla.torch: nothing waits for them."""
@@ -194,19 +216,19 @@ def _check_concrete_sizes(x, m_splits, weight, bias) -> None:
     if isinstance(m_splits, jax.Array) and any(d.platform != "cpu" for d in m_splits.devices()):
         return
     device = 0 if _gpus_present() else -1
-    _check_ranks(_PASS.forward, m_splits, device, x=x, weight=weight)
-    _check(_PASS.forward, m_splits, device, x=x, weight=weight, bias=bias,
-           y=jax.ShapeDtypeStruct((x.shape[0], weight.shape[1]), x.dtype))
+    _check_ranks(_PASS.forward, m_splits, device, layout, x=x, weight=weight)
+    _check(_PASS.forward, m_splits, device, layout, x=x, weight=weight, bias=bias,
+           y=jax.ShapeDtypeStruct((x.shape[0], _out_features(weight, layout)), x.dtype))
     _meshla.check_group_sizes(np.asarray(m_splits).tolist(), x.shape[0])
 
 
-@jax.custom_vjp
-def _grouped(x, m_splits, weight, bias):
-    return _forward(x, m_splits, weight, bias)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _grouped(x, m_splits, weight, bias, layout):
+    return _forward(x, m_splits, weight, bias, layout)
 
 
-def _grouped_fwd(x, m_splits, weight, bias):
-    return _forward(x, m_splits, weight, bias), (x, m_splits, weight, bias)
+def _grouped_fwd(x, m_splits, weight, bias, layout):
+    return _forward(x, m_splits, weight, bias, layout), (x, m_splits, weight, bias)
 
 
 def _cotangent(ct, primal):
@@ -217,21 +239,27 @@ def _cotangent(ct, primal):
     return (jax.lax.psum(ct, extra) if extra else ct).astype(primal.dtype)
 
 
-def _grouped_bwd(residuals, dy):
+def _grouped_bwd(layout, residuals, dy):
     x, m_splits, weight, bias = residuals
-    num_groups, out_features, _ = weight.shape
-    dx = _pass(_PASS.dgrad, m_splits, x.shape, dy, out_features, dy=dy, weight=weight)
-    dweight = _pass(_PASS.wgrad, m_splits, weight.shape, x, out_features, x=x, dy=dy)
+    num_groups, out_features = weight.shape[0], _out_features(weight, layout)
+    dx = _pass(_PASS.dgrad, m_splits, x.shape, dy, out_features, layout, dy=dy, weight=weight)
+    dweight = _pass(_PASS.wgrad, m_splits, weight.shape, x, out_features, layout, x=x, dy=dy)
     dbias = None
     if bias is not None:
         dbias = _cotangent(_pass(_PASS.bias_grad, m_splits, (num_groups, out_features), dy,
-                                 out_features, dy=dy), bias)
+                                 out_features, layout, dy=dy), bias)
     # Group sizes are integers: their cotangent is float0.
     return (_cotangent(dx, x), np.zeros(m_splits.shape, jax.dtypes.float0),
             _cotangent(dweight, weight), dbias)
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def _check_arrays(function: str, **arrays) -> None:
+    for name, a in arrays.items():
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise ValueError(f"{function}: {name} must be an array, got {type(a).__name__}")
 
 
 def grouped_linear(x, m_splits, weight, bias=None):
@@ -255,11 +283,34 @@ def grouped_linear(x, m_splits, weight, bias=None):
     Inside an XLA command buffer a replay does not run the handler, so there the NaN may be all
     that shows until a call outside one.
     """
-    for name, a in (("x", x), ("m_splits", m_splits), ("weight", weight)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise ValueError(f"{_NAME}: {name} must be an array, got {type(a).__name__}")
+    _check_arrays("grouped_linear", x=x, m_splits=m_splits, weight=weight)
     if x.dtype != weight.dtype:
-        raise ValueError(f"{_NAME}: x is {x.dtype} but the weights are {weight.dtype}; they must "
+        raise ValueError(f"grouped_linear: x is {x.dtype} but the weights are {weight.dtype}; "
+                         "they must match")
+    _check_concrete_sizes(x, m_splits, weight, bias, _LAYOUT.out_in)
+    return _grouped(x, m_splits, weight, bias, _LAYOUT.out_in)
+
+
+def grouped_matmul(lhs, rhs, group_sizes, bias=None, *, transpose_rhs=False):
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` (+ ``bias[g]`` on the rows of group ``g``).
+
+    ``lhs`` is ``[m, k]``, its rows in group order; ``rhs`` ``[G, k, n]`` (ragged_dot's layout),
+    or ``[G, n, k]`` with ``transpose_rhs=True`` (a linear layer's weights: then this is
+    :func:`grouped_linear`, in its words); ``group_sizes`` int32 or int64 ``[G]`` on the device,
+    summing to ``m`` (groups may be empty); ``bias`` ``[G, n]``. bfloat16, float16 or float32, the
+    same for every operand. Returns ``[m, n]`` in lhs's dtype, accumulated in float32.
+
+    Differentiable in lhs, rhs and bias through meshla's passes (``jax.grad``,
+    ``jax.checkpoint``): the gradient of rhs is the per-group ``lhs_gᵀ d_out_g``, zero for an
+    empty group. The checks, the rules on group sizes (NaN outputs and a later call's error under
+    ``jax.jit``) and the rule on 16-bit feature sizes are :func:`grouped_linear`'s, in
+    grouped_matmul's words (lhs, rhs, out, group_sizes).
+    """
+    if transpose_rhs:
+        return grouped_linear(lhs, group_sizes, rhs, bias)
+    _check_arrays("grouped_matmul", lhs=lhs, rhs=rhs, group_sizes=group_sizes)
+    if lhs.dtype != rhs.dtype:
+        raise ValueError(f"grouped_matmul: lhs is {lhs.dtype} but rhs is {rhs.dtype}; they must "
                          "match")
-    _check_concrete_sizes(x, m_splits, weight, bias)
-    return _grouped(x, m_splits, weight, bias)
+    _check_concrete_sizes(lhs, group_sizes, rhs, bias, _LAYOUT.in_out)
+    return _grouped(lhs, group_sizes, rhs, bias, _LAYOUT.in_out)

@@ -54,14 +54,24 @@ GroupedRegistry& engines() {
   return registry;
 }
 
+// meshla.jax's weight_layout attribute: WeightLayout's value.
+WeightLayout layout_of(std::int32_t weight_layout) {
+  MESHLA_CHECK(kInternal,
+               weight_layout == static_cast<std::int32_t>(WeightLayout::kOutIn) ||
+                   weight_layout == static_cast<std::int32_t>(WeightLayout::kInOut),
+               "grouped: weight_layout=" << weight_layout);
+  return static_cast<WeightLayout>(weight_layout);
+}
+
 // A zero-size buffer stands for an absent bias.
 TensorView present_or_absent(const ffi::AnyBuffer& buffer, int device, const char* name) {
   return buffer.element_count() == 0 ? TensorView{} : view_of(buffer, device, name);
 }
 
 ffi::Error run(GroupedPass pass, cudaStream_t stream, int device, GroupedMatmulArgs args,
-               const ffi::AnyBuffer& workspace) {
+               const ffi::AnyBuffer& workspace, std::int32_t weight_layout) {
   return guarded([&] {
+    args.weight_layout = layout_of(weight_layout);
     // XLA aligns its buffers to fewer bytes than the pass wants (256): meshla.jax asks for that
     // many more, and the workspace starts at the first boundary.
     const auto address = reinterpret_cast<std::uintptr_t>(workspace.untyped_data());
@@ -77,36 +87,37 @@ ffi::Error run(GroupedPass pass, cudaStream_t stream, int device, GroupedMatmulA
 
 ffi::Error forward(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_splits,
                    ffi::AnyBuffer x, ffi::AnyBuffer weight, ffi::AnyBuffer bias,
-                   ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> workspace) {
+                   ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> workspace,
+                   std::int32_t weight_layout) {
   return run(GroupedPass::kForward, stream, device,
              {.m_splits = view_of(m_splits, device, "m_splits"),
               .x = view_of(x, device, "x"),
               .weight = view_of(weight, device, "weight"),
               .bias = present_or_absent(bias, device, "bias"),
               .y = view_of(*y, device, "y")},
-             *workspace);
+             *workspace, weight_layout);
 }
 
 ffi::Error dgrad(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_splits,
                  ffi::AnyBuffer dy, ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> dx,
-                 ffi::Result<ffi::AnyBuffer> workspace) {
+                 ffi::Result<ffi::AnyBuffer> workspace, std::int32_t weight_layout) {
   return run(GroupedPass::kDgrad, stream, device,
              {.m_splits = view_of(m_splits, device, "m_splits"),
               .dy = view_of(dy, device, "dy"),
               .weight = view_of(weight, device, "weight"),
               .dx = view_of(*dx, device, "dx")},
-             *workspace);
+             *workspace, weight_layout);
 }
 
 ffi::Error wgrad(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_splits,
                  ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dweight,
-                 ffi::Result<ffi::AnyBuffer> workspace) {
+                 ffi::Result<ffi::AnyBuffer> workspace, std::int32_t weight_layout) {
   return run(GroupedPass::kWgrad, stream, device,
              {.m_splits = view_of(m_splits, device, "m_splits"),
               .x = view_of(x, device, "x"),
               .dy = view_of(dy, device, "dy"),
               .dweight = view_of(*dweight, device, "dweight")},
-             *workspace);
+             *workspace, weight_layout);
 }
 
 ffi::Error bias_grad(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_splits,
@@ -116,7 +127,7 @@ ffi::Error bias_grad(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_
              {.m_splits = view_of(m_splits, device, "m_splits"),
               .dy = view_of(dy, device, "dy"),
               .dbias = view_of(*dbias, device, "dbias")},
-             *workspace);
+             *workspace, static_cast<std::int32_t>(WeightLayout::kOutIn));
 }
 
 auto bound() {
@@ -125,7 +136,8 @@ auto bound() {
 
 }  // namespace
 
-// Each pass: m_splits and its operands, then its output and the workspace.
+// Each pass: m_splits and its operands, then its output and the workspace; the GEMM passes'
+// weight_layout attribute is WeightLayout's value.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_forward, forward,
                               bound()
                                   .Arg<ffi::AnyBuffer>()
@@ -133,7 +145,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_forward, forward,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<std::int32_t>("weight_layout"),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_dgrad, dgrad,
                               bound()
@@ -141,7 +154,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_dgrad, dgrad,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<std::int32_t>("weight_layout"),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_wgrad, wgrad,
                               bound()
@@ -149,7 +163,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_wgrad, wgrad,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>(),
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<std::int32_t>("weight_layout"),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     meshla_grouped_bias_grad, bias_grad,

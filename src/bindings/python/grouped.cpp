@@ -18,6 +18,9 @@ void bind_grouped(nb::module_& m) {
       .value("dgrad", GroupedPass::kDgrad)
       .value("wgrad", GroupedPass::kWgrad)
       .value("bias_grad", GroupedPass::kBiasGrad);
+  nb::enum_<WeightLayout>(m, "WeightLayout")
+      .value("out_in", WeightLayout::kOutIn)
+      .value("in_out", WeightLayout::kInOut);
 
   m.def(
       "packed_group_stride",
@@ -35,7 +38,7 @@ void bind_grouped(nb::module_& m) {
          const std::optional<TensorView>& bias, const std::optional<TensorView>& y,
          const std::optional<TensorView>& dx, const std::optional<TensorView>& dweight,
          const std::optional<TensorView>& dbias, bool accumulate,
-         const std::optional<TensorView>& dweight_addresses) {
+         const std::optional<TensorView>& dweight_addresses, WeightLayout weight_layout) {
         check_grouped_call(pass, {.m_splits = m_splits,
                                   .x = meta_or_absent(x),
                                   .dy = meta_or_absent(dy),
@@ -46,12 +49,14 @@ void bind_grouped(nb::module_& m) {
                                   .dweight = meta_or_absent(dweight),
                                   .dbias = meta_or_absent(dbias),
                                   .dweight_addresses = meta_or_absent(dweight_addresses),
-                                  .accumulate = accumulate});
+                                  .accumulate = accumulate,
+                                  .weight_layout = weight_layout});
       },
       "grouped_pass"_a, "m_splits"_a, "x"_a.none() = nb::none(), "dy"_a.none() = nb::none(),
       "weight"_a.none() = nb::none(), "bias"_a.none() = nb::none(), "y"_a.none() = nb::none(),
       "dx"_a.none() = nb::none(), "dweight"_a.none() = nb::none(), "dbias"_a.none() = nb::none(),
       "accumulate"_a = false, "dweight_addresses"_a.none() = nb::none(),
+      "weight_layout"_a = WeightLayout::kOutIn,
       "Checks one pass's arrays (ArrayMeta, host arrays too) as GroupedMatmul.run would.");
 
   m.def(
@@ -69,10 +74,11 @@ void bind_grouped(nb::module_& m) {
       .def(
           "workspace_bytes",
           [](const GroupedMatmul& self, GroupedPass pass, DType dtype, std::int64_t num_groups,
-             std::int64_t out_features) {
-            return self.workspace_bytes(pass, dtype, num_groups, out_features);
+             std::int64_t out_features, WeightLayout weight_layout) {
+            return self.workspace_bytes(pass, dtype, num_groups, out_features, weight_layout);
           },
-          "grouped_pass"_a, "dtype"_a, "num_groups"_a, "out_features"_a)
+          "grouped_pass"_a, "dtype"_a, "num_groups"_a, "out_features"_a,
+          "weight_layout"_a = WeightLayout::kOutIn)
       .def(
           "run",
           [](GroupedMatmul& self, GroupedPass pass, const Array& m_splits, const Array& workspace,
