@@ -5,12 +5,13 @@ grouped_linear at the same shapes, in one run.
   python bench/jax_grouped.py --commit SHA --out results.json
 
 TFLOP/s of forward (y = x W_gᵀ), dgrad (dx = dy W_g) and wgrad (dW_g = dy_gᵀ x_g) for
-bench/grouped_linear.py's shapes and routings (DeepSeek-V3's experts over 8 and 32, Qwen3-30B-A3B's
-up_proj; uniform and skewed). JAX's passes are jitted functions of their own (meshla's through
-jax.vjp of grouped_linear, and of grouped_matmul and ragged_dot with their rhs [G, in, out]; the
-loop slices each group's rows at sizes fixed when traced, as a per-expert loop does),
-timed as `calls` back-to-back calls after a warm-up, the median of `reps`; torch's with CUDA
-events the same way (bench/fp8_gemm.py's time_ms). Runs are appended to --out's "runs".
+bench/grouped_linear.py's shapes and routings (DeepSeek-V3's experts over 8 and 32,
+Qwen3-30B-A3B's up_proj; uniform and skewed), and 1000 -> 1001 features (padded) beside
+1008 -> 1008. JAX's passes are jitted functions of their own (meshla's through jax.vjp of
+grouped_linear, and of grouped_matmul and ragged_dot with their rhs [G, in, out]; the loop slices
+each group's rows at sizes fixed when traced, as a per-expert loop does), timed as `calls`
+back-to-back calls after a warm-up, the median of `reps`; torch's with CUDA events the same way
+(bench/fp8_gemm.py's time_ms). Runs are appended to --out's "runs".
 """
 
 import argparse
@@ -30,6 +31,12 @@ from grouped_linear import SHAPES, routing  # noqa: E402
 
 import meshla.jax as mj  # noqa: E402
 import meshla.torch as mt  # noqa: E402
+
+
+# Issue 41's unaligned example (16-bit features that are not multiples of 8 run on padded
+# copies) beside the next aligned size.
+UNALIGNED = [("8 x 1000 -> 1001 (padded)", 8, 1000, 1001, 65536),
+             ("8 x 1008 -> 1008 (aligned)", 8, 1008, 1008, 65536)]
 
 
 def jax_ms(fn, args, calls: int, reps: int) -> float:
@@ -117,9 +124,13 @@ def main():
     parser.add_argument("--out", help="JSON file to append this run to")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--shapes", nargs="+", metavar="TEXT",
+                        help="only the shapes whose name contains one of these")
     args = parser.parse_args()
     rows = []
-    for shape in SHAPES:
+    for shape in SHAPES + UNALIGNED:
+        if args.shapes and not any(text in shape[0] for text in args.shapes):
+            continue
         for skewed in (False, True):
             rows += bench_shape(*shape, skewed, args)
     if args.out:

@@ -14,8 +14,10 @@
 //
 // bf16 and fp16 accumulate in fp32 on CUTLASS's Hopper grouped GEMM (TMA + WGMMA, problem sizes
 // read on the device; other GPUs refuse them with kNotImplemented for now); fp32 is computed in
-// full fp32 by a meshla kernel, on any GPU. 16-bit operands need
-// in_features and out_features divisible by 8 and 16-byte aligned data.
+// full fp32 by a meshla kernel, on any GPU. TMA reads 16-bit rows of a multiple of 8 features
+// at 16-byte aligned addresses in place; features of other sizes run on zero-padded copies of
+// the operands with such rows, and of the weights and bias, in the workspace (the outputs
+// cropped back), so any size runs, at the cost of those copies.
 //
 // Checks that need m_splits (no negative size, sizes summing to the rows of x) run on the device.
 // A call that fails them does no GEMM, fills its outputs with NaN and records the error in
@@ -84,12 +86,10 @@ class MESHLA_API GroupedMatmul {
   GroupedMatmul(const GroupedMatmul&) = delete;
   GroupedMatmul& operator=(const GroupedMatmul&) = delete;
 
-  // Bytes of workspace one call of `pass` needs for `num_groups` groups of `dtype` operands
-  // (the wgrad dtype is x's, whether or not it accumulates into fp32) whose weights are laid out
-  // as `layout`.
-  std::size_t workspace_bytes(GroupedPass pass, DType dtype, std::int64_t num_groups,
-                              std::int64_t out_features,
-                              WeightLayout layout = WeightLayout::kOutIn) const;
+  // Bytes of workspace one call of `pass` on `args` needs, from the arrays' metadata alone (data
+  // is not read; workspace may be absent): what the call's shapes, dtypes, layout, bias and
+  // accumulate ask for. Checks `args` as run() does.
+  std::size_t workspace_bytes(GroupedPass pass, const GroupedMatmulArgs& args) const;
 
   // Checks every argument it can on the host, then enqueues the pass on `stream`.
   void run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStream_t stream);

@@ -133,6 +133,31 @@ struct AddGroupBias {
   }
 };
 
+template <typename T>
+__device__ T* matrix_of(const Matrices& set, std::int64_t g) {
+  return set.addresses != nullptr ? reinterpret_cast<T*>(set.addresses[g])
+                                  : static_cast<T*>(set.data) + g * set.group_stride;
+}
+
+// A block per row at a time (grid-stride over every group's rows), its threads along the row.
+template <typename T, CopyMode kMode>
+__global__ void copy_matrices_kernel(Matrices src, Matrices dst, std::int64_t groups) {
+  for (std::int64_t item = blockIdx.x; item < groups * dst.rows; item += gridDim.x) {
+    const std::int64_t g = item / dst.rows;
+    const std::int64_t row = item - g * dst.rows;
+    const T* from = row < src.rows ? matrix_of<T>(src, g) + row * src.pitch : nullptr;
+    T* to = matrix_of<T>(dst, g) + row * dst.pitch;
+    for (std::int64_t column = threadIdx.x; column < dst.cols; column += blockDim.x) {
+      const T value = from != nullptr && column < src.cols ? from[column] : T{};
+      if constexpr (kMode == CopyMode::kAddFloat) {
+        to[column] += value;
+      } else {
+        to[column] = value;
+      }
+    }
+  }
+}
+
 // fp32 grouped GEMM: 64x64 tiles, 16-deep slices of K, 4x4 outputs per thread. Group g's
 // operands are A (M x K) and B (K x N) at element strides that depend on the pass.
 constexpr int kTile = 64;
@@ -268,6 +293,24 @@ void launch_add_group_bias(const GroupIndex& index, void* y, DType dtype, std::i
   launch_by_dtype<AddGroupBias>(
       dtype, dim3(static_cast<unsigned>(std::clamp<std::int64_t>(blocks, 1, kSpanBlocks))), 256,
       stream, index, y, out, bias, bias_group_stride);
+}
+
+void launch_copy_matrices(const Matrices& src, const Matrices& dst, std::int64_t groups,
+                          int element_size, CopyMode mode, cudaStream_t stream) {
+  // A few blocks per SM, each taking rows in turn: enough to keep the copy at memory speed.
+  const dim3 grid(static_cast<unsigned>(std::clamp<std::int64_t>(groups * dst.rows, 1, 4096)));
+  if (element_size == 2 && mode == CopyMode::kCopy) {
+    copy_matrices_kernel<std::uint16_t, CopyMode::kCopy>
+        <<<grid, 256, 0, stream>>>(src, dst, groups);
+  } else if (element_size == 4 && mode == CopyMode::kCopy) {
+    copy_matrices_kernel<float, CopyMode::kCopy><<<grid, 256, 0, stream>>>(src, dst, groups);
+  } else if (element_size == 4) {
+    copy_matrices_kernel<float, CopyMode::kAddFloat><<<grid, 256, 0, stream>>>(src, dst, groups);
+  } else {
+    MESHLA_THROW(kInternal, "copy_matrices: " << element_size << "-byte elements, mode "
+                                              << static_cast<int>(mode));
+  }
+  MESHLA_CHECK_CUDA(cudaGetLastError());
 }
 
 void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std::int64_t out,

@@ -68,6 +68,27 @@ void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std:
 void launch_add_group_bias(const GroupIndex& index, void* y, DType dtype, std::int64_t out,
                            const void* bias, std::int64_t bias_group_stride, cudaStream_t stream);
 
+// `groups` row-major matrices of [rows, cols] elements whose rows are `pitch` elements apart,
+// group g's at data + g * group_stride elements, or at addresses[g] where addresses is set.
+struct Matrices {
+  void* data;
+  std::int64_t rows;
+  std::int64_t cols;
+  std::int64_t pitch;
+  std::int64_t group_stride;
+  const std::int64_t* addresses = nullptr;
+};
+
+enum class CopyMode {
+  kCopy,      // dst = src where src has the element, 0 elsewhere (padding in, cropping out)
+  kAddFloat,  // dst += src (fp32), over dst's extent
+};
+
+// Copies (or adds) every element of dst's extent from src, for the padded runs of feature sizes
+// TMA cannot read. `element_size` is 2 (bf16, fp16: moved as bits) or 4 (fp32).
+void launch_copy_matrices(const Matrices& src, const Matrices& dst, std::int64_t groups,
+                          int element_size, CopyMode mode, cudaStream_t stream);
+
 // fp32 grouped GEMM of any pass but kBiasGrad, in full fp32.
 void launch_grouped_fp32(const GroupIndex& index, const GroupedOperands& operands,
                          cudaStream_t stream);

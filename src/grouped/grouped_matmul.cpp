@@ -29,10 +29,11 @@ GroupedPass pass_on_out_in_kernels(GroupedPass pass) {
   }
 }
 
-// The group index a pass built in `args.workspace` (workspace_layout's first parts).
+// The group index a pass built in `args.workspace`, `offset` bytes in (workspace_layout's first
+// parts; a padded call's are those of its inner call).
 grouped::GroupIndex group_index_of(const GroupedMatmulArgs& args,
-                                   const grouped::GroupedShape& shape) {
-  auto* base = static_cast<char*>(args.workspace.data);
+                                   const grouped::GroupedShape& shape, std::size_t offset = 0) {
+  auto* base = static_cast<char*>(args.workspace.data) + offset;
   const grouped::WorkspaceLayout layout = grouped::workspace_layout(shape.groups, 0);
   return {args.m_splits.data,
           reinterpret_cast<std::int64_t*>(base + layout.offsets),
@@ -69,6 +70,142 @@ GroupedMatmulArgs as_out_in(GroupedPass pass, const GroupedMatmulArgs& args) {
       break;
   }
   return swapped;
+}
+
+std::int64_t padded_size(std::int64_t features) {
+  return (features + grouped::kFeatureMultiple - 1) / grouped::kFeatureMultiple *
+         grouped::kFeatureMultiple;
+}
+
+// A padded call's workspace (grouped_validation.hpp's PaddedFeatures): the zero-padded copies of
+// the operands with unaligned rows, the weights (and bias) and the padded output, each 256-byte
+// aligned (offsets; 0 where the pass has none), then the workspace of the aligned call on them.
+struct PaddedLayout {
+  std::size_t x = 0, dy = 0, weight = 0, bias = 0, out = 0, inner = 0, total = 0;
+};
+
+PaddedLayout padded_layout(GroupedPass pass, const grouped::GroupedShape& shape,
+                           grouped::PaddedFeatures padded, bool bias, bool accumulate,
+                           std::size_t inner_bytes) {
+  const auto bytes = [&](std::int64_t elements, DType dtype) {
+    return detail::align_up(static_cast<std::size_t>(elements) * dtype_size(dtype));
+  };
+  const std::int64_t in = padded_size(shape.in_features), out = padded_size(shape.out_features);
+  const std::int64_t rows = shape.rows, groups = shape.groups;
+  PaddedLayout layout;
+  std::size_t end = 0;
+  const auto place = [&](std::size_t* offset, std::int64_t elements, DType dtype) {
+    *offset = end;
+    end += bytes(elements, dtype);
+  };
+  const bool has_x = pass == GroupedPass::kForward || pass == GroupedPass::kWgrad;
+  const bool has_dy = pass == GroupedPass::kDgrad || pass == GroupedPass::kWgrad;
+  if (has_x && padded.in) place(&layout.x, rows * in, shape.dtype);
+  if (has_dy && padded.out) place(&layout.dy, rows * out, shape.dtype);
+  if (pass != GroupedPass::kWgrad) place(&layout.weight, groups * out * in, shape.dtype);
+  if (pass == GroupedPass::kForward && bias) place(&layout.bias, groups * out, shape.dtype);
+  if (pass == GroupedPass::kForward && padded.out) place(&layout.out, rows * out, shape.dtype);
+  if (pass == GroupedPass::kDgrad && padded.in) place(&layout.out, rows * in, shape.dtype);
+  if (pass == GroupedPass::kWgrad) {
+    place(&layout.out, groups * out * in, accumulate ? DType::kFloat32 : shape.dtype);
+  }
+  layout.inner = end;
+  layout.total = end + inner_bytes;
+  return layout;
+}
+
+// `view` ([rows, cols] with row pitch strides[0], or [G, rows, cols]) as a set of matrices.
+grouped::Matrices matrices_of(const TensorView& view) {
+  const bool grouped = view.ndim == 3;
+  return {view.data, view.shape[view.ndim - 2], view.shape[view.ndim - 1],
+          view.strides[view.ndim - 2], grouped ? view.strides[0] : 0};
+}
+
+// The aligned call on zero-padded copies (PaddedLayout): the padding adds zeros to every
+// contraction and only columns past the features to the outputs, which are cropped back.
+void run_padded(GroupedMatmul& engine, GroupedPass pass, const GroupedMatmulArgs& args,
+                const grouped::GroupedShape& shape, const PaddedLayout& layout,
+                cudaStream_t stream) {
+  auto* base = static_cast<char*>(args.workspace.data);
+  const std::int64_t in = padded_size(shape.in_features), out = padded_size(shape.out_features);
+  const int element = static_cast<int>(dtype_size(shape.dtype));
+  const int device = engine.device();
+  const auto matrix_at = [&](std::size_t offset, DType dtype, std::int64_t rows,
+                             std::int64_t cols) {
+    return make_tensor_view(base + offset, dtype, {rows, cols}, device);
+  };
+  const auto matrices_at = [&](std::size_t offset, DType dtype, std::int64_t rows,
+                               std::int64_t cols) {
+    return make_tensor_view(base + offset, dtype, {shape.groups, rows, cols}, device);
+  };
+  // A zero-padded copy of `view` at `offset`, `rows` x `cols` a matrix.
+  const auto copy_in = [&](const TensorView& view, std::size_t offset, std::int64_t rows,
+                           std::int64_t cols) {
+    const bool grouped = view.ndim == 3;
+    const TensorView copy = grouped ? matrices_at(offset, view.dtype, rows, cols)
+                                    : matrix_at(offset, view.dtype, rows, cols);
+    grouped::launch_copy_matrices(matrices_of(view), matrices_of(copy), grouped ? view.shape[0] : 1,
+                                  element, grouped::CopyMode::kCopy, stream);
+    return copy;
+  };
+
+  GroupedMatmulArgs inner = args;
+  inner.workspace = make_tensor_view(
+      base + layout.inner, DType::kInt32,
+      {static_cast<std::int64_t>((layout.total - layout.inner) / sizeof(std::int32_t))}, device);
+  TensorView user_out;  // the caller's output, written from the padded one at the end
+  switch (pass) {
+    case GroupedPass::kForward:
+      if (shape.in_features != in) inner.x = copy_in(args.x, layout.x, shape.rows, in);
+      inner.weight = copy_in(args.weight, layout.weight, out, in);
+      if (args.bias.given()) inner.bias = copy_in(args.bias, layout.bias, shape.groups, out);
+      if (shape.out_features != out) {
+        user_out = args.y;
+        inner.y = matrix_at(layout.out, shape.dtype, shape.rows, out);
+      }
+      break;
+    case GroupedPass::kDgrad:
+      if (shape.out_features != out) inner.dy = copy_in(args.dy, layout.dy, shape.rows, out);
+      inner.weight = copy_in(args.weight, layout.weight, out, in);
+      if (shape.in_features != in) {
+        user_out = args.dx;
+        inner.dx = matrix_at(layout.out, shape.dtype, shape.rows, in);
+      }
+      break;
+    case GroupedPass::kWgrad: {
+      if (shape.in_features != in) inner.x = copy_in(args.x, layout.x, shape.rows, in);
+      if (shape.out_features != out) inner.dy = copy_in(args.dy, layout.dy, shape.rows, out);
+      const DType dweight = args.accumulate ? DType::kFloat32 : shape.dtype;
+      inner.dweight = matrices_at(layout.out, dweight, out, in);
+      inner.dweight_addresses = {};
+      if (args.accumulate) {  // accumulate into zeros, then add to the caller's
+        MESHLA_CHECK_CUDA(cudaMemsetAsync(
+            inner.dweight.data, 0, static_cast<std::size_t>(inner.dweight.numel()) * 4, stream));
+      }
+      break;
+    }
+    case GroupedPass::kBiasGrad:
+      MESHLA_THROW(kInternal, "grouped_linear bias_grad has no padded form");
+  }
+  engine.run(pass, inner, stream);
+
+  if (pass == GroupedPass::kWgrad) {
+    const TensorView& padded = inner.dweight;
+    grouped::Matrices to{args.dweight.data, shape.out_features, shape.in_features, 0, 0};
+    if (args.dweight_addresses.given()) {
+      to.pitch = shape.in_features;
+      to.addresses = static_cast<const std::int64_t*>(args.dweight_addresses.data);
+    } else {
+      to = matrices_of(args.dweight);
+    }
+    grouped::launch_copy_matrices(
+        matrices_of(padded), to, shape.groups, static_cast<int>(dtype_size(padded.dtype)),
+        args.accumulate ? grouped::CopyMode::kAddFloat : grouped::CopyMode::kCopy, stream);
+  } else if (user_out.given()) {
+    const TensorView& padded = pass == GroupedPass::kForward ? inner.y : inner.dx;
+    grouped::launch_copy_matrices(matrices_of(padded), matrices_of(user_out), 1, element,
+                                  grouped::CopyMode::kCopy, stream);
+  }
 }
 
 }  // namespace
@@ -134,6 +271,21 @@ struct GroupedMatmul::Impl {
     }
     return detail::align_up(parts.tables) + parts.kernel;
   }
+
+  // Bytes of workspace of a call on aligned features.
+  std::size_t aligned_bytes(GroupedPass pass, DType dtype, std::int64_t groups,
+                            std::int64_t out_features) const {
+    const CutlassWorkspace parts = cutlass_workspace(pass, dtype, groups);
+    return grouped::workspace_layout(groups, pass_bytes(pass, groups, out_features, parts)).total;
+  }
+
+  // The padded copies' layout of a call whose 16-bit features are not all aligned.
+  PaddedLayout padded(GroupedPass pass, const GroupedMatmulArgs& args,
+                      const grouped::GroupedShape& shape, grouped::PaddedFeatures features) const {
+    return padded_layout(
+        pass, shape, features, args.bias.given(), args.accumulate,
+        aligned_bytes(pass, shape.dtype, shape.groups, padded_size(shape.out_features)));
+  }
 };
 
 GroupedMatmul::GroupedMatmul(int device) : impl_(std::make_unique<Impl>()) {
@@ -160,15 +312,16 @@ GroupedMatmul& GroupedMatmul::operator=(GroupedMatmul&&) noexcept = default;
 
 int GroupedMatmul::device() const { return impl_->device; }
 
-std::size_t GroupedMatmul::workspace_bytes(GroupedPass pass, DType dtype, std::int64_t num_groups,
-                                           std::int64_t out_features, WeightLayout layout) const {
-  MESHLA_CHECK_ARG(num_groups >= 1,
-                   "grouped_linear: num_groups=" << num_groups << " must be at least 1");
-  if (layout == WeightLayout::kInOut) pass = pass_on_out_in_kernels(pass);
-  const CutlassWorkspace parts = impl_->cutlass_workspace(pass, dtype, num_groups);
-  return grouped::workspace_layout(num_groups,
-                                   Impl::pass_bytes(pass, num_groups, out_features, parts))
-      .total;
+std::size_t GroupedMatmul::workspace_bytes(GroupedPass pass, const GroupedMatmulArgs& args) const {
+  const grouped::GroupedShape shape = grouped::validate_grouped_args(pass, args);
+  if (args.weight_layout == WeightLayout::kInOut) {
+    return workspace_bytes(pass_on_out_in_kernels(pass), as_out_in(pass, args));
+  }
+  const grouped::PaddedFeatures features = grouped::padded_features(shape);
+  if (Impl::uses_cutlass(pass, shape.dtype) && features.any()) {
+    return impl_->padded(pass, args, shape, features).total;
+  }
+  return impl_->aligned_bytes(pass, shape.dtype, shape.groups, shape.out_features);
 }
 
 void GroupedMatmul::check_device_errors(cudaStream_t stream) {
@@ -180,12 +333,22 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
   impl_->throw_recorded_error();
   const grouped::GroupedShape shape = grouped::validate_grouped_args(pass, args);
   if (args.weight_layout == WeightLayout::kInOut) {
-    run(pass_on_out_in_kernels(pass), as_out_in(pass, args), stream);
+    const GroupedPass executed = pass_on_out_in_kernels(pass);
+    const GroupedMatmulArgs swapped = as_out_in(pass, args);
+    run(executed, swapped, stream);
     if (pass == GroupedPass::kForward && args.bias.given()) {
+      // The group index the product's call built: after the padded copies where it ran padded.
+      const grouped::GroupedShape executed_shape =
+          grouped::validate_grouped_args(executed, swapped);
+      const grouped::PaddedFeatures features = grouped::padded_features(executed_shape);
+      const std::size_t index_offset =
+          Impl::uses_cutlass(executed, shape.dtype) && features.any()
+              ? impl_->padded(executed, swapped, executed_shape, features).inner
+              : 0;
       detail::DeviceGuard guard(impl_->device);
-      grouped::launch_add_group_bias(group_index_of(args, shape), args.y.data, shape.dtype,
-                                     shape.out_features, args.bias.data, args.bias.strides[0],
-                                     stream);
+      grouped::launch_add_group_bias(group_index_of(args, shape, index_offset), args.y.data,
+                                     shape.dtype, shape.out_features, args.bias.data,
+                                     args.bias.strides[0], stream);
     }
     return;
   }
@@ -209,18 +372,26 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
   const CutlassWorkspace parts = impl_->cutlass_workspace(pass, shape.dtype, shape.groups);
   const grouped::WorkspaceLayout layout = grouped::workspace_layout(
       shape.groups, Impl::pass_bytes(pass, shape.groups, shape.out_features, parts));
+  const grouped::PaddedFeatures features = grouped::padded_features(shape);
+  const bool padded = cutlass_pass && features.any();
+  const std::size_t required =
+      padded ? impl_->padded(pass, args, shape, features).total : layout.total;
   const TensorView& ws = args.workspace;
   MESHLA_CHECK_ARG(ws.ndim >= 1 && ws.device_kind == DeviceKind::kCuda &&
                        ws.device == impl_->device && ws.is_row_major_contiguous() &&
-                       static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype) >= layout.total,
+                       static_cast<std::size_t>(ws.numel()) * dtype_size(ws.dtype) >= required,
                    "grouped_linear "
                        << grouped_pass_name(pass) << ": workspace.shape=" << ws.shape_string()
                        << " must be a contiguous CUDA buffer on cuda:" << impl_->device
-                       << " of at least " << layout.total << " bytes (workspace_bytes)");
+                       << " of at least " << required << " bytes (workspace_bytes)");
   MESHLA_CHECK_ARG(reinterpret_cast<std::uintptr_t>(ws.data) % 256 == 0,
                    "grouped_linear: workspace must start on a 256-byte boundary");
 
   detail::DeviceGuard guard(impl_->device);
+  if (padded) {
+    run_padded(*this, pass, args, shape, impl_->padded(pass, args, shape, features), stream);
+    return;
+  }
   auto* base = static_cast<char*>(ws.data);
   const grouped::GroupIndex index = group_index_of(args, shape);
   if (!cutlass_pass) grouped::launch_group_index(index, impl_->status, stream);

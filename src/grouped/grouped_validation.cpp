@@ -289,22 +289,28 @@ GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& ar
   }
 
   if (dtype != DType::kFloat32 && pass != GroupedPass::kBiasGrad) {
-    MESHLA_CHECK_ARG(
-        shape.in_features % 8 == 0 && shape.out_features % 8 == 0,
-        where << ": in_features=" << shape.in_features << " and out_features=" << shape.out_features
-              << " must be multiples of 8 for " << dtype_name(dtype) << " (16-byte rows for TMA)");
-    const auto check_aligned = [&](const TensorView& view, const char* name) {
-      if (view.given()) check.aligned(view, name, view.ndim == 3 ? view.strides[0] : 0);
+    // TMA reads and writes 16-byte aligned rows in place. Features that are not multiples of 8
+    // run padded (padded_features): the operands with such a row are copied into the workspace,
+    // so only those used in place must be aligned.
+    const PaddedFeatures padded = padded_features(shape);
+    const auto check_aligned = [&](const TensorView& view, const char* name, bool copied) {
+      if (view.given() && !copied) check.aligned(view, name, view.ndim == 3 ? view.strides[0] : 0);
     };
-    check_aligned(args.x, words.x);
-    check_aligned(args.dy, "dy");
-    check_aligned(args.weight, words.weight);
-    check_aligned(args.y, words.y);
-    check_aligned(args.dx, "dx");
-    check_aligned(args.dweight, "dweight");
-    if (args.bias.given()) check.aligned(args.bias, "bias", args.bias.strides[0]);
+    check_aligned(args.x, words.x, padded.in);
+    check_aligned(args.dy, "dy", padded.out);
+    check_aligned(args.weight, words.weight, padded.any());
+    check_aligned(args.y, words.y, padded.out);
+    check_aligned(args.dx, "dx", padded.in);
+    check_aligned(args.dweight, "dweight", padded.any());
+    if (args.bias.given() && !padded.any()) check.aligned(args.bias, "bias", args.bias.strides[0]);
   }
   return shape;
+}
+
+PaddedFeatures padded_features(const GroupedShape& shape) {
+  const bool sixteen_bit = shape.dtype == DType::kBFloat16 || shape.dtype == DType::kFloat16;
+  return {sixteen_bit && shape.in_features % kFeatureMultiple != 0,
+          sixteen_bit && shape.out_features % kFeatureMultiple != 0};
 }
 
 std::string group_sizes_error(std::int64_t group, std::int64_t size, std::int64_t total,

@@ -24,6 +24,20 @@ struct GroupedShape {
 // Does not check the workspace's size, which depends on the device.
 GroupedShape validate_grouped_args(GroupedPass pass, const GroupedMatmulArgs& args);
 
+// 16-bit rows TMA can read hold a multiple of 8 features (16 bytes).
+constexpr std::int64_t kFeatureMultiple = 8;
+
+// Which feature sizes of a 16-bit call are not multiples of kFeatureMultiple: such a call runs
+// on copies padded with zeros to the next multiple (GroupedMatmul::run), of the operands with
+// rows of that size and of the weights and bias; the others are used in place.
+struct PaddedFeatures {
+  bool in = false;
+  bool out = false;
+  bool any() const { return in || out; }
+};
+
+PaddedFeatures padded_features(const GroupedShape& shape);
+
 // What is wrong with the group sizes: group `group`'s `size` is negative, or (size >= 0) the
 // sizes sum to `total` where the input has `rows`. The device-side check records the same facts
 // and GroupedMatmul reports them in these words, check_group_sizes too.

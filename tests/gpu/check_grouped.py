@@ -6,7 +6,8 @@ Every check draws fresh random inputs and splits (skewed, with empty groups), po
 with NaN, runs the pass and compares with a float64 per-group loop over the same (rounded)
 inputs: ||out - ref|| / ||ref|| under a per-dtype threshold; among the shapes, one whose last
 tiles are split in two halves of their k-tiles, which must be split there and repeat bitwise.
-Also: the module's autograd and its packed, aligned gradients; device-side rejection of bad
+The "padded" family runs feature sizes TMA cannot read (copied into the workspace, padded with
+zeros). Also: the module's autograd and its packed, aligned gradients; device-side rejection of bad
 m_splits; CUDA-graph capture with m_splits changing between replays; delayed weight gradients on
 a side stream under allocator pressure; torch.compile.
 """
@@ -28,6 +29,9 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
 # (at most 2 M-tiles) among them.
 SHAPES = [(4, 64, 32, 300), (8, 1024, 512, 8192), (3, 40, 24, 100), (1, 256, 128, 77),
           (16, 512, 256, 5000), (3, 256, 384, 13000), (24, 4096, 4096, 32000)]
+# Features that are not multiples of 8, run padded in 16 bits (GroupedMatmul's padded copies):
+# out only (1000 x 1001, issue 41's example), in only, both, and both with a partial last tile.
+PADDED_SHAPES = [(4, 1000, 1001, 3000), (3, 61, 64, 700), (6, 37, 45, 1500), (2, 300, 130, 257)]
 PASS = mt.grouped._PASS
 # Group sizes whose rows end at every point of a 64-row k-tile of the weight gradient (1-4 of its
 # 16-row k-blocks hold rows, or all of them), with an empty group; 184 output features make the
@@ -128,17 +132,17 @@ def check_passes(report, dtype, shape, seed, sizes=None, sizes_dtype=torch.int64
 
     for with_bias in (False, True):
         y = torch.full((rows, out_features), nan, device=dev, dtype=dtype)
-        grouped._run(PASS.forward, m_splits, x, out_features, x=x, weight=weight,
+        grouped._run(PASS.forward, m_splits, x, x=x, weight=weight,
                       bias=bias if with_bias else None, y=y)
         compare("forward" + ("+bias" if with_bias else ""), y,
                 reference("forward", x, None, weight, bias if with_bias else None, sizes))
     dx = torch.full((rows, in_features), nan, device=dev, dtype=dtype)
-    grouped._run(PASS.dgrad, m_splits, dy, out_features, dy=dy, weight=weight, dx=dx)
+    grouped._run(PASS.dgrad, m_splits, dy, dy=dy, weight=weight, dx=dx)
     compare("dgrad", dx, reference("dgrad", None, dy, weight, None, sizes))
 
     dweight_flat = torch.full((groups * stride,), nan, device=dev, dtype=dtype)
     dweight = grouped._packed(dweight_flat, groups, out_features, in_features, stride)
-    grouped._run(PASS.wgrad, m_splits, x, out_features, x=x, dy=dy, dweight=dweight)
+    grouped._run(PASS.wgrad, m_splits, x, x=x, dy=dy, dweight=dweight)
     want = reference("wgrad", x, dy, None, None, sizes)
     compare("wgrad", dweight, want, per_row_group=False)
     empty = sizes == 0
@@ -153,7 +157,7 @@ def check_passes(report, dtype, shape, seed, sizes=None, sizes_dtype=torch.int64
 
     start = torch.randn(groups, out_features, in_features, generator=gen).to(dev)
     main_grad = start.clone()
-    grouped._run(PASS.wgrad, m_splits, x, out_features, x=x, dy=dy, dweight=main_grad,
+    grouped._run(PASS.wgrad, m_splits, x, x=x, dy=dy, dweight=main_grad,
                  accumulate=True)
     compare("wgrad-accumulate", main_grad, start.double() + want, per_row_group=False)
     if empty.any():
@@ -162,7 +166,7 @@ def check_passes(report, dtype, shape, seed, sizes=None, sizes_dtype=torch.int64
                       f"{int(empty.sum())} empty groups")
 
     dbias = torch.full((groups, out_features), nan, device=dev, dtype=dtype)
-    grouped._run(PASS.bias_grad, m_splits, dy, out_features, dy=dy, dbias=dbias)
+    grouped._run(PASS.bias_grad, m_splits, dy, dy=dy, dbias=dbias)
     compare("bias_grad", dbias, reference("bias_grad", None, dy, None, None, sizes),
             per_row_group=False)
 
@@ -187,10 +191,10 @@ def check_split_tails(report, dtype):
     weight = torch.randn(len(sizes), out_features, in_features, generator=gen).to(dev, dtype)
 
     def forward(x, w, out):
-        grouped._run(PASS.forward, m_splits, x, out_features, x=x, weight=w, bias=None, y=out)
+        grouped._run(PASS.forward, m_splits, x, x=x, weight=w, bias=None, y=out)
 
     def dgrad(dy, w, out):
-        grouped._run(PASS.dgrad, m_splits, dy, out_features, dy=dy, weight=w, dx=out)
+        grouped._run(PASS.dgrad, m_splits, dy, dy=dy, weight=w, dx=out)
 
     for name, run, ones, probe, operand, columns in (
             ("forward", forward, ones_x, forward_w, x, out_features),
@@ -581,7 +585,8 @@ def check_compile(report):
 
 
 # The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
-FAMILIES = ("capture", "passes", "autograd", "errors", "main-grads", "edges", "compile")
+FAMILIES = ("capture", "passes", "padded", "autograd", "errors", "main-grads", "edges",
+            "compile")
 
 
 def main():
@@ -594,6 +599,10 @@ def main():
     checks += [("passes", f"passes/{dtype}/{shape}",
                 lambda d=dtype, s=shape, i=i: check_passes(report, d, s, i))
                for i, (dtype, shape) in enumerate((d, s) for d in TOLERANCE for s in SHAPES)]
+    checks += [("padded", f"padded/{dtype}/{shape}",
+                lambda d=dtype, s=shape, i=i: check_passes(report, d, s, 41 + i))
+               for i, (dtype, shape) in enumerate((d, s) for d in TOLERANCE
+                                                  for s in PADDED_SHAPES)]
     checks += [("passes", f"passes-k-tails/{d}",
                 lambda d=d: check_passes(report, d, K_TAIL_SHAPE, 17, sizes=K_TAIL_SIZES))
                for d in TOLERANCE]

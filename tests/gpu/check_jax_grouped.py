@@ -27,8 +27,10 @@ from reporting import Reporter, check_parser  # noqa: E402
 
 FAMILIES = ("passes", "ragged-layout", "shard-map", "errors")
 TOLERANCE = {jnp.bfloat16: 1e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}
-# (sizes, in_features, out_features): an empty group, a group of one row, groups past a tile.
-SHAPES = [([300, 0, 1, 77, 1000], 64, 128), ([4096, 2048, 0, 2048], 1024, 512)]
+# (sizes, in_features, out_features): an empty group, a group of one row, groups past a tile;
+# features that are not multiples of 8 (run padded in 16 bits): out only, and both.
+SHAPES = [([300, 0, 1, 77, 1000], 64, 128), ([4096, 2048, 0, 2048], 1024, 512),
+          ([700, 0, 1300], 1000, 1001), ([5, 300, 0, 90], 61, 37)]
 
 
 def relative(got, want) -> float:

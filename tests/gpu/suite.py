@@ -76,7 +76,8 @@ MODELS = (
     # meshla's GEMM alone, every dtype and fp8's scaled products.
     Model("matmul", _python("check_matmul.py"), ("products", "fp8"), gpus=1),
     Model("grouped", _python("check_grouped.py"),
-          ("capture", "passes", "autograd", "errors", "main-grads", "edges", "compile"), gpus=1),
+          ("capture", "passes", "padded", "autograd", "errors", "main-grads", "edges", "compile"),
+          gpus=1),
     # One process driving 1, 2 and 4 GPUs (as many as there are).
     Model("solver", _python("check_solver.py"), ("jax", "torch", "large", "special"),
           timeout_s=600.0),

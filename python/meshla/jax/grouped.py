@@ -84,13 +84,21 @@ atexit.register(_sizers.clear)  # before the interpreter tears the extension dow
 
 
 @functools.lru_cache(maxsize=None)
-def _workspace_bytes(grouped_pass, dtype, groups: int, out_features: int, layout) -> int:
+def _workspace_bytes(grouped_pass, layout, arrays: tuple) -> int:
+    """The workspace of one pass on ``arrays``, ``(name, shape, dtype)`` of m_splits, the
+    operands and the output (it grows with the rows when features run padded)."""
     with _sizers_lock:
         if not _sizers:
             _sizers.extend(_meshla.GroupedMatmul(d.local_hardware_id)
                            for d in jax.local_devices(backend="gpu"))
-    return max(s.workspace_bytes(grouped_pass, dtype, groups, out_features, layout)
-               for s in _sizers)
+
+    def bytes_on(sizer):
+        metas = {name: _meta(name, jax.ShapeDtypeStruct(shape, dtype), sizer.device, layout)
+                 for name, shape, dtype in arrays}
+        return sizer.workspace_bytes(grouped_pass, metas.pop("m_splits"), weight_layout=layout,
+                                     **metas)
+
+    return max(map(bytes_on, _sizers))
 
 
 def _group_of_rows(m_splits, rows: int):
@@ -148,9 +156,10 @@ _TARGETS = {_PASS.forward: "meshla_grouped_forward", _PASS.dgrad: "meshla_groupe
             _PASS.wgrad: "meshla_grouped_wgrad", _PASS.bias_grad: "meshla_grouped_bias_grad"}
 
 
-def _on_gpu(grouped_pass, m_splits, out_shape, lead, out_features: int, layout, operands):
-    workspace = _workspace_bytes(grouped_pass, dtype_of("x", lead), m_splits.shape[0],
-                                 out_features, layout) + _ALIGNMENT_SLACK
+def _on_gpu(grouped_pass, m_splits, out_shape, lead, layout, named, operands):
+    """The pass's custom call; ``named`` holds the metadata of every array it checks (m_splits,
+    the given operands and the output), from which its workspace is sized."""
+    workspace = _workspace_bytes(grouped_pass, layout, named) + _ALIGNMENT_SLACK
     # Inside shard_map (experts split over a mesh axis) one custom call takes operands of one
     # type, and its results vary over every axis an operand does, as the reference's would.
     arrays = (m_splits, *operands)
@@ -167,12 +176,15 @@ def _on_gpu(grouped_pass, m_splits, out_shape, lead, out_features: int, layout, 
     return out
 
 
-def _pass(grouped_pass, m_splits, out_shape, lead, out_features: int, layout, **operands):
+def _pass(grouped_pass, m_splits, out_shape, lead, layout, **operands):
     """One pass: checked now (its output's shape included), run by the extension on GPUs and by
     the reference on CPUs."""
     gpus = _gpus_present()
-    _check(grouped_pass, m_splits, 0 if gpus else -1, layout, **operands,
-           **{_OUTPUTS[grouped_pass]: jax.ShapeDtypeStruct(out_shape, lead.dtype)})
+    output = {_OUTPUTS[grouped_pass]: jax.ShapeDtypeStruct(out_shape, lead.dtype)}
+    _check(grouped_pass, m_splits, 0 if gpus else -1, layout, **operands, **output)
+    named = tuple((name, tuple(a.shape), jnp.dtype(a.dtype).name)
+                  for name, a in {"m_splits": m_splits, **operands, **output}.items()
+                  if a is not None)
 
     def reference(m_splits, *arrays):
         return _reference(grouped_pass, m_splits, layout, **_named(operands, arrays))
@@ -184,7 +196,7 @@ def _pass(grouped_pass, m_splits, out_shape, lead, out_features: int, layout, **
     arrays = [jnp.zeros((0,), lead.dtype) if a is None else a for a in operands.values()]
     return jax.lax.platform_dependent(
         m_splits, *arrays, cpu=lambda m, *a: reference(m, *_absent_as_none(operands, a)),
-        cuda=lambda m, *a: _on_gpu(grouped_pass, m, out_shape, lead, out_features, layout, a))
+        cuda=lambda m, *a: _on_gpu(grouped_pass, m, out_shape, lead, layout, named, a))
 
 
 def _named(operands: dict, arrays) -> dict:
@@ -202,8 +214,7 @@ def _out_features(weight, layout) -> int:
 def _forward(x, m_splits, weight, bias, layout):
     _check_ranks(_PASS.forward, m_splits, 0 if _gpus_present() else -1, layout, x=x,
                  weight=weight)
-    out_features = _out_features(weight, layout)
-    return _pass(_PASS.forward, m_splits, (x.shape[0], out_features), x, out_features, layout,
+    return _pass(_PASS.forward, m_splits, (x.shape[0], _out_features(weight, layout)), x, layout,
                  x=x, weight=weight, bias=bias)
 
 
@@ -242,12 +253,12 @@ def _cotangent(ct, primal):
 def _grouped_bwd(layout, residuals, dy):
     x, m_splits, weight, bias = residuals
     num_groups, out_features = weight.shape[0], _out_features(weight, layout)
-    dx = _pass(_PASS.dgrad, m_splits, x.shape, dy, out_features, layout, dy=dy, weight=weight)
-    dweight = _pass(_PASS.wgrad, m_splits, weight.shape, x, out_features, layout, x=x, dy=dy)
+    dx = _pass(_PASS.dgrad, m_splits, x.shape, dy, layout, dy=dy, weight=weight)
+    dweight = _pass(_PASS.wgrad, m_splits, weight.shape, x, layout, x=x, dy=dy)
     dbias = None
     if bias is not None:
         dbias = _cotangent(_pass(_PASS.bias_grad, m_splits, (num_groups, out_features), dy,
-                                 out_features, layout, dy=dy), bias)
+                                 layout, dy=dy), bias)
     # Group sizes are integers: their cotangent is float0.
     return (_cotangent(dx, x), np.zeros(m_splits.shape, jax.dtypes.float0),
             _cotangent(dweight, weight), dbias)
@@ -274,12 +285,13 @@ def grouped_linear(x, m_splits, weight, bias=None):
 
     Raises ``ValueError`` when traced, naming the argument and the shapes in meshla.torch's
     words, for: x and the weights in different dtypes, a dtype other than bfloat16, float16 or
-    float32, shapes that do not fit together, and 16-bit in or out features that are not
-    multiples of 8 (TMA's rule, on CPUs too, so that a program refused on a GPU is refused
-    everywhere). Group sizes that are negative or do not sum to ``rows`` raise ``ValueError``
-    at once in an eager call on the CPU; under ``jax.jit``, and on a GPU, the call's outputs are
-    NaN, and on a GPU the next grouped call that its handler runs on that GPU fails with
-    ``jax.errors.JaxRuntimeError`` in the same words (the sizes are read on the device only).
+    float32, and shapes that do not fit together (on CPUs too, so that a program refused on a
+    GPU is refused everywhere). 16-bit in or out features that are not multiples of 8 (rows TMA
+    cannot read) run on zero-padded copies in the workspace. Group sizes that are negative or do
+    not sum to ``rows`` raise ``ValueError`` at once in an eager call on the CPU; under
+    ``jax.jit``, and on a GPU, the call's outputs are NaN, and on a GPU the next grouped call that
+    its handler runs on that GPU fails with ``jax.errors.JaxRuntimeError`` in the same words (the
+    sizes are read on the device only).
     Inside an XLA command buffer a replay does not run the handler, so there the NaN may be all
     that shows until a call outside one.
     """
@@ -303,8 +315,8 @@ def grouped_matmul(lhs, rhs, group_sizes, bias=None, *, transpose_rhs=False):
     Differentiable in lhs, rhs and bias through meshla's passes (``jax.grad``,
     ``jax.checkpoint``): the gradient of rhs is the per-group ``lhs_gᵀ d_out_g``, zero for an
     empty group. The checks, the rules on group sizes (NaN outputs and a later call's error under
-    ``jax.jit``) and the rule on 16-bit feature sizes are :func:`grouped_linear`'s, in
-    grouped_matmul's words (lhs, rhs, out, group_sizes).
+    ``jax.jit``) and the padded runs of 16-bit feature sizes that are not multiples of 8 are
+    :func:`grouped_linear`'s, in grouped_matmul's words (lhs, rhs, out, group_sizes).
     """
     if transpose_rhs:
         return grouped_linear(lhs, group_sizes, rhs, bias)

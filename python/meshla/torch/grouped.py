@@ -35,7 +35,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from meshla import _meshla
-from meshla.torch._dtypes import DTYPES, dtype_of, meta
+from meshla.torch._dtypes import DTYPES, meta
 from meshla.torch._library import capsule, current_stream, op
 from meshla.torch._main_grad import added_to_main_grad, main_grad_buffer, overwrites_main_grad
 
@@ -57,17 +57,21 @@ def _engine(index: int) -> _meshla.GroupedMatmul:
     return engine
 
 
-# Workspace bytes per (device index, pass, dtype, groups, out_features): see _run.
+# Workspace bytes per (device index, pass, dtype, accumulate, groups and every operand's shape):
+# see _run.
 _workspace_sizes: dict[tuple, int] = {}
+
+
+def _metas(tensors: dict) -> dict:
+    return {name: t if isinstance(t, _meshla.ArrayMeta) else meta(name, t)
+            for name, t in tensors.items()}
 
 
 def _check_call(grouped_pass, m_splits, accumulate=False, **tensors):
     """The extension's checks of one pass on the tensors' metadata (GroupedMatmul.run's own, for
     CPU tensors too): the reference path refuses what the CUDA path would, in the same words."""
-    metas = {name: t if isinstance(t, _meshla.ArrayMeta) else meta(name, t)
-             for name, t in tensors.items()}
     _meshla.check_grouped_call(grouped_pass, meta("m_splits", m_splits), accumulate=accumulate,
-                               **metas)
+                               **_metas(tensors))
 
 
 _RANKS = {"x": 2, "dy": 2, "weight": 3}
@@ -113,19 +117,20 @@ def check_device_errors(device=None) -> None:
     _engine(index).check_device_errors(current_stream(index))
 
 
-def _run(grouped_pass, m_splits, lead, out_features, accumulate=False, **tensors):
+def _run(grouped_pass, m_splits, lead, accumulate=False, **tensors):
     """Runs one pass on the current stream of ``lead``'s device with a workspace from the caching
     allocator, so concurrent calls on different streams never share one. Sizing the workspace
-    is host work every call would repeat: the size is kept per (device, pass, dtype, groups,
-    out_features), and a new key's call is checked first (run() checks every call, but the size
-    is needed before it)."""
+    is host work every call would repeat: the size is kept per device, pass, accumulate and the
+    operands' shapes and dtypes (it grows with the rows when features run padded), and sizing a
+    new key checks the call (run() checks every call, but the size is needed before it)."""
     index = lead.get_device()
-    key = (index, grouped_pass, lead.dtype, m_splits.shape[0], out_features)
+    key = (index, grouped_pass, accumulate, m_splits.shape[0],
+           *((name, t.dtype, *t.shape) for name, t in tensors.items() if t is not None))
     size = _workspace_sizes.get(key)
     if size is None:
-        _check_call(grouped_pass, m_splits, accumulate, **tensors)
         size = _workspace_sizes[key] = _engine(index).workspace_bytes(
-            grouped_pass, dtype_of("x", lead), m_splits.shape[0], out_features)
+            grouped_pass, meta("m_splits", m_splits), accumulate=accumulate,
+            **_metas({name: t for name, t in tensors.items() if t is not None}))
     # int64 words: DLPack hands the extension no uint8, and the size is counted in bytes.
     workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
     _engine(index).run(grouped_pass, capsule(m_splits), capsule(workspace), current_stream(index),
@@ -142,7 +147,7 @@ def _grouped_mm(x, m_splits, weight, bias):
             rows = x[start:start + size] @ weight[g].T
             y[start:start + size] = rows if bias is None else rows + bias[g]
         return y
-    _run(_PASS.forward, m_splits, x, weight.shape[1], x=x, weight=weight, bias=bias, y=y)
+    _run(_PASS.forward, m_splits, x, x=x, weight=weight, bias=bias, y=y)
     return y
 
 
@@ -160,7 +165,7 @@ def _grouped_mm_dgrad(dy, m_splits, weight):
         for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0])):
             dx[start:start + size] = dy[start:start + size] @ weight[g]
         return dx
-    _run(_PASS.dgrad, m_splits, dy, weight.shape[1], dy=dy, weight=weight, dx=dx)
+    _run(_PASS.dgrad, m_splits, dy, dy=dy, weight=weight, dx=dx)
     return dx
 
 
@@ -185,7 +190,7 @@ def _grouped_mm_wgrad(x, dy, m_splits, group_stride):
         for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
             dweight[g] = dy[start:start + size].T @ x[start:start + size]
         return flat
-    _run(_PASS.wgrad, m_splits, x, out_features, x=x, dy=dy, dweight=dweight)
+    _run(_PASS.wgrad, m_splits, x, x=x, dy=dy, dweight=dweight)
     return flat
 
 
@@ -254,7 +259,7 @@ def _grouped_mm_wgrad_accumulate(x, dy, m_splits, main_grads):
         for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
             main_grads[g] += (dy[start:start + size].T @ x[start:start + size]).float()
         return
-    _run(_PASS.wgrad, m_splits, x, dy.shape[1], x=x, dy=dy,
+    _run(_PASS.wgrad, m_splits, x, x=x, dy=dy,
          dweight_addresses=_address_table(main_grads, m_splits, x, dy), accumulate=True)
 
 
@@ -273,7 +278,7 @@ def _grouped_bias_grad(dy, m_splits, num_groups):
             dbias[g] = dy[start:start + size].sum(
                 0, dtype=torch.promote_types(dy.dtype, torch.float32))
         return dbias
-    _run(_PASS.bias_grad, m_splits, dy, dy.shape[1], dy=dy, dbias=dbias)
+    _run(_PASS.bias_grad, m_splits, dy, dy=dy, dbias=dbias)
     return dbias
 
 
@@ -346,8 +351,10 @@ def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor
     Raises ``ValueError`` naming the argument and the shapes, on CPU and CUDA tensors alike, for:
     x and the weights in different dtypes (with a hint when torch.autocast is on, which does not
     cast these inputs), a dtype other than bfloat16, float16 or float32, shapes that do not fit
-    together, operands on other devices than ``m_splits``, and 16-bit in or out features that are
-    not multiples of 8 or rows not on 16-byte boundaries (TMA's rule). Group sizes that are
+    together, operands on other devices than ``m_splits``, and 16-bit operands used in place that
+    do not start on 16-byte boundaries (TMA's rule). 16-bit in or out features that are not
+    multiples of 8 run on zero-padded copies in the workspace (slower by those copies). Group
+    sizes that are
     negative or do not sum to ``rows`` raise at once on the CPU; on a GPU they are found on the
     device, the call's outputs are filled with NaN, and the next grouped call on that device (or
     :func:`check_device_errors`) raises."""
@@ -420,9 +427,8 @@ class GroupedLinear(torch.nn.Module):
 
     Calling the layer as ``layer(x, m_splits)`` returns ``[rows, out_features]``. It raises
     ``ValueError`` at construction for sizes below 1 and for a layer no call could run (a dtype
-    other than bfloat16, float16 and float32; 16-bit features that are not multiples of 8), for
-    an ``x`` that is not ``[rows,
-    in_features]`` or an ``m_splits`` that is not ``[num_groups]``, for missing main_grads with
+    other than bfloat16, float16 and float32), for an ``x`` that is not ``[rows, in_features]``
+    or an ``m_splits`` that is not ``[num_groups]``, for missing main_grads with
     ``fuse_wgrad_accumulation``, and otherwise as :func:`grouped_linear` does.
     """
 
@@ -454,8 +460,8 @@ class GroupedLinear(torch.nn.Module):
         self._check_every_call_could_run()
 
     def _check_every_call_could_run(self):
-        """The grouped GEMM's rules on a forward of no rows (the extension's: dtype, the rows TMA
-        reads), so that a layer no call could run is refused here rather than at its first call.
+        """The grouped GEMM's rules on a forward of no rows (the extension's: dtype, sizes), so
+        that a layer no call could run is refused here rather than at its first call.
         A layer on the meta device is checked when it is materialized and called."""
         weight, bias = self._packed_views()
         if weight.device.type == "meta":

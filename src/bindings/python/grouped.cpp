@@ -11,6 +11,31 @@
 using namespace nanobind::literals;
 
 namespace meshla::bindings {
+namespace {
+
+using Meta = std::optional<TensorView>;
+
+// One pass's arrays as metadata (ArrayMeta, host arrays too): check_grouped_call's and
+// workspace_bytes's arguments.
+GroupedMatmulArgs metas_of(const TensorView& m_splits, const Meta& x, const Meta& dy,
+                           const Meta& weight, const Meta& bias, const Meta& y, const Meta& dx,
+                           const Meta& dweight, const Meta& dbias, bool accumulate,
+                           const Meta& dweight_addresses, WeightLayout weight_layout) {
+  return {.m_splits = m_splits,
+          .x = meta_or_absent(x),
+          .dy = meta_or_absent(dy),
+          .weight = meta_or_absent(weight),
+          .bias = meta_or_absent(bias),
+          .y = meta_or_absent(y),
+          .dx = meta_or_absent(dx),
+          .dweight = meta_or_absent(dweight),
+          .dbias = meta_or_absent(dbias),
+          .dweight_addresses = meta_or_absent(dweight_addresses),
+          .accumulate = accumulate,
+          .weight_layout = weight_layout};
+}
+
+}  // namespace
 
 void bind_grouped(nb::module_& m) {
   nb::enum_<GroupedPass>(m, "GroupedPass")
@@ -33,24 +58,12 @@ void bind_grouped(nb::module_& m) {
 
   m.def(
       "check_grouped_call",
-      [](GroupedPass pass, const TensorView& m_splits, const std::optional<TensorView>& x,
-         const std::optional<TensorView>& dy, const std::optional<TensorView>& weight,
-         const std::optional<TensorView>& bias, const std::optional<TensorView>& y,
-         const std::optional<TensorView>& dx, const std::optional<TensorView>& dweight,
-         const std::optional<TensorView>& dbias, bool accumulate,
-         const std::optional<TensorView>& dweight_addresses, WeightLayout weight_layout) {
-        check_grouped_call(pass, {.m_splits = m_splits,
-                                  .x = meta_or_absent(x),
-                                  .dy = meta_or_absent(dy),
-                                  .weight = meta_or_absent(weight),
-                                  .bias = meta_or_absent(bias),
-                                  .y = meta_or_absent(y),
-                                  .dx = meta_or_absent(dx),
-                                  .dweight = meta_or_absent(dweight),
-                                  .dbias = meta_or_absent(dbias),
-                                  .dweight_addresses = meta_or_absent(dweight_addresses),
-                                  .accumulate = accumulate,
-                                  .weight_layout = weight_layout});
+      [](GroupedPass pass, const TensorView& m_splits, const Meta& x, const Meta& dy,
+         const Meta& weight, const Meta& bias, const Meta& y, const Meta& dx, const Meta& dweight,
+         const Meta& dbias, bool accumulate, const Meta& dweight_addresses,
+         WeightLayout weight_layout) {
+        check_grouped_call(pass, metas_of(m_splits, x, dy, weight, bias, y, dx, dweight, dbias,
+                                          accumulate, dweight_addresses, weight_layout));
       },
       "grouped_pass"_a, "m_splits"_a, "x"_a.none() = nb::none(), "dy"_a.none() = nb::none(),
       "weight"_a.none() = nb::none(), "bias"_a.none() = nb::none(), "y"_a.none() = nb::none(),
@@ -73,12 +86,20 @@ void bind_grouped(nb::module_& m) {
       .def(nb::init<int>(), "device"_a)
       .def(
           "workspace_bytes",
-          [](const GroupedMatmul& self, GroupedPass pass, DType dtype, std::int64_t num_groups,
-             std::int64_t out_features, WeightLayout weight_layout) {
-            return self.workspace_bytes(pass, dtype, num_groups, out_features, weight_layout);
+          [](const GroupedMatmul& self, GroupedPass pass, const TensorView& m_splits, const Meta& x,
+             const Meta& dy, const Meta& weight, const Meta& bias, const Meta& y, const Meta& dx,
+             const Meta& dweight, const Meta& dbias, bool accumulate, const Meta& dweight_addresses,
+             WeightLayout weight_layout) {
+            return self.workspace_bytes(
+                pass, metas_of(m_splits, x, dy, weight, bias, y, dx, dweight, dbias, accumulate,
+                               dweight_addresses, weight_layout));
           },
-          "grouped_pass"_a, "dtype"_a, "num_groups"_a, "out_features"_a,
-          "weight_layout"_a = WeightLayout::kOutIn)
+          "grouped_pass"_a, "m_splits"_a, "x"_a.none() = nb::none(), "dy"_a.none() = nb::none(),
+          "weight"_a.none() = nb::none(), "bias"_a.none() = nb::none(), "y"_a.none() = nb::none(),
+          "dx"_a.none() = nb::none(), "dweight"_a.none() = nb::none(),
+          "dbias"_a.none() = nb::none(), "accumulate"_a = false,
+          "dweight_addresses"_a.none() = nb::none(), "weight_layout"_a = WeightLayout::kOutIn,
+          "Bytes of workspace of one pass on these arrays (ArrayMeta), checked as run() checks.")
       .def(
           "run",
           [](GroupedMatmul& self, GroupedPass pass, const Array& m_splits, const Array& workspace,
