@@ -171,7 +171,8 @@ def _on_gpu(grouped_pass, m_splits, out_shape, lead, layout, named, operands):
 
     results = (result(out_shape, lead.dtype), result(((workspace + 3) // 4,), jnp.int32))
     # The GEMM passes' weight_layout attribute is the core's WeightLayout.
-    attributes = {} if grouped_pass == _PASS.bias_grad else {"weight_layout": np.int32(layout)}
+    attributes = ({} if grouped_pass == _PASS.bias_grad
+                  else {"weight_layout": np.int32(layout.value)})
     out, _ = jax.ffi.ffi_call(_TARGETS[grouped_pass], results)(*arrays, **attributes)
     return out
 
