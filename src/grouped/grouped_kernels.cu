@@ -139,35 +139,39 @@ __device__ T* matrix_of(const Matrices& set, std::int64_t g) {
                                   : static_cast<T*>(set.data) + g * set.group_stride;
 }
 
-// A block per row at a time (grid-stride over every group's rows), its threads along the row,
-// each moving kCopyRun consecutive elements: all of a run's loads are issued before its stores,
-// so that enough bytes are in flight to keep HBM busy (one 2-byte element a thread at a time
-// left the copy at about a third of the bandwidth). The rows of one side are usually not 4-byte
-// aligned (1001 features), so the elements move one at a time; L1 merges a warp's neighbours.
+// A block per row at a time (grid-stride over every group's rows), its threads along the row:
+// each thread moves kCopyRun elements blockDim.x apart, all of their loads issued before their
+// stores, so that a warp's accesses stay contiguous (coalesced) and enough bytes are in flight to
+// keep HBM busy. One element a thread at a time left the copy at about a third of the
+// bandwidth; runs of consecutive elements a thread (strided across the warp) were slower still,
+// their 2-byte stores scattered over many sectors. The rows of one side are usually not 4-byte
+// aligned (1001 features), so elements move one at a time.
 constexpr int kCopyRun = 8;
 
 template <typename T, CopyMode kMode>
 __global__ void copy_matrices_kernel(Matrices src, Matrices dst, std::int64_t groups) {
+  const std::int64_t step = blockDim.x;
   for (std::int64_t item = blockIdx.x; item < groups * dst.rows; item += gridDim.x) {
     const std::int64_t g = item / dst.rows;
     const std::int64_t row = item - g * dst.rows;
     const T* from = row < src.rows ? matrix_of<T>(src, g) + row * src.pitch : nullptr;
     T* to = matrix_of<T>(dst, g) + row * dst.pitch;
     const std::int64_t held = from != nullptr ? src.cols : 0;
-    for (std::int64_t first = threadIdx.x * kCopyRun; first < dst.cols;
-         first += static_cast<std::int64_t>(blockDim.x) * kCopyRun) {
+    for (std::int64_t first = threadIdx.x; first < dst.cols; first += step * kCopyRun) {
       T values[kCopyRun];
 #pragma unroll
       for (int e = 0; e < kCopyRun; ++e) {
-        values[e] = first + e < held ? from[first + e] : T{};
+        const std::int64_t column = first + e * step;
+        values[e] = column < held ? from[column] : T{};
       }
 #pragma unroll
       for (int e = 0; e < kCopyRun; ++e) {
-        if (first + e >= dst.cols) break;
+        const std::int64_t column = first + e * step;
+        if (column >= dst.cols) break;
         if constexpr (kMode == CopyMode::kAddFloat) {
-          to[first + e] += values[e];
+          to[column] += values[e];
         } else {
-          to[first + e] = values[e];
+          to[column] = values[e];
         }
       }
     }
