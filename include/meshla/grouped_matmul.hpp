@@ -56,15 +56,16 @@ struct GroupedMatmulArgs {
   TensorView m_splits;  // int64 or int32 (JAX's ragged_dot's) [G], on the device
   TensorView x;         // [rows, in]: forward, wgrad
   TensorView dy;        // [rows, out]: dgrad, wgrad, bias_grad
-  TensorView weight;    // [G, out, in]: forward, dgrad
+  TensorView weight;    // [G, out, in] ([G, in, out] for kInOut): forward, dgrad
   TensorView bias;      // [G, out]: forward, optional
   TensorView y;         // [rows, out]: forward output
   TensorView dx;        // [rows, in]: dgrad output
-  TensorView dweight;   // [G, out, in]: wgrad output (fp32 when accumulate)
+  TensorView dweight;   // weight's layout: wgrad output (fp32 when accumulate)
   TensorView dbias;     // [G, out]: bias_grad output
   // wgrad with accumulate, instead of dweight: int64 [G] on the device, the address of each
-  // group's fp32 [out, in] matrix (contiguous, 16-byte aligned, not overlapping another), for
-  // gradients that do not lie at equal spacing in one buffer (a framework's grad buffer).
+  // group's fp32 matrix in weight's layout (contiguous, 16-byte aligned, not overlapping
+  // another), for gradients that do not lie at equal spacing in one buffer (a framework's grad
+  // buffer).
   TensorView dweight_addresses;
   bool accumulate = false;  // wgrad: dweight += dy_gᵀ · x_g
   TensorView workspace;     // uint8-sized bytes on the device

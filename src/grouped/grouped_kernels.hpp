@@ -1,7 +1,7 @@
 // Kernels of the grouped GEMM other than CUTLASS's: the device-side group index (prefix sums and
 // validation of m_splits), NaN poisoning of a failed call's outputs, zeroing of empty groups'
-// weight gradients, the bias gradient and the fp32 grouped GEMM. Launchers only enqueue on
-// `stream`.
+// weight gradients, the bias gradient, the bias added after a product without a bias epilogue,
+// the padded runs' copies and the fp32 grouped GEMM. Launchers only enqueue on `stream`.
 #pragma once
 
 #include <cstdint>
@@ -63,8 +63,9 @@ void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std:
                       float* accumulator, void* dbias, std::int64_t dbias_group_stride,
                       cudaStream_t stream);
 
-// y[r, :] += bias[g, :] for each row r of group g (rows past the groups' total untouched), in
-// fp32, rounded once: the bias of a pass whose kernel has no bias epilogue.
+// y[r, :] += bias[g, :] for each row r of group g (rows past the groups' total untouched), added
+// in fp32 to y as the product left it (already rounded to y's dtype, so rounded twice in all,
+// where a bias epilogue rounds once): the bias of a pass whose kernel has no bias epilogue.
 void launch_add_group_bias(const GroupIndex& index, void* y, DType dtype, std::int64_t out,
                            const void* bias, std::int64_t bias_group_stride, cudaStream_t stream);
 
