@@ -176,9 +176,10 @@ def test_inside_shard_map(experts_split):
 def ragged_operands(sizes, k=6, n=3, seed=0, bias=True):
     """lhs, group sizes, rhs [G, k, n] (ragged_dot's layout) and a bias."""
     keys = jax.random.split(jax.random.key(seed), 3)
-    lhs = jax.random.normal(keys[0], (sum(sizes), k))
-    rhs = jax.random.normal(keys[1], (len(sizes), k, n))
-    b = jax.random.normal(keys[2], (len(sizes), n)) if bias else None
+    # float32 whatever jax_enable_x64 says (other test files turn it on)
+    lhs = jax.random.normal(keys[0], (sum(sizes), k), jnp.float32)
+    rhs = jax.random.normal(keys[1], (len(sizes), k, n), jnp.float32)
+    b = jax.random.normal(keys[2], (len(sizes), n), jnp.float32) if bias else None
     return lhs, jnp.asarray(sizes, jnp.int32), rhs, b
 
 
@@ -191,7 +192,7 @@ def test_grouped_matmul_is_ragged_dot_with_gradients(bias, jit):
     out = call(lhs, rhs, group_sizes, b)
     weight = jnp.swapaxes(rhs, 1, 2)  # the same product as a linear layer's [G, n, k] weights
     np.testing.assert_allclose(out, loop_reference(lhs, sizes, weight, b), rtol=1e-5, atol=1e-5)
-    d_out = jax.random.normal(jax.random.key(9), out.shape)
+    d_out = jax.random.normal(jax.random.key(9), out.shape, jnp.float32)
 
     def loss(lhs, rhs, b):
         return jnp.sum(mj.grouped_matmul(lhs, rhs, group_sizes, b) * d_out)
@@ -222,11 +223,11 @@ def test_grouped_matmul_with_transpose_rhs_is_grouped_linear():
 def test_grouped_matmul_errors_name_its_arguments(case, words):
     lhs, group_sizes, rhs, b = ragged_operands([3, 3])
     if case == "rhs shape":
-        rhs = jnp.zeros((3, 6, 3))
+        rhs = jnp.zeros((3, 6, 3), jnp.float32)
     if case == "sizes dtype":
         group_sizes = group_sizes.astype(jnp.float32)
     if case == "bias shape":
-        b = jnp.zeros((2, 4))
+        b = jnp.zeros((2, 4), jnp.float32)
     if case == "dtypes":
         rhs = rhs.astype(jnp.bfloat16)
     assert message(lambda: mj.grouped_matmul(lhs, rhs, group_sizes, b)).startswith(words)
