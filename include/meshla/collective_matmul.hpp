@@ -6,6 +6,11 @@
 //                                                                 of the sum over ranks
 //   matmul_all_reduce      the same product                    -> out [m, n], the whole sum
 //
+// fp8 (float8_e4m3fn or float8_e5m2 a and b, not both e5m2; b stored [n, k]) is scaled as
+// Matmul's (meshla/matmul.hpp): float32 scales on the device, one each (tensorwise) or one per row
+// of a and per column of the product (rowwise); the product, the bias and every partial sum are
+// in out_dtype (bfloat16, float16 or float32), so reductions never add fp8, while all_gather_matmul
+// moves a's fp8 bytes (and its rows' scales). On backend=nccl only, so far.
 // A CollectiveMatmul is a plan: built once per shape (collectively, by every rank of the group),
 // it owns the side stream and the events. Its buffers (staging, peer memory) and cuBLASLt
 // workspace are its group's, shared by the group's nccl and symmetric plans, sized by the largest
@@ -24,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -31,6 +37,7 @@
 
 #include "meshla/communicator.hpp"
 #include "meshla/export.hpp"
+#include "meshla/matmul.hpp"
 #include "meshla/tensor.hpp"
 
 namespace meshla {
@@ -72,7 +79,12 @@ struct CollectiveMatmulConfig {
   CollectiveOp op = CollectiveOp::kAllGatherMatmul;
   Algorithm algorithm = Algorithm::kAuto;
   Backend backend = Backend::kAuto;
-  DType dtype = DType::kBFloat16;
+  DType dtype = DType::kBFloat16;  // a's
+  // fp8 only: b's dtype where it differs from a's (e4m3 with e5m2), and the product's (out, bias,
+  // partial sums: product_dtype(); bfloat16 unless the request names one). Unset: dtype.
+  std::optional<DType> b_dtype;
+  std::optional<DType> out_dtype;
+  MatmulScaling scaling = MatmulScaling::kNone;  // fp8: how a and b are scaled back
   std::int64_t m = 0;    // rows of the full product, summed over ranks for all_gather_matmul
   std::int64_t n = 0;    // columns of the output
   std::int64_t k = 0;    // the contraction this rank computes (the local slice for RS and AR)
@@ -100,17 +112,20 @@ struct CollectiveMatmulArgs {
   TensorView bias;
   TensorView out;
   TensorView gathered;  // all_gather_matmul with return_gathered: [m, k]
+  TensorView a_scale;   // fp8, float32: [1] (tensorwise) or one per row of this rank's a
+  TensorView b_scale;   // fp8, float32: [1] (tensorwise) or [n]
 };
 
 // One call of a collective matmul checked before anything runs, on its arrays' metadata alone
 // (shapes, dtypes, devices; data is neither read nor needed, so a framework can check abstract
 // arrays too): the rules that the CUDA plans, the CPU references and every front end share, in the
-// same words. `request` gives the op, trans_b, return_gathered and the tuning (algorithm, backend,
-// chunks, comm_sms, comm_ctas); `tp` is the group's size and `device` its GPU (-1: a group of CPU
-// tensors, whose arrays are on the host). args.out and args.gathered may be absent (the caller
-// makes them at product_shape() and [m, k]); where given they are checked too, and where the views
-// carry data, no output may share memory with an input or the other output. Returns `request`
-// with dtype, m, n, k and bias filled in: the config a plan for the call is built with. Throws
+// same words. `request` gives the op, trans_b, return_gathered, the tuning (algorithm, backend,
+// chunks, comm_sms, comm_ctas) and an fp8 call's out_dtype; `tp` is the group's size and `device`
+// its GPU (-1: a group of CPU tensors, whose arrays are on the host). args.out and args.gathered
+// may be absent (the caller makes them at product_shape() and [m, k]); where given they are checked
+// too, and where the views carry data, no output may share memory with an input or the other
+// output. Returns `request` with dtype, b_dtype, out_dtype, scaling, m, n, k and bias filled in:
+// the config a plan for the call is built with (out_dtype is dtype's but for fp8). Throws
 // kInvalidArgument or kNotImplemented, naming the argument and the shapes.
 MESHLA_API CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
                                                 const CollectiveMatmulArgs& args, int tp,
@@ -118,6 +133,9 @@ MESHLA_API CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& re
 
 // [rows, cols] of a call's product on each rank: [m/tp, n] for matmul_reduce_scatter, else [m, n].
 MESHLA_API std::array<std::int64_t, 2> product_shape(const CollectiveMatmulConfig& config, int tp);
+
+// The dtype of a call's product, bias and partial sums: out_dtype, or dtype where it is unset.
+MESHLA_API DType product_dtype(const CollectiveMatmulConfig& config);
 
 class MESHLA_API CollectiveMatmul {
  public:

@@ -27,6 +27,8 @@ enum class DType {
 
 MESHLA_API std::string_view dtype_name(DType dtype);
 MESHLA_API std::size_t dtype_size(DType dtype);
+// float8_e4m3fn or float8_e5m2: operands that need scales.
+MESHLA_API bool is_float8(DType dtype);
 
 enum class DeviceKind { kCpu, kCuda };
 

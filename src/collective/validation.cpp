@@ -66,6 +66,70 @@ bool views_overlap(const TensorView& x, const TensorView& y) {
   return x0 < y0 + bytes(y) && y0 < x0 + bytes(x);
 }
 
+bool is_16_or_32_bit_float(DType dtype) {
+  return dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32;
+}
+
+// A scale array of `count` float32 values: [count], or a matrix of them with one extent 1
+// ([rows, 1] as torch._scaled_mm takes a's, [1, n] b's); one value is also [] (a 0-d array).
+void check_scales(std::string_view op, const char* name, const TensorView& view, std::int64_t count,
+                  const std::string& why, int device) {
+  MESHLA_CHECK_ARG(view.given(), op << ": " << name
+                                    << " is missing: a float8 product needs "
+                                       "a_scale and b_scale (float32 on the group's device)");
+  check_place(op, name, view, device);
+  MESHLA_CHECK_ARG(view.dtype == DType::kFloat32, op << ": " << name
+                                                     << ".dtype=" << dtype_name(view.dtype)
+                                                     << " but scales are float32");
+  const bool vector_like = view.ndim == 0 || view.ndim == 1 ||
+                           (view.ndim == 2 && (view.shape[0] == 1 || view.shape[1] == 1));
+  MESHLA_CHECK_ARG(vector_like && view.numel() == count && view.is_row_major_contiguous(),
+                   op << ": " << name << ".shape=" << view.shape_string() << " but expected "
+                      << count << " contiguous value" << (count == 1 ? "" : "s") << " (" << why
+                      << ")");
+}
+
+// How a float8 call is scaled, from its scales' sizes: one value each is tensorwise, a's rows and
+// the product's columns rowwise (torch._scaled_mm's rule).
+MatmulScaling scaling_of(std::string_view op, const CollectiveMatmulArgs& args, std::int64_t rows,
+                         std::int64_t n) {
+  const TensorView& a_scale = args.a_scale;
+  const TensorView& b_scale = args.b_scale;
+  if (!a_scale.given() || !b_scale.given() || (a_scale.numel() == 1 && b_scale.numel() == 1)) {
+    return MatmulScaling::kTensorwise;  // a missing one is named by check_scales
+  }
+  MESHLA_CHECK_ARG(a_scale.numel() == rows && b_scale.numel() == n,
+                   op << ": a_scale.shape=" << a_scale.shape_string() << " and b_scale.shape="
+                      << b_scale.shape_string() << ": tensorwise scales hold one value each, "
+                      << "rowwise ones one per row of a (" << rows << ") and per column of the "
+                      << "product (n=" << n << ")");
+  return MatmulScaling::kRowwise;
+}
+
+// The float8 rules of the per-rank GEMMs (Matmul's check_matmul_shape, one place for them) in
+// the collective op's words.
+void check_float8_product(std::string_view op, const CollectiveMatmulConfig& c) {
+  const MatmulShape shape{.dtype = c.dtype,
+                          .b_dtype = c.b_dtype,
+                          .out_dtype = c.out_dtype,
+                          .scaling = c.scaling,
+                          .m = c.m,
+                          .n = c.n,
+                          .k = c.k,
+                          .trans_b = c.trans_b,
+                          .lda = c.k,
+                          .ldb = c.k,
+                          .bias = c.bias};
+  try {
+    check_matmul_shape(shape);
+  } catch (const Error& error) {
+    constexpr std::string_view kPrefix = "matmul: ";
+    std::string_view message = error.what();
+    if (message.substr(0, kPrefix.size()) == kPrefix) message.remove_prefix(kPrefix.size());
+    throw Error(error.code(), std::string(op) + ": " + std::string(message));
+  }
+}
+
 // cuBLASMp picks its own split and thread blocks; what it runs is fixed by its layouts
 // (collective/cublasmp/cublasmp_executor.cpp).
 CollectiveMatmulConfig resolve_cublasmp(const CollectiveMatmulConfig& config, int tp) {
@@ -131,10 +195,25 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
   MESHLA_CHECK_ARG(config.m >= 1 && config.n >= 1 && config.k >= 1,
                    op << ": m=" << config.m << ", n=" << config.n << ", k=" << config.k
                       << " must all be positive");
-  MESHLA_CHECK_ARG(config.dtype == DType::kBFloat16 || config.dtype == DType::kFloat16 ||
-                       config.dtype == DType::kFloat32,
+  MESHLA_CHECK_ARG(is_16_or_32_bit_float(config.dtype) || is_float8(config.dtype),
                    op << ": dtype " << dtype_name(config.dtype)
-                      << " is not supported; use bfloat16, float16 or float32");
+                      << " is not supported; use bfloat16, float16, float32 or float8 (scaled)");
+  if (is_float8(config.dtype) || (config.b_dtype && is_float8(*config.b_dtype))) {
+    check_float8_product(op, config);
+    MESHLA_CHECK(
+        kNotImplemented,
+        config.op == CollectiveOp::kAllGatherMatmul || config.algorithm != Algorithm::kRing,
+        op << ": algorithm=ring adds each rank's partial sum in the GEMM's epilogue, which "
+              "a float8 GEMM does not take; use algorithm=pipelined or sequential");
+    MESHLA_CHECK(kNotImplemented,
+                 !config.return_gathered || config.scaling != MatmulScaling::kRowwise,
+                 op << ": return_gathered with rowwise scales would return the gathered rows "
+                       "without their scales; gather a_scale yourself, or use tensorwise scales");
+  } else {
+    MESHLA_CHECK_ARG(config.scaling == MatmulScaling::kNone && !config.b_dtype && !config.out_dtype,
+                     op << ": scales, b_dtype and out_dtype apply to float8 operands, not "
+                        << dtype_name(config.dtype));
+  }
   MESHLA_CHECK_ARG(config.chunks >= 0, op << ": chunks=" << config.chunks << " is negative");
   MESHLA_CHECK_ARG(config.comm_sms >= -1,
                    op << ": comm_sms=" << config.comm_sms << " must be -1 (default) or at least 0");
@@ -153,10 +232,10 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
                        "rank's memory (one host, CUDA peer access, NCCL_P2P_DISABLE unset)");
     const std::string why = symmetric_unsupported(config, tp);
     if (!why.empty()) {
-      const bool unsupported_algorithm =
-          config.algorithm != Algorithm::kAuto && config.algorithm != Algorithm::kRing;
-      throw Error(unsupported_algorithm ? ErrorCode::kNotImplemented : ErrorCode::kInvalidArgument,
-                  why);
+      const bool not_implemented =
+          is_float8(config.dtype) ||
+          (config.algorithm != Algorithm::kAuto && config.algorithm != Algorithm::kRing);
+      throw Error(not_implemented ? ErrorCode::kNotImplemented : ErrorCode::kInvalidArgument, why);
     }
     resolved.algorithm = Algorithm::kRing;
     resolved.comm_sms = std::max(config.comm_sms, 0);
@@ -198,33 +277,46 @@ void validate_args(const CollectiveMatmulConfig& c, int tp, int device,
     return "m=" + std::to_string(c.m) + " / tp_size=" + std::to_string(tp);
   };
   const auto text = [](const char* reason) { return [reason] { return std::string(reason); }; };
+  const DType b_dtype = c.b_dtype.value_or(c.dtype);
+  const DType out_dtype = product_dtype(c);
+  const std::int64_t a_rows = c.op == CollectiveOp::kAllGatherMatmul ? c.m / tp : c.m;
   switch (c.op) {
     case CollectiveOp::kAllGatherMatmul:
-      check_matrix(op, "a", args.a, c.m / tp, c.k, c.dtype, device,
+      check_matrix(op, "a", args.a, a_rows, c.k, c.dtype, device,
                    [&] { return per_rank() + " rows, k"; });
       break;
     case CollectiveOp::kMatmulReduceScatter:
     case CollectiveOp::kMatmulAllReduce:
-      check_matrix(op, "a", args.a, c.m, c.k, c.dtype, device, [&] { return m_k() + " local"; });
+      check_matrix(op, "a", args.a, a_rows, c.k, c.dtype, device, [&] { return m_k() + " local"; });
       break;
   }
   if (c.trans_b) {
-    check_matrix(op, "b", args.b, c.n, c.k, c.dtype, device, text("trans_b: [n, k]"));
+    check_matrix(op, "b", args.b, c.n, c.k, b_dtype, device, text("trans_b: [n, k]"));
   } else {
-    check_matrix(op, "b", args.b, c.k, c.n, c.dtype, device, text("[k, n]"));
+    check_matrix(op, "b", args.b, c.k, c.n, b_dtype, device, text("[k, n]"));
+  }
+  if (c.scaling == MatmulScaling::kNone) {
+    MESHLA_CHECK_ARG(!args.a_scale.given() && !args.b_scale.given(),
+                     op << ": scales were passed to a plan built without them");
+  } else {
+    const bool rowwise = c.scaling == MatmulScaling::kRowwise;
+    check_scales(op, "a_scale", args.a_scale, rowwise ? a_rows : 1,
+                 rowwise ? "one per row of a" : "tensorwise", device);
+    check_scales(op, "b_scale", args.b_scale, rowwise ? c.n : 1,
+                 rowwise ? "one per column of the product" : "tensorwise", device);
   }
   if (c.bias) {
-    check_matrix(op, "bias", args.bias, -1, c.n, c.dtype, device,
+    check_matrix(op, "bias", args.bias, -1, c.n, out_dtype, device,
                  text("one value per output column"));
   } else {
     MESHLA_CHECK_ARG(args.bias.data == nullptr,
                      op << ": a bias was passed to a plan built without one");
   }
   if (c.op == CollectiveOp::kMatmulReduceScatter) {
-    check_matrix(op, "out", args.out, c.m / tp, c.n, c.dtype, device,
+    check_matrix(op, "out", args.out, c.m / tp, c.n, out_dtype, device,
                  [&] { return per_rank() + " rows, n"; });
   } else {
-    check_matrix(op, "out", args.out, c.m, c.n, c.dtype, device, text("m, n"));
+    check_matrix(op, "out", args.out, c.m, c.n, out_dtype, device, text("m, n"));
   }
   if (c.return_gathered) {
     check_matrix(op, "gathered", args.gathered, c.m, c.k, c.dtype, device, m_k);
@@ -243,8 +335,21 @@ void check_request(const CollectiveMatmulConfig& config, int tp) {
 namespace {
 
 constexpr std::array<const char*, kConfigFields> kConfigFieldNames = {
-    "op",      "algorithm", "backend",         "dtype",  "m",        "n",        "k",
-    "trans_b", "bias",      "return_gathered", "chunks", "comm_sms", "comm_ctas"};
+    "op",        "algorithm", "backend",   "dtype",           "m",      "n",
+    "k",         "trans_b",   "bias",      "return_gathered", "chunks", "comm_sms",
+    "comm_ctas", "b_dtype",   "out_dtype", "scaling"};
+
+std::string_view scaling_name(MatmulScaling scaling) {
+  switch (scaling) {
+    case MatmulScaling::kNone:
+      return "none";
+    case MatmulScaling::kTensorwise:
+      return "tensorwise";
+    case MatmulScaling::kRowwise:
+      return "rowwise";
+  }
+  return "unknown";
+}
 
 std::string field_string(std::size_t field, std::int64_t value) {
   std::string name = std::string(kConfigFieldNames[field]) + "=";
@@ -257,6 +362,12 @@ std::string field_string(std::size_t field, std::int64_t value) {
       return name + std::string(backend_name(static_cast<Backend>(value)));
     case kFieldDtype:
       return name + std::string(dtype_name(static_cast<DType>(value)));
+    case kFieldBDtype:
+    case kFieldOutDtype:
+      return name + (value < 0 ? std::string("dtype's")
+                               : std::string(dtype_name(static_cast<DType>(value))));
+    case kFieldScaling:
+      return name + std::string(scaling_name(static_cast<MatmulScaling>(value)));
     default:
       return name + std::to_string(value);
   }
@@ -279,6 +390,12 @@ ConfigRecord config_record(const CollectiveMatmulConfig& config) {
   record[kFieldChunks] = config.chunks;
   record[kFieldCommSms] = config.comm_sms;
   record[kFieldCommCtas] = config.comm_ctas;
+  const auto dtype_or_unset = [](const std::optional<DType>& dtype) -> std::int64_t {
+    return dtype ? static_cast<std::int64_t>(*dtype) : -1;
+  };
+  record[kFieldBDtype] = dtype_or_unset(config.b_dtype);
+  record[kFieldOutDtype] = dtype_or_unset(config.out_dtype);
+  record[kFieldScaling] = static_cast<std::int64_t>(config.scaling);
   return record;
 }
 
@@ -338,19 +455,32 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
   }
   const TensorView& a = args.a;
   const TensorView& b = args.b;
-  MESHLA_CHECK_ARG(
-      a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat16 || a.dtype == DType::kFloat32,
-      op << ": a.dtype=" << dtype_name(a.dtype)
-         << " is not supported; use bfloat16, float16 or float32");
+  const bool float8 = is_float8(a.dtype) || is_float8(b.dtype);
+  MESHLA_CHECK_ARG(collective::is_16_or_32_bit_float(a.dtype) || is_float8(a.dtype),
+                   op << ": a.dtype=" << dtype_name(a.dtype)
+                      << " is not supported; use bfloat16, float16, float32 or float8 (scaled)");
   collective::check_place(op, "a", a, device);
+  // A float8 product's bias is in its output dtype; b is the other float8 operand (the GEMM's
+  // rules check the pair).
+  const DType out_dtype = float8 ? request.out_dtype.value_or(DType::kBFloat16) : a.dtype;
+  MESHLA_CHECK_ARG(float8 || !request.out_dtype, op << ": out_dtype applies to float8 operands; a "
+                                                    << dtype_name(a.dtype)
+                                                    << " product is in its own dtype");
   const std::pair<const char*, const TensorView*> others[] = {{"b", &b}, {"bias", &args.bias}};
   for (const auto& [name, view] : others) {
     if (!view->given()) continue;
-    MESHLA_CHECK_ARG(view->dtype == a.dtype,
-                     op << ": " << name << ".dtype=" << dtype_name(view->dtype)
-                        << " but a.dtype=" << dtype_name(a.dtype) << "; they must match");
+    const bool is_b = view == &b;
+    if (!float8 || !is_b) {
+      const DType expected = is_b ? a.dtype : out_dtype;
+      MESHLA_CHECK_ARG(view->dtype == expected,
+                       op << ": " << name << ".dtype=" << dtype_name(view->dtype) << " but "
+                          << (is_b || !float8 ? "a.dtype=" : "out_dtype=") << dtype_name(expected)
+                          << "; they must match");
+    }
     collective::check_place(op, name, *view, device);
   }
+  MESHLA_CHECK_ARG(float8 || (!args.a_scale.given() && !args.b_scale.given()),
+                   op << ": scales apply to float8 operands, not " << dtype_name(a.dtype));
   const std::int64_t k_of_b = request.trans_b ? b.shape[1] : b.shape[0];
   MESHLA_CHECK_ARG(k_of_b == a.shape[1],
                    op << ": b.shape=" << collective::shape_of(b) << " ("
@@ -377,12 +507,22 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
   config.n = n;
   config.k = a.shape[1];
   config.bias = args.bias.given();
+  if (float8) {
+    config.b_dtype = b.dtype;
+    config.out_dtype = out_dtype;
+    config.scaling = collective::scaling_of(op, args, a.shape[0], n);
+    const bool rowwise = config.scaling == MatmulScaling::kRowwise;
+    collective::check_scales(op, "a_scale", args.a_scale, rowwise ? a.shape[0] : 1,
+                             rowwise ? "one per row of a" : "tensorwise", device);
+    collective::check_scales(op, "b_scale", args.b_scale, rowwise ? n : 1,
+                             rowwise ? "one per column of the product" : "tensorwise", device);
+  }
   collective::check_request(config, tp);
   // The outputs given, on their metadata (an absent one is the caller's to make at its shape).
   const std::array<std::int64_t, 2> product = product_shape(config, tp);
   if (args.out.given()) {
     collective::check_matrix(
-        op, "out", args.out, product[0], product[1], config.dtype, device,
+        op, "out", args.out, product[0], product[1], product_dtype(config), device,
         [&] {
           return gathers || request.op == CollectiveOp::kMatmulAllReduce ? "m, n" : "m/tp, n";
         },
@@ -399,6 +539,10 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
 
 std::array<std::int64_t, 2> product_shape(const CollectiveMatmulConfig& config, int tp) {
   return {config.op == CollectiveOp::kMatmulReduceScatter ? config.m / tp : config.m, config.n};
+}
+
+DType product_dtype(const CollectiveMatmulConfig& config) {
+  return config.out_dtype.value_or(config.dtype);
 }
 
 }  // namespace meshla

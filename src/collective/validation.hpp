@@ -56,6 +56,9 @@ enum ConfigField : std::size_t {
   kFieldChunks,
   kFieldCommSms,
   kFieldCommCtas,
+  kFieldBDtype,    // -1: unset (a's)
+  kFieldOutDtype,  // -1: unset (a's)
+  kFieldScaling,
   kConfigFields
 };
 using ConfigRecord = std::array<std::int64_t, kConfigFields>;

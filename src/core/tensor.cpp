@@ -32,6 +32,8 @@ std::string_view dtype_name(DType dtype) {
   return "unknown";
 }
 
+bool is_float8(DType dtype) { return dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2; }
+
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat8E4M3:

@@ -64,8 +64,6 @@ bool is_16_or_32_bit_float(DType dtype) {
   return dtype == DType::kBFloat16 || dtype == DType::kFloat16 || dtype == DType::kFloat32;
 }
 
-bool is_fp8(DType dtype) { return dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2; }
-
 DType b_dtype_of(const MatmulShape& s) { return s.b_dtype.value_or(s.dtype); }
 DType out_dtype_of(const MatmulShape& s) { return s.out_dtype.value_or(s.dtype); }
 
@@ -139,7 +137,7 @@ void check_packed_shape(const MatmulShape& s) {
   MESHLA_CHECK_ARG(s.ldd >= s.n, "matmul: ldd=" << s.ldd << " is smaller than n=" << s.n);
   MESHLA_CHECK_ARG(s.sm_count >= 0, "matmul: sm_count=" << s.sm_count << " is negative");
   const DType b_dtype = b_dtype_of(s), out_dtype = out_dtype_of(s);
-  if (!is_fp8(s.dtype) && !is_fp8(b_dtype)) {
+  if (!is_float8(s.dtype) && !is_float8(b_dtype)) {
     MESHLA_CHECK(kNotImplemented, is_16_or_32_bit_float(s.dtype),
                  "matmul: dtype " << dtype_name(s.dtype)
                                   << " is not supported; use bfloat16, float16 or float32 (or "
@@ -152,7 +150,7 @@ void check_packed_shape(const MatmulShape& s) {
                      "matmul: scales apply to float8 operands, not " << dtype_name(s.dtype));
     return;
   }
-  MESHLA_CHECK_ARG(is_fp8(s.dtype) && is_fp8(b_dtype),
+  MESHLA_CHECK_ARG(is_float8(s.dtype) && is_float8(b_dtype),
                    "matmul: a (" << dtype_name(s.dtype) << ") and b (" << dtype_name(b_dtype)
                                  << ") must both be float8");
   MESHLA_CHECK(kNotImplemented, s.dtype != DType::kFloat8E5M2 || b_dtype != DType::kFloat8E5M2,

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <functional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -447,7 +448,7 @@ TEST(DescribeCall, NamesTheArgumentAndTheShapes) {
          c.args.a.dtype = DType::kFloat64;
          c.args.b.dtype = DType::kFloat64;
        },
-       "a.dtype=float64 is not supported; use bfloat16, float16 or float32"},
+       "a.dtype=float64 is not supported; use bfloat16, float16, float32 or float8 (scaled)"},
       {[](Call& c) { c.args.b.dtype = DType::kFloat16; },
        "b.dtype=float16 but a.dtype=float32; they must match"},
       {[](Call& c) { c.args.bias = host(DType::kFloat32, {4}); },
@@ -501,6 +502,91 @@ TEST(DescribeCall, OutputsMustNotAliasInputsWhereTheArraysHaveData) {
       make_tensor_view(fake_address(1 << 20), DType::kFloat32, {8, 5}, 0, DeviceKind::kCpu);
   EXPECT_NE(message_of([&] { c.describe(); }, ErrorCode::kInvalidArgument)
                 .find("out shares memory with the input b"),
+            std::string::npos);
+}
+
+// A float8 reduce-scatter on two ranks of CPU arrays: a [4, 32] e4m3, b [16, 32] e4m3 ([n, k]).
+Call float8_call(std::int64_t a_scales, std::int64_t b_scales) {
+  Call c;
+  c.request.op = CollectiveOp::kMatmulReduceScatter;
+  c.request.trans_b = true;
+  c.args.a = host(DType::kFloat8E4M3, {4, 32});
+  c.args.b = host(DType::kFloat8E4M3, {16, 32});
+  c.args.a_scale = host(DType::kFloat32, {a_scales});
+  c.args.b_scale = host(DType::kFloat32, {b_scales});
+  return c;
+}
+
+TEST(DescribeCall, Float8ScalesDecideTheScalingAndTheProductIsInOutDtype) {
+  Call tensorwise = float8_call(1, 1);
+  CollectiveMatmulConfig config = tensorwise.describe();
+  EXPECT_EQ(config.scaling, MatmulScaling::kTensorwise);
+  EXPECT_EQ(product_dtype(config), DType::kBFloat16);  // the default
+  EXPECT_EQ(config.b_dtype, DType::kFloat8E4M3);
+  Call rowwise = float8_call(4, 16);
+  rowwise.request.out_dtype = DType::kFloat32;
+  rowwise.args.a_scale = host(DType::kFloat32, {4, 1});  // torch._scaled_mm's shapes
+  rowwise.args.b_scale = host(DType::kFloat32, {1, 16});
+  config = rowwise.describe();
+  EXPECT_EQ(config.scaling, MatmulScaling::kRowwise);
+  EXPECT_EQ(product_dtype(config), DType::kFloat32);
+  // The ranks' records carry the new fields: a plan of another out_dtype is another plan.
+  EXPECT_NE(config_record(config), config_record(tensorwise.describe()));
+  // An all-gather of float8 rows chooses nccl (symmetric does not run float8 yet).
+  Call gather = float8_call(1, 1);
+  gather.request.op = CollectiveOp::kAllGatherMatmul;
+  EXPECT_EQ(resolve_config(gather.describe(), 2, PeerReach::kNvlink).backend, Backend::kNccl);
+}
+
+TEST(DescribeCall, Float8MessagesNameTheScalesAndWhatFp8GemmsCannotTake) {
+  const std::tuple<std::function<void(Call&)>, ErrorCode, const char*> cases[] = {
+      {[](Call& c) { c.args.a_scale = TensorView{}; }, ErrorCode::kInvalidArgument,
+       "matmul_reduce_scatter: a_scale is missing: a float8 product needs a_scale and b_scale"},
+      {[](Call& c) { c.args.b_scale = host(DType::kFloat32, {3}); }, ErrorCode::kInvalidArgument,
+       "a_scale.shape=[1] and b_scale.shape=[3]: tensorwise scales hold one value each, rowwise "
+       "ones one per row of a (4) and per column of the product (n=16)"},
+      {[](Call& c) { c.args.a_scale = host(DType::kFloat16, {1}); }, ErrorCode::kInvalidArgument,
+       "a_scale.dtype=float16 but scales are float32"},
+      {[](Call& c) { c.args.bias = host(DType::kFloat8E4M3, {16}); }, ErrorCode::kInvalidArgument,
+       "bias.dtype=float8_e4m3fn but out_dtype=bfloat16"},
+      {[](Call& c) {
+         c.args.a = host(DType::kFloat8E5M2, {4, 32});
+         c.args.b = host(DType::kFloat8E5M2, {16, 32});
+       },
+       ErrorCode::kNotImplemented,
+       "matmul_reduce_scatter: cuBLASLt has no float8_e5m2 x float8_e5m2 GEMM"},
+      {[](Call& c) {
+         c.request.trans_b = false;
+         c.args.b = host(DType::kFloat8E4M3, {32, 16});
+       },
+       ErrorCode::kNotImplemented, "float8 needs b stored [n, k] (trans_b)"},
+      {[](Call& c) { c.request.algorithm = Algorithm::kRing; }, ErrorCode::kNotImplemented,
+       "algorithm=ring adds each rank's partial sum in the GEMM's epilogue"},
+      {[](Call& c) { c.request.backend = Backend::kSymmetric; }, ErrorCode::kNotImplemented,
+       "backend=symmetric does not run float8 products yet"},
+      {[](Call& c) {
+         c.request.op = CollectiveOp::kAllGatherMatmul;
+         c.request.return_gathered = true;
+         c.args.a_scale = host(DType::kFloat32, {4});
+         c.args.b_scale = host(DType::kFloat32, {16});
+       },
+       ErrorCode::kNotImplemented, "return_gathered with rowwise scales"},
+      {[](Call& c) {
+         c.args.a = host(DType::kBFloat16, {4, 32});
+         c.args.b = host(DType::kBFloat16, {16, 32});
+       },
+       ErrorCode::kInvalidArgument, "scales apply to float8 operands, not bfloat16"},
+  };
+  for (const auto& [change, code, expected] : cases) {
+    Call c = float8_call(1, 1);
+    change(c);
+    const std::string message = message_of([&] { c.describe(); }, code);
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+  }
+  Call c = all_gather_call();
+  c.request.out_dtype = DType::kFloat32;
+  EXPECT_NE(message_of([&] { c.describe(); }, ErrorCode::kInvalidArgument)
+                .find("out_dtype applies to float8 operands"),
             std::string::npos);
 }
 

@@ -192,6 +192,78 @@ def check_correctness(group, reporter, label, seed_base, dtypes=(torch.bfloat16,
                 reporter.record(name, group.rank, ok, detail)
 
 
+# fp8 products into float32 keep what Hopper's fp8 accumulator keeps (13 fraction bits).
+FP8_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 4 * 2.0**-13}
+
+
+def check_fp8(group, reporter, label, seed_base):
+    """The float8 ops (all_gather_scaled_matmul, scaled_matmul_reduce_scatter,
+    scaled_matmul_all_reduce) x tensorwise and rowwise scales x the nccl algorithms that take
+    fp8 x bfloat16 and float32 outputs, against a float64 product of the dequantized operands of
+    every rank (each rank draws every rank's inputs from their seeds). The ops make their outputs,
+    so each case runs twice on fresh inputs: an output left unwritten keeps the first run's
+    values and fails the second."""
+    fp8 = torch.float8_e4m3fn
+    tp, r, dev = group.size, group.rank, group.device
+    rows, n, k = 256, 384, 256
+    ops = {"all_gather_matmul": mt.all_gather_scaled_matmul,
+           "matmul_reduce_scatter": mt.scaled_matmul_reduce_scatter,
+           "matmul_all_reduce": mt.scaled_matmul_all_reduce}
+
+    def draw(seed, rank, a_rows, rowwise):
+        gen = torch.Generator(device=dev).manual_seed(seed * 16 + rank)
+        a = (torch.randn(a_rows, k, generator=gen, device=dev) * 2).to(fp8)
+        b = (torch.randn(n, k, generator=gen, device=dev) * 2).to(fp8)
+        a_scale = torch.rand(a_rows if rowwise else 1, generator=gen, device=dev) + 0.5
+        b_scale = torch.rand(n if rowwise else 1, generator=gen, device=dev) / k**0.5 + 0.01
+        return a, b, a_scale, b_scale
+
+    def dequantized(t, scale):
+        return t.double() * (scale.double().reshape(-1, 1) if scale.numel() > 1
+                             else scale.double())
+
+    case = 0
+    for op, call in ops.items():
+        gathers = op == "all_gather_matmul"
+        for rowwise in (False, True):
+            for algorithm in ("sequential", "pipelined", "auto"):
+                for out_dtype in (torch.bfloat16, torch.float32):
+                    case += 1
+                    bias_wanted = out_dtype == torch.bfloat16  # fp8 into float32 takes none
+                    name = (f"{label}/fp8/{op}/{'rowwise' if rowwise else 'tensorwise'}/"
+                            f"{algorithm}/{str(out_dtype)[6:]}/bias={int(bias_wanted)}")
+                    try:
+                        errors = []
+                        for run in range(2):
+                            seed = seed_base + 10 * case + run
+                            a_rows = rows if gathers else rows * tp
+                            inputs = [draw(seed, q, a_rows, rowwise) for q in range(tp)]
+                            bias = (torch.randn(n, device=dev,
+                                                generator=torch.Generator(device=dev)
+                                                .manual_seed(seed)).to(out_dtype)
+                                    if bias_wanted else None)
+                            mine = inputs[r]
+                            got = call(*mine, group, bias=bias, out_dtype=out_dtype,
+                                       algorithm=algorithm, backend="nccl")
+                            if gathers:
+                                want = torch.cat([dequantized(a, sa) for a, _, sa, _ in inputs])
+                                want = want @ dequantized(mine[1], mine[3]).T
+                            else:
+                                want = sum(dequantized(a, sa) @ dequantized(b, sb).T
+                                           for a, b, sa, sb in inputs)
+                            if bias is not None:
+                                want = want + bias.double()
+                            if op == "matmul_reduce_scatter":
+                                want = want[r * rows:(r + 1) * rows]
+                            torch.cuda.synchronize(dev)
+                            errors.append(relative_error(got, want))
+                        ok = max(errors) < FP8_TOLERANCE[out_dtype] and got.dtype == out_dtype
+                        detail = f"rel_err by run {[f'{e:.2e}' for e in errors]}"
+                    except Exception as e:  # a check that raises is a failed check
+                        ok, detail = False, f"{type(e).__name__}: {e}"
+                    reporter.record(name, group.rank, ok, detail)
+
+
 def check_autograd(group, reporter, label, seed_base):
     """Every op's gradients (a, b, bias; bf16, fp32, and fp32 under a bf16 torch.autocast; each
     backend; b as [k, n] and [n, k]; all_gather_matmul keeping its gathered rows for b's gradient
@@ -1306,7 +1378,7 @@ def check_cublasmp_refused_in_threads(group, reporter, label):
 
 
 # The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
-FAMILIES = ("correctness", "autograd", "layers", "graphs", "stress", "errors", "lifetime",
+FAMILIES = ("correctness", "fp8", "autograd", "layers", "graphs", "stress", "errors", "lifetime",
             "cublasmp")
 
 
@@ -1321,6 +1393,7 @@ def run_all(group, reporter, label, seed_base, quick, stress_calls=2000):
         run("correctness", check_first_use_after_collective, group, reporter, label,
             seed_base + 39_000)
     run("correctness", check_correctness, group, reporter, label, seed_base)
+    run("fp8", check_fp8, group, reporter, label, seed_base + 30_000)
     run("autograd", check_autograd, group, reporter, label, seed_base + 40_000)
     run("layers", check_layers, group, reporter, label, seed_base + 45_000)
     run("layers", check_fused_wgrad, group, reporter, label, seed_base + 47_000)

@@ -30,7 +30,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 # The family of a launch's own test: the launcher's exit, and records made outside any family.
 LAUNCH = OUTSIDE_FAMILIES
 
-COLLECTIVE_FAMILIES = ("correctness", "autograd", "layers", "graphs", "stress", "errors",
+COLLECTIVE_FAMILIES = ("correctness", "fp8", "autograd", "layers", "graphs", "stress", "errors",
                        "lifetime")
 JAX_FAMILIES = ("ops", "gradients", "loop", "donation")
 WATCHDOG_CASES = ("held", "control", "capture", "dropped", "missing-peer", "peer-late")

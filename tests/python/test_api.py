@@ -359,11 +359,11 @@ def test_column_parallel_matmul_checks_its_operands_in_the_cores_words(world1):
 
 
 def test_float8_operands_are_refused_in_the_cores_words(world1):
-    """float8 is a meshla dtype (its GEMM takes it) that the collective ops do not take yet: the
+    """float8 operands need their scales (the scaled ops take them): refused without, in the
     same words as meshla.jax's (tests/python/test_jax_collective_cpu.py)."""
     a, b = torch.ones(8, 16).to(torch.float8_e4m3fn), torch.ones(16, 16).to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="matmul_all_reduce: a.dtype=float8_e4m3fn is not "
-                                         "supported; use bfloat16, float16 or float32"):
+    with pytest.raises(ValueError, match="matmul_all_reduce: a_scale is missing: a float8 product "
+                                         "needs a_scale and b_scale"):
         mt.matmul_all_reduce(a, b, world1)
 
 

@@ -25,9 +25,12 @@ from meshla.torch._group import (
 from meshla._tuning import Tuning
 from meshla.torch.collective import (
     all_gather_matmul,
+    all_gather_scaled_matmul,
     column_parallel_matmul,
     matmul_all_reduce,
     matmul_reduce_scatter,
+    scaled_matmul_all_reduce,
+    scaled_matmul_reduce_scatter,
 )
 from meshla.torch.grouped import (
     GroupedLinear,
@@ -45,6 +48,7 @@ __all__ = [
     "TPGroup",
     "Tuning",
     "all_gather_matmul",
+    "all_gather_scaled_matmul",
     "check_device_errors",
     "column_parallel_matmul",
     "group_from_mpi",
@@ -55,4 +59,6 @@ __all__ = [
     "matmul_all_reduce",
     "matmul_reduce_scatter",
     "packed_group_stride",
+    "scaled_matmul_all_reduce",
+    "scaled_matmul_reduce_scatter",
 ]

@@ -17,7 +17,7 @@ import torch
 
 from meshla import _meshla
 from meshla.torch import _library, _reference
-from meshla.torch._dtypes import meta
+from meshla.torch._dtypes import DTYPES, meta
 from meshla.torch._group import TPGroup, group_of
 from meshla._tuning import Tuning
 
@@ -42,21 +42,25 @@ def place_of(op: str, a, group: TPGroup) -> int:
 
 
 def describe(op, a, b, bias, group: TPGroup, trans_b: bool, tuning: Tuning, out=None,
-             gathered=None, return_gathered: bool = False,
-             caller: str | None = None) -> _meshla.CollectiveMatmulConfig:
+             gathered=None, return_gathered: bool = False, caller: str | None = None,
+             scales=None, out_dtype=None) -> _meshla.CollectiveMatmulConfig:
     """The call's config, checked by the extension (describe_call) on the tensors' metadata. Its
     errors begin with ``caller``'s name in place of the op's where a public function other than
-    the op checks its operands by the op's rules."""
+    the op checks its operands by the op's rules. A float8 call's ``scales`` are (a_scale,
+    b_scale) and ``out_dtype`` its product's torch dtype."""
     place = place_of(caller or op.name, a, group)
 
     def of(name, t):  # a meta tensor stands in for one where the call runs
         return meta(name, t, place if t is not None and t.device.type == "meta" else None)
 
     try:
+        a_scale, b_scale = scales or (None, None)
         return _meshla.describe_call(
             op, of("a", a), of("b", b), of("bias", bias), of("out", out),
             of("gathered", gathered), trans_b, return_gathered, group.size, place,
-            tuning.algorithm, tuning.chunks, tuning.comm_sms, tuning.comm_ctas, tuning.backend)
+            tuning.algorithm, tuning.chunks, tuning.comm_sms, tuning.comm_ctas, tuning.backend,
+            a_scale=of("a_scale", a_scale), b_scale=of("b_scale", b_scale),
+            out_dtype=None if out_dtype is None else DTYPES[out_dtype])
     except (ValueError, NotImplementedError) as error:
         prefix = f"{op.name}: "
         if caller is None or not str(error).startswith(prefix):
@@ -266,3 +270,45 @@ def all_gather(rows, group: TPGroup):
     if _library.needs_the_op((rows,)):
         return _all_gather_op(rows, group.key)
     return _all_gather_rows(rows, group)
+
+
+def _dequantized(t, scale, rowwise: bool):
+    """An fp8 operand as float32 times its scales (one, or one per row)."""
+    return t.float() * (scale.float().reshape(-1, 1) if rowwise else scale.float().reshape(()))
+
+
+def scaled_matmul(op, a, b, a_scale, b_scale, bias, group: TPGroup, out_dtype,
+                  return_gathered: bool, tuning: Tuning):
+    """A float8 collective matmul (b stored [n, k]): (product in ``out_dtype``, gathered a or
+    None). On CPU tensors a float32 reference on the dequantized operands; on CUDA tensors the
+    group's plan, which moves fp8 rows and reduces in ``out_dtype``."""
+    config = describe(op, a, b, bias, group, True, tuning, return_gathered=return_gathered,
+                      scales=(a_scale, b_scale), out_dtype=out_dtype)
+    rowwise = config.scaling == "rowwise"
+    if a.device.type == "cpu":
+        a32 = _dequantized(a, a_scale, rowwise)
+        b32 = _dequantized(b, b_scale, rowwise)
+        gathers = op == OPS.all_gather_matmul
+        if gathers:
+            product = _reference.product(_reference.gathered_rows(a32, group), b32, bias, True,
+                                         True)
+        else:
+            product = _reference.summed_over_ranks(a32, b32, bias, True, group)
+            if op == OPS.matmul_reduce_scatter:
+                rows = config.product_shape(group.size)[0]
+                product = product[group.rank * rows:(group.rank + 1) * rows]
+        # fp8 travels as bytes (process groups' all-gathers need not take float8).
+        gathered = (_reference.gathered_rows(a.view(torch.uint8), group).view(a.dtype)
+                    if return_gathered else None)
+        return product.to(out_dtype, copy=True), gathered
+    plan = group.plan(config)
+    product = a.new_empty(config.product_shape(group.size), dtype=out_dtype)
+    gathered = a.new_empty(config.m, config.k) if return_gathered else None
+    # Held until the plan has enqueued its work (see _run).
+    a, b, a_scale, b_scale = (t.contiguous() for t in (a, b, a_scale, b_scale))
+    bias = None if bias is None else bias.contiguous()
+    plan.execute(a.data_ptr(), b.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                 product.data_ptr(), 0 if gathered is None else gathered.data_ptr(),
+                 _library.current_stream(a.get_device()), a_scale=a_scale.data_ptr(),
+                 b_scale=b_scale.data_ptr())
+    return product, gathered

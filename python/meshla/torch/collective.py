@@ -14,8 +14,9 @@ from meshla.torch import _collective_ops as ops
 from meshla.torch._group import TPGroup
 from meshla._tuning import Tuning
 
-__all__ = ["all_gather_matmul", "column_parallel_matmul", "matmul_all_reduce",
-           "matmul_reduce_scatter"]
+__all__ = ["all_gather_matmul", "all_gather_scaled_matmul", "column_parallel_matmul",
+           "matmul_all_reduce", "matmul_reduce_scatter", "scaled_matmul_all_reduce",
+           "scaled_matmul_reduce_scatter"]
 
 
 def _autocast(a, b, bias, *outputs):
@@ -253,3 +254,77 @@ def _check_column_parallel(name, a, b, bias, group, trans_b, tuning, grad_of_a):
         n = b.shape[0] if trans_b else b.shape[1]
         ops.describe(ops.OPS.matmul_all_reduce, a.new_empty((a.shape[0], n), device="meta"), b,
                      None, group, not trans_b, tuning, caller=name)
+
+
+def _scaled(op, a, b, a_scale, b_scale, group, bias, out_dtype, return_gathered, algorithm,
+            chunks, comm_sms, comm_ctas, backend):
+    """The three float8 ops' common path: no autocast (fp8 operands are cast by their owner), no
+    backward yet."""
+    if not isinstance(group, TPGroup):
+        raise ValueError(f"{op.name}: group must be a meshla.torch.TPGroup, got "
+                         f"{type(group).__name__}")
+    for name, t in (("a", a), ("b", b), ("a_scale", a_scale), ("b_scale", b_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{op.name}: {name} must be a tensor, got {type(t).__name__}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (a, b, a_scale, b_scale, bias)):
+        raise NotImplementedError(f"{op.name}: the float8 ops have no backward yet; call them "
+                                  "under torch.no_grad()")
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend,
+                       cached=not torch.compiler.is_compiling())
+    return ops.scaled_matmul(op, a, b, a_scale, b_scale, bias, group, out_dtype,
+                             return_gathered, tuning)
+
+
+def all_gather_scaled_matmul(a, b, a_scale, b_scale, group: TPGroup, *, bias=None,
+                             out_dtype=torch.bfloat16, return_gathered: bool = False,
+                             algorithm="auto", chunks: int = 0, comm_sms: int = -1,
+                             comm_ctas: int = 0, backend="auto"):
+    """``all_gather(a) @ b.T`` in float8 with its scales: :func:`all_gather_matmul`'s op on
+    ``torch._scaled_mm``'s operands.
+
+    ``a`` is this rank's [m/tp, k] rows and ``b`` [n, k] (a linear layer's weight, the one order
+    fp8 GEMMs take), ``float8_e4m3fn`` or ``float8_e5m2`` (not both e5m2). ``a_scale`` and
+    ``b_scale`` are float32 on the same device: one value each (tensorwise), or one per row of
+    ``a`` ([m/tp] or [m/tp, 1]) and one per output column ([n] or [1, n]) (rowwise):
+    ``out[i, j] = a_scale[i] * b_scale[j] * sum_k a[i, k] * b[j, k] (+ bias[j])``. The fp8 rows
+    (and, rowwise, their scales) are what travels. Returns the [m, n] product in ``out_dtype``
+    (bfloat16, float16 or float32; rowwise bfloat16 or float32), ``bias`` [n] in that dtype, and
+    with ``return_gathered`` also the gathered [m, k] fp8 ``a`` (tensorwise only).
+
+    Runs on backend ``nccl`` (``auto`` picks it for fp8); the algorithms and tuning as in
+    :func:`all_gather_matmul`. No backward yet (NotImplementedError when an input requires grad
+    under grad mode). Errors as :func:`all_gather_matmul`'s, and ``ValueError`` for a missing or
+    misshapen scale, ``NotImplementedError`` for e5m2 x e5m2 and what fp8 GEMMs cannot take. On
+    CPU tensors a float32 reference on the dequantized operands.
+    """
+    product, gathered = _scaled(_meshla.CollectiveOp.all_gather_matmul, a, b, a_scale, b_scale,
+                                group, bias, out_dtype, return_gathered, algorithm, chunks,
+                                comm_sms, comm_ctas, backend)
+    return (product, gathered) if return_gathered else product
+
+
+def scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, group: TPGroup, *, bias=None,
+                                 out_dtype=torch.bfloat16, algorithm="auto", chunks: int = 0,
+                                 comm_sms: int = -1, comm_ctas: int = 0, backend="auto"):
+    """This rank's [m/tp, n] rows of ``sum over ranks(a @ b.T)`` in float8 with its scales:
+    :func:`matmul_reduce_scatter` on ``torch._scaled_mm``'s operands. ``a`` is [m, k_local],
+    ``b`` [n, k_local]; scales as in :func:`all_gather_scaled_matmul` (rowwise: one per row of
+    ``a``, [m]). The partial products are summed in ``out_dtype``, never in fp8; ``bias`` is
+    added once. ``algorithm="ring"`` is refused (its GEMMs add the partial sums, which fp8 GEMMs
+    do not take)."""
+    product, _ = _scaled(_meshla.CollectiveOp.matmul_reduce_scatter, a, b, a_scale, b_scale,
+                         group, bias, out_dtype, False, algorithm, chunks, comm_sms, comm_ctas,
+                         backend)
+    return product
+
+
+def scaled_matmul_all_reduce(a, b, a_scale, b_scale, group: TPGroup, *, bias=None,
+                             out_dtype=torch.bfloat16, algorithm="auto", chunks: int = 0,
+                             comm_sms: int = -1, comm_ctas: int = 0, backend="auto"):
+    """``sum over ranks(a @ b.T)`` [m, n] in float8 with its scales: :func:`matmul_all_reduce`
+    on ``torch._scaled_mm``'s operands, as :func:`scaled_matmul_reduce_scatter` but every rank
+    gets every row."""
+    product, _ = _scaled(_meshla.CollectiveOp.matmul_all_reduce, a, b, a_scale, b_scale, group,
+                         bias, out_dtype, False, algorithm, chunks, comm_sms, comm_ctas, backend)
+    return product

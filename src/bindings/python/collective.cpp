@@ -1,6 +1,7 @@
 // Python bindings of the collective matmul (meshla/collective_matmul.hpp): describe_call on
 // arrays' metadata, the group's plan cache, and the plans' execution.
 #include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <array>
@@ -32,13 +33,15 @@ class PythonPlans : public CollectivePlans {
   }
 };
 
-// A call's request: the op, its layout options and its tuning (describe_call fills in the rest).
+// A call's request: the op, its layout options, its tuning and a float8 call's output dtype
+// (describe_call fills in the rest).
 CollectiveMatmulConfig request_of(CollectiveOp op, bool trans_b, bool return_gathered,
                                   Algorithm algorithm, Backend backend, int chunks, int comm_sms,
-                                  int comm_ctas) {
+                                  int comm_ctas, std::optional<DType> out_dtype = std::nullopt) {
   return {.op = op,
           .algorithm = algorithm,
           .backend = backend,
+          .out_dtype = out_dtype,
           .trans_b = trans_b,
           .return_gathered = return_gathered,
           .chunks = chunks,
@@ -46,27 +49,44 @@ CollectiveMatmulConfig request_of(CollectiveOp op, bool trans_b, bool return_gat
           .comm_ctas = comm_ctas};
 }
 
+std::string scaling_name(MatmulScaling scaling) {
+  switch (scaling) {
+    case MatmulScaling::kTensorwise:
+      return "tensorwise";
+    case MatmulScaling::kRowwise:
+      return "rowwise";
+    default:
+      return "none";
+  }
+}
+
 // The arguments of a plan's execution on packed row-major arrays at these addresses (0: absent),
 // each of the shape its config gives it. The plan checks them against its config as it would any
 // arrays; only their shapes are taken on trust, from a caller that described the call with these
 // arrays' metadata (describe_call) and made them contiguous.
 CollectiveMatmulArgs packed_args(const CollectiveMatmul& plan, std::uintptr_t a, std::uintptr_t b,
-                                 std::uintptr_t bias, std::uintptr_t out, std::uintptr_t gathered) {
+                                 std::uintptr_t bias, std::uintptr_t out, std::uintptr_t gathered,
+                                 std::uintptr_t a_scale, std::uintptr_t b_scale) {
   const CollectiveMatmulConfig& c = plan.config();
   const int tp = plan.communicator().size();
   const int device = plan.communicator().device();
-  const auto view = [&](std::uintptr_t address, std::initializer_list<std::int64_t> shape) {
-    return address == 0
-               ? TensorView{}
-               : make_tensor_view(reinterpret_cast<void*>(address), c.dtype, shape, device);
+  const auto view = [&](std::uintptr_t address, DType dtype,
+                        std::initializer_list<std::int64_t> shape) {
+    return address == 0 ? TensorView{}
+                        : make_tensor_view(reinterpret_cast<void*>(address), dtype, shape, device);
   };
   const std::array<std::int64_t, 2> product = product_shape(c, tp);
+  const DType b_dtype = c.b_dtype.value_or(c.dtype);
+  const DType out_dtype = product_dtype(c);
   const std::int64_t rows = c.op == CollectiveOp::kAllGatherMatmul ? c.m / tp : c.m;
-  return {.a = view(a, {rows, c.k}),
-          .b = c.trans_b ? view(b, {c.n, c.k}) : view(b, {c.k, c.n}),
-          .bias = view(bias, {c.n}),
-          .out = view(out, {product[0], product[1]}),
-          .gathered = view(gathered, {c.m, c.k})};
+  const bool rowwise = c.scaling == MatmulScaling::kRowwise;
+  return {.a = view(a, c.dtype, {rows, c.k}),
+          .b = c.trans_b ? view(b, b_dtype, {c.n, c.k}) : view(b, b_dtype, {c.k, c.n}),
+          .bias = view(bias, out_dtype, {c.n}),
+          .out = view(out, out_dtype, {product[0], product[1]}),
+          .gathered = view(gathered, c.dtype, {c.m, c.k}),
+          .a_scale = view(a_scale, DType::kFloat32, {rowwise ? rows : 1}),
+          .b_scale = view(b_scale, DType::kFloat32, {rowwise ? c.n : 1})};
 }
 
 }  // namespace
@@ -125,6 +145,19 @@ void bind_collective(nb::module_& m) {
       .def_ro("chunks", &CollectiveMatmulConfig::chunks)
       .def_ro("comm_sms", &CollectiveMatmulConfig::comm_sms)
       .def_ro("comm_ctas", &CollectiveMatmulConfig::comm_ctas)
+      .def_prop_ro(
+          "out_dtype", [](const CollectiveMatmulConfig& config) { return product_dtype(config); },
+          "The product's dtype (out, bias): out_dtype for float8, else dtype.")
+      .def_prop_ro(
+          "b_dtype",
+          [](const CollectiveMatmulConfig& config) {
+            return config.b_dtype.value_or(config.dtype);
+          },
+          "b's dtype.")
+      .def_prop_ro(
+          "scaling",
+          [](const CollectiveMatmulConfig& config) { return scaling_name(config.scaling); },
+          "'none', 'tensorwise' or 'rowwise' (float8).")
       .def(
           "product_shape",
           [](const CollectiveMatmulConfig& config, int tp) { return product_shape(config, tp); },
@@ -135,20 +168,25 @@ void bind_collective(nb::module_& m) {
       [](CollectiveOp op, const TensorView& a, const TensorView& b,
          const std::optional<TensorView>& bias, const std::optional<TensorView>& out,
          const std::optional<TensorView>& gathered, bool trans_b, bool return_gathered, int tp,
-         int device, Algorithm algorithm, int chunks, int comm_sms, int comm_ctas,
-         Backend backend) {
-        const CollectiveMatmulConfig request = request_of(op, trans_b, return_gathered, algorithm,
-                                                          backend, chunks, comm_sms, comm_ctas);
+         int device, Algorithm algorithm, int chunks, int comm_sms, int comm_ctas, Backend backend,
+         const std::optional<TensorView>& a_scale, const std::optional<TensorView>& b_scale,
+         std::optional<DType> out_dtype) {
+        const CollectiveMatmulConfig request =
+            request_of(op, trans_b, return_gathered, algorithm, backend, chunks, comm_sms,
+                       comm_ctas, out_dtype);
         const CollectiveMatmulArgs args{.a = a,
                                         .b = b,
                                         .bias = meta_or_absent(bias),
                                         .out = meta_or_absent(out),
-                                        .gathered = meta_or_absent(gathered)};
+                                        .gathered = meta_or_absent(gathered),
+                                        .a_scale = meta_or_absent(a_scale),
+                                        .b_scale = meta_or_absent(b_scale)};
         return describe_call(request, args, tp, device);
       },
       "op"_a, "a"_a, "b"_a, "bias"_a.none(), "out"_a.none(), "gathered"_a.none(), "trans_b"_a,
       "return_gathered"_a, "tp"_a, "device"_a, "algorithm"_a, "chunks"_a, "comm_sms"_a,
-      "comm_ctas"_a, "backend"_a,
+      "comm_ctas"_a, "backend"_a, "a_scale"_a.none() = nb::none(), "b_scale"_a.none() = nb::none(),
+      "out_dtype"_a.none() = nb::none(),
       "Checks one call on its arrays' metadata (ArrayMeta) for a group of `tp` on `device` (-1: "
       "CPU tensors) and returns the config its plan is built with (see "
       "meshla/collective_matmul.hpp).");
@@ -158,12 +196,15 @@ void bind_collective(nb::module_& m) {
       .def(
           "execute",
           [](CollectiveMatmul& plan, std::uintptr_t a, std::uintptr_t b, std::uintptr_t bias,
-             std::uintptr_t out, std::uintptr_t gathered, std::uintptr_t stream) {
-            const CollectiveMatmulArgs args = packed_args(plan, a, b, bias, out, gathered);
+             std::uintptr_t out, std::uintptr_t gathered, std::uintptr_t stream,
+             std::uintptr_t a_scale, std::uintptr_t b_scale) {
+            const CollectiveMatmulArgs args =
+                packed_args(plan, a, b, bias, out, gathered, a_scale, b_scale);
             nb::gil_scoped_release release;
             plan.execute(args, to_stream(stream));
           },
-          "a"_a, "b"_a, "bias"_a, "out"_a, "gathered"_a, "stream"_a,
+          "a"_a, "b"_a, "bias"_a, "out"_a, "gathered"_a, "stream"_a, "a_scale"_a = 0,
+          "b_scale"_a = 0,
           "Enqueues the op on `stream` (a cudaStream_t as an integer) on contiguous arrays at "
           "these device addresses (0: no bias, no gathered output), of the shapes and dtype of "
           "the config that describe_call gave for them: addresses rather than DLPack arrays, "

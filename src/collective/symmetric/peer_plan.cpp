@@ -39,7 +39,11 @@ std::int64_t sub_block_begin(std::int64_t m, int tp, int rounds, int owner, int 
 std::string symmetric_unsupported(const CollectiveMatmulConfig& c, int tp) {
   std::ostringstream why;
   const std::string_view op = collective_op_name(c.op);
-  if (c.algorithm != Algorithm::kAuto && c.algorithm != Algorithm::kRing) {
+  if (is_float8(c.dtype)) {
+    why << op
+        << ": backend=symmetric does not run float8 products yet; use backend=nccl (auto "
+           "picks it)";
+  } else if (c.algorithm != Algorithm::kAuto && c.algorithm != Algorithm::kRing) {
     why << op << ": backend=symmetric runs algorithm=ring only, not " << algorithm_name(c.algorithm)
         << "; use backend=nccl for it";
   } else if (c.comm_ctas != 0) {
