@@ -8,7 +8,8 @@
 //
 // fp8 (float8_e4m3fn or float8_e5m2 a and b, not both e5m2; b stored [n, k]) is scaled as
 // Matmul's (meshla/matmul.hpp): float32 scales on the device, one each (tensorwise) or one per row
-// of a and per column of the product (rowwise); the product, the bias and every partial sum are
+// of a and per column of the product (rowwise; all_gather_matmul's tensorwise a_scale is the
+// whole gathered a's, the same on every rank); the product, the bias and every partial sum are
 // in out_dtype (bfloat16, float16 or float32), so reductions never add fp8, while all_gather_matmul
 // moves a's fp8 bytes (and its rows' scales). On backend=nccl only, so far.
 // A CollectiveMatmul is a plan: built once per shape (collectively, by every rank of the group),

@@ -95,9 +95,7 @@ MatmulScaling scaling_of(std::string_view op, const CollectiveMatmulArgs& args, 
                          std::int64_t n) {
   const TensorView& a_scale = args.a_scale;
   const TensorView& b_scale = args.b_scale;
-  if (!a_scale.given() || !b_scale.given() || (a_scale.numel() == 1 && b_scale.numel() == 1)) {
-    return MatmulScaling::kTensorwise;  // a missing one is named by check_scales
-  }
+  if (a_scale.numel() == 1 && b_scale.numel() == 1) return MatmulScaling::kTensorwise;
   MESHLA_CHECK_ARG(a_scale.numel() == rows && b_scale.numel() == n,
                    op << ": a_scale.shape=" << a_scale.shape_string() << " and b_scale.shape="
                       << b_scale.shape_string() << ": tensorwise scales hold one value each, "
@@ -127,6 +125,28 @@ void check_float8_product(std::string_view op, const CollectiveMatmulConfig& c) 
     std::string_view message = error.what();
     if (message.substr(0, kPrefix.size()) == kPrefix) message.remove_prefix(kPrefix.size());
     throw Error(error.code(), std::string(op) + ": " + std::string(message));
+  }
+}
+
+// Rowwise scales are read from the first row of each GEMM (and of each batch member) on: the
+// Hopper kernel takes them 16 bytes aligned, i.e. from a row that is a multiple of 4. Checked on
+// every rank's schedule (their GEMMs start at different rows), so that no rank throws midway
+// through an execution its peers carry on with.
+void check_rowwise_scale_rows(const CollectiveMatmulConfig& c, ScheduleParams params) {
+  constexpr std::int64_t kRowsPerScaleVector = 16 / sizeof(float);
+  for (params.rank = 0; params.rank < params.tp; ++params.rank) {
+    for (const GemmTask& gemm : make_schedule(params).gemms) {
+      for (int member = 0; member < gemm.batch; ++member) {
+        const std::int64_t row = gemm.a.begin + member * gemm.a_stride;
+        MESHLA_CHECK(kNotImplemented, row % kRowsPerScaleVector == 0,
+                     collective_op_name(c.op)
+                         << ": rowwise scales are read 16 bytes aligned, but algorithm="
+                         << algorithm_name(c.algorithm) << " with chunks=" << c.chunks
+                         << " starts a GEMM at row " << row << " (m=" << c.m << ", tp_size="
+                         << params.tp << "); use row counts (m/tp_size, chunks of it) that are "
+                         << "multiples of " << kRowsPerScaleVector << ", or algorithm=sequential");
+      }
+    }
   }
 }
 
@@ -258,14 +278,16 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
     resolved.chunks = default_chunks(config.op, resolved.algorithm, tp, config.m);
   }
   // Building rank 0's schedule checks divisibility and chunk counts, identical on every rank.
-  make_schedule({.op = resolved.op,
-                 .algorithm = resolved.algorithm,
-                 .tp = tp,
-                 .rank = 0,
-                 .m = resolved.m,
-                 .chunks = resolved.chunks,
-                 .bias = resolved.bias,
-                 .return_gathered = resolved.return_gathered});
+  ScheduleParams params{.op = resolved.op,
+                        .algorithm = resolved.algorithm,
+                        .tp = tp,
+                        .rank = 0,
+                        .m = resolved.m,
+                        .chunks = resolved.chunks,
+                        .bias = resolved.bias,
+                        .return_gathered = resolved.return_gathered};
+  make_schedule(params);
+  if (resolved.scaling == MatmulScaling::kRowwise) check_rowwise_scale_rows(resolved, params);
   return resolved;
 }
 
@@ -508,6 +530,16 @@ CollectiveMatmulConfig describe_call(const CollectiveMatmulConfig& request,
   config.k = a.shape[1];
   config.bias = args.bias.given();
   if (float8) {
+    // Both operands float8 and both scales given, before the scales' sizes say how they scale.
+    MESHLA_CHECK_ARG(is_float8(a.dtype) && is_float8(b.dtype),
+                     op << ": a.dtype=" << dtype_name(a.dtype) << " and b.dtype="
+                        << dtype_name(b.dtype) << ": a float8 product takes float8 a and b");
+    for (const auto& [name, scale] :
+         {std::pair{"a_scale", &args.a_scale}, std::pair{"b_scale", &args.b_scale}}) {
+      MESHLA_CHECK_ARG(scale->given(), op << ": " << name
+                                          << " is missing: a float8 product needs a_scale and "
+                                             "b_scale (float32 on the group's device)");
+    }
     config.b_dtype = b.dtype;
     config.out_dtype = out_dtype;
     config.scaling = collective::scaling_of(op, args, a.shape[0], n);

@@ -576,6 +576,24 @@ TEST(DescribeCall, Float8MessagesNameTheScalesAndWhatFp8GemmsCannotTake) {
          c.args.b = host(DType::kBFloat16, {16, 32});
        },
        ErrorCode::kInvalidArgument, "scales apply to float8 operands, not bfloat16"},
+      {[](Call& c) {
+         c.args.a = host(DType::kBFloat16, {4, 32});
+       },
+       ErrorCode::kInvalidArgument,
+       "a.dtype=bfloat16 and b.dtype=float8_e4m3fn: a float8 product takes float8 a and b"},
+      {[](Call& c) { c.args.b_scale = TensorView{}; }, ErrorCode::kInvalidArgument,
+       "b_scale is missing"},
+      {[](Call& c) {
+         // Rowwise, pipelined: 2 ranks' 6 rows in 3 chunks of 2 start GEMMs at rows 2, 4, 6...
+         c.request.algorithm = Algorithm::kPipelined;
+         c.request.chunks = 3;
+         c.args.a = host(DType::kFloat8E4M3, {12, 32});
+         c.args.a_scale = host(DType::kFloat32, {12});
+         c.args.b_scale = host(DType::kFloat32, {16});
+       },
+       ErrorCode::kNotImplemented,
+       "rowwise scales are read 16 bytes aligned, but "
+       "algorithm=pipelined with chunks=3 starts a GEMM at row "},
   };
   for (const auto& [change, code, expected] : cases) {
     Call c = float8_call(1, 1);

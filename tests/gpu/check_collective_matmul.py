@@ -238,6 +238,8 @@ def check_fp8(group, reporter, label, seed_base):
                             seed = seed_base + 10 * case + run
                             a_rows = rows if gathers else rows * tp
                             inputs = [draw(seed, q, a_rows, rowwise) for q in range(tp)]
+                            if gathers and not rowwise:  # one scale for the whole gathered a
+                                inputs = [(a, b, inputs[0][2], sb) for a, b, _, sb in inputs]
                             bias = (torch.randn(n, device=dev,
                                                 generator=torch.Generator(device=dev)
                                                 .manual_seed(seed)).to(out_dtype)

@@ -37,7 +37,11 @@ def _worker(rank: int, size: int, rowwise: bool):
         everyone = [operands(r, rows, k, n, rowwise) for r in range(size)]
         bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
 
-        # all-gather: a's rows from every rank, this rank's b.
+        # all-gather: a's rows from every rank, this rank's b; a tensorwise a_scale is the
+        # whole gathered a's, the same on every rank.
+        if not rowwise:
+            mine = (mine[0], mine[1], everyone[0][2], mine[3])
+            everyone = [(a, b, everyone[0][2], sb) for a, b, _, sb in everyone]
         gathered = torch.cat([dequantized(a, s) for a, _, s, _ in everyone])
         want = gathered @ dequantized(mine[1], mine[3]).T + bias.double()
         if rowwise:  # the gathered rows would come without their scales: not returned
@@ -50,7 +54,10 @@ def _worker(rank: int, size: int, rowwise: bool):
         assert got.dtype == torch.bfloat16 and got.shape == (rows * size, n)
         torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-1)
 
-        # reductions: the sum over ranks of each rank's product (a float32 product takes no
+        # reductions: each rank's own scales, its own rows
+        mine = operands(rank, rows, k, n, rowwise)
+        everyone = [operands(r, rows, k, n, rowwise) for r in range(size)]
+        # the sum over ranks of each rank's product (a float32 product takes no
         # bias, as fp8 GEMMs into float32 take none; a bfloat16 one adds it once).
         total = sum(dequantized(a, sa) @ dequantized(b, sb).T for a, b, sa, sb in everyone)
         got = mt.scaled_matmul_all_reduce(*mine, group, out_dtype=torch.float32)
@@ -84,3 +91,14 @@ def test_errors_name_the_scales_and_what_fp8_cannot_take(world1):
         mt.scaled_matmul_all_reduce(a, b, a_scale, b_scale, world1, bias=torch.zeros(16))
     with pytest.raises(NotImplementedError, match="have no backward yet"):
         mt.scaled_matmul_all_reduce(a, b, a_scale.requires_grad_(), b_scale, world1)
+
+
+def test_out_dtype_must_be_a_dtype_meshla_takes(world1):
+    a, b, a_scale, b_scale = operands(0, 4, 32, 16, rowwise=False)
+    with pytest.raises(ValueError, match="out_dtype=None is not a torch dtype meshla takes"):
+        mt.scaled_matmul_all_reduce(a, b, a_scale, b_scale, world1, out_dtype=None)
+    with pytest.raises(ValueError, match="a float8 product's d is bfloat16, float16 or float32, "
+                                         "not int32"):
+        mt.scaled_matmul_all_reduce(a, b, a_scale, b_scale, world1, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="b_scale must be a tensor, got NoneType"):
+        mt.scaled_matmul_all_reduce(a, b, torch.ones(4), None, world1)

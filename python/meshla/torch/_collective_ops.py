@@ -282,22 +282,31 @@ def scaled_matmul(op, a, b, a_scale, b_scale, bias, group: TPGroup, out_dtype,
     """A float8 collective matmul (b stored [n, k]): (product in ``out_dtype``, gathered a or
     None). On CPU tensors a float32 reference on the dequantized operands; on CUDA tensors the
     group's plan, which moves fp8 rows and reduces in ``out_dtype``."""
+    if out_dtype not in DTYPES:  # the extension says which of its dtypes a product takes
+        raise ValueError(f"{op.name}: out_dtype={out_dtype} is not a torch dtype meshla takes "
+                         "(a float8 product is bfloat16, float16 or float32)")
     config = describe(op, a, b, bias, group, True, tuning, return_gathered=return_gathered,
                       scales=(a_scale, b_scale), out_dtype=out_dtype)
     rowwise = config.scaling == "rowwise"
     if a.device.type == "cpu":
-        a32 = _dequantized(a, a_scale, rowwise)
         b32 = _dequantized(b, b_scale, rowwise)
         gathers = op == OPS.all_gather_matmul
         if gathers:
-            product = _reference.product(_reference.gathered_rows(a32, group), b32, bias, True,
-                                         True)
+            # Rowwise: each row with its own scale; tensorwise: a_scale is the gathered rows'.
+            # fp8 travels as bytes (process groups' all-gathers need not take float8).
+            if rowwise:
+                a32 = _reference.gathered_rows(_dequantized(a, a_scale, True), group)
+            else:
+                a32 = _dequantized(
+                    _reference.gathered_rows(a.view(torch.uint8), group).view(a.dtype), a_scale,
+                    False)
+            product = _reference.product(a32, b32, bias, True, True)
         else:
-            product = _reference.summed_over_ranks(a32, b32, bias, True, group)
+            product = _reference.summed_over_ranks(_dequantized(a, a_scale, rowwise), b32, bias,
+                                                   True, group)
             if op == OPS.matmul_reduce_scatter:
                 rows = config.product_shape(group.size)[0]
                 product = product[group.rank * rows:(group.rank + 1) * rows]
-        # fp8 travels as bytes (process groups' all-gathers need not take float8).
         gathered = (_reference.gathered_rows(a.view(torch.uint8), group).view(a.dtype)
                     if return_gathered else None)
         return product.to(out_dtype, copy=True), gathered

@@ -285,8 +285,10 @@ def all_gather_scaled_matmul(a, b, a_scale, b_scale, group: TPGroup, *, bias=Non
 
     ``a`` is this rank's [m/tp, k] rows and ``b`` [n, k] (a linear layer's weight, the one order
     fp8 GEMMs take), ``float8_e4m3fn`` or ``float8_e5m2`` (not both e5m2). ``a_scale`` and
-    ``b_scale`` are float32 on the same device: one value each (tensorwise), or one per row of
-    ``a`` ([m/tp] or [m/tp, 1]) and one per output column ([n] or [1, n]) (rowwise):
+    ``b_scale`` are float32 on the same device: one value each (tensorwise; ``a_scale`` is then
+    the scale of the whole gathered ``a``, the same on every rank, as torch's fused op takes
+    it), or one per row of ``a`` ([m/tp] or [m/tp, 1]) and one per output column ([n] or
+    [1, n]) (rowwise, gathered with the rows):
     ``out[i, j] = a_scale[i] * b_scale[j] * sum_k a[i, k] * b[j, k] (+ bias[j])``. The fp8 rows
     (and, rowwise, their scales) are what travels. Returns the [m, n] product in ``out_dtype``
     (bfloat16, float16 or float32; rowwise bfloat16 or float32), ``bias`` [n] in that dtype, and
