@@ -102,3 +102,41 @@ def test_out_dtype_must_be_a_dtype_meshla_takes(world1):
         mt.scaled_matmul_all_reduce(a, b, a_scale, b_scale, world1, out_dtype=torch.int32)
     with pytest.raises(ValueError, match="b_scale must be a tensor, got NoneType"):
         mt.scaled_matmul_all_reduce(a, b, torch.ones(4), None, world1)
+
+
+def _opcheck_worker(rank: int, size: int):
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        group = mt.group_from_process_group(device="cpu")
+        tuning = mt.Tuning.of(algorithm="pipelined", chunks=2).ints()
+        the_op = torch.ops.meshla.scaled_collective_matmul.default
+        for rowwise in (False, True):
+            # 16 rows: every pipelined GEMM starts at a multiple of 4 rows, as rowwise scales need
+            a, b, a_scale, b_scale = operands(rank, 16, 32, 16, rowwise)
+            a_scale = a_scale if rowwise else torch.ones(())  # a 0-d scale, as torch's are
+            for op in range(3):
+                bias = torch.randn(16).to(torch.bfloat16) if op != 1 else None
+                # Not opcheck's schema test: it compares inputs with allclose, which CPU float8
+                # tensors do not take.
+                torch.library.opcheck(the_op, (a, b, a_scale, b_scale, bias, op, group.key,
+                                               torch.bfloat16, op == 0 and not rowwise, tuning),
+                                      test_utils=("test_faketensor",
+                                                  "test_autograd_registration"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_op_and_its_fake_agree(gloo_env):
+    """torch.ops.meshla.scaled_collective_matmul's schema and fake agree with its kernel (the CPU
+    path) on both ranks of a group of 2, for each op and scaling."""
+    mp.spawn(_opcheck_worker, args=(2,), nprocs=2, join=True)
+
+
+def test_compiles_whole(world1):
+    a, b, a_scale, b_scale = operands(0, 4, 32, 16, rowwise=True)
+
+    def f(a, b, a_scale, b_scale):
+        return mt.scaled_matmul_all_reduce(a, b, a_scale, b_scale, world1).float().sum()
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(
+        a, b, a_scale, b_scale), f(a, b, a_scale, b_scale))

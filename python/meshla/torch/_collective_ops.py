@@ -54,7 +54,10 @@ def describe(op, a, b, bias, group: TPGroup, trans_b: bool, tuning: Tuning, out=
         return meta(name, t, place if t is not None and t.device.type == "meta" else None)
 
     try:
-        a_scale, b_scale = scales or (None, None)
+        # A 0-d scale as [1]: the extension reads an array without data and dimensions (a fake
+        # tensor's) as absent.
+        a_scale, b_scale = (None if t is None else t.reshape(1) if t.dim() == 0 else t
+                            for t in (scales or (None, None)))
         return _meshla.describe_call(
             op, of("a", a), of("b", b), of("bias", bias), of("out", out),
             of("gathered", gathered), trans_b, return_gathered, group.size, place,
@@ -282,9 +285,6 @@ def scaled_matmul(op, a, b, a_scale, b_scale, bias, group: TPGroup, out_dtype,
     """A float8 collective matmul (b stored [n, k]): (product in ``out_dtype``, gathered a or
     None). On CPU tensors a float32 reference on the dequantized operands; on CUDA tensors the
     group's plan, which moves fp8 rows and reduces in ``out_dtype``."""
-    if out_dtype not in DTYPES:  # the extension says which of its dtypes a product takes
-        raise ValueError(f"{op.name}: out_dtype={out_dtype} is not a torch dtype meshla takes "
-                         "(a float8 product is bfloat16, float16 or float32)")
     config = describe(op, a, b, bias, group, True, tuning, return_gathered=return_gathered,
                       scales=(a_scale, b_scale), out_dtype=out_dtype)
     rowwise = config.scaling == "rowwise"
@@ -321,3 +321,41 @@ def scaled_matmul(op, a, b, a_scale, b_scale, bias, group: TPGroup, out_dtype,
                  _library.current_stream(a.get_device()), a_scale=a_scale.data_ptr(),
                  b_scale=b_scale.data_ptr())
     return product, gathered
+
+
+# The float8 op takes the collective op by its index here.
+_SCALED_OPS = (OPS.all_gather_matmul, OPS.matmul_reduce_scatter, OPS.matmul_all_reduce)
+
+
+@_library.define("scaled_collective_matmul(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, "
+                 "Tensor? bias, int op, int group, ScalarType out_dtype, bool return_gathered, "
+                 "int[] tuning) -> (Tensor, Tensor)")
+def _scaled_op(a, b, a_scale, b_scale, bias, op, group, out_dtype, return_gathered, tuning):
+    _refuse_autograd("scaled_collective_matmul", a, b, a_scale, b_scale, bias)
+    product, gathered = scaled_matmul(_SCALED_OPS[op], a, b, a_scale, b_scale, bias,
+                                      group_of(group), out_dtype, return_gathered,
+                                      Tuning.of_ints(tuning))
+    # The gathered a is [0, k] where it is not asked for: an op returns tensors.
+    return product, gathered if return_gathered else a.new_empty(0, a.shape[1])
+
+
+@torch.library.register_fake("meshla::scaled_collective_matmul")
+def _(a, b, a_scale, b_scale, bias, op, group, out_dtype, return_gathered, tuning):
+    tp_group = group_of(group)
+    config = describe(_SCALED_OPS[op], a, b, bias, tp_group, True, Tuning.of_ints(tuning),
+                      return_gathered=return_gathered, scales=(a_scale, b_scale),
+                      out_dtype=out_dtype)
+    return (a.new_empty(config.product_shape(tp_group.size), dtype=out_dtype),
+            a.new_empty(config.m if return_gathered else 0, config.k))
+
+
+def scaled(op, a, b, a_scale, b_scale, bias, group: TPGroup, out_dtype, return_gathered: bool,
+           tuning: Tuning):
+    """(product, gathered a or None): torch.ops.meshla.scaled_collective_matmul where something
+    needs to see it (torch.compile, fake tensors), else its work."""
+    if _library.needs_the_op((a, b, a_scale, b_scale, bias)):
+        product, gathered = _scaled_op(a, b, a_scale, b_scale, bias, _SCALED_OPS.index(op),
+                                       group.key, out_dtype, return_gathered, tuning.ints())
+        return product, gathered if return_gathered else None
+    return scaled_matmul(op, a, b, a_scale, b_scale, bias, group, out_dtype, return_gathered,
+                         tuning)

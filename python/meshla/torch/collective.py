@@ -11,6 +11,7 @@ import torch
 from meshla import _meshla
 from meshla.torch import _collective_autograd as autograd
 from meshla.torch import _collective_ops as ops
+from meshla.torch._dtypes import DTYPES
 from meshla.torch._group import TPGroup
 from meshla._tuning import Tuning
 
@@ -258,8 +259,8 @@ def _check_column_parallel(name, a, b, bias, group, trans_b, tuning, grad_of_a):
 
 def _scaled(op, a, b, a_scale, b_scale, group, bias, out_dtype, return_gathered, algorithm,
             chunks, comm_sms, comm_ctas, backend):
-    """The three float8 ops' common path: no autocast (fp8 operands are cast by their owner), no
-    backward yet."""
+    """The three float8 ops' common path (torch.ops.meshla.scaled_collective_matmul, with a fake
+    for torch.compile): no autocast (fp8 operands are cast by their owner), no backward yet."""
     if not isinstance(group, TPGroup):
         raise ValueError(f"{op.name}: group must be a meshla.torch.TPGroup, got "
                          f"{type(group).__name__}")
@@ -270,10 +271,13 @@ def _scaled(op, a, b, a_scale, b_scale, group, bias, out_dtype, return_gathered,
                                        for t in (a, b, a_scale, b_scale, bias)):
         raise NotImplementedError(f"{op.name}: the float8 ops have no backward yet; call them "
                                   "under torch.no_grad()")
+    if out_dtype not in DTYPES:  # the extension says which of its dtypes a product takes
+        raise ValueError(f"{op.name}: out_dtype={out_dtype} is not a torch dtype meshla takes "
+                         "(a float8 product is bfloat16, float16 or float32)")
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend,
                        cached=not torch.compiler.is_compiling())
-    return ops.scaled_matmul(op, a, b, a_scale, b_scale, bias, group, out_dtype,
-                             return_gathered, tuning)
+    return ops.scaled(op, a, b, a_scale, b_scale, bias, group, out_dtype, return_gathered,
+                      tuning)
 
 
 def all_gather_scaled_matmul(a, b, a_scale, b_scale, group: TPGroup, *, bias=None,
