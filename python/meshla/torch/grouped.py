@@ -60,6 +60,9 @@ def _engine(index: int) -> _meshla.GroupedMatmul:
 # Workspace bytes per (device index, pass, dtype, accumulate, groups and every operand's shape):
 # see _run.
 _workspace_sizes: dict[tuple, int] = {}
+# At most this many: the key holds the rows, which an MoE layer's token count may change every
+# step; the cache is emptied when it is full (a size costs a check and a query to recompute).
+_WORKSPACE_SIZES_KEPT = 256
 
 
 def _metas(tensors: dict) -> dict:
@@ -128,6 +131,8 @@ def _run(grouped_pass, m_splits, lead, accumulate=False, **tensors):
            *((name, t.dtype, *t.shape) for name, t in tensors.items() if t is not None))
     size = _workspace_sizes.get(key)
     if size is None:
+        if len(_workspace_sizes) >= _WORKSPACE_SIZES_KEPT:  # token counts that keep changing
+            _workspace_sizes.clear()
         size = _workspace_sizes[key] = _engine(index).workspace_bytes(
             grouped_pass, meta("m_splits", m_splits), accumulate=accumulate,
             **_metas({name: t for name, t in tensors.items() if t is not None}))
