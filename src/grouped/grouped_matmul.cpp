@@ -374,8 +374,10 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
       shape.groups, Impl::pass_bytes(pass, shape.groups, shape.out_features, parts));
   const grouped::PaddedFeatures features = grouped::padded_features(shape);
   const bool padded = cutlass_pass && features.any();
-  const std::size_t required =
-      padded ? impl_->padded(pass, args, shape, features).total : layout.total;
+  // Sized once: each padded layout asks CUTLASS for the aligned call's workspace.
+  const PaddedLayout padded_parts =
+      padded ? impl_->padded(pass, args, shape, features) : PaddedLayout{};
+  const std::size_t required = padded ? padded_parts.total : layout.total;
   const TensorView& ws = args.workspace;
   MESHLA_CHECK_ARG(ws.ndim >= 1 && ws.device_kind == DeviceKind::kCuda &&
                        ws.device == impl_->device && ws.is_row_major_contiguous() &&
@@ -389,7 +391,7 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
 
   detail::DeviceGuard guard(impl_->device);
   if (padded) {
-    run_padded(*this, pass, args, shape, impl_->padded(pass, args, shape, features), stream);
+    run_padded(*this, pass, args, shape, padded_parts, stream);
     return;
   }
   auto* base = static_cast<char*>(ws.data);

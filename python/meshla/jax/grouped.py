@@ -268,10 +268,19 @@ def _grouped_bwd(layout, residuals, dy):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
-def _check_arrays(function: str, **arrays) -> None:
-    for name, a in arrays.items():
+def _checked_call(function: str, names, x, sizes, weight, bias, layout):
+    """Both public functions' framework checks (arrays; one dtype, in words as meshla.torch's),
+    then the core's checks of an eager call's sizes, then the call. ``names``: x's, the sizes',
+    the weights' and how a dtype mismatch names the weights ("the weights are")."""
+    x_name, sizes_name, weight_name, weights_are = names
+    for name, a in ((x_name, x), (sizes_name, sizes), (weight_name, weight)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
             raise ValueError(f"{function}: {name} must be an array, got {type(a).__name__}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"{function}: {x_name} is {x.dtype} but {weights_are} {weight.dtype}; "
+                         "they must match")
+    _check_concrete_sizes(x, sizes, weight, bias, layout)
+    return _grouped(x, sizes, weight, bias, layout)
 
 
 def grouped_linear(x, m_splits, weight, bias=None):
@@ -296,12 +305,8 @@ def grouped_linear(x, m_splits, weight, bias=None):
     Inside an XLA command buffer a replay does not run the handler, so there the NaN may be all
     that shows until a call outside one.
     """
-    _check_arrays("grouped_linear", x=x, m_splits=m_splits, weight=weight)
-    if x.dtype != weight.dtype:
-        raise ValueError(f"grouped_linear: x is {x.dtype} but the weights are {weight.dtype}; "
-                         "they must match")
-    _check_concrete_sizes(x, m_splits, weight, bias, _LAYOUT.out_in)
-    return _grouped(x, m_splits, weight, bias, _LAYOUT.out_in)
+    return _checked_call("grouped_linear", ("x", "m_splits", "weight", "the weights are"), x,
+                         m_splits, weight, bias, _LAYOUT.out_in)
 
 
 def grouped_matmul(lhs, rhs, group_sizes, bias=None, *, transpose_rhs=False):
@@ -321,9 +326,5 @@ def grouped_matmul(lhs, rhs, group_sizes, bias=None, *, transpose_rhs=False):
     """
     if transpose_rhs:
         return grouped_linear(lhs, group_sizes, rhs, bias)
-    _check_arrays("grouped_matmul", lhs=lhs, rhs=rhs, group_sizes=group_sizes)
-    if lhs.dtype != rhs.dtype:
-        raise ValueError(f"grouped_matmul: lhs is {lhs.dtype} but rhs is {rhs.dtype}; they must "
-                         "match")
-    _check_concrete_sizes(lhs, group_sizes, rhs, bias, _LAYOUT.in_out)
-    return _grouped(lhs, group_sizes, rhs, bias, _LAYOUT.in_out)
+    return _checked_call("grouped_matmul", ("lhs", "group_sizes", "rhs", "rhs is"), lhs,
+                         group_sizes, rhs, bias, _LAYOUT.in_out)
