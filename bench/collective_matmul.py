@@ -456,9 +456,8 @@ def init_world() -> torch.device:
 def run_record(device: torch.device, args: argparse.Namespace, rows: list[dict],
                **fields) -> dict:
     """A run as append_run stores it: the machine, software, date and timing options, the
-    benchmark's own `fields`, and its rows."""
+    benchmark's own `fields` (which may name another dtype), and its rows."""
     return {
-        **fields,
         "device": torch.cuda.get_device_name(device),
         "device_count": torch.cuda.device_count(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -468,6 +467,7 @@ def run_record(device: torch.device, args: argparse.Namespace, rows: list[dict],
         "env": {name: os.environ.get(name) for name in MULTICAST_OFF},
         "dtype": "bfloat16", "iters": args.iters, "warmup_ms": args.warmup_ms, "reps": args.reps,
         "tp": dist.get_world_size(),
+        **fields,
         "rows": rows,
     }
 

@@ -85,17 +85,21 @@ def variants(op: str, m: int, tp: int, rowwise: bool, group, group_name: str, de
             if all_reduce:
                 raise NotImplementedError("torch has no fused scaled matmul + all-reduce")
             return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
-                a, w.t(), a_scale, w_scale, "sum", scatter_dim=0, group_name=group_name,
+                a, w.t(), a_scale, w_scale, "sum", orig_scatter_dim=0,
+                scatter_dim_after_maybe_reshape=0, group_name=group_name, output_shape=[m, n],
                 out_dtype=torch.bfloat16)
 
         meshla_op = getattr(mt, "scaled_" + op)
         bf16_op = getattr(mt, op)
     calls["torch_sequential"] = torch_sequential
     calls["torch_symm_mem"] = torch_symm_mem
-    for algorithm in ("sequential", "pipelined", "auto"):
+    for algorithm in ("sequential", "pipelined"):
         calls[f"meshla_nccl_{algorithm}"] = (
             lambda algorithm=algorithm: meshla_op(a, w, own_scale, w_scale, group,
                                                   algorithm=algorithm, backend="nccl"))
+    calls["meshla_symmetric"] = lambda: meshla_op(a, w, own_scale, w_scale, group,
+                                                  backend="symmetric")
+    calls["meshla_auto"] = lambda: meshla_op(a, w, own_scale, w_scale, group)
     calls["meshla_bf16_auto"] = lambda: bf16_op(a_bf16, w_bf16, group, trans_b=True)
     return (product_rows, n, k), calls
 
@@ -131,7 +135,8 @@ def main():
                              "time_ms": t, "ratio": t / bar if t and bar else None,
                              "unavailable": errors[name]})
     if rank == 0:
-        append_run(args.out, run_record(device, args, rows, ratio_to="fp8_gemm"))
+        append_run(args.out, run_record(device, args, rows, ratio_to="fp8_gemm",
+                                          dtype=str(FP8)[6:]))
         for r in rows:
             cell = (f"{r['time_ms']:8.3f} ms {r['ratio']:5.2f}" if r["time_ms"]
                     else f"unavailable: {r['unavailable']}")

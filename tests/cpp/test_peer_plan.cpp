@@ -220,5 +220,32 @@ TEST(PeerPlan, WorkspaceSizesHoldEverythingAPlanAddresses) {
   }
 }
 
+// A float8 plan moves a's one-byte rows (rowwise: their scales after them, 256-byte aligned) and
+// sums its partial products in the output dtype.
+TEST(PeerPlan, Float8WorkspaceHoldsOneByteRowsTheirScalesAndOutputDtypeSums) {
+  CollectiveMatmulConfig gather{.op = CollectiveOp::kAllGatherMatmul,
+                                .backend = Backend::kSymmetric,
+                                .dtype = DType::kFloat8E4M3,
+                                .out_dtype = DType::kBFloat16,
+                                .scaling = MatmulScaling::kRowwise,
+                                .m = 2 * 100,
+                                .n = 96,
+                                .k = 48,
+                                .trans_b = true};
+  const CollectiveMatmulConfig c = resolve_config(gather, 2, PeerReach::kNvlink);
+  EXPECT_EQ(gathered_scales_offset(c), 9728u);  // 200 x 48 bytes, aligned up to 256
+  EXPECT_EQ(symmetric_workspace_sizes(c, 2).data_bytes, 9728u + 200 * sizeof(float));
+  gather.scaling = MatmulScaling::kTensorwise;
+  EXPECT_EQ(symmetric_workspace_sizes(resolve_config(gather, 2, PeerReach::kNvlink), 2).data_bytes,
+            200u * 48);
+  CollectiveMatmulConfig reduce = gather;
+  reduce.op = CollectiveOp::kMatmulReduceScatter;
+  reduce.out_dtype = DType::kFloat32;
+  const collective::GroupWorkspace::Sizes sizes =
+      symmetric_workspace_sizes(resolve_config(reduce, 2, PeerReach::kNvlink), 2);
+  EXPECT_EQ(sizes.data_bytes, 200u * 96 * sizeof(float));
+  EXPECT_EQ(sizes.scratch_bytes, 200u * 96 * sizeof(float));
+}
+
 }  // namespace
 }  // namespace meshla::collective

@@ -532,10 +532,10 @@ TEST(DescribeCall, Float8ScalesDecideTheScalingAndTheProductIsInOutDtype) {
   EXPECT_EQ(product_dtype(config), DType::kFloat32);
   // The ranks' records carry the new fields: a plan of another out_dtype is another plan.
   EXPECT_NE(config_record(config), config_record(tensorwise.describe()));
-  // An all-gather of float8 rows chooses nccl (symmetric does not run float8 yet).
+  // Over NVLink auto runs float8 on the copy engines, as it does 16-bit products.
   Call gather = float8_call(1, 1);
   gather.request.op = CollectiveOp::kAllGatherMatmul;
-  EXPECT_EQ(resolve_config(gather.describe(), 2, PeerReach::kNvlink).backend, Backend::kNccl);
+  EXPECT_EQ(resolve_config(gather.describe(), 2, PeerReach::kNvlink).backend, Backend::kSymmetric);
 }
 
 TEST(DescribeCall, Float8MessagesNameTheScalesAndWhatFp8GemmsCannotTake) {
@@ -561,9 +561,17 @@ TEST(DescribeCall, Float8MessagesNameTheScalesAndWhatFp8GemmsCannotTake) {
        },
        ErrorCode::kNotImplemented, "float8 needs b stored [n, k] (trans_b)"},
       {[](Call& c) { c.request.algorithm = Algorithm::kRing; }, ErrorCode::kNotImplemented,
-       "algorithm=ring adds each rank's partial sum in the GEMM's epilogue"},
-      {[](Call& c) { c.request.backend = Backend::kSymmetric; }, ErrorCode::kNotImplemented,
-       "backend=symmetric does not run float8 products yet"},
+       "algorithm=ring on backend=nccl adds each rank's partial sum in the GEMM's epilogue"},
+      {[](Call& c) {
+         // Rowwise on the copy engines: rank 1's rows start at row 6 of 12.
+         c.request.backend = Backend::kSymmetric;
+         c.args.a = host(DType::kFloat8E4M3, {12, 32});
+         c.args.a_scale = host(DType::kFloat32, {12});
+         c.args.b_scale = host(DType::kFloat32, {16});
+       },
+       ErrorCode::kNotImplemented,
+       "rowwise scales are read 16 bytes aligned, but backend=symmetric with algorithm=ring and "
+       "chunks=1 starts a GEMM at row 6"},
       {[](Call& c) {
          c.request.op = CollectiveOp::kAllGatherMatmul;
          c.request.return_gathered = true;
@@ -592,8 +600,8 @@ TEST(DescribeCall, Float8MessagesNameTheScalesAndWhatFp8GemmsCannotTake) {
          c.args.b_scale = host(DType::kFloat32, {16});
        },
        ErrorCode::kNotImplemented,
-       "rowwise scales are read 16 bytes aligned, but "
-       "algorithm=pipelined with chunks=3 starts a GEMM at row "},
+       "rowwise scales are read 16 bytes aligned, but backend=nccl with algorithm=pipelined and "
+       "chunks=3 starts a GEMM at row "},
   };
   for (const auto& [change, code, expected] : cases) {
     Call c = float8_call(1, 1);

@@ -199,8 +199,10 @@ FP8_TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 4 * 2.0**-13}
 def check_fp8(group, reporter, label, seed_base):
     """The float8 ops (all_gather_scaled_matmul, scaled_matmul_reduce_scatter,
     scaled_matmul_all_reduce) x tensorwise and rowwise scales x the nccl algorithms that take
-    fp8 x bfloat16 and float32 outputs, against a float64 product of the dequantized operands of
-    every rank (each rank draws every rank's inputs from their seeds). The ops make their outputs,
+    fp8, the symmetric backend (two rounds for the reductions; not where peer transfers are off,
+    whose refusal the correctness family checks) and auto x bfloat16 and float32 outputs,
+    against a float64 product of the dequantized operands of every rank (each rank draws every
+    rank's inputs from their seeds). The ops make their outputs,
     so each case runs twice on fresh inputs: an output left unwritten keeps the first run's
     values and fails the second."""
     fp8 = torch.float8_e4m3fn
@@ -222,16 +224,21 @@ def check_fp8(group, reporter, label, seed_base):
         return t.double() * (scale.double().reshape(-1, 1) if scale.numel() > 1
                              else scale.double())
 
+    settings = (("nccl", "sequential"), ("nccl", "pipelined"), ("nccl", "auto"),
+                ("symmetric", "ring"), ("auto", "auto"))
     case = 0
     for op, call in ops.items():
         gathers = op == "all_gather_matmul"
         for rowwise in (False, True):
-            for algorithm in ("sequential", "pipelined", "auto"):
+            for backend, algorithm in settings:
+                if backend == "symmetric" and os.environ.get("NCCL_P2P_DISABLE") == "1":
+                    continue
+                chunks = 2 if backend == "symmetric" and not gathers else 0
                 for out_dtype in (torch.bfloat16, torch.float32):
                     case += 1
                     bias_wanted = out_dtype == torch.bfloat16  # fp8 into float32 takes none
                     name = (f"{label}/fp8/{op}/{'rowwise' if rowwise else 'tensorwise'}/"
-                            f"{algorithm}/{str(out_dtype)[6:]}/bias={int(bias_wanted)}")
+                            f"{backend}/{algorithm}/{str(out_dtype)[6:]}/bias={int(bias_wanted)}")
                     try:
                         errors = []
                         for run in range(2):
@@ -246,7 +253,7 @@ def check_fp8(group, reporter, label, seed_base):
                                     if bias_wanted else None)
                             mine = inputs[r]
                             got = call(*mine, group, bias=bias, out_dtype=out_dtype,
-                                       algorithm=algorithm, backend="nccl")
+                                       algorithm=algorithm, chunks=chunks, backend=backend)
                             if gathers:
                                 want = torch.cat([dequantized(a, sa) for a, _, sa, _ in inputs])
                                 want = want @ dequantized(mine[1], mine[3]).T

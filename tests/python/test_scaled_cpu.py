@@ -83,10 +83,10 @@ def test_errors_name_the_scales_and_what_fp8_cannot_take(world1):
         mt.scaled_matmul_all_reduce(a, b, a_scale, torch.ones(3), world1)
     with pytest.raises(ValueError, match="a_scale.dtype=float64 but scales are float32"):
         mt.scaled_matmul_all_reduce(a, b, a_scale.double(), b_scale, world1)
-    with pytest.raises(NotImplementedError, match="algorithm=ring adds each rank's partial sum"):
-        mt.scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, world1, algorithm="ring")
-    with pytest.raises(NotImplementedError, match="backend=symmetric does not run float8"):
-        mt.all_gather_scaled_matmul(a, b, a_scale, b_scale, world1, backend="symmetric")
+    with pytest.raises(NotImplementedError,
+                       match="algorithm=ring on backend=nccl adds each rank's partial sum"):
+        mt.scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, world1, algorithm="ring",
+                                        backend="nccl")
     with pytest.raises(ValueError, match="bias.dtype=float32 but out_dtype=bfloat16"):
         mt.scaled_matmul_all_reduce(a, b, a_scale, b_scale, world1, bias=torch.zeros(16))
     with pytest.raises(NotImplementedError, match="have no backward yet"):

@@ -298,11 +298,11 @@ def all_gather_scaled_matmul(a, b, a_scale, b_scale, group: TPGroup, *, bias=Non
     (bfloat16, float16 or float32; rowwise bfloat16 or float32), ``bias`` [n] in that dtype, and
     with ``return_gathered`` also the gathered [m, k] fp8 ``a`` (tensorwise only).
 
-    Runs on backend ``nccl`` (``auto`` picks it for fp8); the algorithms and tuning as in
-    :func:`all_gather_matmul`. No backward yet (NotImplementedError when an input requires grad
-    under grad mode). Errors as :func:`all_gather_matmul`'s, and ``ValueError`` for a missing or
-    misshapen scale, ``NotImplementedError`` for e5m2 x e5m2 and what fp8 GEMMs cannot take. On
-    CPU tensors a float32 reference on the dequantized operands.
+    Runs on backends ``symmetric`` (``auto``'s choice over NVLink) and ``nccl``; the algorithms
+    and tuning as in :func:`all_gather_matmul`. No backward yet (NotImplementedError when an
+    input requires grad under grad mode). Errors as :func:`all_gather_matmul`'s, and
+    ``ValueError`` for a missing or misshapen scale, ``NotImplementedError`` for e5m2 x e5m2 and
+    what fp8 GEMMs cannot take. On CPU tensors a float32 reference on the dequantized operands.
     """
     product, gathered = _scaled(_meshla.CollectiveOp.all_gather_matmul, a, b, a_scale, b_scale,
                                 group, bias, out_dtype, return_gathered, algorithm, chunks,
@@ -317,8 +317,8 @@ def scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, group: TPGroup, *, bias
     :func:`matmul_reduce_scatter` on ``torch._scaled_mm``'s operands. ``a`` is [m, k_local],
     ``b`` [n, k_local]; scales as in :func:`all_gather_scaled_matmul` (rowwise: one per row of
     ``a``, [m]). The partial products are summed in ``out_dtype``, never in fp8; ``bias`` is
-    added once. ``algorithm="ring"`` is refused (its GEMMs add the partial sums, which fp8 GEMMs
-    do not take)."""
+    added once. ``backend="nccl"`` refuses ``algorithm="ring"`` (its GEMMs add the partial sums,
+    which fp8 GEMMs do not take); the symmetric backend's ring sums them apart."""
     product, _ = _scaled(_meshla.CollectiveOp.matmul_reduce_scatter, a, b, a_scale, b_scale,
                          group, bias, out_dtype, False, algorithm, chunks, comm_sms, comm_ctas,
                          backend)

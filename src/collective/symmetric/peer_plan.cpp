@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "core/alignment.hpp"
+
 namespace meshla::collective {
 
 std::vector<int> ring_peers(int tp, int rank) {
@@ -39,11 +41,7 @@ std::int64_t sub_block_begin(std::int64_t m, int tp, int rounds, int owner, int 
 std::string symmetric_unsupported(const CollectiveMatmulConfig& c, int tp) {
   std::ostringstream why;
   const std::string_view op = collective_op_name(c.op);
-  if (is_float8(c.dtype)) {
-    why << op
-        << ": backend=symmetric does not run float8 products yet; use backend=nccl (auto "
-           "picks it)";
-  } else if (c.algorithm != Algorithm::kAuto && c.algorithm != Algorithm::kRing) {
+  if (c.algorithm != Algorithm::kAuto && c.algorithm != Algorithm::kRing) {
     why << op << ": backend=symmetric runs algorithm=ring only, not " << algorithm_name(c.algorithm)
         << "; use backend=nccl for it";
   } else if (c.comm_ctas != 0) {
@@ -78,13 +76,16 @@ int default_rounds(CollectiveOp op, int tp, std::int64_t m) {
 collective::GroupWorkspace::Sizes symmetric_workspace_sizes(const CollectiveMatmulConfig& config,
                                                             int tp) {
   const auto bytes = [](std::int64_t count) { return static_cast<std::size_t>(count); };
-  const std::int64_t element = static_cast<std::int64_t>(dtype_size(config.dtype));
   const int rounds = config.op == CollectiveOp::kAllGatherMatmul ? 1 : config.chunks;
   collective::GroupWorkspace::Sizes sizes{.signal_bytes = bytes(tp * (1 + 2 * rounds) * 4)};
-  const std::int64_t product = config.m * config.n * element;
+  const std::int64_t product =
+      config.m * config.n * static_cast<std::int64_t>(dtype_size(product_dtype(config)));
   switch (config.op) {
     case CollectiveOp::kAllGatherMatmul:
-      sizes.data_bytes = bytes(config.m * config.k * element);
+      sizes.data_bytes =
+          config.scaling == MatmulScaling::kRowwise
+              ? gathered_scales_offset(config) + sizeof(float) * bytes(config.m)
+              : bytes(config.m * config.k * static_cast<std::int64_t>(dtype_size(config.dtype)));
       break;
     case CollectiveOp::kMatmulReduceScatter:
       sizes.data_bytes = bytes(product);
@@ -96,6 +97,10 @@ collective::GroupWorkspace::Sizes symmetric_workspace_sizes(const CollectiveMatm
       break;
   }
   return sizes;
+}
+
+std::size_t gathered_scales_offset(const CollectiveMatmulConfig& config) {
+  return detail::align_up(static_cast<std::size_t>(config.m * config.k) * dtype_size(config.dtype));
 }
 
 }  // namespace meshla::collective

@@ -18,6 +18,7 @@
 // GEMMs run; its last round's sum stores itself into every peer on SMs instead.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -54,11 +55,16 @@ int default_rounds(CollectiveOp op, int tp, std::int64_t m);
 
 // The shared memory a resolved symmetric config uses on each of tp ranks:
 //   signals  32-bit flags: free[tp], then arrived[rounds][tp], then reduced[rounds][tp]
-//   data     all_gather_matmul: the gathered a [m, k], rank q's block at its rows;
+//   data     all_gather_matmul: the gathered a [m, k], rank q's block at its rows, then (rowwise
+//            float8) its rows' scales [m] from gathered_scales_offset on;
 //            reduce ops: inbox[round][source], the sub-blocks of partial products this rank owns
 //            ([m, n] in all), and for an all-reduce the summed rows of every rank ([m, n]) after it
 //   scratch  reduce ops: [round][destination] partial products before their push ([m, n])
+// Partial products are in product_dtype(config), a's rows in its dtype (float8: one byte).
 collective::GroupWorkspace::Sizes symmetric_workspace_sizes(const CollectiveMatmulConfig& config,
                                                             int tp);
+
+// all_gather_matmul with rowwise float8 scales: where the gathered rows' scales start in data.
+std::size_t gathered_scales_offset(const CollectiveMatmulConfig& config);
 
 }  // namespace meshla::collective

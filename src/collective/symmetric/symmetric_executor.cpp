@@ -1,7 +1,9 @@
 // The symmetric backend of collective matmul: every rank's buffers are mapped into its peers,
 // copy engines move the blocks (cudaMemcpyAsync into peer memory) and stream memory operations
 // tell the receiver that a block has landed, so no SM works on communication while the GEMMs
-// run. The order of the work is collective/symmetric/peer_plan.hpp's.
+// run. The order of the work is collective/symmetric/peer_plan.hpp's. A float8 product moves a's
+// bytes (rowwise: with its rows' scales, pushed ahead of them) and sums partial products in its
+// output dtype.
 //
 // Memory. Every symmetric plan of a group uses the group's GroupWorkspace, laid out per plan as
 // symmetric_workspace_sizes says; the workspace runs one execution at a time, of whichever plan.
@@ -37,14 +39,29 @@ namespace {
 enum class Flag { kFree, kArrived, kReduced };
 
 // all_gather_matmul's GEMM operands: this rank's block, the slots the peers' blocks land in (slot
-// q at rank q's rows), b, the bias (or nullptr) and the product.
+// q at rank q's rows), b, the bias (or nullptr) and the product; float8: a's scale (tensorwise,
+// or the own block's rows'), the slots' rows' scales (rowwise) and b's.
 struct GatherOperands {
   const char* own;
   const char* slots;
   const void* b;
   const void* bias;
   char* out;
+  const float* own_scale;
+  const float* slot_scales;
+  const float* b_scale;
 };
+
+// all_gather_matmul's batches of received blocks (arrival_batches), or one block per GEMM with
+// rowwise scales: Matmul's rowwise kernel runs a batch of 1.
+std::vector<std::vector<int>> gather_batches(const CollectiveMatmulConfig& config, int tp,
+                                             int rank) {
+  if (config.op != CollectiveOp::kAllGatherMatmul) return {};
+  if (config.scaling != MatmulScaling::kRowwise) return arrival_batches(tp, rank);
+  std::vector<std::vector<int>> singles;
+  for (int source : arrival_order(tp, rank)) singles.push_back({source});
+  return singles;
+}
 
 class SymmetricExecutor final : public Executor {
  public:
@@ -55,10 +72,12 @@ class SymmetricExecutor final : public Executor {
         tp_(comm.size()),
         rank_(comm.rank()),
         rounds_(config.op == CollectiveOp::kAllGatherMatmul ? 1 : config.chunks),
-        element_(static_cast<std::int64_t>(dtype_size(config.dtype))),
+        product_dtype_(product_dtype(config)),
+        a_element_(static_cast<std::int64_t>(dtype_size(config.dtype))),
+        out_element_(static_cast<std::int64_t>(dtype_size(product_dtype_))),
+        rowwise_(config.scaling == MatmulScaling::kRowwise),
         peers_(ring_peers(tp_, rank_)),
-        batches_(config.op == CollectiveOp::kAllGatherMatmul ? arrival_batches(tp_, rank_)
-                                                             : std::vector<std::vector<int>>{}),
+        batches_(gather_batches(config, tp_, rank_)),
         arrivals_(arrival_order(tp_, rank_)),
         trap_after_(2 * comm.timeout()),
         push_(comm.device(), 1, /*high_priority=*/true),
@@ -68,7 +87,7 @@ class SymmetricExecutor final : public Executor {
     gemm_sms_ = overlapped_gemm_sms(config, device);
     if (config.op != CollectiveOp::kAllGatherMatmul) {
       sub_rows_ = config.m / tp_ / rounds_;
-      results_offset_ = config.m * config.n * element_;  // all-reduce: after the inbox
+      results_offset_ = config.m * config.n * out_element_;  // all-reduce: after the inbox
     }
     for (std::size_t i = 0; i < peers_.size() * static_cast<std::size_t>(rounds_); ++i) {
       product_ready_.emplace_back(device);
@@ -78,7 +97,7 @@ class SymmetricExecutor final : public Executor {
     prepare_gemms();
     if (config.op == CollectiveOp::kAllGatherMatmul) choose_gather_form();
     if (config.op != CollectiveOp::kAllGatherMatmul) {
-      load_sum_slots(config.dtype);
+      load_sum_slots(product_dtype_);
       sum_targets_.reserve(static_cast<std::size_t>(tp_));  // no allocation per call
     }
     // Last: a growth's exchange is the ranks' final meeting before their first execution, and
@@ -133,6 +152,9 @@ class SymmetricExecutor final : public Executor {
   MatmulShape shape(std::int64_t rows, bool bias, int batch = 1,
                     std::int64_t batch_rows = 0) const {
     return {.dtype = config_.dtype,
+            .b_dtype = config_.b_dtype,
+            .out_dtype = config_.out_dtype,
+            .scaling = config_.scaling,
             .m = rows,
             .n = config_.n,
             .k = config_.k,
@@ -166,9 +188,16 @@ class SymmetricExecutor final : public Executor {
     }
   }
 
-  void gemm(const MatmulShape& shape, const char* a, const void* b, const void* bias, void* d,
-            cudaStream_t stream) {
-    workspace_->matmul().run(shape, {.a = a, .b = b, .bias = shape.bias ? bias : nullptr, .d = d},
+  // a_scale and b_scale: float8 only (nullptr otherwise).
+  void gemm(const MatmulShape& shape, const char* a, const float* a_scale, const void* b,
+            const float* b_scale, const void* bias, void* d, cudaStream_t stream) {
+    workspace_->matmul().run(shape,
+                             {.a = a,
+                              .b = b,
+                              .bias = shape.bias ? bias : nullptr,
+                              .d = d,
+                              .a_scale = a_scale,
+                              .b_scale = b_scale},
                              stream);
   }
 
@@ -181,8 +210,8 @@ class SymmetricExecutor final : public Executor {
   // CUTLASS kernel is up to 3-5% slower than cuBLAS on the same tiles (bench/NOTES.md 37 and 45).
   void gather_gemms(const GatherOperands& ops, char* gathered, cudaStream_t stream) {
     const std::int64_t block = config_.m / tp_;
-    const std::int64_t block_bytes = block * config_.k * element_;
-    const std::int64_t out_block_bytes = block * config_.n * element_;
+    const std::int64_t block_bytes = block * config_.k * a_element_;
+    const std::int64_t out_block_bytes = block * config_.n * out_element_;
     if (gathered_gemm_ && aligned_for_tma(ops)) {
       GatheredBlock blocks[kMaxGatheredBlocks];
       blocks[0] = {.a = ops.own, .d = ops.out + rank_ * out_block_bytes, .landed = nullptr};
@@ -206,13 +235,14 @@ class SymmetricExecutor final : public Executor {
       }
       return;
     }
-    gemm(shape(block, config_.bias), ops.own, ops.b, ops.bias, ops.out + rank_ * out_block_bytes,
-         stream);
+    gemm(shape(block, config_.bias), ops.own, ops.own_scale, ops.b, ops.b_scale, ops.bias,
+         ops.out + rank_ * out_block_bytes, stream);
     for (std::size_t i = 0; i < batches_.size(); ++i) {
       const std::vector<int>& sources = batches_[i];
       for (int source : sources) consume(stream, flag(rank_, Flag::kArrived, 0, source));
-      gemm(batch_shape(sources), ops.slots + sources[0] * block_bytes, ops.b, ops.bias,
-           ops.out + sources[0] * out_block_bytes, stream);
+      const float* a_scale = rowwise_ ? ops.slot_scales + sources[0] * block : ops.own_scale;
+      gemm(batch_shape(sources), ops.slots + sources[0] * block_bytes, a_scale, ops.b, ops.b_scale,
+           ops.bias, ops.out + sources[0] * out_block_bytes, stream);
       if (gathered == nullptr) continue;
       MESHLA_CHECK_CUDA(cudaEventRecord(arrived_[i].get(), stream));
       MESHLA_CHECK_CUDA(cudaStreamWaitEvent(collect_[0], arrived_[i].get(), 0));
@@ -261,12 +291,26 @@ class SymmetricExecutor final : public Executor {
     }
   }
 
+  // Where the rows' scales of rowwise float8 blocks land in `owner`'s workspace (slot q at rank
+  // q's rows).
+  float* slot_scales(int owner) const {
+    return reinterpret_cast<float*>(workspace_->data(owner) + gathered_scales_offset(config_));
+  }
+
   void all_gather_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
-    const std::int64_t block_bytes = config_.m / tp_ * config_.k * element_;
+    const std::int64_t block = config_.m / tp_;
+    const std::int64_t block_bytes = block * config_.k * a_element_;
     const char* own = static_cast<const char*>(args.a.data);
+    const auto* own_scale = static_cast<const float*>(args.a_scale.data);
     char* gathered = static_cast<char*>(args.gathered.data);
     for (int peer : peers_) {
       consume(push_[0], flag(rank_, Flag::kFree, 0, peer));
+      // The scales go first on the same stream, so the block's arrival flag covers them too.
+      if (rowwise_) {
+        MESHLA_CHECK_CUDA(cudaMemcpyAsync(slot_scales(peer) + rank_ * block, own_scale,
+                                          sizeof(float) * static_cast<std::size_t>(block),
+                                          cudaMemcpyDeviceToDevice, push_[0]));
+      }
       push(push_[0], workspace_->data(peer) + rank_ * block_bytes, own, block_bytes,
            flag(peer, Flag::kArrived, 0, rank_));
     }
@@ -278,17 +322,27 @@ class SymmetricExecutor final : public Executor {
                   .slots = workspace_->data(rank_),
                   .b = args.b.data,
                   .bias = config_.bias ? args.bias.data : nullptr,
-                  .out = static_cast<char*>(args.out.data)},
+                  .out = static_cast<char*>(args.out.data),
+                  .own_scale = own_scale,
+                  .slot_scales = rowwise_ ? slot_scales(rank_) : nullptr,
+                  .b_scale = static_cast<const float*>(args.b_scale.data)},
                  gathered, stream);
   }
 
   void reduce_matmul(const CollectiveMatmulArgs& args, cudaStream_t stream) {
     const std::int64_t sub_count = sub_rows_ * config_.n;
-    const std::int64_t sub_bytes = sub_count * element_;
-    const std::int64_t row_bytes = config_.n * element_;
+    const std::int64_t sub_bytes = sub_count * out_element_;
+    const std::int64_t row_bytes = config_.n * out_element_;
     const bool all_reduce = config_.op == CollectiveOp::kMatmulAllReduce;
     const char* a = static_cast<const char*>(args.a.data);
+    const auto* b_scale = static_cast<const float*>(args.b_scale.data);
     char* out = static_cast<char*>(args.out.data);
+    // a's rows from `row` on, and their scale (float8: one, or theirs when rowwise).
+    const auto a_rows = [&](std::int64_t row) { return a + row * config_.k * a_element_; };
+    const auto a_scale = [&](std::int64_t row) {
+      const auto* scales = static_cast<const float*>(args.a_scale.data);
+      return rowwise_ ? scales + row : scales;
+    };
     const auto inbox = [&](int owner, int round, int source) {
       return workspace_->data(owner) + (round * tp_ + source) * sub_bytes;
     };
@@ -299,8 +353,9 @@ class SymmetricExecutor final : public Executor {
       for (std::size_t j = 0; j < peers_.size(); ++j) {
         const int peer = peers_[j];
         char* product = workspace_->scratch() + (round * tp_ + peer) * sub_bytes;
-        gemm(shape(sub_rows_, /*bias=*/false), a + row_of(peer, round) * config_.k * element_,
-             args.b.data, nullptr, product, stream);
+        const std::int64_t row = row_of(peer, round);
+        gemm(shape(sub_rows_, /*bias=*/false), a_rows(row), a_scale(row), args.b.data, b_scale,
+             nullptr, product, stream);
         cudaEvent_t ready = product_ready_[round * peers_.size() + j].get();
         MESHLA_CHECK_CUDA(cudaEventRecord(ready, stream));
         MESHLA_CHECK_CUDA(cudaStreamWaitEvent(push_[0], ready, 0));
@@ -308,8 +363,9 @@ class SymmetricExecutor final : public Executor {
         push(push_[0], inbox(peer, round, rank_), product, sub_bytes,
              flag(peer, Flag::kArrived, round, rank_));
       }
-      gemm(shape(sub_rows_, config_.bias), a + row_of(rank_, round) * config_.k * element_,
-           args.b.data, args.bias.data, inbox(rank_, round, rank_), stream);
+      const std::int64_t own_row = row_of(rank_, round);
+      gemm(shape(sub_rows_, config_.bias), a_rows(own_row), a_scale(own_row), args.b.data, b_scale,
+           args.bias.data, inbox(rank_, round, rank_), stream);
       for (int peer : peers_) consume(stream, flag(rank_, Flag::kArrived, round, peer));
       // A reduce-scatter's output holds only this rank's rows; an all-reduce's holds all.
       char* summed = out + (all_reduce ? row_of(rank_, round) : round * sub_rows_) * row_bytes;
@@ -326,7 +382,7 @@ class SymmetricExecutor final : public Executor {
       if (sum_into_peers) {
         for (int peer : peers_) sum_targets_.push_back(result_in(peer));
       }
-      sum_slots(config_.dtype, inbox(rank_, round, 0), sub_count, tp_, sub_count,
+      sum_slots(product_dtype_, inbox(rank_, round, 0), sub_count, tp_, sub_count,
                 sum_targets_.data(), static_cast<int>(sum_targets_.size()), stream);
       if (!all_reduce) continue;
       if (sum_into_peers) {
@@ -348,7 +404,7 @@ class SymmetricExecutor final : public Executor {
         // A one-slot sum is a copy. On SMs, between the GEMMs' waves: a local copy on the copy
         // engine ran at about 130 GB/s and held up the pushes queued behind it (measured).
         void* const copy_to[] = {out + row * row_bytes};
-        sum_slots(config_.dtype, workspace_->data(rank_) + results_offset_ + row * row_bytes, 0, 1,
+        sum_slots(product_dtype_, workspace_->data(rank_) + results_offset_ + row * row_bytes, 0, 1,
                   sub_count, copy_to, 1, collect_[0]);
       }
     }
@@ -358,7 +414,10 @@ class SymmetricExecutor final : public Executor {
   int tp_;
   int rank_;
   int rounds_;
-  std::int64_t element_;
+  DType product_dtype_;  // of the product and the partial sums
+  std::int64_t a_element_;
+  std::int64_t out_element_;
+  bool rowwise_;            // float8 with rowwise scales
   std::vector<int> peers_;  // ring order; push_[0] carries everything sent to peers_[j]
   std::vector<std::vector<int>> batches_;  // all_gather_matmul: arrival_batches
   std::vector<int> arrivals_;              // all_gather_matmul: arrival_order
