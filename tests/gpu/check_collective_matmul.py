@@ -272,6 +272,87 @@ def check_fp8(group, reporter, label, seed_base):
                         ok, detail = False, f"{type(e).__name__}: {e}"
                     reporter.record(name, group.rank, ok, detail)
 
+    check_fp8_layers(group, reporter, label, seed_base + 5_000)
+
+
+def fp8_rounding_bound(*mantissa_bits: int) -> float:
+    """Twice the RMS relative error of a product of operands rounded to these mantissa widths
+    (each rounding errs by up to 2^-(p+1), uniformly: 2^-(p+1)/sqrt(3) in RMS; independent errors
+    add in quadrature). A Frobenius-norm error stays near the RMS; a wrong product errs by ~1."""
+    return 2 * sum(4.0 ** -(p + 1) for p in mantissa_bits) ** 0.5 / 3 ** 0.5
+
+
+def check_fp8_layers(group, reporter, label, seed_base):
+    """ColumnParallelLinear -> ReLU -> RowParallelLinear with fp8="tensorwise" and "rowwise",
+    with and without sequence parallelism, bfloat16 parameters: the output and the input's, the
+    weights' and the biases' gradients against float64 autograd over the unsharded layers drawn
+    identically on every rank, within twice fp8 rounding's RMS bound per fp8 stage (e4m3 forward,
+    e5m2 gradients); one case adds the weights' gradients to a float32 main_grad
+    (fuse_wgrad_accumulation), checked as the buffer's start plus the gradient. Each case runs
+    twice on fresh inputs."""
+    tp, r, dev = group.size, group.rank, group.device
+    hidden, inner, tokens = 256, 512, 128 * tp
+    forward_bound = 2 * fp8_rounding_bound(3, 3)  # two fp8 GEMMs deep, as the gradients
+    gradient_bound = 2 * fp8_rounding_bound(2, 3)
+    cases = [(recipe, sp, False) for recipe in ("tensorwise", "rowwise") for sp in (False, True)]
+    cases.append(("tensorwise", True, True))
+    for index, (recipe, sp, fused) in enumerate(cases):
+        name = f"{label}/fp8-layers/{recipe}/sp={int(sp)}/fused_wgrad={int(fused)}"
+        try:
+            errors = {}
+            for run in range(2):
+                gen = torch.Generator(device=dev).manual_seed(seed_base + 10 * index + run)
+                up = torch.nn.Linear(hidden, inner, device=dev, dtype=torch.float64)
+                down = torch.nn.Linear(inner, hidden, device=dev, dtype=torch.float64)
+                with torch.no_grad():
+                    for p in (*up.parameters(), *down.parameters()):
+                        p.copy_(torch.randn(p.shape, generator=gen, device=dev,
+                                            dtype=torch.float64) / hidden ** 0.5)
+                        p.copy_(p.bfloat16().double())  # the layers' own bfloat16 values
+                x = torch.randn(tokens, hidden, generator=gen, device=dev, dtype=torch.float64)
+                grad_y = torch.randn(tokens, hidden, generator=gen, device=dev,
+                                     dtype=torch.float64)
+                x = x.bfloat16().double().requires_grad_()
+                y_want = down(torch.relu(up(x)))
+                (y_want * grad_y).sum().backward()
+                options = dict(sequence_parallel=sp, fp8=recipe, fuse_wgrad_accumulation=fused)
+                col = mt.ColumnParallelLinear.from_linear(copy.deepcopy(up).bfloat16(), group,
+                                                          **options)
+                row = mt.RowParallelLinear.from_linear(copy.deepcopy(down).bfloat16(), group,
+                                                       **options)
+                starts = {}
+                for layer in (col, row) if fused else ():
+                    start = torch.randn(layer.weight.shape, generator=gen, device=dev)
+                    layer.weight.main_grad = start.clone()
+                    starts[layer] = start
+                rows = slice(r * tokens // tp, (r + 1) * tokens // tp) if sp else slice(None)
+                x_mine = x.detach()[rows].bfloat16().requires_grad_()
+                y = row(torch.relu(col(x_mine)))
+                (y.double() * grad_y[rows]).sum().backward()
+                shard = slice(r * inner // tp, (r + 1) * inner // tp)
+
+                def weight_grad(layer):
+                    if not fused:
+                        return layer.weight.grad
+                    return layer.weight.main_grad.double() - starts[layer].double()
+
+                pairs = {"y": (y, y_want.detach()[rows], forward_bound),
+                         "x": (x_mine.grad, x.grad[rows], gradient_bound),
+                         "up.weight": (weight_grad(col), up.weight.grad[shard], gradient_bound),
+                         "up.bias": (col.bias.grad, up.bias.grad[shard], gradient_bound),
+                         "down.weight": (weight_grad(row), down.weight.grad[:, shard],
+                                         gradient_bound),
+                         # a sum of the bfloat16 gradient: bfloat16 rounding only
+                         "down.bias": (row.bias.grad, down.bias.grad, 2.0 ** -7)}
+                for key, (got, want, bound) in pairs.items():
+                    error = relative_error(got, want)
+                    errors[key] = max(errors.get(key, 0.0), error / bound)
+            ok = max(errors.values()) < 1
+            detail = "error / bound: " + ", ".join(f"{k} {v:.2f}" for k, v in errors.items())
+        except Exception as e:  # a check that raises is a failed check
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        reporter.record(name, group.rank, ok, detail)
+
 
 def check_autograd(group, reporter, label, seed_base):
     """Every op's gradients (a, b, bias; bf16, fp32, and fp32 under a bf16 torch.autocast; each

@@ -138,6 +138,53 @@ class Checks:
 
         self.run(f"ops tp={tp} {jnp.dtype(dtype).name} trans_b={trans_b} {backend}", body)
 
+    def scaled_ops(self, mesh, rowwise: bool, backend: str, m=512, k=384, n=256):
+        """The three float8 ops inside shard_map (b [n, k], float8_e4m3fn, float32 scales one
+        each or one per row and column), bfloat16 out with a bias, against float64 products of
+        the dequantized operands: only accumulation and the output's rounding differ."""
+        tp = mesh.shape["tp"]
+        fp8 = jnp.float8_e4m3fn
+        a = self.random((m, k), np.float32).astype(fp8)
+        b = self.random((n, k), np.float32).astype(fp8)
+        a_scale = self.rng.uniform(0.5, 1.5, m if rowwise else 1).astype(np.float32)
+        b_scale = (self.rng.uniform(0.5, 1.5, n if rowwise else 1) / k ** 0.5).astype(np.float32)
+        bias = self.random((n,), jnp.bfloat16)
+
+        def dequantized(x, scale):
+            return np.asarray(x, np.float64) * np.asarray(scale, np.float64).reshape(
+                (-1, 1) if scale.size > 1 else ())
+
+        expected = (dequantized(a, a_scale) @ dequantized(b, b_scale).T
+                    + np.asarray(bias, np.float64))
+        rows = P("tp") if rowwise else P()
+        options = dict(axis_name="tp", mesh=mesh, backend=backend)
+
+        def gather(a, b, a_scale, b_scale, bias):
+            return mj.all_gather_scaled_matmul(a, b, a_scale, b_scale, bias=bias, **options)
+
+        def reduce(a, b, a_scale, b_scale, bias):
+            return (mj.scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, bias=bias, **options),
+                    mj.scaled_matmul_all_reduce(a, b, a_scale, b_scale, bias=bias, **options))
+
+        def body():
+            gathered = jax.jit(jax.shard_map(
+                gather, mesh=mesh, in_specs=(P("tp", None), P("tp", None), rows, rows, P("tp")),
+                out_specs=P(None, "tp")))(*(put(x, mesh, spec) for x, spec in zip(
+                    (a, b, a_scale, b_scale, bias),
+                    (P("tp", None), P("tp", None), rows, rows, P("tp")))))
+            specs = (P(None, "tp"), P(None, "tp"), P(), P(), P())
+            scattered, summed = jax.jit(jax.shard_map(
+                reduce, mesh=mesh, in_specs=specs, out_specs=(P("tp", None), P())))(
+                    *(put(x, mesh, spec) for x, spec in zip((a, b, a_scale, b_scale, bias),
+                                                            specs)))
+            errors = [error(fetch(x), expected) for x in (gathered, scattered, summed)]
+            dtypes = {str(x.dtype) for x in (gathered, scattered, summed)}
+            return (max(errors) < 1e-2 and dtypes == {"bfloat16"},
+                    f"errors ag/rs/ar {errors}, dtypes {dtypes}")
+
+        recipe = "rowwise" if rowwise else "tensorwise"
+        self.run(f"scaled ops tp={tp} {recipe} {backend}", body)
+
     def mlp_gradients(self, mesh, trans_b: bool):
         """A sequence-parallel MLP over a (data, tp) mesh: loss and every gradient."""
         data, tp = mesh.shape["data"], mesh.shape["tp"]
@@ -275,6 +322,9 @@ def main():
             for trans_b in (False, True):
                 for backend in (("auto", "nccl", "symmetric") if tp > 1 else ("auto",)):
                     run("ops", checks.ops, mesh, dtype, trans_b, backend)
+        for rowwise in (False, True):
+            for backend in (("nccl", "symmetric") if tp > 1 else ("auto",)):
+                run("ops", checks.scaled_ops, mesh, rowwise, backend)
         run("gradients", checks.mlp_gradients, mesh, trans_b=True)
         run("loop", checks.many_calls, mesh)
         run("donation", checks.donated, mesh)

@@ -373,3 +373,86 @@ def test_global_forms_name_the_array_their_mesh_cannot_split(mesh):
         shard_call(mesh, mj.matmul_reduce_scatter, jnp.ones((8, 6), jnp.int8),
                    jnp.ones((6, 4), jnp.int8), specs=(P("tp", None), P()), axis_name="tp",
                    mesh=mesh)
+
+
+def fp8_operands(rows, k, n, rowwise, seed):
+    """float8_e4m3fn a [rows, k] and b [n, k] with float32 scales (one, or one per row)."""
+    a = random((rows, k), jnp.float32, seed).astype(jnp.float8_e4m3fn)
+    b = random((n, k), jnp.float32, seed + 1).astype(jnp.float8_e4m3fn)
+    rng = np.random.default_rng(seed + 2)
+    a_scale = jnp.asarray(rng.uniform(0.5, 1.5, rows if rowwise else 1), jnp.float32)
+    b_scale = jnp.asarray(rng.uniform(0.5, 1.5, n if rowwise else 1), jnp.float32)
+    return a, b, a_scale, b_scale
+
+
+def dequantized64(x, scale):
+    x, scale = np.asarray(x, np.float64), np.asarray(scale, np.float64)
+    return x * (scale.reshape(-1, 1) if scale.size > 1 else scale.reshape(()))
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_scaled_ops_match_the_dequantized_product(mesh, rowwise):
+    """The three float8 ops inside shard_map over 'tp' (2 devices): all-gather of the rows (and,
+    rowwise, their scales), the reductions of each shard's own scaled product, against float64
+    products of the dequantized operands; bfloat16 out with a bias, float32 out without."""
+    rows, k, n = 8, 32, 16
+    a, b, a_scale, b_scale = fp8_operands(rows, k, n, rowwise, 20)
+    bias = random((n,), jnp.bfloat16, 23)
+    whole = dequantized64(a, a_scale) @ dequantized64(b, b_scale).T
+    scale_spec = P("tp") if rowwise else P()
+
+    def gather(a, b, a_scale, b_scale, bias):
+        return mj.all_gather_scaled_matmul(a, b, a_scale, b_scale, axis_name="tp", mesh=mesh,
+                                           bias=bias)
+
+    got = sharded(mesh, gather, (P("tp", None), P(), scale_spec, P(), P()), P())(
+        a, b, a_scale, b_scale, bias)
+    assert got.dtype == jnp.bfloat16 and got.shape == (rows, n)
+    close(got, whole + np.asarray(bias, np.float64), jnp.bfloat16)
+
+    # The reductions: k split over 'tp', each shard's own rows of a_scale (rowwise: all of a's).
+    def reduce(a, b, a_scale, b_scale):
+        scatter = mj.scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, axis_name="tp",
+                                                  mesh=mesh, out_dtype=jnp.float32)
+        return scatter, mj.scaled_matmul_all_reduce(a, b, a_scale, b_scale, axis_name="tp",
+                                                    mesh=mesh, out_dtype=jnp.float32)
+
+    scattered, summed = sharded(mesh, reduce, (P(None, "tp"), P(None, "tp"), P(), P()),
+                                (P("tp", None), P()))(a, b, a_scale, b_scale)
+    assert summed.dtype == jnp.float32
+    close(summed, whole, jnp.float32)
+    close(scattered, whole, jnp.float32)
+
+
+def test_scaled_ops_errors_are_named(mesh):
+    a, b, a_scale, b_scale = fp8_operands(8, 32, 16, False, 30)
+    specs = (P("tp", None), P(), P(), P())
+
+    def call(function, *arrays, **options):
+        return shard_call(mesh, lambda *xs: function(*xs, axis_name="tp", mesh=mesh, **options),
+                          *arrays, specs=specs)
+
+    with pytest.raises(ValueError, match=r"all_gather_matmul: a_scale.shape=\[1\] and "
+                                         r"b_scale.shape=\[3\]: tensorwise scales"):
+        call(mj.all_gather_scaled_matmul, a, b, a_scale, jnp.ones(3, jnp.float32))
+    with pytest.raises(ValueError, match="a_scale.dtype=float16 but scales are float32"):
+        call(mj.all_gather_scaled_matmul, a, b, a_scale.astype(jnp.float16), b_scale)
+    with pytest.raises(NotImplementedError, match="no float8_e5m2 x float8_e5m2 GEMM"):
+        call(mj.all_gather_scaled_matmul, a.astype(jnp.float8_e5m2), b.astype(jnp.float8_e5m2),
+             a_scale, b_scale)
+    with pytest.raises(ValueError, match="out_dtype=int8 is not a dtype meshla takes"):
+        call(mj.all_gather_scaled_matmul, a, b, a_scale, b_scale, out_dtype=jnp.int8)
+    with pytest.raises(ValueError, match="a float8 product's d is bfloat16, float16 or float32, "
+                                         "not int32"):
+        call(mj.all_gather_scaled_matmul, a, b, a_scale, b_scale, out_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="all_gather_matmul: a_scale must be an array"):
+        shard_call(mesh, lambda a, b: mj.all_gather_scaled_matmul(
+            a, b, None, b_scale, axis_name="tp", mesh=mesh), a, b, specs=specs[:2])
+
+    def loss(a32):
+        out = mj.all_gather_scaled_matmul(a32.astype(jnp.float8_e4m3fn), b, a_scale, b_scale,
+                                          axis_name="tp", mesh=mesh)
+        return out.astype(jnp.float32).sum()
+
+    with pytest.raises(NotImplementedError, match="the float8 ops have no backward yet"):
+        sharded(mesh, jax.grad(loss), (P("tp", None),), P("tp", None))(a.astype(jnp.float32))

@@ -46,17 +46,20 @@ from jax.sharding import PartitionSpec as P
 from meshla import _meshla
 from meshla._tuning import Tuning
 from meshla.jax import _groups
-from meshla.jax._dtypes import dtype_of
+from meshla.jax._dtypes import DTYPES, dtype_of
 from meshla.jax._ffi import register_targets
 from meshla.jax._vma import as_varying, typed, varying_axes
 
 __all__ = [
     "all_gather_matmul",
     "all_gather_matmul_global",
+    "all_gather_scaled_matmul",
     "matmul_all_reduce",
     "matmul_all_reduce_global",
     "matmul_reduce_scatter",
     "matmul_reduce_scatter_global",
+    "scaled_matmul_all_reduce",
+    "scaled_matmul_reduce_scatter",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -80,6 +83,10 @@ class _Call:
     gathered_shape: tuple[int, int] | None
     # The varying mesh axes of a, b and bias (shard_map's types), which their cotangents take.
     varying: tuple[frozenset, frozenset, frozenset]
+    # The product's dtype (a's, or a float8 call's out_dtype) and a float8 call's scaling
+    # ("none" otherwise).
+    out_dtype: jnp.dtype = None
+    scaling: str = "none"
 
 
 def _check_array(op: str, name: str, x) -> None:
@@ -98,18 +105,36 @@ def _meta(op: str, name: str, x, device: int):
 
 
 def _describe(op, a, b, bias, *, axis: str, tp: int, group: int | None, trans_b: bool,
-              return_gathered: bool, tuning: Tuning) -> _Call:
-    """The call checked by the extension (the rules meshla.torch applies, in the same words)."""
+              return_gathered: bool, tuning: Tuning, scales=(None, None),
+              out_dtype=None) -> _Call:
+    """The call checked by the extension (the rules meshla.torch applies, in the same words);
+    ``scales`` and ``out_dtype`` for a float8 call."""
     device = -1 if group is None else 0
-    config = _meshla.describe_call(op, *(_meta(op.name, name, x, device) for name, x in
-                                         (("a", a), ("b", b), ("bias", bias))), None, None, trans_b,
-                                   return_gathered, tp, device, tuning.algorithm, tuning.chunks,
-                                   tuning.comm_sms, tuning.comm_ctas, tuning.backend)
+    name = op.name
+    out = None
+    if out_dtype is not None:
+        try:
+            out_dtype = jnp.dtype(out_dtype)
+        except TypeError:
+            pass
+        out = DTYPES.get(out_dtype)
+        if out is None:
+            raise ValueError(f"{name}: out_dtype={getattr(out_dtype, 'name', out_dtype)} is not "
+                             "a dtype meshla takes (a float8 product is bfloat16, float16 or "
+                             "float32)")
+    metas = [_meta(name, arg, x, device) for arg, x in
+             (("a", a), ("b", b), ("bias", bias), ("a_scale", scales[0]), ("b_scale", scales[1]))]
+    config = _meshla.describe_call(op, *metas[:3], None, None, trans_b, return_gathered, tp,
+                                   device, tuning.algorithm, tuning.chunks, tuning.comm_sms,
+                                   tuning.comm_ctas, tuning.backend, a_scale=metas[3],
+                                   b_scale=metas[4], out_dtype=out)
     return _Call(op=op, axis=axis, tp=tp, group=group, trans_b=trans_b,
                  return_gathered=return_gathered, tuning=tuning,
                  out_shape=tuple(config.product_shape(tp)),
                  gathered_shape=(config.m, config.k) if return_gathered else None,
-                 varying=(varying_axes(a), varying_axes(b), varying_axes(bias)))
+                 varying=(varying_axes(a), varying_axes(b), varying_axes(bias)),
+                 out_dtype=jnp.dtype(a.dtype if out_dtype is None else out_dtype),
+                 scaling=config.scaling)
 
 
 def _mesh_of(op: str, mesh: Mesh | None, axis: str) -> Mesh:
@@ -141,7 +166,8 @@ def _check_inside_shard_map(op: str, mesh: Mesh, axis: str) -> None:
 
 
 def _traced_call(op, a, b, bias, *, axis_name: str, mesh: Mesh | None, trans_b: bool,
-                 return_gathered: bool, tuning: Tuning, timeout_s: float) -> _Call:
+                 return_gathered: bool, tuning: Tuning, timeout_s: float, scales=(None, None),
+                 out_dtype=None) -> _Call:
     name = op.name
     if not isinstance(axis_name, str):
         raise ValueError(f"{name}: axis_name must be the name of a mesh axis, got {axis_name!r}")
@@ -149,7 +175,8 @@ def _traced_call(op, a, b, bias, *, axis_name: str, mesh: Mesh | None, trans_b: 
     _check_inside_shard_map(name, mesh, axis_name)
     on_gpu = mesh.devices.flat[0].platform == "gpu"
     call = _describe(op, a, b, bias, axis=axis_name, tp=mesh.shape[axis_name], group=None,
-                     trans_b=trans_b, return_gathered=return_gathered, tuning=tuning)
+                     trans_b=trans_b, return_gathered=return_gathered, tuning=tuning,
+                     scales=scales, out_dtype=out_dtype)
     if not on_gpu:
         return call
     register_targets()
@@ -162,22 +189,38 @@ def _dot(x, y):
     return jnp.matmul(x, y, preferred_element_type=jnp.float32)
 
 
-def _reference(call: _Call, a, b, bias):
+def _dequantized(x, scale, rowwise: bool):
+    """A float8 operand as float32 times its scales (one, or one per row)."""
+    return x.astype(jnp.float32) * (scale.reshape(-1, 1) if rowwise else scale.reshape(()))
+
+
+def _reference(call: _Call, a, b, bias, scales=(None, None)):
+    scaled = call.scaling != "none"
+    rowwise = call.scaling == "rowwise"
+    if scaled:  # b is [n, k] (trans_b), its scales one per row of it
+        b = _dequantized(b, scales[1], rowwise)
     rhs = b.T if call.trans_b else b
     gathered = None
     if call.op == _Op.all_gather_matmul:
         # The gathered rows are the same on every rank: invariant over the axis (JAX's public
         # all_gather types them as varying), so that their cotangent is this rank's own.
         rows = all_gather_invariant(a, call.axis, tiled=True)
-        product = _dot(rows, rhs)
         gathered = rows if call.return_gathered else None
-    elif call.op == _Op.matmul_reduce_scatter:
-        product = jax.lax.psum_scatter(_dot(a, rhs), call.axis, scatter_dimension=0, tiled=True)
+        if scaled:  # rowwise, each row with its own scale; tensorwise, one for them all
+            rows = _dequantized(rows, all_gather_invariant(scales[0], call.axis, tiled=True)
+                                if rowwise else scales[0], rowwise)
+        product = _dot(rows, rhs)
     else:
-        product = jax.lax.psum(_dot(a, rhs), call.axis)
+        if scaled:
+            a = _dequantized(a, scales[0], rowwise)
+        if call.op == _Op.matmul_reduce_scatter:
+            product = jax.lax.psum_scatter(_dot(a, rhs), call.axis, scatter_dimension=0,
+                                           tiled=True)
+        else:
+            product = jax.lax.psum(_dot(a, rhs), call.axis)
     if bias is not None:
         product = product + bias.astype(jnp.float32)
-    return product.astype(a.dtype), gathered
+    return product.astype(call.out_dtype), gathered
 
 
 def _out_varying(call: _Call, a, b, bias) -> frozenset:
@@ -198,12 +241,14 @@ _TARGETS = {
 }
 
 
-def _on_gpus(call: _Call, a, b, bias):
+def _on_gpus(call: _Call, a, b, bias, scales=(None, None)):
     # One custom call takes operands of one type: each varies over every axis any of them does.
-    operands = (a, b, jnp.zeros((0,), a.dtype) if bias is None else bias)
+    # Absent ones are empty (the scales of a 16-bit call).
+    operands = (a, b, jnp.zeros((0,), call.out_dtype) if bias is None else bias,
+                *(jnp.zeros((0,), jnp.float32) if s is None else s for s in scales))
     varying = frozenset().union(*map(varying_axes, operands))
     operands = [as_varying(x, varying) for x in operands]
-    results = [typed(call.out_shape, a.dtype, _out_varying(call, a, b, bias))]
+    results = [typed(call.out_shape, call.out_dtype, _out_varying(call, a, b, bias))]
     if call.op == _Op.all_gather_matmul:
         # A zero-size gathered output tells the handler not to return the rows.
         results.append(typed(call.gathered_shape or (0,), a.dtype, varying_axes(a) - {call.axis}))
@@ -216,8 +261,8 @@ def _on_gpus(call: _Call, a, b, bias):
     return outputs[0], gathered
 
 
-def _forward(call: _Call, a, b, bias):
-    return (_reference if call.group is None else _on_gpus)(call, a, b, bias)
+def _forward(call: _Call, a, b, bias, scales=(None, None)):
+    return (_reference if call.group is None else _on_gpus)(call, a, b, bias, scales)
 
 
 # Differentiation: each op's backward runs its conjugate collective.
@@ -395,6 +440,97 @@ def matmul_all_reduce(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
                   timeout_s)
     return out
 
+
+# The float8 ops: torch._scaled_mm's operands (b stored [n, k]) with their scales; no backward.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scaled_collective(call: _Call, a, b, bias, a_scale, b_scale):
+    return _forward(call, a, b, bias, (a_scale, b_scale))
+
+
+def _scaled_fwd(call: _Call, a, b, bias, a_scale, b_scale):
+    return _scaled_collective(call, a, b, bias, a_scale, b_scale), None
+
+
+def _scaled_bwd(call: _Call, _residuals, _cotangents):
+    raise NotImplementedError(f"{call.op.name}: the float8 ops have no backward yet; "
+                              "differentiate the 16-bit computation, or stop the gradient "
+                              "(jax.lax.stop_gradient) before the float8 operands")
+
+
+_scaled_collective.defvjp(_scaled_fwd, _scaled_bwd)
+
+
+def _run_scaled(op, a, b, a_scale, b_scale, bias, out_dtype, axis_name, mesh, return_gathered,
+                tuning, timeout_s):
+    for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
+        _check_array(op.name, name, scale)
+    # One value, or one per row ([rows] or [rows, 1]) and per column ([n] or [1, n]): as rows.
+    scales = tuple(jnp.reshape(scale, (-1,)) for scale in (a_scale, b_scale))
+    call = _traced_call(op, a, b, bias, axis_name=axis_name, mesh=mesh, trans_b=True,
+                        return_gathered=return_gathered, tuning=tuning, timeout_s=timeout_s,
+                        scales=scales, out_dtype=out_dtype)
+    return _scaled_collective(call, a, b, bias, *scales)
+
+
+def all_gather_scaled_matmul(a, b, a_scale, b_scale, *, axis_name: str, mesh: Mesh | None = None,
+                             bias=None, out_dtype=jnp.bfloat16, return_gathered: bool = False,
+                             algorithm="auto", chunks: int = 0, comm_sms: int = -1,
+                             comm_ctas: int = 0, backend="auto",
+                             timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Inside ``jax.shard_map``: ``all_gather(a) @ bᵀ`` in float8 with its scales,
+    :func:`all_gather_matmul` on ``torch._scaled_mm``'s operands (meshla.torch's
+    ``all_gather_scaled_matmul``, the same arguments and rules).
+
+    ``a`` is this shard's [m/tp, k] rows and ``b`` [n, k] (a linear layer's weight, the one
+    order fp8 GEMMs take), ``float8_e4m3fn`` or ``float8_e5m2`` (not both e5m2). ``a_scale`` and
+    ``b_scale`` are float32: one value each (tensorwise; ``a_scale`` is then the whole gathered
+    ``a``'s, the same on every shard), or one per row of ``a`` ([m/tp] or [m/tp, 1]) and one per
+    output column ([n] or [1, n]) (rowwise, gathered with the rows):
+    ``out[i, j] = a_scale[i] * b_scale[j] * sum_k a[i, k] * b[j, k] (+ bias[j])``. The fp8 rows
+    (and their scales) are what travels. Returns the [m, n] product in ``out_dtype`` (bfloat16,
+    float16 or float32; rowwise bfloat16 or float32; ``bias`` [n] in it, none with float32), and
+    with ``return_gathered`` also the gathered [m, k] fp8 ``a`` (tensorwise only).
+
+    ``mesh``, ``timeout_s`` and the tuning as in :func:`all_gather_matmul` (backends
+    ``symmetric`` and ``nccl``). Not differentiable: ``jax.grad`` through it raises
+    ``NotImplementedError``. Errors as :func:`all_gather_matmul`'s, and ``ValueError`` for a
+    missing or misshapen scale or an ``out_dtype`` meshla does not take, ``NotImplementedError``
+    for e5m2 x e5m2 and what fp8 GEMMs cannot take. On CPU devices a float32 reference on the
+    dequantized operands."""
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    out, gathered = _run_scaled(_Op.all_gather_matmul, a, b, a_scale, b_scale, bias, out_dtype,
+                                axis_name, mesh, return_gathered, tuning, timeout_s)
+    return (out, gathered) if return_gathered else out
+
+
+def scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, *, axis_name: str,
+                                 mesh: Mesh | None = None, bias=None, out_dtype=jnp.bfloat16,
+                                 algorithm="auto", chunks: int = 0, comm_sms: int = -1,
+                                 comm_ctas: int = 0, backend="auto",
+                                 timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Inside ``jax.shard_map``: this shard's [m/tp, n] rows of ``sum over axis_name(a @ bᵀ)``
+    in float8 with its scales (:func:`matmul_reduce_scatter` on :func:`all_gather_scaled_matmul`'s
+    operands): ``a`` [m, k/tp], ``b`` [n, k/tp], ``a_scale`` one value or one per row of ``a``
+    ([m]), ``b_scale`` one value or [n]. Partial products are summed in ``out_dtype``, never in
+    fp8; ``bias`` is added once. Raises as :func:`all_gather_scaled_matmul` does."""
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    out, _ = _run_scaled(_Op.matmul_reduce_scatter, a, b, a_scale, b_scale, bias, out_dtype,
+                         axis_name, mesh, False, tuning, timeout_s)
+    return out
+
+
+def scaled_matmul_all_reduce(a, b, a_scale, b_scale, *, axis_name: str, mesh: Mesh | None = None,
+                             bias=None, out_dtype=jnp.bfloat16, algorithm="auto", chunks: int = 0,
+                             comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
+                             timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Inside ``jax.shard_map``: ``sum over axis_name(a @ bᵀ)`` [m, n] in float8 with its scales
+    on every shard, as :func:`scaled_matmul_reduce_scatter` but every shard gets every row.
+    Raises as :func:`all_gather_scaled_matmul` does."""
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    out, _ = _run_scaled(_Op.matmul_all_reduce, a, b, a_scale, b_scale, bias, out_dtype,
+                         axis_name, mesh, False, tuning, timeout_s)
+    return out
 
 def _global(op: str, function, mesh: Mesh, axis: str, arrays, in_specs, out_specs):
     """``function`` on the shards of global ``arrays`` (a, b, bias), laid out over ``mesh`` as

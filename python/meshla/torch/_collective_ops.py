@@ -275,7 +275,7 @@ def all_gather(rows, group: TPGroup):
     return _all_gather_rows(rows, group)
 
 
-def _dequantized(t, scale, rowwise: bool):
+def dequantized(t, scale, rowwise: bool):
     """An fp8 operand as float32 times its scales (one, or one per row)."""
     return t.float() * (scale.float().reshape(-1, 1) if rowwise else scale.float().reshape(()))
 
@@ -289,20 +289,20 @@ def scaled_matmul(op, a, b, a_scale, b_scale, bias, group: TPGroup, out_dtype,
                       scales=(a_scale, b_scale), out_dtype=out_dtype)
     rowwise = config.scaling == "rowwise"
     if a.device.type == "cpu":
-        b32 = _dequantized(b, b_scale, rowwise)
+        b32 = dequantized(b, b_scale, rowwise)
         gathers = op == OPS.all_gather_matmul
         if gathers:
             # Rowwise: each row with its own scale; tensorwise: a_scale is the gathered rows'.
             # fp8 travels as bytes (process groups' all-gathers need not take float8).
             if rowwise:
-                a32 = _reference.gathered_rows(_dequantized(a, a_scale, True), group)
+                a32 = _reference.gathered_rows(dequantized(a, a_scale, True), group)
             else:
-                a32 = _dequantized(
+                a32 = dequantized(
                     _reference.gathered_rows(a.view(torch.uint8), group).view(a.dtype), a_scale,
                     False)
             product = _reference.product(a32, b32, bias, True, True)
         else:
-            product = _reference.summed_over_ranks(_dequantized(a, a_scale, rowwise), b32, bias,
+            product = _reference.summed_over_ranks(dequantized(a, a_scale, rowwise), b32, bias,
                                                    True, group)
             if op == OPS.matmul_reduce_scatter:
                 rows = config.product_shape(group.size)[0]

@@ -270,7 +270,8 @@ def _scaled(op, a, b, a_scale, b_scale, group, bias, out_dtype, return_gathered,
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (a, b, a_scale, b_scale, bias)):
         raise NotImplementedError(f"{op.name}: the float8 ops have no backward yet; call them "
-                                  "under torch.no_grad()")
+                                  "under torch.no_grad(), or train through ColumnParallelLinear "
+                                  "and RowParallelLinear with fp8=")
     if out_dtype not in DTYPES:  # the extension says which of its dtypes a product takes
         raise ValueError(f"{op.name}: out_dtype={out_dtype} is not a torch dtype meshla takes "
                          "(a float8 product is bfloat16, float16 or float32)")

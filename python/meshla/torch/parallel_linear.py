@@ -22,6 +22,9 @@ import math
 
 import torch
 
+from meshla.torch import _collective_ops as ops
+from meshla.torch._collective_autograd import fused_wgrad
+from meshla.torch._float8 import RECIPES, Float8Linear
 from meshla.torch._group import TPGroup
 from meshla._tuning import Tuning
 from meshla.torch.collective import (
@@ -52,10 +55,12 @@ class _ParallelLinear(torch.nn.Module):
     _split_dim: int  # of the whole weight: 0 splits the output features, 1 the input features
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, bias: bool,
-                 sequence_parallel: bool, fuse_wgrad_accumulation: bool, device, dtype,
+                 sequence_parallel: bool, fuse_wgrad_accumulation: bool, fp8, device, dtype,
                  tuning: dict):
         super().__init__()
         name = type(self).__name__
+        if fp8 is not None and fp8 not in RECIPES:
+            raise ValueError(f"{name}: fp8={fp8!r} is not one of None, 'tensorwise', 'rowwise'")
         if not isinstance(group, TPGroup):
             raise ValueError(f"{name}: group must be a meshla.torch.TPGroup, got "
                              f"{type(group).__name__}")
@@ -72,6 +77,7 @@ class _ParallelLinear(torch.nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.fp8 = fp8
         self.tuning = Tuning.of(**tuning)
         shape = [out_features, in_features]
         shape[self._split_dim] //= group.size
@@ -150,11 +156,23 @@ class _ParallelLinear(torch.nn.Module):
                              f", got {shape}")
         return x.reshape(-1, features)
 
+    def _float8(self, rows, forward_op):
+        """The layer's product in float8 (fp8=...): ``forward_op`` is its collective, None for a
+        local GEMM."""
+        name = type(self).__name__
+        if rows.dtype != self.weight.dtype:
+            raise ValueError(f"{name}(fp8={self.fp8!r}): x.dtype={rows.dtype} but the weight is "
+                             f"{self.weight.dtype}; the fp8 GEMMs give the product in that dtype")
+        fused = fused_wgrad(name, self.weight, self.weight, self.fuse_wgrad_accumulation)
+        return Float8Linear.apply(rows, self.weight, self.bias, self.group, forward_op, self.fp8,
+                                  self.tuning, name, fused)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp_size={self.group.size}, rank={self.group.rank}, "
                 f"sequence_parallel={self.sequence_parallel}"
-                + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else ""))
+                + (", fuse_wgrad_accumulation=True" if self.fuse_wgrad_accumulation else "")
+                + (f", fp8={self.fp8!r}" if self.fp8 else ""))
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -178,6 +196,17 @@ class ColumnParallelLinear(_ParallelLinear):
     TransformerEngine's layers do (see :func:`~meshla.torch.column_parallel_matmul`; eager
     only).
 
+    ``fp8="tensorwise"`` or ``"rowwise"`` trains the layer in float8 (torchao's dynamic Float8
+    recipes): every step casts x and the weight to float8_e4m3fn and the output's gradient to
+    float8_e5m2, with scales from their amax (one per operand, the gathered operand's the group's
+    largest; or one per row of each GEMM's operands), and runs the forward and the input gradient
+    as the scaled collective matmuls (:func:`~meshla.torch.all_gather_scaled_matmul` and its
+    kin: fp8 rows travel, partial sums are added in the layer's dtype), the weight gradient as a
+    local fp8 GEMM. x must be in the parameters' dtype (bfloat16; float16 tensorwise only;
+    float32), the fp8 GEMMs' sizes multiples of 16 (features per rank, and the tokens, which
+    the weight gradient contracts), rowwise row blocks multiples of 4. Not with
+    ``recompute_gathered``.
+
     Parameters are created on the group's device (``device="meta"`` defers them) and drawn by
     :meth:`reset_parameters`; :meth:`from_linear` shards an existing layer instead. Every rank of
     the group must call the layer (and its backward) with the same shapes.
@@ -187,7 +216,8 @@ class ColumnParallelLinear(_ParallelLinear):
     has one; ``device`` and ``dtype`` those of the parameters (default: the group's device and
     torch's default dtype). The constructor raises ``ValueError`` for a ``group`` that is not a
     TPGroup, features below 1 or not divisible as above, ``recompute_gathered`` without
-    ``sequence_parallel``, a ``device`` other than the group's (or ``meta``), or a tuning that
+    ``sequence_parallel`` or with ``fp8``, an ``fp8`` other than None, "tensorwise" and
+    "rowwise", a ``device`` other than the group's (or ``meta``), or a tuning that
     :class:`~meshla.torch.Tuning` refuses. Calling the layer returns ``y`` as above and raises
     ``ValueError`` for an ``x`` that is not a tensor [..., in_features] (with
     ``sequence_parallel``, at least 2-D), and otherwise the errors of the matmul it runs
@@ -199,14 +229,18 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, bias: bool = True, *,
                  sequence_parallel: bool = False, recompute_gathered: bool = False,
-                 fuse_wgrad_accumulation: bool = False, device=None, dtype=None,
+                 fuse_wgrad_accumulation: bool = False, fp8=None, device=None, dtype=None,
                  algorithm="auto", chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0,
                  backend="auto"):
         if recompute_gathered and not sequence_parallel:
             raise ValueError("ColumnParallelLinear: recompute_gathered=True needs "
                              "sequence_parallel=True (without it no rows are gathered)")
+        if recompute_gathered and fp8 is not None:
+            raise ValueError("ColumnParallelLinear: recompute_gathered=True applies to 16-bit "
+                             "layers; an fp8 layer keeps its gathered fp8 rows (tensorwise) or "
+                             "gathers its input again (rowwise) anyway")
         super().__init__(in_features, out_features, group, bias, sequence_parallel,
-                         fuse_wgrad_accumulation, device, dtype,
+                         fuse_wgrad_accumulation, fp8, device, dtype,
                          dict(algorithm=algorithm, chunks=chunks, comm_sms=comm_sms,
                               comm_ctas=comm_ctas, backend=backend))
         self.recompute_gathered = recompute_gathered
@@ -216,10 +250,16 @@ class ColumnParallelLinear(_ParallelLinear):
         rows = self._rows(x, self.in_features)
         options = self._options()
         if self.sequence_parallel:
-            y = all_gather_matmul(rows, self.weight, self.group,
-                                  recompute_gathered=self.recompute_gathered, **options)
+            if self.fp8:
+                y = self._float8(rows, ops.OPS.all_gather_matmul)
+            else:
+                y = all_gather_matmul(rows, self.weight, self.group,
+                                      recompute_gathered=self.recompute_gathered, **options)
             return y.view(x.shape[0] * self.group.size, *x.shape[1:-1], y.shape[1])
-        y = column_parallel_matmul(rows, self.weight, self.group, **options)
+        if self.fp8:
+            y = self._float8(rows, None)
+        else:
+            y = column_parallel_matmul(rows, self.weight, self.group, **options)
         return y.view(*x.shape[:-1], y.shape[1])
 
 
@@ -237,7 +277,7 @@ class RowParallelLinear(_ParallelLinear):
       bias's is the same on every rank and must not be all-reduced over the group again (as
       Megatron-LM does for the partial sums of its sequence-parallel biases).
 
-    Tuning, ``fuse_wgrad_accumulation``, parameters and :meth:`from_linear` as in
+    Tuning, ``fuse_wgrad_accumulation``, ``fp8``, parameters and :meth:`from_linear` as in
     :class:`ColumnParallelLinear`; so are the constructor's arguments and errors, except that
     ``in_features`` must be divisible by the group's size and there is no
     ``recompute_gathered``. Calling the layer returns ``y`` as above and raises ``ValueError``
@@ -251,10 +291,10 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, bias: bool = True, *,
                  sequence_parallel: bool = False, fuse_wgrad_accumulation: bool = False,
-                 device=None, dtype=None, algorithm="auto", chunks: int = 0, comm_sms: int = -1,
-                 comm_ctas: int = 0, backend="auto"):
+                 fp8=None, device=None, dtype=None, algorithm="auto", chunks: int = 0,
+                 comm_sms: int = -1, comm_ctas: int = 0, backend="auto"):
         super().__init__(in_features, out_features, group, bias, sequence_parallel,
-                         fuse_wgrad_accumulation, device, dtype,
+                         fuse_wgrad_accumulation, fp8, device, dtype,
                          dict(algorithm=algorithm, chunks=chunks, comm_sms=comm_sms,
                               comm_ctas=comm_ctas, backend=backend))
 
@@ -268,9 +308,15 @@ class RowParallelLinear(_ParallelLinear):
                 raise ValueError(f"RowParallelLinear: sequence_parallel scatters x's first "
                                  f"dimension, but x.shape={list(x.shape)} has {x.shape[0]} there, "
                                  f"not divisible by tp_size={tp}")
-            y = matmul_reduce_scatter(rows, self.weight, self.group, **options)
+            if self.fp8:
+                y = self._float8(rows, ops.OPS.matmul_reduce_scatter)
+            else:
+                y = matmul_reduce_scatter(rows, self.weight, self.group, **options)
             return y.view(x.shape[0] // tp, *x.shape[1:-1], self.out_features)
-        y = matmul_all_reduce(rows, self.weight, self.group, **options)
+        if self.fp8:
+            y = self._float8(rows, ops.OPS.matmul_all_reduce)
+        else:
+            y = matmul_all_reduce(rows, self.weight, self.group, **options)
         return y.view(*x.shape[:-1], self.out_features)
 
 

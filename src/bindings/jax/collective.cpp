@@ -73,8 +73,8 @@ GroupRegistry& groups() {
   return registry;
 }
 
-// The call as its attributes and buffers describe it (bias and gathered absent where they have no
-// element).
+// The call as its attributes and buffers describe it (bias, gathered and the scales absent where
+// they have no element; a float8 call's product dtype is its output's).
 struct Call {
   CollectiveMatmulConfig request;
   CollectiveMatmulArgs args;
@@ -85,9 +85,11 @@ TensorView present_or_absent(const ffi::AnyBuffer& buffer, int device, const cha
 }
 
 Call call_of(CollectiveOp op, int device, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-             const ffi::AnyBuffer& bias, const ffi::AnyBuffer& out, const ffi::AnyBuffer* gathered,
-             bool trans_b, std::int64_t algorithm, std::int64_t backend, std::int64_t chunks,
-             std::int64_t comm_sms, std::int64_t comm_ctas) {
+             const ffi::AnyBuffer& bias, const ffi::AnyBuffer& a_scale,
+             const ffi::AnyBuffer& b_scale, const ffi::AnyBuffer& out,
+             const ffi::AnyBuffer* gathered, bool trans_b, std::int64_t algorithm,
+             std::int64_t backend, std::int64_t chunks, std::int64_t comm_sms,
+             std::int64_t comm_ctas) {
   Call call;
   call.request = {.op = op,
                   .algorithm = static_cast<Algorithm>(algorithm),
@@ -102,7 +104,10 @@ Call call_of(CollectiveOp op, int device, const ffi::AnyBuffer& a, const ffi::An
                .bias = present_or_absent(bias, device, "bias"),
                .out = view_of(out, device, "out"),
                .gathered = gathered == nullptr ? TensorView{}
-                                               : present_or_absent(*gathered, device, "gathered")};
+                                               : present_or_absent(*gathered, device, "gathered"),
+               .a_scale = present_or_absent(a_scale, device, "a_scale"),
+               .b_scale = present_or_absent(b_scale, device, "b_scale")};
+  if (is_float8(call.args.a.dtype)) call.request.out_dtype = call.args.out.dtype;
   return call;
 }
 
@@ -115,25 +120,27 @@ std::shared_ptr<GroupPart> part_for(std::int64_t group, int device, const Call& 
 template <CollectiveOp op>
 struct Stages {
   static ffi::Error prepare(std::int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                            ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                            const ffi::AnyBuffer* gathered, std::int64_t group, bool trans_b,
-                            std::int64_t algorithm, std::int64_t backend, std::int64_t chunks,
-                            std::int64_t comm_sms, std::int64_t comm_ctas) {
+                            ffi::AnyBuffer bias, ffi::AnyBuffer a_scale, ffi::AnyBuffer b_scale,
+                            ffi::Result<ffi::AnyBuffer> out, const ffi::AnyBuffer* gathered,
+                            std::int64_t group, bool trans_b, std::int64_t algorithm,
+                            std::int64_t backend, std::int64_t chunks, std::int64_t comm_sms,
+                            std::int64_t comm_ctas) {
     return guarded([&] {
-      const Call call = call_of(op, device, a, b, bias, *out, gathered, trans_b, algorithm, backend,
-                                chunks, comm_sms, comm_ctas);
+      const Call call = call_of(op, device, a, b, bias, a_scale, b_scale, *out, gathered, trans_b,
+                                algorithm, backend, chunks, comm_sms, comm_ctas);
       part_for(group, device, call)->matmul(call.request, call.args);
     });
   }
 
   static ffi::Error execute(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer a,
-                            ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::AnyBuffer a_scale,
+                            ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer> out,
                             const ffi::AnyBuffer* gathered, std::int64_t group, bool trans_b,
                             std::int64_t algorithm, std::int64_t backend, std::int64_t chunks,
                             std::int64_t comm_sms, std::int64_t comm_ctas) {
     return guarded([&] {
-      const Call call = call_of(op, device, a, b, bias, *out, gathered, trans_b, algorithm, backend,
-                                chunks, comm_sms, comm_ctas);
+      const Call call = call_of(op, device, a, b, bias, a_scale, b_scale, *out, gathered, trans_b,
+                                algorithm, backend, chunks, comm_sms, comm_ctas);
       // The part (and so its plan) is held until the work is enqueued.
       const std::shared_ptr<GroupPart> part = part_for(group, device, call);
       part->matmul(call.request, call.args).execute(call.args, stream);
@@ -142,44 +149,46 @@ struct Stages {
 };
 
 ffi::Error all_gather_prepare(std::int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                              ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                              ffi::Result<ffi::AnyBuffer> gathered, std::int64_t group,
-                              bool trans_b, std::int64_t algorithm, std::int64_t backend,
-                              std::int64_t chunks, std::int64_t comm_sms, std::int64_t comm_ctas) {
-  return Stages<CollectiveOp::kAllGatherMatmul>::prepare(device, a, b, bias, out, &*gathered, group,
-                                                         trans_b, algorithm, backend, chunks,
-                                                         comm_sms, comm_ctas);
-}
-
-ffi::Error all_gather_execute(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer a,
-                              ffi::AnyBuffer b, ffi::AnyBuffer bias,
+                              ffi::AnyBuffer bias, ffi::AnyBuffer a_scale, ffi::AnyBuffer b_scale,
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> gathered,
                               std::int64_t group, bool trans_b, std::int64_t algorithm,
                               std::int64_t backend, std::int64_t chunks, std::int64_t comm_sms,
                               std::int64_t comm_ctas) {
-  return Stages<CollectiveOp::kAllGatherMatmul>::execute(stream, device, a, b, bias, out,
+  return Stages<CollectiveOp::kAllGatherMatmul>::prepare(device, a, b, bias, a_scale, b_scale, out,
                                                          &*gathered, group, trans_b, algorithm,
                                                          backend, chunks, comm_sms, comm_ctas);
 }
 
+ffi::Error all_gather_execute(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer a,
+                              ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::AnyBuffer a_scale,
+                              ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> gathered, std::int64_t group,
+                              bool trans_b, std::int64_t algorithm, std::int64_t backend,
+                              std::int64_t chunks, std::int64_t comm_sms, std::int64_t comm_ctas) {
+  return Stages<CollectiveOp::kAllGatherMatmul>::execute(
+      stream, device, a, b, bias, a_scale, b_scale, out, &*gathered, group, trans_b, algorithm,
+      backend, chunks, comm_sms, comm_ctas);
+}
+
 template <CollectiveOp op>
 ffi::Error reduction_prepare(std::int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                             ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                             std::int64_t group, bool trans_b, std::int64_t algorithm,
-                             std::int64_t backend, std::int64_t chunks, std::int64_t comm_sms,
-                             std::int64_t comm_ctas) {
-  return Stages<op>::prepare(device, a, b, bias, out, nullptr, group, trans_b, algorithm, backend,
-                             chunks, comm_sms, comm_ctas);
+                             ffi::AnyBuffer bias, ffi::AnyBuffer a_scale, ffi::AnyBuffer b_scale,
+                             ffi::Result<ffi::AnyBuffer> out, std::int64_t group, bool trans_b,
+                             std::int64_t algorithm, std::int64_t backend, std::int64_t chunks,
+                             std::int64_t comm_sms, std::int64_t comm_ctas) {
+  return Stages<op>::prepare(device, a, b, bias, a_scale, b_scale, out, nullptr, group, trans_b,
+                             algorithm, backend, chunks, comm_sms, comm_ctas);
 }
 
 template <CollectiveOp op>
 ffi::Error reduction_execute(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer a,
-                             ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                             ffi::AnyBuffer b, ffi::AnyBuffer bias, ffi::AnyBuffer a_scale,
+                             ffi::AnyBuffer b_scale, ffi::Result<ffi::AnyBuffer> out,
                              std::int64_t group, bool trans_b, std::int64_t algorithm,
                              std::int64_t backend, std::int64_t chunks, std::int64_t comm_sms,
                              std::int64_t comm_ctas) {
-  return Stages<op>::execute(stream, device, a, b, bias, out, nullptr, group, trans_b, algorithm,
-                             backend, chunks, comm_sms, comm_ctas);
+  return Stages<op>::execute(stream, device, a, b, bias, a_scale, b_scale, out, nullptr, group,
+                             trans_b, algorithm, backend, chunks, comm_sms, comm_ctas);
 }
 
 // The attributes every collective handler takes: the group, the layout of b, and the tuning.
@@ -195,9 +204,12 @@ auto with_attributes(Binding&& binding) {
       .template Attr<std::int64_t>("comm_ctas");
 }
 
+// a, b, bias, a_scale, b_scale (float8 only; the absent ones empty), and the product.
 template <typename Binding>
 auto with_operands(Binding&& binding) {
   return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()
       .template Arg<ffi::AnyBuffer>()

@@ -1,0 +1,117 @@
+"""CPU tests of the fp8 tensor-parallel layers (ColumnParallelLinear / RowParallelLinear with
+fp8="tensorwise" or "rowwise") on two gloo ranks: a column-parallel layer followed by a
+row-parallel one, with and without sequence parallelism, its output and every parameter's and
+the input's gradient against float64 autograd over the unsharded layers, within what fp8 rounding
+allows. The CUDA path is checked by tests/gpu/check_collective_matmul.py's fp8-layers family."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import meshla.torch as mt
+
+HIDDEN, INNER, TOKENS = 64, 128, 32
+
+
+def rounding_bound(*mantissa_bits: int) -> float:
+    """Twice the RMS relative error of a product of operands rounded to these mantissa widths:
+    each rounding errs by up to 2^-(p+1) relative, uniformly, so by 2^-(p+1)/sqrt(3) in RMS, and
+    independent errors add in quadrature. A Frobenius-norm error averages over many elements, so
+    it stays near the RMS; a wrong product (a missing sum, a transposed weight) errs by ~1."""
+    return 2 * math.sqrt(sum(4.0 ** -(p + 1) for p in mantissa_bits)) / math.sqrt(3)
+
+
+FORWARD_BOUND = rounding_bound(3, 3)  # e4m3 x e4m3
+GRADIENT_BOUND = rounding_bound(2, 3)  # e5m2 gradients x e4m3
+
+
+def relative_error(got, want) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+def _worker(rank: int, size: int, recipe: str, sequence_parallel: bool):
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        group = mt.group_from_process_group(device="cpu")
+        torch.manual_seed(0)  # every rank draws the same whole layers and inputs
+        up = torch.nn.Linear(HIDDEN, INNER, dtype=torch.float64)
+        down = torch.nn.Linear(INNER, HIDDEN, dtype=torch.float64)
+        x = torch.randn(TOKENS, HIDDEN, dtype=torch.float64)
+        grad_y = torch.randn(TOKENS, HIDDEN, dtype=torch.float64)
+        x64 = x.clone().requires_grad_()
+        (down(torch.relu(up(x64))) * grad_y).sum().backward()
+
+        options = dict(sequence_parallel=sequence_parallel, fp8=recipe)
+        col = mt.ColumnParallelLinear.from_linear(copy.deepcopy(up).float(), group, **options)
+        row = mt.RowParallelLinear.from_linear(copy.deepcopy(down).float(), group, **options)
+        rows = slice(rank * TOKENS // size, (rank + 1) * TOKENS // size)
+        x_mine = (x[rows] if sequence_parallel else x).float().requires_grad_()
+        y = row(torch.relu(col(x_mine)))
+        y_want = down(torch.relu(up(x))).detach()
+        grad_mine = grad_y[rows] if sequence_parallel else grad_y
+        assert y.dtype == torch.float32
+        # Two fp8 GEMMs in a row: the second's input carries the first's error.
+        assert relative_error(y, y_want[rows] if sequence_parallel else y_want) < 2 * FORWARD_BOUND
+        (y * grad_mine.float()).sum().backward()
+
+        inner = slice(rank * INNER // size, (rank + 1) * INNER // size)
+        wants = {"x": (x_mine.grad, x64.grad[rows] if sequence_parallel else x64.grad),
+                 "up.weight": (col.weight.grad, up.weight.grad[inner]),
+                 "up.bias": (col.bias.grad, up.bias.grad[inner]),
+                 "down.weight": (row.weight.grad, down.weight.grad[:, inner]),
+                 "down.bias": (row.bias.grad, down.bias.grad)}
+        for name, (got, want) in wants.items():
+            error = relative_error(got, want)
+            # Biases' gradients are sums of the 16-bit gradient, not fp8 products.
+            bound = 1e-5 if name == "down.bias" else 2 * GRADIENT_BOUND
+            assert error < bound, f"{recipe} sp={sequence_parallel} {name}: {error:.3e}"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_mlp_matches_float64_within_fp8_rounding(gloo_env, recipe, sequence_parallel):
+    mp.spawn(_worker, args=(2, recipe, sequence_parallel), nprocs=2, join=True)
+
+
+def test_fp8_layer_errors_name_the_argument(world1):
+    with pytest.raises(ValueError, match="fp8='e4m3' is not one of None, 'tensorwise', 'rowwise'"):
+        mt.ColumnParallelLinear(16, 16, world1, fp8="e4m3", device="cpu")
+    with pytest.raises(ValueError, match="recompute_gathered=True applies to 16-bit layers"):
+        mt.ColumnParallelLinear(16, 16, world1, sequence_parallel=True, recompute_gathered=True,
+                                fp8="rowwise", device="cpu")
+    layer = mt.RowParallelLinear(16, 16, world1, fp8="tensorwise", device="cpu")
+    with pytest.raises(ValueError, match=r"x.dtype=torch.float64 but the weight is torch.float32"):
+        layer(torch.randn(4, 16, dtype=torch.float64))
+    assert "fp8='tensorwise'" in repr(layer)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_layers_compile_whole(world1, recipe):
+    """torch.compile(fullgraph=True) traces the fp8 layers' forward and backward (their
+    quantization, the scaled collective ops and the local fp8 GEMM op) and computes what eager
+    mode does."""
+    torch.manual_seed(0)
+    col = mt.ColumnParallelLinear(32, 64, world1, sequence_parallel=True, fp8=recipe,
+                                  device="cpu")
+    row = mt.RowParallelLinear(64, 32, world1, sequence_parallel=True, fp8=recipe, device="cpu")
+
+    def mlp(x):
+        return row(torch.relu(col(x)))
+
+    x = torch.randn(16, 32)
+    results = []
+    for run in (mlp, torch.compile(mlp, backend="aot_eager", fullgraph=True)):
+        xi = x.clone().requires_grad_()
+        for p in (*col.parameters(), *row.parameters()):
+            p.grad = None
+        y = run(xi)
+        y.square().sum().backward()
+        results.append([y, xi.grad, col.weight.grad, row.weight.grad, col.bias.grad])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
