@@ -6,9 +6,11 @@ One process per GPU; the whole world is the tensor-parallel group:
 
 1. Step time: bench/tp_mlp.py's step (Llama-70B's MLP, x [M/tp, 8192] -> column-parallel
    8192 -> 28672 -> gelu -> row-parallel 28672 -> 8192, sequence parallel, no biases, forward
-   and backward), eager, each recipe against bf16 on the same weights and inputs. Its rows keep
-   each variant's relative error against the bf16 step (output and gradients; fp8 rounding, not
-   a pass/fail check: the CPU and GPU tests check the layers against float64).
+   and backward), each recipe against bf16 on the same weights and inputs, eager, and with
+   --compiled also bf16 and tensorwise under torch.compile(fullgraph=True) (inductor fuses the
+   casts' passes). Its rows keep each variant's relative error against the eager bf16 step
+   (output and gradients; fp8 rounding, not a pass/fail check: the CPU and GPU tests check the
+   layers against float64).
 2. Loss: --steps steps of AdamW (lr 1e-3) on a fixed-seed regression task (a smaller MLP, hidden
    1024, inner 4096, 8192 tokens, learning a random teacher MLP's outputs), once in bf16 and once
    per recipe from the same start; each row keeps the mean loss of the last 10 steps and its
@@ -65,6 +67,10 @@ def step_times(m: int, tp: int, rank: int, group, args, device) -> list[dict]:
     dy = torch.randn(m // tp, HIDDEN, device=device, dtype=torch.bfloat16)
     models = {"bf16": MLP(whole, group, None),
               **{f"fp8_{recipe}": MLP(whole, group, recipe) for recipe in RECIPES}}
+    if args.compiled:
+        models["bf16_compiled"] = torch.compile(models["bf16"], fullgraph=True)
+        models["fp8_tensorwise_compiled"] = torch.compile(models["fp8_tensorwise"],
+                                                          fullgraph=True)
     del whole
 
     def step(model, keep=None):
@@ -79,7 +85,7 @@ def step_times(m: int, tp: int, rank: int, group, args, device) -> list[dict]:
     results = {}
     for name, model in models.items():
         results[name] = []
-        step(model, results[name])  # builds the plans
+        step(model, results[name])  # builds the plans (and compiles)
     errors = {name: slowest_rank(max(relative_error(g, w) for g, w in
                                      zip(got, results["bf16"])))
               for name, got in results.items()}
@@ -124,6 +130,8 @@ def losses(steps: int, tp: int, rank: int, group, device) -> list[dict]:
 def main():
     parser = bench_parser(__doc__, tokens=[8192, 16384], iters=10)
     parser.add_argument("--steps", type=int, default=200, help="training steps of the loss part")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time bf16 and tensorwise steps under torch.compile")
     args = parser.parse_args()
     check_launch(parser, args)
     import meshla.torch as mt
@@ -136,6 +144,7 @@ def main():
     for m in args.m:
         progress.start(f"step M={m}")
         rows += step_times(m, tp, rank, group, args, device)
+        torch._dynamo.reset()  # the next size compiles afresh
     progress.start(f"loss, {args.steps} steps")
     rows += losses(args.steps, tp, rank, group, device)
     if rank == 0:

@@ -115,3 +115,28 @@ def test_fp8_layers_compile_whole(world1, recipe):
         results.append([y, xi.grad, col.weight.grad, row.weight.grad, col.bias.grad])
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantized_rounds_within_fp8_and_keeps_zero_rows(dtype, rowwise, fp8):
+    """The layers' cast: every value within the float8 dtype's rounding of its scale, nothing
+    past its largest, an all-zero row (and a tiny float16 tensor) as exact as any other."""
+    from meshla.torch._float8 import quantized
+
+    t = (torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    t[3] = 0
+    q, scale = quantized(t, fp8, rowwise)
+    assert q.dtype == fp8 and q.is_contiguous() and scale.shape == ((64,) if rowwise else (1,))
+    back = q.float() * (scale.reshape(-1, 1) if rowwise else scale)
+    mantissa = 3 if fp8 == torch.float8_e4m3fn else 2
+    # half an ulp of the largest binade relative to each row's (or the tensor's) amax, and the
+    # product's rounding in t's dtype before the cast (bfloat16's 2^-8 at most)
+    amax = t.float().abs().amax(dim=1, keepdim=True) if rowwise else t.float().abs().amax()
+    assert ((back - t.float()).abs() <= amax * (2.0 ** -(mantissa + 1) + 2.0 ** -8)).all()
+    assert torch.equal(back[3], torch.zeros(128))
+    assert q.float().abs().max() <= torch.finfo(fp8).max
+    tiny = torch.full((4, 8), 1e-5, dtype=dtype)
+    q, scale = quantized(tiny, fp8, rowwise)
+    assert torch.allclose(q.float() * scale.reshape(-1, 1), tiny.float(), rtol=2.0 ** -mantissa)

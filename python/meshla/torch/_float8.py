@@ -44,19 +44,22 @@ _matmuls: dict[int, _meshla.Matmul] = {}  # one per device, made on first use
 
 def quantized(t, dtype, rowwise: bool, group=None):
     """``t`` [rows, cols] as ``(q, scale)``, ``t ≈ q * scale``: q contiguous in the float8
-    ``dtype``, its largest magnitude at the dtype's largest; ``scale`` float32, one per row
-    ([rows]) or one ([1]; the largest amax of ``group``'s ranks where given)."""
-    if rowwise:
-        amax = t.abs().amax(dim=1, keepdim=True).float()
-    else:
-        amax = t.abs().amax().float().reshape(1, 1)
-        if group is not None and group.size > 1:
-            amax = ops.all_gather(amax, group).amax().reshape(1, 1)
-    largest = torch.finfo(dtype).max
-    # An all-zero row keeps a positive scale: its quotient is zero, not NaN.
-    scale = amax.clamp(min=torch.finfo(torch.float32).tiny) / largest
-    q = (t.float() / scale).clamp_(-largest, largest).to(dtype).contiguous()
-    return q, scale.reshape(-1)
+    ``dtype``, its largest magnitude just below the dtype's largest; ``scale`` float32, one per
+    row ([rows]) or one ([1]; the largest amax of ``group``'s ranks where given)."""
+    # Three passes over t: its extremes, its product with the multiplier, the cast.
+    low, high = t.aminmax(dim=1, keepdim=True) if rowwise else t.aminmax()
+    amax = torch.maximum(high.abs(), low.abs()).float().reshape(-1, 1)
+    if not rowwise and group is not None and group.size > 1:
+        amax = ops.all_gather(amax, group).amax().reshape(1, 1)
+    # The multiplier in t's dtype (float16's range is too narrow for small tensors: float32
+    # there), rounded to below largest / amax so that no product rounds past the float8 dtype's
+    # largest; the scale is its exact reciprocal. An all-zero row gets the dtype's largest
+    # multiplier, which keeps its zeros zero.
+    work = t.float() if t.dtype == torch.float16 else t
+    largest = torch.finfo(dtype).max * (1 - 2.0 ** -8)
+    multiplier = (largest / amax).clamp(max=torch.finfo(work.dtype).max).to(work.dtype)
+    q = (work * multiplier).to(dtype).contiguous()
+    return q, multiplier.float().reciprocal().reshape(-1)
 
 
 @_library.op("scaled_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool rowwise, "
