@@ -9,10 +9,12 @@ One process per GPU; the whole world is the tensor-parallel group:
 Llama-70B's MLP (hidden 8192, intermediate 28672): all_gather_matmul is the up projection
 (k = 8192, n = 28672 / tp), the reductions the down projection (k = 28672 / tp, n = 8192);
 float8_e4m3fn operands, weights stored [out, in], bfloat16 products, tensorwise scales (--rowwise:
-one per row and column). Every ratio is a time over "fp8_gemm", torch._scaled_mm of the same
-per-GPU product. Times as bench/collective_matmul.py's (median of repetitions after a warm-up
-alone, slowest rank). A variant that fails (a fused op this torch lacks) is recorded with its
-error. Rank 0 appends the run to --out and prints a table.
+one per row and column) drawn in [0.5, 1.5). Every ratio is a time over "fp8_gemm",
+torch._scaled_mm of the same per-GPU product. Each meshla fp8 variant's output is compared with
+torch's sequential op's first (error_vs_torch_sequential, a warning past 2e-2). Times as
+bench/collective_matmul.py's (median of repetitions after a warm-up alone, slowest rank). A
+variant that fails (a fused op this torch lacks) is recorded with its error. Rank 0 appends the
+run to --out and prints a table.
 """
 
 import os
@@ -22,18 +24,22 @@ from collective_matmul import MULTICAST_OFF  # noqa: F401  (sets the no-multicas
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from collective_matmul import (  # noqa: E402
-    agreed_error, append_run, bench_parser, enable_symm_mem, init_world, run_record, time_ms)
+    agreed_error, append_run, bench_parser, enable_symm_mem, init_world, relative_error,
+    run_record, slowest_rank, time_ms)
 from progress import Progress  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 8192, 28672
 FP8 = torch.float8_e4m3fn
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+CHECK_TOLERANCE = 2e-2  # two bfloat16 products of the same fp8 operands, summed in another order
 
 
 def scales(rows: int, n: int, rowwise: bool, device):
-    if rowwise:
-        return (torch.rand(rows, 1, device=device) + 0.5, torch.rand(1, n, device=device) + 0.5)
-    return torch.ones((), device=device), torch.ones((), device=device)
+    """a's and b's scales in [0.5, 1.5), the same on every rank (a tensorwise all-gather's
+    a_scale is the whole gathered a's; rowwise, each rank takes its rows' of the whole)."""
+    gen = torch.Generator(device=device).manual_seed(99)
+    shapes = ((rows, 1), (1, n)) if rowwise else ((), ())
+    return tuple(torch.rand(shape, generator=gen, device=device) + 0.5 for shape in shapes)
 
 
 def variants(op: str, m: int, tp: int, rowwise: bool, group, group_name: str, device):
@@ -104,6 +110,23 @@ def variants(op: str, m: int, tp: int, rowwise: bool, group, group_name: str, de
     return (product_rows, n, k), calls
 
 
+def checked(calls, errors) -> dict[str, float]:
+    """Each meshla fp8 variant's relative error against torch's sequential op on the same
+    operands and scales (slowest rank's), warned about past CHECK_TOLERANCE: a fast variant that
+    drops or misplaces a scale must not pass as a speedup."""
+    if errors.get("torch_sequential"):
+        return {}
+    want = calls["torch_sequential"]()
+    result = {}
+    for name, fn in calls.items():
+        if name.startswith("meshla_") and "bf16" not in name and not errors[name]:
+            result[name] = slowest_rank(relative_error(fn(), want))
+            if not result[name] < CHECK_TOLERANCE and dist.get_rank() == 0:  # NaN fails too
+                print(f"WARNING: {name} differs from torch_sequential: relative error "
+                      f"{result[name]:.2e} >= {CHECK_TOLERANCE}", flush=True)
+    return result
+
+
 def main():
     parser = bench_parser(__doc__, tokens=[8192, 16384], iters=20)
     parser.add_argument("--rowwise", action="store_true", help="rowwise scales, not tensorwise")
@@ -125,6 +148,7 @@ def main():
             (prows, n, k), calls = variants(op, m, tp, args.rowwise, group, group_name, device)
             errors = {name: (symm_mem_error if name == "torch_symm_mem" and symm_mem_error
                              else agreed_error(fn)) for name, fn in calls.items()}
+            checks = checked(calls, errors)
             times = {name: time_ms(fn, args.iters, args.warmup_ms, args.reps)
                      for name, fn in calls.items() if not errors[name]}
             bar = times.get("fp8_gemm")
@@ -133,7 +157,8 @@ def main():
                 rows.append({"op": op, "m": m, "n": n, "k": k, "tp": tp, "variant": name,
                              "scaling": "rowwise" if args.rowwise else "tensorwise",
                              "time_ms": t, "ratio": t / bar if t and bar else None,
-                             "unavailable": errors[name]})
+                             "unavailable": errors[name],
+                             "error_vs_torch_sequential": checks.get(name)})
     if rank == 0:
         append_run(args.out, run_record(device, args, rows, ratio_to="fp8_gemm",
                                           dtype=str(FP8)[6:]))

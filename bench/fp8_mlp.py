@@ -148,7 +148,8 @@ def main():
     progress.start(f"loss, {args.steps} steps")
     rows += losses(args.steps, tp, rank, group, device)
     if rank == 0:
-        append_run(args.out, run_record(device, args, rows, bench="fp8_mlp"))
+        append_run(args.out, run_record(device, args, rows, bench="fp8_mlp",
+                                        dtype="bfloat16 and float8_e4m3fn/e5m2"))
         for r in rows:
             if r["part"] == "step":
                 print(f"step M={r['m']:<6} {r['variant']:<15} {r['time_ms']:8.3f} ms  "

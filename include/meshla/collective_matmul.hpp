@@ -11,7 +11,7 @@
 // of a and per column of the product (rowwise; all_gather_matmul's tensorwise a_scale is the
 // whole gathered a's, the same on every rank); the product, the bias and every partial sum are
 // in out_dtype (bfloat16, float16 or float32), so reductions never add fp8, while all_gather_matmul
-// moves a's fp8 bytes (and its rows' scales). On backend=nccl only, so far.
+// moves a's fp8 bytes (and its rows' scales). On backends nccl and symmetric.
 // A CollectiveMatmul is a plan: built once per shape (collectively, by every rank of the group),
 // it owns the side stream and the events. Its buffers (staging, peer memory) and cuBLASLt
 // workspace are its group's, shared by the group's nccl and symmetric plans, sized by the largest

@@ -128,28 +128,16 @@ void check_float8_product(std::string_view op, const CollectiveMatmulConfig& c) 
   }
 }
 
-// Rowwise scales are read from the first row of each GEMM (and of each batch member) on: the
-// Hopper kernel takes them 16 bytes aligned, i.e. from a row that is a multiple of 4. Checked for
-// every rank's GEMMs (they start at different rows), so that no rank throws midway through an
+// Rowwise scales' alignment (rowwise_scale_row_problem) for every GEMM of every rank's NCCL
+// schedule (their GEMMs start at different rows), so that no rank throws midway through an
 // execution its peers carry on with.
-void check_rowwise_scale_row(const CollectiveMatmulConfig& c, int tp, std::int64_t row) {
-  constexpr std::int64_t kRowsPerScaleVector = 16 / sizeof(float);
-  MESHLA_CHECK(kNotImplemented, row % kRowsPerScaleVector == 0,
-               collective_op_name(c.op)
-                   << ": rowwise scales are read 16 bytes aligned, but backend="
-                   << backend_name(c.backend) << " with algorithm=" << algorithm_name(c.algorithm)
-                   << " and chunks=" << c.chunks << " starts a GEMM at row " << row << " (m=" << c.m
-                   << ", tp_size=" << tp
-                   << "); use row counts (m/tp_size, chunks of it) that are multiples of "
-                   << kRowsPerScaleVector << ", or backend=nccl with algorithm=sequential");
-}
-
-// check_rowwise_scale_row for every GEMM of every rank's NCCL schedule.
 void check_rowwise_scale_rows(const CollectiveMatmulConfig& c, ScheduleParams params) {
   for (params.rank = 0; params.rank < params.tp; ++params.rank) {
     for (const GemmTask& gemm : make_schedule(params).gemms) {
       for (int member = 0; member < gemm.batch; ++member) {
-        check_rowwise_scale_row(c, params.tp, gemm.a.begin + member * gemm.a_stride);
+        const std::string why =
+            rowwise_scale_row_problem(c, params.tp, gemm.a.begin + member * gemm.a_stride);
+        if (!why.empty()) throw Error(ErrorCode::kNotImplemented, why);
       }
     }
   }
@@ -253,7 +241,8 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
     const std::string why = symmetric_unsupported(config, tp);
     if (!why.empty()) {
       const bool not_implemented =
-          config.algorithm != Algorithm::kAuto && config.algorithm != Algorithm::kRing;
+          (config.algorithm != Algorithm::kAuto && config.algorithm != Algorithm::kRing) ||
+          why == symmetric_rowwise_problem(config, tp);
       throw Error(not_implemented ? ErrorCode::kNotImplemented : ErrorCode::kInvalidArgument, why);
     }
     resolved.algorithm = Algorithm::kRing;
@@ -261,15 +250,6 @@ CollectiveMatmulConfig resolve_config(const CollectiveMatmulConfig& config, int 
     if (resolved.chunks == 0) {
       resolved.chunks =
           config.op == CollectiveOp::kAllGatherMatmul ? 1 : default_rounds(config.op, tp, config.m);
-    }
-    if (resolved.scaling == MatmulScaling::kRowwise) {
-      const int rounds = config.op == CollectiveOp::kAllGatherMatmul ? 1 : resolved.chunks;
-      for (int owner = 0; owner < tp; ++owner) {
-        for (int round = 0; round < rounds; ++round) {
-          check_rowwise_scale_row(resolved, tp,
-                                  sub_block_begin(config.m, tp, rounds, owner, round));
-        }
-      }
     }
     return resolved;
   }

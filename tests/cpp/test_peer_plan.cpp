@@ -220,6 +220,30 @@ TEST(PeerPlan, WorkspaceSizesHoldEverythingAPlanAddresses) {
   }
 }
 
+// Rowwise float8 scales are read 16 bytes aligned: where a symmetric plan's GEMMs would start off
+// a 4-row boundary (default rounds included), auto falls back to nccl, whose sequential GEMMs start
+// at row 0, and a request for symmetric says why.
+TEST(PeerPlan, RowwiseRowsOffFourRowBoundariesFallBackToNcclUnderAuto) {
+  CollectiveMatmulConfig c{.op = CollectiveOp::kMatmulAllReduce,
+                           .dtype = DType::kFloat8E4M3,
+                           .out_dtype = DType::kBFloat16,
+                           .scaling = MatmulScaling::kRowwise,
+                           .m = 4112,  // 1028 rows a rank, two default rounds of 514
+                           .n = 16,
+                           .k = 16,
+                           .trans_b = true};
+  EXPECT_EQ(resolve_config(c, 4, PeerReach::kNvlink).backend, Backend::kNccl);
+  c.backend = Backend::kSymmetric;
+  expect_error([&] { resolve_config(c, 4, PeerReach::kNvlink); }, ErrorCode::kNotImplemented,
+               "backend=symmetric with algorithm=ring and chunks=2 starts a GEMM at row 514");
+  c.chunks = 1;  // one round: every rank's block starts at a multiple of 1028
+  EXPECT_EQ(resolve_config(c, 4, PeerReach::kNvlink).backend, Backend::kSymmetric);
+  c.backend = Backend::kAuto;
+  c.chunks = 0;
+  c.scaling = MatmulScaling::kTensorwise;  // one scale: any row will do
+  EXPECT_EQ(resolve_config(c, 4, PeerReach::kNvlink).backend, Backend::kSymmetric);
+}
+
 // A float8 plan moves a's one-byte rows (rowwise: their scales after them, 256-byte aligned) and
 // sums its partial products in the output dtype.
 TEST(PeerPlan, Float8WorkspaceHoldsOneByteRowsTheirScalesAndOutputDtypeSums) {

@@ -276,7 +276,7 @@ def check_fp8(group, reporter, label, seed_base):
 
 
 def fp8_rounding_bound(*mantissa_bits: int) -> float:
-    """Twice the RMS relative error of a product of operands rounded to these mantissa widths
+    """Twice the RMS relative error of one product of operands rounded to these mantissa widths
     (each rounding errs by up to 2^-(p+1), uniformly: 2^-(p+1)/sqrt(3) in RMS; independent errors
     add in quadrature). A Frobenius-norm error stays near the RMS; a wrong product errs by ~1."""
     return 2 * sum(4.0 ** -(p + 1) for p in mantissa_bits) ** 0.5 / 3 ** 0.5
@@ -286,10 +286,11 @@ def check_fp8_layers(group, reporter, label, seed_base):
     """ColumnParallelLinear -> ReLU -> RowParallelLinear with fp8="tensorwise" and "rowwise",
     with and without sequence parallelism, bfloat16 parameters: the output and the input's, the
     weights' and the biases' gradients against float64 autograd over the unsharded layers drawn
-    identically on every rank, within twice fp8 rounding's RMS bound per fp8 stage (e4m3 forward,
-    e5m2 gradients); one case adds the weights' gradients to a float32 main_grad
-    (fuse_wgrad_accumulation), checked as the buffer's start plus the gradient. Each case runs
-    twice on fresh inputs."""
+    identically on every rank (the last rank's rows of x and of y's gradient 10x larger, so that
+    a scale applied to another rank's rows fails), within twice fp8 rounding's RMS bound per fp8
+    stage (e4m3 forward, e5m2 gradients); one case adds the weights' gradients to a float32
+    main_grad (fuse_wgrad_accumulation), checked as the buffer's start plus the gradient. Each
+    case runs twice on fresh inputs."""
     tp, r, dev = group.size, group.rank, group.device
     hidden, inner, tokens = 256, 512, 128 * tp
     forward_bound = 2 * fp8_rounding_bound(3, 3)  # two fp8 GEMMs deep, as the gradients
@@ -312,6 +313,10 @@ def check_fp8_layers(group, reporter, label, seed_base):
                 x = torch.randn(tokens, hidden, generator=gen, device=dev, dtype=torch.float64)
                 grad_y = torch.randn(tokens, hidden, generator=gen, device=dev,
                                      dtype=torch.float64)
+                # The last rank's rows 10x larger: a tensorwise scale that is not the group's
+                # misreads them (or the others) by 10x.
+                x[(tp - 1) * tokens // tp:] *= 10
+                grad_y[(tp - 1) * tokens // tp:] *= 10
                 x = x.bfloat16().double().requires_grad_()
                 y_want = down(torch.relu(up(x)))
                 (y_want * grad_y).sum().backward()

@@ -18,15 +18,17 @@ HIDDEN, INNER, TOKENS = 64, 128, 32
 
 
 def rounding_bound(*mantissa_bits: int) -> float:
-    """Twice the RMS relative error of a product of operands rounded to these mantissa widths:
+    """Twice the RMS relative error of one product of operands rounded to these mantissa widths:
     each rounding errs by up to 2^-(p+1) relative, uniformly, so by 2^-(p+1)/sqrt(3) in RMS, and
     independent errors add in quadrature. A Frobenius-norm error averages over many elements, so
-    it stays near the RMS; a wrong product (a missing sum, a transposed weight) errs by ~1."""
+    it stays near the RMS; a wrong product (a missing sum, a transposed weight, a scale applied
+    to another rank's rows, which are 10x larger here) errs by ~1 or more."""
     return 2 * math.sqrt(sum(4.0 ** -(p + 1) for p in mantissa_bits)) / math.sqrt(3)
 
 
-FORWARD_BOUND = rounding_bound(3, 3)  # e4m3 x e4m3
-GRADIENT_BOUND = rounding_bound(2, 3)  # e5m2 gradients x e4m3
+# Every checked value is two fp8 GEMMs deep (the output, and each gradient): twice one's bound.
+FORWARD_BOUND = 2 * rounding_bound(3, 3)  # e4m3 x e4m3
+GRADIENT_BOUND = 2 * rounding_bound(2, 3)  # e5m2 gradients x e4m3
 
 
 def relative_error(got, want) -> float:
@@ -40,8 +42,13 @@ def _worker(rank: int, size: int, recipe: str, sequence_parallel: bool):
         torch.manual_seed(0)  # every rank draws the same whole layers and inputs
         up = torch.nn.Linear(HIDDEN, INNER, dtype=torch.float64)
         down = torch.nn.Linear(INNER, HIDDEN, dtype=torch.float64)
+        # The last rank's rows 10x larger: a tensorwise scale that is not the group's (a gathered
+        # block read with its owner's scale, or another rank's) misreads them by 10x.
+        last = slice((size - 1) * TOKENS // size, None)
         x = torch.randn(TOKENS, HIDDEN, dtype=torch.float64)
         grad_y = torch.randn(TOKENS, HIDDEN, dtype=torch.float64)
+        x[last] *= 10
+        grad_y[last] *= 10
         x64 = x.clone().requires_grad_()
         (down(torch.relu(up(x64))) * grad_y).sum().backward()
 
@@ -55,7 +62,7 @@ def _worker(rank: int, size: int, recipe: str, sequence_parallel: bool):
         grad_mine = grad_y[rows] if sequence_parallel else grad_y
         assert y.dtype == torch.float32
         # Two fp8 GEMMs in a row: the second's input carries the first's error.
-        assert relative_error(y, y_want[rows] if sequence_parallel else y_want) < 2 * FORWARD_BOUND
+        assert relative_error(y, y_want[rows] if sequence_parallel else y_want) < FORWARD_BOUND
         (y * grad_mine.float()).sum().backward()
 
         inner = slice(rank * INNER // size, (rank + 1) * INNER // size)
@@ -67,7 +74,7 @@ def _worker(rank: int, size: int, recipe: str, sequence_parallel: bool):
         for name, (got, want) in wants.items():
             error = relative_error(got, want)
             # Biases' gradients are sums of the 16-bit gradient, not fp8 products.
-            bound = 1e-5 if name == "down.bias" else 2 * GRADIENT_BOUND
+            bound = 1e-5 if name == "down.bias" else GRADIENT_BOUND
             assert error < bound, f"{recipe} sp={sequence_parallel} {name}: {error:.3e}"
     finally:
         dist.destroy_process_group()
@@ -140,3 +147,32 @@ def test_quantized_rounds_within_fp8_and_keeps_zero_rows(dtype, rowwise, fp8):
     tiny = torch.full((4, 8), 1e-5, dtype=dtype)
     q, scale = quantized(tiny, fp8, rowwise)
     assert torch.allclose(q.float() * scale.reshape(-1, 1), tiny.float(), rtol=2.0 ** -mantissa)
+
+
+def _frozen_input_worker(rank: int, size: int):
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        group = mt.group_from_process_group(device="cpu")
+        for recipe in ("tensorwise", "rowwise"):
+            for sp in (False, True):
+                grads = []
+                for x_trains in (True, False):
+                    torch.manual_seed(0)
+                    col = mt.ColumnParallelLinear(32, 64, group, sequence_parallel=sp, fp8=recipe,
+                                                  device="cpu")
+                    row = mt.RowParallelLinear(64, 32, group, sequence_parallel=sp, fp8=recipe,
+                                               device="cpu")
+                    torch.manual_seed(1 + rank if sp else 1)
+                    x = torch.randn(16, 32).requires_grad_(x_trains)
+                    row(torch.relu(col(x))).square().sum().backward()
+                    grads.append([p.grad for p in (*col.parameters(), *row.parameters())])
+                for with_x, without_x in zip(*grads):
+                    assert torch.equal(with_x, without_x), (recipe, sp)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_weight_gradients_do_not_depend_on_the_input_training(gloo_env):
+    """A frozen input (no input gradient asked for) skips the casts only that gradient needs;
+    every weight's and bias's gradient stays exactly what it is when the input trains."""
+    mp.spawn(_frozen_input_worker, args=(2,), nprocs=2, join=True)

@@ -410,7 +410,11 @@ def test_scaled_ops_match_the_dequantized_product(mesh, rowwise):
     assert got.dtype == jnp.bfloat16 and got.shape == (rows, n)
     close(got, whole + np.asarray(bias, np.float64), jnp.bfloat16)
 
-    # The reductions: k split over 'tp', each shard's own rows of a_scale (rowwise: all of a's).
+    # The reductions: k split over 'tp', each shard's own rows of a_scale (rowwise: all of a's,
+    # here in torch._scaled_mm's shapes, [m, 1] and [1, n]).
+    if rowwise:
+        a_scale, b_scale = a_scale.reshape(-1, 1), b_scale.reshape(1, -1)
+
     def reduce(a, b, a_scale, b_scale):
         scatter = mj.scaled_matmul_reduce_scatter(a, b, a_scale, b_scale, axis_name="tp",
                                                   mesh=mesh, out_dtype=jnp.float32)
@@ -435,6 +439,10 @@ def test_scaled_ops_errors_are_named(mesh):
     with pytest.raises(ValueError, match=r"all_gather_matmul: a_scale.shape=\[1\] and "
                                          r"b_scale.shape=\[3\]: tensorwise scales"):
         call(mj.all_gather_scaled_matmul, a, b, a_scale, jnp.ones(3, jnp.float32))
+    with pytest.raises(ValueError, match=r"a_scale.shape=\[2, 2\] but expected 4 contiguous "
+                                         r"values \(one per row of a\)"):
+        call(mj.all_gather_scaled_matmul, a, b, jnp.ones((2, 2), jnp.float32),
+             jnp.ones(16, jnp.float32))
     with pytest.raises(ValueError, match="a_scale.dtype=float16 but scales are float32"):
         call(mj.all_gather_scaled_matmul, a, b, a_scale.astype(jnp.float16), b_scale)
     with pytest.raises(NotImplementedError, match="no float8_e5m2 x float8_e5m2 GEMM"):

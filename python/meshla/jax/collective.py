@@ -223,15 +223,18 @@ def _reference(call: _Call, a, b, bias, scales=(None, None)):
     return product.astype(call.out_dtype), gathered
 
 
-def _out_varying(call: _Call, a, b, bias) -> frozenset:
+def _out_varying(call: _Call, a, b, bias, scales=(None, None)) -> frozenset:
     """The product's type, as the reference's collectives give it: the reduce-scatter's varies
     over the axis; the all-gather's rows do not (its product varies over it where b or the bias
-    do), nor does the all-reduce's sum (where the bias does)."""
+    do), nor does the all-reduce's sum (where the bias does). A float8 call's scales vary the
+    product as their operands do."""
+    a_varying = varying_axes(a) | varying_axes(scales[0])
+    b_varying = varying_axes(b) | varying_axes(scales[1])
     if call.op == _Op.matmul_reduce_scatter:
-        return varying_axes(a) | varying_axes(b) | varying_axes(bias) | {call.axis}
+        return a_varying | b_varying | varying_axes(bias) | {call.axis}
     if call.op == _Op.all_gather_matmul:
-        return (varying_axes(a) - {call.axis}) | varying_axes(b) | varying_axes(bias)
-    return (varying_axes(a) | varying_axes(b)) - {call.axis} | varying_axes(bias)
+        return (a_varying - {call.axis}) | b_varying | varying_axes(bias)
+    return (a_varying | b_varying) - {call.axis} | varying_axes(bias)
 
 
 _TARGETS = {
@@ -248,7 +251,7 @@ def _on_gpus(call: _Call, a, b, bias, scales=(None, None)):
                 *(jnp.zeros((0,), jnp.float32) if s is None else s for s in scales))
     varying = frozenset().union(*map(varying_axes, operands))
     operands = [as_varying(x, varying) for x in operands]
-    results = [typed(call.out_shape, call.out_dtype, _out_varying(call, a, b, bias))]
+    results = [typed(call.out_shape, call.out_dtype, _out_varying(call, a, b, bias, scales))]
     if call.op == _Op.all_gather_matmul:
         # A zero-size gathered output tells the handler not to return the rows.
         results.append(typed(call.gathered_shape or (0,), a.dtype, varying_axes(a) - {call.axis}))
@@ -465,8 +468,8 @@ def _run_scaled(op, a, b, a_scale, b_scale, bias, out_dtype, axis_name, mesh, re
                 tuning, timeout_s):
     for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
         _check_array(op.name, name, scale)
-    # One value, or one per row ([rows] or [rows, 1]) and per column ([n] or [1, n]): as rows.
-    scales = tuple(jnp.reshape(scale, (-1,)) for scale in (a_scale, b_scale))
+    # The extension checks the scales' shapes as meshla.torch's; a 0-d one (a scalar) as [1].
+    scales = tuple(jnp.reshape(s, (1,)) if s.ndim == 0 else s for s in (a_scale, b_scale))
     call = _traced_call(op, a, b, bias, axis_name=axis_name, mesh=mesh, trans_b=True,
                         return_gathered=return_gathered, tuning=tuning, timeout_s=timeout_s,
                         scales=scales, out_dtype=out_dtype)

@@ -53,7 +53,7 @@ def quantized(t, dtype, rowwise: bool, group=None):
         amax = ops.all_gather(amax, group).amax().reshape(1, 1)
     # The multiplier in t's dtype (float16's range is too narrow for small tensors: float32
     # there), rounded to below largest / amax so that no product rounds past the float8 dtype's
-    # largest; the scale is its exact reciprocal. An all-zero row gets the dtype's largest
+    # largest; the scale is its reciprocal (in float32). An all-zero row gets the dtype's largest
     # multiplier, which keeps its zeros zero.
     work = t.float() if t.dtype == torch.float16 else t
     largest = torch.finfo(dtype).max * (1 - 2.0 ** -8)
@@ -127,8 +127,12 @@ class Float8Linear(torch.autograd.Function):
         gathers_grad = grad_op == ops.OPS.all_gather_matmul
         needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
         grad = grad.contiguous()
-        g_q, g_scale = quantized(grad, GRADIENT_DTYPE, rowwise, group if gathers_grad else None)
-        grad_x = grad_w = grad_bias = g_gathered = None
+        g_q = g_scale = grad_x = grad_w = grad_bias = g_gathered = None
+        # The input's gradient multiplies grad as it is; the weight's, tensorwise, reuses it
+        # where grad is not gathered (rowwise, it casts grad along its other axis).
+        if needs_x or (not rowwise and not gathers_grad):
+            g_q, g_scale = quantized(grad, GRADIENT_DTYPE, rowwise,
+                                     group if gathers_grad else None)
         if needs_x:  # grad @ weight: the weight transposed as b
             wt_q, wt_scale = (quantized(weight.t(), FORWARD_DTYPE, True) if rowwise
                               else (w_q.t().contiguous(), w_scale))

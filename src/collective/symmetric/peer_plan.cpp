@@ -56,7 +56,41 @@ std::string symmetric_unsupported(const CollectiveMatmulConfig& c, int tp) {
   } else if (c.op != CollectiveOp::kAllGatherMatmul && c.chunks > 0 && (c.m / tp) % c.chunks != 0) {
     why << op << ": chunks=" << c.chunks << " rounds do not divide the m/tp_size=" << c.m / tp
         << " rows of each rank (m=" << c.m << ", tp_size=" << tp << ")";
+  } else {
+    why << symmetric_rowwise_problem(c, tp);
   }
+  return why.str();
+}
+
+std::string symmetric_rowwise_problem(const CollectiveMatmulConfig& c, int tp) {
+  if (c.scaling != MatmulScaling::kRowwise) return "";
+  const int rounds = c.op == CollectiveOp::kAllGatherMatmul ? 1
+                     : c.chunks > 0                         ? c.chunks
+                                                            : default_rounds(c.op, tp, c.m);
+  CollectiveMatmulConfig resolved = c;  // as the message names the plan
+  resolved.backend = Backend::kSymmetric;
+  resolved.algorithm = Algorithm::kRing;
+  resolved.chunks = rounds;
+  for (int owner = 0; owner < tp; ++owner) {
+    for (int round = 0; round < rounds; ++round) {
+      std::string why =
+          rowwise_scale_row_problem(resolved, tp, sub_block_begin(c.m, tp, rounds, owner, round));
+      if (!why.empty()) return why;
+    }
+  }
+  return "";
+}
+
+std::string rowwise_scale_row_problem(const CollectiveMatmulConfig& c, int tp, std::int64_t row) {
+  constexpr std::int64_t kRowsPerScaleVector = 16 / sizeof(float);
+  if (row % kRowsPerScaleVector == 0) return "";
+  std::ostringstream why;
+  why << collective_op_name(c.op)
+      << ": rowwise scales are read 16 bytes aligned, but backend=" << backend_name(c.backend)
+      << " with algorithm=" << algorithm_name(c.algorithm) << " and chunks=" << c.chunks
+      << " starts a GEMM at row " << row << " (m=" << c.m << ", tp_size=" << tp
+      << "); use row counts (m/tp_size, chunks of it) that are multiples of " << kRowsPerScaleVector
+      << ", or backend=nccl with algorithm=sequential";
   return why.str();
 }
 

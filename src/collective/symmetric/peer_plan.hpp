@@ -50,6 +50,17 @@ std::int64_t sub_block_begin(std::int64_t m, int tp, int rounds, int owner, int 
 // request for it and to let kAuto fall back to NCCL.
 std::string symmetric_unsupported(const CollectiveMatmulConfig& config, int tp);
 
+// The part of symmetric_unsupported that a float8 call's rowwise scales add (kNotImplemented
+// when asked for): a GEMM of the symmetric plan would start at a row whose scales are not 16
+// bytes aligned (rowwise_scale_row_problem). "" when there is none or the call is not rowwise.
+std::string symmetric_rowwise_problem(const CollectiveMatmulConfig& config, int tp);
+
+// Rowwise scales are read from the first row of each GEMM (and of each batch member) on, 16
+// bytes aligned by the Hopper kernel: why a GEMM of `config`'s plan starting at `row` cannot run,
+// or "" where the row is a multiple of 4.
+std::string rowwise_scale_row_problem(const CollectiveMatmulConfig& config, int tp,
+                                      std::int64_t row);
+
 // Default rounds of a reduce-scatter or all-reduce of m rows on the symmetric backend.
 int default_rounds(CollectiveOp op, int tp, std::int64_t m);
 

@@ -419,7 +419,7 @@ class SymmetricExecutor final : public Executor {
   std::int64_t out_element_;
   bool rowwise_;            // float8 with rowwise scales
   std::vector<int> peers_;  // ring order; push_[0] carries everything sent to peers_[j]
-  std::vector<std::vector<int>> batches_;  // all_gather_matmul: arrival_batches
+  std::vector<std::vector<int>> batches_;  // all_gather_matmul: gather_batches
   std::vector<int> arrivals_;              // all_gather_matmul: arrival_order
   // The one-launch GEMM's device-side limit on a wait for a peer's block: twice the group's
   // timeout, so that on an eager run the watchdog ends the process first, with a message naming
