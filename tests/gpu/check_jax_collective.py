@@ -224,6 +224,48 @@ class Checks:
 
         self.run(f"mlp gradients data={data} tp={tp} trans_b={trans_b}", body)
 
+    def fp8_gradients(self, mesh, recipe: str):
+        """The sequence-parallel MLP of mlp_gradients in bfloat16 with fp8=recipe (b as [n, k],
+        no tanh on the output): the loss's gradients against jax.grad of the plain float32
+        model, within fp8 rounding's bound (tests/python/test_jax_collective_cpu.py derives it),
+        the last shard's rows 10x larger so that a scale applied to another shard's rows fails."""
+        data, tp = mesh.shape["data"], mesh.shape["tp"]
+        tokens, hidden, ffn = 256 * tp, 128, 256
+        x = self.random((data, tokens, hidden), np.float32)
+        x[:, (tp - 1) * tokens // tp:] *= 10
+        w1 = self.random((ffn, hidden), np.float32) / hidden ** 0.5
+        w2 = self.random((hidden, ffn), np.float32) / ffn ** 0.5
+        b2 = self.random((hidden,), np.float32)
+        r = self.random((data, tokens, hidden), np.float32)  # the output's gradient
+        x, w1, w2, b2 = (np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32)
+                         for v in (x, w1, w2, b2))  # the values the bfloat16 model holds
+
+        def plain(x, w1, w2, b2):
+            h = jax.nn.relu(jnp.matmul(x, w1.T, precision="highest"))
+            return jnp.sum((jnp.matmul(h, w2.T, precision="highest") + b2) * r)
+
+        def shard_loss(x, w1, w2, b2, r):
+            options = dict(axis_name="tp", mesh=mesh, trans_b=True, fp8=recipe)
+            h = mj.all_gather_matmul(x[0], w1, **options)
+            y = mj.matmul_reduce_scatter(jax.nn.relu(h), w2, bias=b2, **options)
+            return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * r[0]), ("data", "tp"))
+
+        specs = (P("data", "tp", None), P("tp", None), P(None, "tp"), P())
+        bound = 4 * (4.0 ** -3 + 4.0 ** -4) ** 0.5 / 3 ** 0.5  # two e5m2 x e4m3 products deep
+
+        def body():
+            grads = jax.jit(jax.shard_map(
+                jax.grad(shard_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
+                in_specs=(*specs, specs[0]), out_specs=specs))(
+                    *[put(jnp.asarray(v, jnp.bfloat16), mesh, s)
+                      for v, s in zip((x, w1, w2, b2), specs)], put(r, mesh, specs[0]))
+            expected = jax.grad(plain, argnums=(0, 1, 2, 3))(x, w1, w2, b2)
+            errors = [error(fetch(g), np.asarray(e, np.float64))
+                      for g, e in zip(grads, expected)]
+            return max(errors) < bound, f"gradient errors {errors} (bound {bound:.3f})"
+
+        self.run(f"fp8 gradients {recipe} data={data} tp={tp}", body)
+
     def many_calls(self, mesh, calls=2000):
         """Random ops and shapes inside one jitted fori_loop, each output feeding the next call,
         against the same chain in float64 numpy (orthogonal weights keep the values in range):
@@ -326,6 +368,8 @@ def main():
             for backend in (("nccl", "symmetric") if tp > 1 else ("auto",)):
                 run("ops", checks.scaled_ops, mesh, rowwise, backend)
         run("gradients", checks.mlp_gradients, mesh, trans_b=True)
+        for recipe in ("tensorwise", "rowwise"):
+            run("gradients", checks.fp8_gradients, mesh, recipe)
         run("loop", checks.many_calls, mesh)
         run("donation", checks.donated, mesh)
     if count % 2 == 0:  # a data × tensor mesh: two tensor-parallel groups

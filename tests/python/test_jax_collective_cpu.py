@@ -464,3 +464,83 @@ def test_scaled_ops_errors_are_named(mesh):
 
     with pytest.raises(NotImplementedError, match="the float8 ops have no backward yet"):
         sharded(mesh, jax.grad(loss), (P("tp", None),), P("tp", None))(a.astype(jnp.float32))
+
+
+def fp8_bound(*mantissa_bits: int) -> float:
+    """Twice the RMS relative error of one product of operands rounded to these mantissa widths
+    (uniform rounding errors of 2^-(p+1) at most, in quadrature), times two: every value checked
+    below is two fp8 products deep. meshla.torch's fp8 layer tests derive theirs the same way."""
+    return 2 * 2 * sum(4.0 ** -(p + 1) for p in mantissa_bits) ** 0.5 / 3 ** 0.5
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_fp8_training_matches_the_model_within_fp8_rounding(mesh, recipe, sequence_parallel):
+    """An MLP in fp8 (fp8=recipe): sequence parallel, all-gather→GEMM then GEMM→reduce-scatter;
+    without, a local first layer then GEMM→all-reduce. Its output and every gradient against
+    jax.grad of the plain float32 model, within fp8 rounding's bound (the last shard's rows 10x
+    larger, so that a scale applied to another shard's rows fails)."""
+    tokens, hidden, inner = 32, 64, 128
+    x = np.array(random((tokens, hidden), jnp.float32, 40))
+    x[tokens // 2:] *= 10
+    x = jnp.asarray(x)
+    up = random((inner, hidden), jnp.float32, 41) / hidden ** 0.5
+    down = random((hidden, inner), jnp.float32, 42) / inner ** 0.5
+    bias = random((hidden,), jnp.float32, 43)
+    target = random((tokens, hidden), jnp.float32, 44)
+
+    def loss_of(y, target):
+        return jnp.sum((y - target) ** 2)
+
+    def model(x, up, down, bias):
+        return jax.nn.relu(x @ up.T) @ down.T + bias
+
+    def sharded_loss(x, up, down, bias, target):
+        options = dict(axis_name="tp", mesh=mesh, trans_b=True, fp8=recipe)
+        if sequence_parallel:
+            h = mj.all_gather_matmul(x, up, **options)
+            y = mj.matmul_reduce_scatter(jax.nn.relu(h), down, bias=bias, **options)
+        else:
+            y = mj.matmul_all_reduce(jax.nn.relu(x @ up.T), down, bias=bias, **options)
+        # The data axis replicates: the loss counts each token once over the tensor axis.
+        return jax.lax.psum(loss_of(y, target), "tp") / (2 if not sequence_parallel else 1), y
+
+    rows = P("tp", None) if sequence_parallel else P()
+    specs = (rows, P("tp", None), P(None, "tp"), P(), rows)
+    grad_fn = sharded(mesh, jax.value_and_grad(sharded_loss, argnums=(0, 1, 2, 3), has_aux=True),
+                      specs, ((P(), rows), specs[:4]))
+    (_, y), grads = grad_fn(x, up, down, bias, target)
+    want_y = model(x, up, down, bias)
+    want = jax.grad(lambda *p: loss_of(model(*p), target), argnums=(0, 1, 2, 3))(
+        x, up, down, bias)
+    forward, gradient = fp8_bound(3, 3), fp8_bound(2, 3)
+
+    def error(got, expected):
+        got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+        return np.linalg.norm(got - expected) / np.linalg.norm(expected)
+
+    assert error(y, want_y) < forward
+    for name, got, expected in zip(("x", "up", "down", "bias"), grads, want):
+        assert error(got, expected) < gradient, (name, error(got, expected), gradient)
+
+
+def test_fp8_training_errors_are_named(mesh):
+    a, w = random((8, 32), jnp.bfloat16, 50), random((16, 32), jnp.bfloat16, 51)
+    specs = (P("tp", None), P())
+
+    def call(**options):
+        return shard_call(mesh, lambda a, w: mj.all_gather_matmul(
+            a, w, axis_name="tp", mesh=mesh, **options), a, w, specs=specs)
+
+    with pytest.raises(ValueError, match="all_gather_matmul: fp8='e4m3' is not one of None, "
+                                         "'tensorwise', 'rowwise'"):
+        call(trans_b=True, fp8="e4m3")
+    with pytest.raises(NotImplementedError, match="return_gathered returns the 16-bit rows"):
+        call(trans_b=True, fp8="tensorwise", return_gathered=True)
+    with pytest.raises(NotImplementedError, match=r"float8 needs b stored \[n, k\] \(trans_b\)"):
+        shard_call(mesh, lambda a, w: mj.all_gather_matmul(
+            a, w, axis_name="tp", mesh=mesh, fp8="tensorwise"), a, w.T, specs=specs)
+    with pytest.raises(ValueError, match="rows must start 16 bytes apart: k=24"):
+        shard_call(mesh, lambda a, w: mj.all_gather_matmul(
+            a, w, axis_name="tp", mesh=mesh, trans_b=True, fp8="tensorwise"),
+            a[:, :24], w[:, :24], specs=specs)

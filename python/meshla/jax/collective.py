@@ -87,6 +87,8 @@ class _Call:
     # ("none" otherwise).
     out_dtype: jnp.dtype = None
     scaling: str = "none"
+    # fp8 training (a 16-bit call with fp8=...): the recipe its operands are cast with.
+    fp8: str | None = None
 
 
 def _check_array(op: str, name: str, x) -> None:
@@ -132,7 +134,8 @@ def _describe(op, a, b, bias, *, axis: str, tp: int, group: int | None, trans_b:
                  return_gathered=return_gathered, tuning=tuning,
                  out_shape=tuple(config.product_shape(tp)),
                  gathered_shape=(config.m, config.k) if return_gathered else None,
-                 varying=(varying_axes(a), varying_axes(b), varying_axes(bias)),
+                 varying=tuple(frozenset() if isinstance(x, jax.ShapeDtypeStruct)
+                               else varying_axes(x) for x in (a, b, bias)),
                  out_dtype=jnp.dtype(a.dtype if out_dtype is None else out_dtype),
                  scaling=config.scaling)
 
@@ -364,16 +367,20 @@ _collective.defvjp(_collective_fwd, _collective_bwd)
 
 # The public functions.
 
-def _run(op, a, b, bias, axis_name, mesh, trans_b, return_gathered, tuning, timeout_s):
+def _run(op, a, b, bias, axis_name, mesh, trans_b, return_gathered, tuning, timeout_s,
+         fp8=None):
     call = _traced_call(op, a, b, bias, axis_name=axis_name, mesh=mesh, trans_b=trans_b,
                         return_gathered=return_gathered, tuning=tuning, timeout_s=timeout_s)
-    return _collective(call, a, b, bias)
+    if fp8 is None:
+        return _collective(call, a, b, bias)
+    _check_fp8_call(call, a, b, bias, fp8)
+    return _fp8_collective(dataclasses.replace(call, fp8=fp8), a, b, bias), None
 
 
 def all_gather_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=None,
                       trans_b: bool = False, return_gathered: bool = False, algorithm="auto",
                       chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
-                      timeout_s: float = DEFAULT_TIMEOUT_S):
+                      timeout_s: float = DEFAULT_TIMEOUT_S, fp8: str | None = None):
     """Inside ``jax.shard_map``: ``all_gather(a) @ b (+ bias)`` for this shard's rows ``a``
     ([m/tp, k]) over ``axis_name``. ``b`` is [k, n], or [n, k] with ``trans_b``; ``bias`` [n].
     Returns the [m, n] product, and with ``return_gathered`` also the gathered [m, k] ``a``.
@@ -383,6 +390,14 @@ def all_gather_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
 
     ``algorithm``, ``chunks``, ``comm_sms``, ``comm_ctas`` and ``backend`` tune it as in
     meshla.torch (:class:`meshla.torch.Tuning`).
+
+    ``fp8="tensorwise"`` or ``"rowwise"`` computes it in float8 for training, as meshla.torch's
+    ``fp8=`` layers do: ``a`` and ``b`` (16-bit, or float32; ``b`` as [n, k], ``trans_b=True``)
+    are cast to float8_e4m3fn in the call with scales from their amax (tensorwise one each, the
+    gathered ``a``'s the axis's largest; rowwise one per row), the product's gradient to
+    float8_e5m2 in the backward; the product and gradients keep ``a``'s dtype. Not with
+    ``return_gathered``. The scaled ops' rules apply (sizes multiples of 16, rowwise row blocks
+    multiples of 4).
 
     A column-parallel layer with sequence parallelism: ``a``'s gradient is the reduce-scatter of
     the product's gradient times ``b``ᵀ (a :func:`matmul_reduce_scatter`).
@@ -398,20 +413,20 @@ def all_gather_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
     ``timeout_s`` included, surfaces as ``jax.errors.JaxRuntimeError``."""
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     out, gathered = _run(_Op.all_gather_matmul, a, b, bias, axis_name, mesh, trans_b,
-                         return_gathered, tuning, timeout_s)
+                         return_gathered, tuning, timeout_s, fp8)
     return (out, gathered) if return_gathered else out
 
 
 def matmul_reduce_scatter(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=None,
                           trans_b: bool = False, algorithm="auto", chunks: int = 0,
                           comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
-                          timeout_s: float = DEFAULT_TIMEOUT_S):
+                          timeout_s: float = DEFAULT_TIMEOUT_S, fp8: str | None = None):
     """Inside ``jax.shard_map``: this shard's [m/tp, n] row block of ``sum over axis_name(a @ b)
     (+ bias)``, ``a`` [m, k/tp] and ``b`` [k/tp, n] (or [n, k/tp] with ``trans_b``) the slices
     of a row-parallel layer. The bias is added once, not once per rank.
 
-    ``bias`` is [n]; m must be divisible by tp. ``mesh``, ``timeout_s`` and the tuning as in
-    :func:`all_gather_matmul`. Returns the [m/tp, n] block.
+    ``bias`` is [n]; m must be divisible by tp. ``mesh``, ``timeout_s``, the tuning and ``fp8``
+    as in :func:`all_gather_matmul`. Returns the [m/tp, n] block.
 
     Its gradient all-gathers the product's gradient, fused with ``a``'s gradient in an
     :func:`all_gather_matmul`.
@@ -421,18 +436,18 @@ def matmul_reduce_scatter(a, b, *, axis_name: str, mesh: Mesh | None = None, bia
     call)."""
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     out, _ = _run(_Op.matmul_reduce_scatter, a, b, bias, axis_name, mesh, trans_b, False, tuning,
-                  timeout_s)
+                  timeout_s, fp8)
     return out
 
 
 def matmul_all_reduce(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=None,
                       trans_b: bool = False, algorithm="auto", chunks: int = 0,
                       comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
-                      timeout_s: float = DEFAULT_TIMEOUT_S):
+                      timeout_s: float = DEFAULT_TIMEOUT_S, fp8: str | None = None):
     """Inside ``jax.shard_map``: ``sum over axis_name(a @ b) (+ bias)``, [m, n] on every shard,
     ``a`` [m, k/tp] and ``b`` [k/tp, n] (or [n, k/tp] with ``trans_b``). The bias, [n], is
-    added once. ``mesh``, ``timeout_s`` and the tuning as in :func:`all_gather_matmul`. Returns
-    the [m, n] sum.
+    added once. ``mesh``, ``timeout_s``, the tuning and ``fp8`` as in :func:`all_gather_matmul`.
+    Returns the [m, n] sum.
 
     Differentiable, as the module describes. Raises as :func:`all_gather_matmul` does
     (``ValueError`` at trace time, ``NotImplementedError``, ``jax.errors.JaxRuntimeError`` from
@@ -440,9 +455,153 @@ def matmul_all_reduce(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
     """
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     out, _ = _run(_Op.matmul_all_reduce, a, b, bias, axis_name, mesh, trans_b, False, tuning,
-                  timeout_s)
+                  timeout_s, fp8)
     return out
 
+
+# FP8 training (fp8="tensorwise" | "rowwise" on the 16-bit ops): meshla.torch's fp8 layers'
+# recipes. The operands are cast to float8 in the call (a and b to e4m3, the product's gradient
+# to e5m2) with scales from their amax (an all-gathered operand's, tensorwise, the axis's
+# largest), the forward and a's gradient are the scaled collective matmuls, b's gradient a local
+# fp8 product (XLA's GEMM of the dequantized operands).
+
+_RECIPES = ("tensorwise", "rowwise")
+_E4M3, _E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _check_fp8_call(call: _Call, a, b, bias, fp8) -> None:
+    """The fp8 recipe's own rules, then the scaled op's (the extension's, on float8 stand-ins of
+    the operands and their scales), so that a bad call fails where it is traced."""
+    name = call.op.name
+    if fp8 not in _RECIPES:
+        raise ValueError(f"{name}: fp8={fp8!r} is not one of None, 'tensorwise', 'rowwise'")
+    if call.return_gathered:
+        raise NotImplementedError(f"{name}: return_gathered returns the 16-bit rows, which an fp8 "
+                                  "call does not gather (it moves their float8 casts)")
+    rowwise = fp8 == "rowwise"
+    f32 = jnp.float32
+    scales = (jax.ShapeDtypeStruct((a.shape[0] if rowwise else 1,), f32),
+              jax.ShapeDtypeStruct((b.shape[0] if rowwise else 1,), f32))
+    _describe(call.op, jax.ShapeDtypeStruct(a.shape, _E4M3), jax.ShapeDtypeStruct(b.shape, _E4M3),
+              bias if a.dtype != f32 else None, axis=call.axis, tp=call.tp, group=None,
+              trans_b=call.trans_b, return_gathered=False, tuning=call.tuning, scales=scales,
+              out_dtype=a.dtype)
+
+
+def _quantized(x, dtype, rowwise: bool, axis: str | None = None):
+    """``x`` [rows, cols] as ``(q, scale)``, ``x ≈ q * scale``: q in the float8 ``dtype``, its
+    largest magnitude just below the dtype's largest; ``scale`` float32, one per row ([rows]) or
+    one ([1]; over ``axis``, the largest amax of its devices). As meshla.torch's layers cast (an
+    all-zero row keeps a finite multiplier, so its zeros stay zeros)."""
+    magnitude = jnp.abs(x).astype(jnp.float32)
+    amax = jnp.max(magnitude, axis=1) if rowwise else jnp.max(magnitude).reshape(1)
+    if axis is not None and not rowwise:
+        amax = jax.lax.pmax(amax, axis)
+    largest = float(jnp.finfo(dtype).max) * (1 - 2.0 ** -8)
+    multiplier = jnp.minimum(largest / amax, jnp.finfo(jnp.float32).max)
+    q = (x.astype(jnp.float32) * (multiplier[:, None] if rowwise else multiplier)).astype(dtype)
+    return q, 1 / multiplier
+
+
+def _local_scaled(a_q, a_scale, b_q, b_scale, rowwise: bool, dtype):
+    """``a [m, k] @ b [n, k]ᵀ`` of float8 operands on this device, in ``dtype``: the dequantized
+    operands' product, the form XLA's GEMM rewriter turns into an fp8 GEMM where it can."""
+    def dequantized(x, scale):
+        return x.astype(dtype) * (scale[:, None] if rowwise else scale).astype(dtype)
+
+    return _dot(dequantized(a_q, a_scale), dequantized(b_q, b_scale).T).astype(dtype)
+
+
+def _scaled_forward(call: _Call, op, a_q, b_q, bias, scales, return_gathered: bool, tuning,
+                    dtype):
+    """A scaled collective matmul of float8 operands on ``call``'s group, in ``dtype`` (a
+    float32 product's bias added after: fp8 GEMMs into float32 take none)."""
+    fused_bias = bias if dtype != jnp.float32 else None
+    scaled = _describe(op, a_q, b_q, fused_bias, axis=call.axis, tp=call.tp, group=call.group,
+                       trans_b=True, return_gathered=return_gathered, tuning=tuning,
+                       scales=scales, out_dtype=dtype)
+    out, gathered = _forward(scaled, a_q, b_q, fused_bias, scales)
+    if bias is not None and fused_bias is None:
+        out = out + bias
+    return out, gathered
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_collective(call: _Call, a, b, bias):
+    return _fp8_fwd(call, a, b, bias)[0]
+
+
+def _fp8_fwd(call: _Call, a, b, bias):
+    rowwise = call.fp8 == "rowwise"
+    gathers = call.op == _Op.all_gather_matmul
+    a_q, a_scale = _quantized(a, _E4M3, rowwise, call.axis if gathers else None)
+    b_q, b_scale = _quantized(b, _E4M3, rowwise)
+    keep = gathers and not rowwise  # b's gradient takes the gathered fp8 rows, tensorwise
+    out, rows = _scaled_forward(call, call.op, a_q, b_q, bias, (a_scale, b_scale), keep,
+                                call.tuning, a.dtype)
+    # Tensorwise, the backward transposes the forward's fp8 bytes; rowwise it casts the 16-bit
+    # operands again along their other axis.
+    kept = (rows if keep else a_q, a_scale, b_q, b_scale) if not rowwise else (None,) * 4
+    return out, (a, b, bias, *kept)
+
+
+def _fp8_bwd(call: _Call, residuals, grad):
+    if not jax_config._check_vma.value:
+        raise NotImplementedError(
+            f"{call.op.name}: its gradient needs jax.shard_map's check_vma=True (the default): "
+            "without the varying-axes types, which cotangents to sum over the axis is unknown")
+    a, b, bias, a_rows_q, a_scale, b_q, b_scale = residuals
+    rowwise, axis, dtype = call.fp8 == "rowwise", call.axis, a.dtype
+    tuning = Tuning.of(backend=call.tuning.backend)
+    # b transposed, [k, n], as the input gradient's b operand
+    bt_q, bt_scale = _quantized(b.T, _E4M3, True) if rowwise else (b_q.T, b_scale)
+
+    def transposed(x, x_q, scale, fp8_dtype):
+        """xᵀ as a float8 operand: tensorwise the cast's bytes transposed, rowwise cast again."""
+        return _quantized(x.T, fp8_dtype, True) if rowwise else (x_q.T, scale)
+
+    if call.op == _Op.all_gather_matmul:
+        g_q, g_scale = _quantized(grad, _E5M2, rowwise)
+        if axis in varying_axes(grad):  # each rank's own product: summed, each keeps its rows
+            grad_a, _ = _scaled_forward(call, _Op.matmul_reduce_scatter, g_q, bt_q, None,
+                                        (g_scale, bt_scale), False, tuning, dtype)
+        else:  # the same product on every rank: this rank's rows alone
+            own, own_scale = (_own_rows(call, g_q, a.shape[0]),
+                              _own_rows(call, g_scale, a.shape[0]) if rowwise else g_scale)
+            grad_a = _local_scaled(own, own_scale, bt_q, bt_scale, rowwise, dtype)
+        rows = all_gather_invariant(a, axis, tiled=True) if rowwise else None
+        xt_q, xt_scale = transposed(rows, a_rows_q, a_scale, _E4M3)
+        gt_q, gt_scale = transposed(grad, g_q, g_scale, _E5M2)
+        grad_b = _cotangent(_local_scaled(gt_q, gt_scale, xt_q, xt_scale, rowwise, jnp.float32),
+                            call.varying[1], b.dtype)
+    elif call.op == _Op.matmul_reduce_scatter:
+        # The product's rows were scattered: their gradient is gathered back with a's gradient
+        # (tensorwise, the fp8 rows kept for b's); both are this rank's contributions.
+        g_q, g_scale = _quantized(grad, _E5M2, rowwise, axis)
+        grad_a, g_rows_q = _scaled_forward(call, _Op.all_gather_matmul, g_q, bt_q, None,
+                                           (g_scale, bt_scale), not rowwise, tuning, dtype)
+        grad_a = as_varying(grad_a, frozenset({axis}))
+        rows = all_gather_invariant(grad, axis, tiled=True) if rowwise else None
+        gt_q, gt_scale = transposed(rows, g_rows_q, g_scale, _E5M2)
+        at_q, at_scale = transposed(a, a_rows_q, a_scale, _E4M3)
+        product = _local_scaled(gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32)
+        grad_b = _cotangent(as_varying(product, frozenset({axis})), call.varying[1], b.dtype)
+    else:
+        # The sum's gradient (summed over the axis where a bias made it vary), every rank's
+        # product's contribution.
+        summed = jax.lax.psum(grad, axis) if axis in varying_axes(grad) else grad
+        summed = as_varying(summed, frozenset({axis}))
+        g_q, g_scale = _quantized(summed, _E5M2, rowwise)
+        grad_a = _local_scaled(g_q, g_scale, bt_q, bt_scale, rowwise, dtype)
+        gt_q, gt_scale = transposed(summed, g_q, g_scale, _E5M2)
+        at_q, at_scale = transposed(a, a_rows_q, a_scale, _E4M3)
+        grad_b = _cotangent(_local_scaled(gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32),
+                            call.varying[1], b.dtype)
+    grad_a = _cotangent(grad_a, call.varying[0], a.dtype)
+    return grad_a, grad_b, _bias_grad(call, grad, bias)
+
+
+_fp8_collective.defvjp(_fp8_fwd, _fp8_bwd)
 
 # The float8 ops: torch._scaled_mm's operands (b stored [n, k]) with their scales; no backward.
 
