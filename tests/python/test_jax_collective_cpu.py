@@ -546,3 +546,46 @@ def test_fp8_training_errors_are_named(mesh):
         shard_call(mesh, lambda a, w: mj.all_gather_matmul(
             a, w, axis_name="tp", mesh=mesh, trans_b=True, fp8="tensorwise"),
             a[:, :24], w[:, :24], specs=specs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_gradients_follow_the_16_bit_ones(mesh, dtype, recipe):
+    """fp8 gradients against the same call's 16-bit ones: an all-gather whose weight is the same
+    on every device (its output's gradient too: each device keeps its own rows of it) and an
+    all-reduce whose loss is scaled down (a float16 gradient's scale underflows float16 itself),
+    within fp8 rounding's bound."""
+    if dtype == jnp.float16 and recipe == "rowwise":
+        pytest.skip("rowwise fp8 products are bfloat16 or float32")
+    x = np.array(random((16, 32), jnp.float32, 60))
+    x[8:] *= 10
+    x, w = jnp.asarray(x, dtype), random((32, 32), dtype, 61)
+    r = random((16, 32), jnp.float32, 64)  # the product's gradient, different on every row
+
+    def gather_loss(x, w, fp8):
+        y = mj.all_gather_matmul(x, w, axis_name="tp", mesh=mesh, trans_b=True, fp8=fp8)
+        return jnp.sum(y.astype(jnp.float32) * r)
+
+    def reduce_loss(x, w, fp8):  # gradients of about 1e-4: their fp8 scale, 2e-9, not a float16
+        y = mj.matmul_all_reduce(x, w, axis_name="tp", mesh=mesh, trans_b=True, fp8=fp8)
+        return 1e-4 * jnp.sum(y.astype(jnp.float32) * r) / 2
+
+    for loss, specs in ((gather_loss, (P("tp", None), P())),
+                        (reduce_loss, (P(None, "tp"), P(None, "tp")))):
+        grads = [sharded(mesh, jax.grad(lambda x, w: loss(x, w, fp8), argnums=(0, 1)), specs,
+                         specs)(x, w) for fp8 in (None, recipe)]
+        for name, want, got in zip(("x", "w"), *grads):
+            want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+            error = np.linalg.norm(got - want) / np.linalg.norm(want)
+            assert error < fp8_bound(2, 3), (loss.__name__, name, error)
+
+
+def test_fp8_training_checks_its_gradient_when_traced(mesh):
+    """The backward's scaled call is checked with the forward's: 8 output columns a device make
+    the reduce-scatter of a's gradient contract over 8, which fp8 GEMMs do not take."""
+    a, w = random((8, 32), jnp.bfloat16, 62), random((16, 32), jnp.bfloat16, 63)
+    with pytest.raises(ValueError, match="matmul_reduce_scatter: float8 rows must start 16 "
+                                         "bytes apart: k=8"):
+        shard_call(mesh, lambda a, w: mj.all_gather_matmul(
+            a, w, axis_name="tp", mesh=mesh, trans_b=True, fp8="tensorwise"), a, w,
+            specs=(P("tp", None), P("tp", None)))

@@ -470,8 +470,9 @@ _E4M3, _E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
 def _check_fp8_call(call: _Call, a, b, bias, fp8) -> None:
-    """The fp8 recipe's own rules, then the scaled op's (the extension's, on float8 stand-ins of
-    the operands and their scales), so that a bad call fails where it is traced."""
+    """The fp8 recipe's own rules, then the scaled ops' (the extension's, on float8 stand-ins of
+    the operands and their scales) of the forward and of a's gradient (fp8 calls are for
+    training), so that a bad call fails where it is traced, in its own op's words."""
     name = call.op.name
     if fp8 not in _RECIPES:
         raise ValueError(f"{name}: fp8={fp8!r} is not one of None, 'tensorwise', 'rowwise'")
@@ -479,13 +480,28 @@ def _check_fp8_call(call: _Call, a, b, bias, fp8) -> None:
         raise NotImplementedError(f"{name}: return_gathered returns the 16-bit rows, which an fp8 "
                                   "call does not gather (it moves their float8 casts)")
     rowwise = fp8 == "rowwise"
-    f32 = jnp.float32
-    scales = (jax.ShapeDtypeStruct((a.shape[0] if rowwise else 1,), f32),
-              jax.ShapeDtypeStruct((b.shape[0] if rowwise else 1,), f32))
-    _describe(call.op, jax.ShapeDtypeStruct(a.shape, _E4M3), jax.ShapeDtypeStruct(b.shape, _E4M3),
-              bias if a.dtype != f32 else None, axis=call.axis, tp=call.tp, group=None,
-              trans_b=call.trans_b, return_gathered=False, tuning=call.tuning, scales=scales,
-              out_dtype=a.dtype)
+
+    def describe(op, a_shape, b_shape, a_dtype, tuning, bias=None, return_gathered=False):
+        scales = [jax.ShapeDtypeStruct((rows if rowwise else 1,), jnp.float32)
+                  for rows in (a_shape[0], b_shape[0])]
+        _describe(op, jax.ShapeDtypeStruct(a_shape, a_dtype), jax.ShapeDtypeStruct(b_shape, _E4M3),
+                  bias, axis=call.axis, tp=call.tp, group=None, trans_b=call.trans_b,
+                  return_gathered=return_gathered, tuning=tuning, scales=scales,
+                  out_dtype=a.dtype)
+
+    describe(call.op, a.shape, b.shape, _E4M3, call.tuning,
+             bias if a.dtype != jnp.float32 else None)
+    if not call.trans_b:
+        return  # the forward's check has refused it
+    # a's gradient: the product's gradient times b ([n, k] transposed: [k, n]), through the
+    # conjugate collective (the all-reduce's is local).
+    k, backward = b.shape[1], Tuning.of(backend=call.tuning.backend)  # as _fp8_bwd runs it
+    if call.op == _Op.all_gather_matmul:
+        describe(_Op.matmul_reduce_scatter, call.out_shape, (k, call.out_shape[1]), _E5M2,
+                 backward)
+    elif call.op == _Op.matmul_reduce_scatter:
+        describe(_Op.all_gather_matmul, call.out_shape, (k, call.out_shape[1]), _E5M2, backward,
+                 return_gathered=not rowwise)
 
 
 def _quantized(x, dtype, rowwise: bool, axis: str | None = None):
@@ -506,8 +522,8 @@ def _quantized(x, dtype, rowwise: bool, axis: str | None = None):
 def _local_scaled(a_q, a_scale, b_q, b_scale, rowwise: bool, dtype):
     """``a [m, k] @ b [n, k]ᵀ`` of float8 operands on this device, in ``dtype``: the dequantized
     operands' product, the form XLA's GEMM rewriter turns into an fp8 GEMM where it can."""
-    def dequantized(x, scale):
-        return x.astype(dtype) * (scale[:, None] if rowwise else scale).astype(dtype)
+    def dequantized(x, scale):  # in float32: a gradient's scale underflows float16
+        return x.astype(jnp.float32) * (scale[:, None] if rowwise else scale)
 
     return _dot(dequantized(a_q, a_scale), dequantized(b_q, b_scale).T).astype(dtype)
 
@@ -541,8 +557,9 @@ def _fp8_fwd(call: _Call, a, b, bias):
                                 call.tuning, a.dtype)
     # Tensorwise, the backward transposes the forward's fp8 bytes; rowwise it casts the 16-bit
     # operands again along their other axis.
-    kept = (rows if keep else a_q, a_scale, b_q, b_scale) if not rowwise else (None,) * 4
-    return out, (a, b, bias, *kept)
+    if rowwise:
+        return out, (a, b, bias, None, None, None, None)
+    return out, (None, None, bias, rows if keep else a_q, a_scale, b_q, b_scale)
 
 
 def _fp8_bwd(call: _Call, residuals, grad):
@@ -551,7 +568,8 @@ def _fp8_bwd(call: _Call, residuals, grad):
             f"{call.op.name}: its gradient needs jax.shard_map's check_vma=True (the default): "
             "without the varying-axes types, which cotangents to sum over the axis is unknown")
     a, b, bias, a_rows_q, a_scale, b_q, b_scale = residuals
-    rowwise, axis, dtype = call.fp8 == "rowwise", call.axis, a.dtype
+    # A 16-bit call's a, b and product share one dtype.
+    rowwise, axis, dtype = call.fp8 == "rowwise", call.axis, call.out_dtype
     tuning = Tuning.of(backend=call.tuning.backend)
     # b transposed, [k, n], as the input gradient's b operand
     bt_q, bt_scale = _quantized(b.T, _E4M3, True) if rowwise else (b_q.T, b_scale)
@@ -566,14 +584,15 @@ def _fp8_bwd(call: _Call, residuals, grad):
             grad_a, _ = _scaled_forward(call, _Op.matmul_reduce_scatter, g_q, bt_q, None,
                                         (g_scale, bt_scale), False, tuning, dtype)
         else:  # the same product on every rank: this rank's rows alone
-            own, own_scale = (_own_rows(call, g_q, a.shape[0]),
-                              _own_rows(call, g_scale, a.shape[0]) if rowwise else g_scale)
+            rows_here = call.out_shape[0] // call.tp
+            own, own_scale = (_own_rows(call, g_q, rows_here),
+                              _own_rows(call, g_scale, rows_here) if rowwise else g_scale)
             grad_a = _local_scaled(own, own_scale, bt_q, bt_scale, rowwise, dtype)
         rows = all_gather_invariant(a, axis, tiled=True) if rowwise else None
         xt_q, xt_scale = transposed(rows, a_rows_q, a_scale, _E4M3)
         gt_q, gt_scale = transposed(grad, g_q, g_scale, _E5M2)
         grad_b = _cotangent(_local_scaled(gt_q, gt_scale, xt_q, xt_scale, rowwise, jnp.float32),
-                            call.varying[1], b.dtype)
+                            call.varying[1], dtype)
     elif call.op == _Op.matmul_reduce_scatter:
         # The product's rows were scattered: their gradient is gathered back with a's gradient
         # (tensorwise, the fp8 rows kept for b's); both are this rank's contributions.
@@ -585,7 +604,7 @@ def _fp8_bwd(call: _Call, residuals, grad):
         gt_q, gt_scale = transposed(rows, g_rows_q, g_scale, _E5M2)
         at_q, at_scale = transposed(a, a_rows_q, a_scale, _E4M3)
         product = _local_scaled(gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32)
-        grad_b = _cotangent(as_varying(product, frozenset({axis})), call.varying[1], b.dtype)
+        grad_b = _cotangent(as_varying(product, frozenset({axis})), call.varying[1], dtype)
     else:
         # The sum's gradient (summed over the axis where a bias made it vary), every rank's
         # product's contribution.
@@ -596,8 +615,8 @@ def _fp8_bwd(call: _Call, residuals, grad):
         gt_q, gt_scale = transposed(summed, g_q, g_scale, _E5M2)
         at_q, at_scale = transposed(a, a_rows_q, a_scale, _E4M3)
         grad_b = _cotangent(_local_scaled(gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32),
-                            call.varying[1], b.dtype)
-    grad_a = _cotangent(grad_a, call.varying[0], a.dtype)
+                            call.varying[1], dtype)
+    grad_a = _cotangent(grad_a, call.varying[0], dtype)
     return grad_a, grad_b, _bias_grad(call, grad, bias)
 
 
