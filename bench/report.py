@@ -86,8 +86,9 @@ def _title(meta: dict) -> str:
 
 
 def collective_chart(run: dict):
-    rows = [r for r in run["rows"] if r.get("ratio") is not None and r["variant"] != "gemm"
-            and "m" in r]
+    bar = run.get("ratio_to", "gemm")  # the variant every ratio is over: not a line of its own
+    rows = [r for r in run["rows"] if r.get("ratio") is not None and r["variant"] not in
+            ("gemm", bar) and "m" in r]
     ops = list(dict.fromkeys(r["op"] for r in rows))
     figure, axes = _figure(len(ops))
     for ax, op in zip(axes, ops):
@@ -104,6 +105,7 @@ def collective_chart(run: dict):
         # and its training step's to XLA's faster step.
         base = ("XLA's faster step" if op == "mlp_train_step"
                 else "the fastest GEMM alone" if run.get("ratio_to", "").startswith("gemm")
+                else "the fp8 GEMM alone" if run.get("ratio_to") == "fp8_gemm"
                 else "the GEMM alone" if "jax" in run else "max(GEMM, collective)")
         ax.set(title=op, xlabel="M (rows)", ylabel=f"time / {base}")
         ax.legend(fontsize=7)
