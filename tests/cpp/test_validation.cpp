@@ -538,6 +538,13 @@ TEST(DescribeCall, Float8ScalesDecideTheScalingAndTheProductIsInOutDtype) {
   EXPECT_EQ(resolve_config(gather.describe(), 2, PeerReach::kNvlink).backend, Backend::kSymmetric);
 }
 
+// float8_call's reduce-scatter with `rows` rows of a and rowwise scales.
+void rowwise_rows(Call& c, std::int64_t rows) {
+  c.args.a = host(DType::kFloat8E4M3, {rows, 32});
+  c.args.a_scale = host(DType::kFloat32, {rows});
+  c.args.b_scale = host(DType::kFloat32, {16});
+}
+
 TEST(DescribeCall, Float8MessagesNameTheScalesAndWhatFp8GemmsCannotTake) {
   const std::tuple<std::function<void(Call&)>, ErrorCode, const char*> cases[] = {
       {[](Call& c) { c.args.a_scale = TensorView{}; }, ErrorCode::kInvalidArgument,
@@ -565,9 +572,7 @@ TEST(DescribeCall, Float8MessagesNameTheScalesAndWhatFp8GemmsCannotTake) {
       {[](Call& c) {
          // Rowwise on the copy engines: rank 1's rows start at row 6 of 12.
          c.request.backend = Backend::kSymmetric;
-         c.args.a = host(DType::kFloat8E4M3, {12, 32});
-         c.args.a_scale = host(DType::kFloat32, {12});
-         c.args.b_scale = host(DType::kFloat32, {16});
+         rowwise_rows(c, 12);
        },
        ErrorCode::kNotImplemented,
        "rowwise scales are read 16 bytes aligned, but backend=symmetric with algorithm=ring and "
@@ -595,9 +600,7 @@ TEST(DescribeCall, Float8MessagesNameTheScalesAndWhatFp8GemmsCannotTake) {
          // Rowwise, pipelined: 2 ranks' 6 rows in 3 chunks of 2 start GEMMs at rows 2, 4, 6...
          c.request.algorithm = Algorithm::kPipelined;
          c.request.chunks = 3;
-         c.args.a = host(DType::kFloat8E4M3, {12, 32});
-         c.args.a_scale = host(DType::kFloat32, {12});
-         c.args.b_scale = host(DType::kFloat32, {16});
+         rowwise_rows(c, 12);
        },
        ErrorCode::kNotImplemented,
        "rowwise scales are read 16 bytes aligned, but backend=nccl with algorithm=pipelined and "

@@ -491,8 +491,6 @@ def _check_fp8_call(call: _Call, a, b, bias, fp8) -> None:
 
     describe(call.op, a.shape, b.shape, _E4M3, call.tuning,
              bias if a.dtype != jnp.float32 else None)
-    if not call.trans_b:
-        return  # the forward's check has refused it
     # a's gradient: the product's gradient times b ([n, k] transposed: [k, n]), through the
     # conjugate collective (the all-reduce's is local).
     k, backward = b.shape[1], Tuning.of(backend=call.tuning.backend)  # as _fp8_bwd runs it
@@ -521,11 +519,10 @@ def _quantized(x, dtype, rowwise: bool, axis: str | None = None):
 
 def _local_scaled(a_q, a_scale, b_q, b_scale, rowwise: bool, dtype):
     """``a [m, k] @ b [n, k]ᵀ`` of float8 operands on this device, in ``dtype``: the dequantized
-    operands' product, the form XLA's GEMM rewriter turns into an fp8 GEMM where it can."""
-    def dequantized(x, scale):  # in float32: a gradient's scale underflows float16
-        return x.astype(jnp.float32) * (scale[:, None] if rowwise else scale)
-
-    return _dot(dequantized(a_q, a_scale), dequantized(b_q, b_scale).T).astype(dtype)
+    operands' product (in float32: a gradient's scale underflows float16), the form XLA's GEMM
+    rewriter turns into an fp8 GEMM where it can."""
+    return _dot(_dequantized(a_q, a_scale, rowwise),
+                _dequantized(b_q, b_scale, rowwise).T).astype(dtype)
 
 
 def _scaled_forward(call: _Call, op, a_q, b_q, bias, scales, return_gathered: bool, tuning,
