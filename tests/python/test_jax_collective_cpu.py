@@ -589,3 +589,15 @@ def test_fp8_training_checks_its_gradient_when_traced(mesh):
         shard_call(mesh, lambda a, w: mj.all_gather_matmul(
             a, w, axis_name="tp", mesh=mesh, trans_b=True, fp8="tensorwise"), a, w,
             specs=(P("tp", None), P("tp", None)))
+
+
+def test_fp8_training_checks_its_local_products_when_traced(mesh):
+    """The backward's local fp8 products are checked with the forward: 24 gathered rows make b's
+    gradient contract over 24, which fp8 GEMMs do not take (the collective calls take them)."""
+    a, w = random((24, 32), jnp.bfloat16, 64), random((16, 32), jnp.bfloat16, 65)
+    with pytest.raises(ValueError, match=r"all_gather_matmul: b's gradient, a float8 \[16, 24\] "
+                                         r"@ \[32, 24\]ᵀ: matmul: float8 rows must start 16 "
+                                         "bytes apart: k=24"):
+        shard_call(mesh, lambda a, w: mj.all_gather_matmul(
+            a, w, axis_name="tp", mesh=mesh, trans_b=True, fp8="tensorwise"), a, w,
+            specs=(P("tp", None), P()))

@@ -38,6 +38,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import config as jax_config
 from jax._src.lax.parallel import all_gather_invariant
 from jax.sharding import Mesh, NamedSharding
@@ -463,7 +464,7 @@ def matmul_all_reduce(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
 # recipes. The operands are cast to float8 in the call (a and b to e4m3, the product's gradient
 # to e5m2) with scales from their amax (an all-gathered operand's, tensorwise, the axis's
 # largest), the forward and a's gradient are the scaled collective matmuls, b's gradient a local
-# fp8 product (XLA's GEMM of the dequantized operands).
+# fp8 product (on GPUs meshla's fp8 GEMM, the FFI handler meshla_scaled_matmul).
 
 _RECIPES = ("tensorwise", "rowwise")
 _E4M3, _E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -471,8 +472,9 @@ _E4M3, _E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 def _check_fp8_call(call: _Call, a, b, bias, fp8) -> None:
     """The fp8 recipe's own rules, then the scaled ops' (the extension's, on float8 stand-ins of
-    the operands and their scales) of the forward and of a's gradient (fp8 calls are for
-    training), so that a bad call fails where it is traced, in its own op's words."""
+    the operands and their scales) of the forward and of a's gradient, and the GEMM's of the
+    backward's local fp8 products (fp8 calls are for training), so that a bad call fails where
+    it is traced, in its own op's words."""
     name = call.op.name
     if fp8 not in _RECIPES:
         raise ValueError(f"{name}: fp8={fp8!r} is not one of None, 'tensorwise', 'rowwise'")
@@ -501,6 +503,21 @@ def _check_fp8_call(call: _Call, a, b, bias, fp8) -> None:
         describe(_Op.all_gather_matmul, call.out_shape, (k, call.out_shape[1]), _E5M2, backward,
                  return_gathered=not rowwise)
 
+    def local(m, n, contracted, out_dtype, what):
+        """A local fp8 product of the backward: the product's gradient (e5m2) times e4m3."""
+        try:
+            _meshla.check_scaled_matmul(DTYPES[np.dtype(_E5M2)], DTYPES[np.dtype(_E4M3)],
+                                        DTYPES[np.dtype(out_dtype)], m, n, contracted, rowwise)
+        except (ValueError, NotImplementedError) as e:
+            raise type(e)(f"{name}: {what}: {e}") from None
+
+    n = b.shape[0]
+    rows = call.out_shape[0] if call.op == _Op.all_gather_matmul else a.shape[0]
+    local(n, k, rows, jnp.float32, f"b's gradient, a float8 [{n}, {rows}] @ [{k}, {rows}]ᵀ")
+    if call.op != _Op.matmul_reduce_scatter:
+        local(a.shape[0], k, n, a.dtype,
+              f"a's gradient, a float8 [{a.shape[0]}, {n}] @ [{k}, {n}]ᵀ")
+
 
 def _quantized(x, dtype, rowwise: bool, axis: str | None = None):
     """``x`` [rows, cols] as ``(q, scale)``, ``x ≈ q * scale``: q in the float8 ``dtype``, its
@@ -517,12 +534,20 @@ def _quantized(x, dtype, rowwise: bool, axis: str | None = None):
     return q, 1 / multiplier
 
 
-def _local_scaled(a_q, a_scale, b_q, b_scale, rowwise: bool, dtype):
-    """``a [m, k] @ b [n, k]ᵀ`` of float8 operands on this device, in ``dtype``: the dequantized
-    operands' product (in float32: a gradient's scale underflows float16), the form XLA's GEMM
-    rewriter turns into an fp8 GEMM where it can."""
-    return _dot(_dequantized(a_q, a_scale, rowwise),
-                _dequantized(b_q, b_scale, rowwise).T).astype(dtype)
+def _local_scaled(call: _Call, a_q, a_scale, b_q, b_scale, rowwise: bool, dtype):
+    """``a [m, k] @ b [n, k]ᵀ`` of float8 operands on this device, in ``dtype``. On GPUs meshla's
+    fp8 GEMM (XLA's GEMM rewriter makes none of this: it ran the dequantized operands' product,
+    slower than the 16-bit one); on CPUs that product, in float32 (a gradient's scale underflows
+    float16)."""
+    if call.group is None:
+        return _dot(_dequantized(a_q, a_scale, rowwise),
+                    _dequantized(b_q, b_scale, rowwise).T).astype(dtype)
+    operands = (a_q, b_q, a_scale, b_scale)
+    varying = frozenset().union(*map(varying_axes, operands))
+    shape = (a_q.shape[0], b_q.shape[0])
+    result = typed(shape, dtype, varying) if varying else jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ffi.ffi_call("meshla_scaled_matmul", result)(
+        *(as_varying(x, varying) for x in operands), rowwise=np.int32(rowwise))
 
 
 def _scaled_forward(call: _Call, op, a_q, b_q, bias, scales, return_gathered: bool, tuning,
@@ -584,12 +609,12 @@ def _fp8_bwd(call: _Call, residuals, grad):
             rows_here = call.out_shape[0] // call.tp
             own, own_scale = (_own_rows(call, g_q, rows_here),
                               _own_rows(call, g_scale, rows_here) if rowwise else g_scale)
-            grad_a = _local_scaled(own, own_scale, bt_q, bt_scale, rowwise, dtype)
+            grad_a = _local_scaled(call, own, own_scale, bt_q, bt_scale, rowwise, dtype)
         rows = all_gather_invariant(a, axis, tiled=True) if rowwise else None
         xt_q, xt_scale = transposed(rows, a_rows_q, a_scale, _E4M3)
         gt_q, gt_scale = transposed(grad, g_q, g_scale, _E5M2)
-        grad_b = _cotangent(_local_scaled(gt_q, gt_scale, xt_q, xt_scale, rowwise, jnp.float32),
-                            call.varying[1], dtype)
+        product = _local_scaled(call, gt_q, gt_scale, xt_q, xt_scale, rowwise, jnp.float32)
+        grad_b = _cotangent(product, call.varying[1], dtype)
     elif call.op == _Op.matmul_reduce_scatter:
         # The product's rows were scattered: their gradient is gathered back with a's gradient
         # (tensorwise, the fp8 rows kept for b's); both are this rank's contributions.
@@ -600,7 +625,7 @@ def _fp8_bwd(call: _Call, residuals, grad):
         rows = all_gather_invariant(grad, axis, tiled=True) if rowwise else None
         gt_q, gt_scale = transposed(rows, g_rows_q, g_scale, _E5M2)
         at_q, at_scale = transposed(a, a_rows_q, a_scale, _E4M3)
-        product = _local_scaled(gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32)
+        product = _local_scaled(call, gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32)
         grad_b = _cotangent(as_varying(product, frozenset({axis})), call.varying[1], dtype)
     else:
         # The sum's gradient (summed over the axis where a bias made it vary), every rank's
@@ -608,11 +633,11 @@ def _fp8_bwd(call: _Call, residuals, grad):
         summed = jax.lax.psum(grad, axis) if axis in varying_axes(grad) else grad
         summed = as_varying(summed, frozenset({axis}))
         g_q, g_scale = _quantized(summed, _E5M2, rowwise)
-        grad_a = _local_scaled(g_q, g_scale, bt_q, bt_scale, rowwise, dtype)
+        grad_a = _local_scaled(call, g_q, g_scale, bt_q, bt_scale, rowwise, dtype)
         gt_q, gt_scale = transposed(summed, g_q, g_scale, _E5M2)
         at_q, at_scale = transposed(a, a_rows_q, a_scale, _E4M3)
-        grad_b = _cotangent(_local_scaled(gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32),
-                            call.varying[1], dtype)
+        product = _local_scaled(call, gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32)
+        grad_b = _cotangent(product, call.varying[1], dtype)
     grad_a = _cotangent(grad_a, call.varying[0], dtype)
     return grad_a, grad_b, _bias_grad(call, grad, bias)
 

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 
 #include "core/checks.hpp"
@@ -86,5 +89,39 @@ ffi::Error guarded(Body&& body) {
     return ffi::Error::Internal(error.what());
   }
 }
+
+// One `Engine` per GPU of this process (an engine constructed from a CUDA ordinal), made by the
+// first call on that GPU. Calls on one GPU may come from several threads (two executables at
+// once): each runs under its GPU's lock.
+template <typename Engine>
+class PerDevice {
+ public:
+  template <typename Body>
+  void with_engine(int device, Body&& body) {
+    Entry* entry;
+    {
+      std::lock_guard lock(mutex_);
+      std::unique_ptr<Entry>& slot = entries_[device];
+      if (!slot) slot = std::make_unique<Entry>(device);
+      entry = slot.get();
+    }
+    std::lock_guard lock(entry->mutex);
+    body(entry->engine);
+  }
+
+  void clear() {
+    std::lock_guard lock(mutex_);
+    entries_.clear();
+  }
+
+ private:
+  struct Entry {
+    explicit Entry(int device) : engine(device) {}
+    std::mutex mutex;
+    Engine engine;
+  };
+  std::mutex mutex_;
+  std::map<int, std::unique_ptr<Entry>> entries_;
+};
 
 }  // namespace meshla::jax_ffi

@@ -1,9 +1,6 @@
 #include "bindings/jax/grouped.hpp"
 
 #include <cstdint>
-#include <map>
-#include <memory>
-#include <mutex>
 
 #include "bindings/jax/ffi_common.hpp"
 #include "core/alignment.hpp"
@@ -15,42 +12,10 @@ namespace ffi = xla::ffi;
 namespace meshla::jax_ffi {
 namespace {
 
-// One GroupedMatmul per GPU of this process, made by the first call on it. Its host-mapped record
-// carries a call's failed check of the group sizes to the next call on that GPU, which returns
-// it as XLA's error. Calls on one GPU may come from several threads (two executables at once):
-// each enqueues under the GPU's lock.
-class GroupedRegistry {
- public:
-  template <typename Body>
-  void with_engine(int device, Body&& body) {
-    Entry* entry;
-    {
-      std::lock_guard lock(mutex_);
-      std::unique_ptr<Entry>& slot = entries_[device];
-      if (!slot) slot = std::make_unique<Entry>(device);
-      entry = slot.get();
-    }
-    std::lock_guard lock(entry->mutex);
-    body(entry->engine);
-  }
-
-  void clear() {
-    std::lock_guard lock(mutex_);
-    entries_.clear();
-  }
-
- private:
-  struct Entry {
-    explicit Entry(int device) : engine(device) {}
-    std::mutex mutex;
-    GroupedMatmul engine;
-  };
-  std::mutex mutex_;
-  std::map<int, std::unique_ptr<Entry>> entries_;
-};
-
-GroupedRegistry& engines() {
-  static GroupedRegistry registry;
+// One GroupedMatmul per GPU. Its host-mapped record carries a call's failed check of the group
+// sizes to the next call on that GPU, which returns it as XLA's error.
+PerDevice<GroupedMatmul>& engines() {
+  static PerDevice<GroupedMatmul> registry;
   return registry;
 }
 

@@ -8,6 +8,7 @@
 #ifdef MESHLA_WITH_JAX
 #include "bindings/jax/collective.hpp"
 #include "bindings/jax/grouped.hpp"
+#include "bindings/jax/matmul.hpp"
 #include "bindings/jax/solver.hpp"
 #endif
 
@@ -25,6 +26,9 @@ void bind_jax(nb::module_& m) {
           targets[nb::str(name.c_str())] = nb::capsule(handler);
         }
         for (const auto& [name, handler] : jax_ffi::grouped_targets()) {
+          targets[nb::str(name.c_str())] = nb::capsule(handler);
+        }
+        for (const auto& [name, handler] : jax_ffi::matmul_targets()) {
           targets[nb::str(name.c_str())] = nb::capsule(handler);
         }
         for (const auto& [name, stages] : jax_ffi::collective_targets()) {
@@ -47,8 +51,9 @@ void bind_jax(nb::module_& m) {
         jax_ffi::release_groups();
         jax_ffi::release_solvers();
         jax_ffi::release_grouped();
+        jax_ffi::release_matmuls();
       },
-      "Lets go of the JAX handlers' groups, plans, DenseSolvers and GroupedMatmuls (at "
+      "Lets go of the JAX handlers' groups, plans, DenseSolvers, GroupedMatmuls and Matmuls (at "
       "interpreter exit).");
   m.attr("with_jax") = true;
 #else

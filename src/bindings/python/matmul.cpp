@@ -110,6 +110,24 @@ void bind_matmul(nb::module_& m) {
           "b [k, n] or with trans_b [n, k], d [m, n], dtypes from the arrays; fp8 a and b with "
           "scaling 'tensorwise' (a_scale, b_scale one float32 each) or 'rowwise' (m and n).")
       .def_prop_ro("device", &Matmul::device);
+  m.def(
+      "check_scaled_matmul",
+      [](DType a, DType b, DType out, std::int64_t m, std::int64_t n, std::int64_t k,
+         bool rowwise) {
+        check_matmul_shape(
+            {.dtype = a,
+             .b_dtype = b,
+             .out_dtype = out,
+             .scaling = rowwise ? MatmulScaling::kRowwise : MatmulScaling::kTensorwise,
+             .m = m,
+             .n = n,
+             .k = k,
+             .trans_b = true});
+      },
+      "a"_a, "b"_a, "out"_a, "m"_a, "n"_a, "k"_a, "rowwise"_a,
+      "Raises ValueError (NotImplementedError) where the GEMM's rules refuse a [m, k] @ b [n, k]ᵀ "
+      "of float8 operands into `out` with tensorwise or rowwise scales: the checks Matmul.run "
+      "makes, on the shape alone.");
 }
 
 }  // namespace meshla::bindings
