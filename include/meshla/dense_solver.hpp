@@ -1,12 +1,14 @@
-// Distributed dense solvers for symmetric (Hermitian) matrices over the GPUs of one process:
-// Cholesky solve (with log-determinant), inverse of a positive-definite matrix, and the
-// eigen-decomposition, on cuSolverMg (on one GPU, cusolverDn: it was faster there).
+// Distributed dense solvers over the GPUs of one process: Cholesky solve (with log-determinant),
+// inverse of a positive-definite matrix, the eigen-decomposition of a symmetric (Hermitian) one,
+// and the LU solve of a general one, on cuSolverMg (on one GPU, cusolverDn: it was faster there).
 //
 // The matrix arrives the way frameworks shard it: GPU p of P holds rows [p*n/P, (p+1)*n/P) of A,
 // row-major. meshla renumbers rows and columns so that these row blocks *are* cuSolverMg's 1-D
 // column block-cyclic layout (solver/block_cyclic.hpp explains why that is exact), so the only
 // data movement is a row shuffle inside each GPU; padding for n/P not a multiple of the tile is
-// added inside. Only the lower triangle of A in the solver's order is read; pass the full matrix.
+// added inside. The symmetric ops read only the lower triangle of A in the solver's order (pass
+// the full matrix). A general A (the LU solve) is the exception: cuSolverMg needs its columns,
+// which each GPU reads from the others' row blocks into a working copy (one read over NVLink).
 //
 // Calls are synchronous: run() waits for every part's stream (its inputs), runs the solver on
 // all GPUs from the calling thread, and returns when the outputs are written. One DenseSolver
@@ -31,6 +33,7 @@ enum class SolverOp {
   kCholeskyInverse,  // A⁻¹ of a positive-definite A
   kEigen,            // eigenvalues (ascending) and eigenvectors (columns of V, A V = V Λ)
   kEigenvalues,      // eigenvalues only
+  kLuSolve,          // X = A⁻¹ B for a general A: LU with partial pivoting
 };
 
 MESHLA_API std::string_view solver_op_name(SolverOp op);
@@ -43,10 +46,11 @@ MESHLA_API std::string_view solver_op_name(SolverOp op);
 // n = 2048), so n is at most 46340 (2^31 elements, potri's 32-bit sizes).
 enum class CholeskyFactorization { kMeshla, kCusolverMg };
 
-// The problem: order n over the solver's parts, element type, right-hand sides (kCholeskySolve),
-// the tile (columns per block-cyclic tile; 0 picks one; at most 1024 for the eigensolver on
-// several GPUs, which is cuSolverMg's syevd's limit), whether A's shards may be used as
-// the solver's working memory (then they hold garbage afterwards), and who factors A.
+// The problem: order n over the solver's parts, element type, right-hand sides (kCholeskySolve,
+// kLuSolve), the tile (columns per block-cyclic tile; 0 picks one; at most 1024 for the
+// eigensolver on several GPUs, which is cuSolverMg's syevd's limit), whether A's shards may be
+// used as the solver's working memory (then they hold garbage afterwards; not for kLuSolve on
+// several GPUs, whose working copy holds A's columns), and who factors A.
 struct SolverProblem {
   std::int64_t n = 0;
   DType dtype = DType::kFloat64;  // float32, float64, complex64, complex128
@@ -58,8 +62,8 @@ struct SolverProblem {
 
 // One GPU's part of a call, on the GPU of the solver's part of the same index.
 //   a           [n/P, n]      rows of A (input)
-//   b           [n/P, nrhs]   rows of B (kCholeskySolve)
-//   out         [n/P, nrhs]   rows of X (kCholeskySolve); [n/P, n] rows of A⁻¹ (may be `a`
+//   b           [n/P, nrhs]   rows of B (kCholeskySolve, kLuSolve)
+//   out         [n/P, nrhs]   rows of X (kCholeskySolve, kLuSolve); [n/P, n] rows of A⁻¹ (may be `a`
 //                             itself when overwrite_a) or of V (kEigen, never `a`)
 //   eigenvalues [n]           real type of dtype (kEigen, kEigenvalues); optional
 //   logdet      []            real type of dtype (kCholeskySolve); optional
@@ -70,8 +74,9 @@ struct SolverShard {
   cudaStream_t stream = nullptr;
 };
 
-// What the host learns from a call. info > 0: A is not positive definite (kCholesky*) or the
-// eigensolver did not converge (kEigen*); every output then holds NaN. The index info refers to
+// What the host learns from a call. info > 0: A is not positive definite (kCholesky*), the
+// eigensolver did not converge (kEigen*) or A is singular (kLuSolve: a zero pivot); every output
+// then holds NaN. The index info refers to
 // the solver's internal row order, not A's. cusolverMgPotrf reports a failed factorization as
 // an internal error without an index: then info is 1.
 struct SolverResult {

@@ -61,6 +61,7 @@ struct WorkspaceLayout {
   std::size_t working = 0;  // the working array, when it is neither `a` nor `out`
   std::size_t panel = 0;    // one tile of columns, for shuffling rows in place
   std::size_t rhs = 0;      // B' on part 0
+  std::size_t pivots = 0;   // getrf's pivots (the LU solve): the part's, or on one GPU all n
   std::size_t scalars = 0;  // two float64 reductions
   // The first GPU's cusolverDn call (runs_cusolver_dn): the whole matrix gathered from the other
   // GPUs (the inverse over several), the call's workspace, the eigenvalues it writes to the device,
@@ -90,7 +91,7 @@ cusolverEigMode_t eigen_mode(SolverOp op) {
 }
 
 // Whether the op's routine after the factorization runs cusolverDn's on the first GPU instead of
-// cuSolverMg's over all of them. The inverse always does (solver_layout bounds its size):
+// cuSolverMg's over all of them (the LU solve: its factorization too, on one GPU). The inverse always does (solver_layout bounds its size):
 // cuSolverMg's potri returns wrong inverses on several GPUs once n passes 2048 (2x H200, CUDA 13.0,
 // 2026-11-27: residual 0.7 to 3.2 at n=3072 to 8192, whichever factorization, tile and padding),
 // so over several GPUs the factor is gathered onto the first; on one, cusolverDn's potri was the
@@ -101,7 +102,7 @@ cusolverEigMode_t eigen_mode(SolverOp op) {
 bool runs_cusolver_dn(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout) {
   if (op == SolverOp::kCholeskyInverse) return true;
   if (layout.parts != 1) return false;
-  return is_eigen(op) || uses_meshla_cholesky(op, problem);
+  return is_eigen(op) || uses_meshla_cholesky(op, problem) || op == SolverOp::kLuSolve;
 }
 
 // Whether cuSolverMg factors A (the reference factorization, cholesky=cusolvermg).
@@ -200,6 +201,8 @@ std::string_view solver_op_name(SolverOp op) {
       return "eigh";
     case SolverOp::kEigenvalues:
       return "eigvalsh";
+    case SolverOp::kLuSolve:
+      return "lu_solve";
   }
   return "dense solver";
 }
@@ -250,6 +253,16 @@ struct DenseSolver::Impl {
       case SolverOp::kCholeskyInverse:  // runs_cusolver_dn
         MESHLA_ASSERT(!mg_routine);
         break;
+      case SolverOp::kLuSolve: {
+        MatrixDescriptor b(n, problem.nrhs, problem.nrhs, problem.dtype, grid);
+        std::vector<int*> pivots(devices.size(), nullptr);
+        MESHLA_CHECK_CUSOLVER(cusolverMgGetrf_bufferSize(handle, n, n, arrays.data(), 1, 1, a.get(),
+                                                         pivots.data(), type, &lwork));
+        MESHLA_CHECK_CUSOLVER(cusolverMgGetrs_bufferSize(
+            handle, CUBLAS_OP_N, n, static_cast<int>(problem.nrhs), arrays.data(), 1, 1, a.get(),
+            pivots.data(), arrays.data(), 1, 1, b.get(), type, &second));
+        break;
+      }
       case SolverOp::kEigen:
       case SolverOp::kEigenvalues: {
         std::vector<double> eigenvalues(static_cast<std::size_t>(n));
@@ -263,7 +276,7 @@ struct DenseSolver::Impl {
   }
 
   // cusolverDn's device workspace for `op` on the first GPU (runs_cusolver_dn), and its host
-  // workspace in `host_bytes` (syevd's; potrs and potri take none).
+  // workspace in `host_bytes` (syevd's and getrf's; potrs, potri and getrs take none).
   std::size_t dense_bytes(SolverOp op, const SolverProblem& problem,
                           const BlockCyclicLayout& layout, std::size_t* host_bytes) const {
     *host_bytes = 0;
@@ -276,6 +289,12 @@ struct DenseSolver::Impl {
     }
     const cudaDataType type = detail::cuda_data_type(problem.dtype);
     std::size_t device_bytes = 0;
+    if (op == SolverOp::kLuSolve) {
+      MESHLA_CHECK_CUSOLVER(cusolverDnXgetrf_bufferSize(
+          cholesky->dense_handle(0), cholesky->dense_params(0), layout.padded_n(),
+          layout.padded_n(), type, nullptr, layout.padded_n(), type, &device_bytes, host_bytes));
+      return device_bytes;
+    }
     MESHLA_CHECK_CUSOLVER(cusolverDnXsyevd_bufferSize(
         cholesky->dense_handle(0), cholesky->dense_params(0), eigen_mode(op),
         CUBLAS_FILL_MODE_LOWER, layout.padded_n(), type, nullptr, layout.padded_n(),
@@ -307,9 +326,16 @@ struct DenseSolver::Impl {
       w.panel = offset;
       offset += align_up(static_cast<std::size_t>(layout.n * layout.tile) * element);
     }
-    if (op == SolverOp::kCholeskySolve && part == 0) {
+    if ((op == SolverOp::kCholeskySolve || op == SolverOp::kLuSolve) && part == 0) {
       w.rhs = offset;
       offset += align_up(static_cast<std::size_t>(layout.padded_n() * problem.nrhs) * element);
+    }
+    if (op == SolverOp::kLuSolve) {
+      // cuSolverMg's pivots are 32-bit, one per local column; cusolverDn's 64-bit, one per row.
+      w.pivots = offset;
+      offset += align_up(layout.parts == 1
+                             ? static_cast<std::size_t>(layout.padded_n()) * sizeof(std::int64_t)
+                             : static_cast<std::size_t>(layout.local_columns()) * sizeof(int));
     }
     if (uses_meshla_cholesky(op, problem)) {
       w.factor = offset;
@@ -470,10 +496,18 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
     pad_diagonal = 2.0 * bound + 1.0;
   }
 
-  // A's rows into the solver's order: in place, nothing to do where no row moves.
+  // A's rows into the solver's order: in place, nothing to do where no row moves. A general A's
+  // columns over several GPUs: from every part's rows (on one GPU the LU solve works on the
+  // rows as they are: Aᵀ column-major, which getrs solves transposed).
+  PartPointers a_parts;
+  for (int part = 0; part < parts; ++part) a_parts.data[part] = shards[part].a.data;
+  const bool general_columns = op == SolverOp::kLuSolve && parts > 1;
   for_each_part([&](int part, cudaStream_t stream) {
     const SolverShard& shard = shards[part];
-    if (where == Working::kA) {
+    if (general_columns) {
+      solver::columns_to_solver_order(dtype, a_parts, working.data[part], ld, layout, part,
+                                      pad_diagonal, stream);
+    } else if (where == Working::kA) {
       if (!layout.renumbers()) return;
       void* panel = workspace(part, workspaces[part].panel);
       for (std::int64_t first = 0; first < layout.local_columns(); first += layout.tile) {
@@ -490,11 +524,15 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   });
   PartPointers rhs_parts;
   void* rhs = nullptr;
-  if (op == SolverOp::kCholeskySolve) {
+  // The Cholesky solve works on conj(A) for a complex A (its rows read as columns), so on
+  // conj(B); the LU solve on A itself.
+  const bool conjugates = complex && op == SolverOp::kCholeskySolve;
+  if (op == SolverOp::kCholeskySolve || op == SolverOp::kLuSolve) {
     for (int part = 0; part < parts; ++part) rhs_parts.data[part] = shards[part].b.data;
     rhs = workspace(0, workspaces[0].rhs);
     detail::DeviceGuard guard(self.devices[0]);
-    solver::gather_rhs(dtype, rhs_parts, rhs, ld, layout, problem.nrhs, complex, shards[0].stream);
+    solver::gather_rhs(dtype, rhs_parts, rhs, ld, layout, problem.nrhs, conjugates,
+                       shards[0].stream);
   }
   synchronize_streams();
 
@@ -534,6 +572,26 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
         }
         break;
       }
+      case SolverOp::kLuSolve: {
+        if (layout.parts == 1) break;  // cusolverDn's, below
+        std::vector<int*> pivots(parts);
+        for (int part = 0; part < parts; ++part) {
+          pivots[part] = reinterpret_cast<int*>(workspace(part, workspaces[part].pivots));
+        }
+        MESHLA_CHECK_CUSOLVER(cusolverMgGetrf(self.handle, order, order, arrays.data(), 1, 1,
+                                              descriptor_a.get(), pivots.data(), type, work.data(),
+                                              lwork, &result.info));
+        if (result.info == 0) {
+          MatrixDescriptor descriptor_b(ld, problem.nrhs, problem.nrhs, dtype, self.grid);
+          std::vector<void*> rhs_arrays(parts, nullptr);
+          rhs_arrays[0] = rhs;
+          MESHLA_CHECK_CUSOLVER(cusolverMgGetrs(
+              self.handle, CUBLAS_OP_N, order, static_cast<int>(problem.nrhs), arrays.data(), 1, 1,
+              descriptor_a.get(), pivots.data(), rhs_arrays.data(), 1, 1, descriptor_b.get(), type,
+              work.data(), lwork, &result.info));
+        }
+        break;
+      }
       case SolverOp::kEigen:
       case SolverOp::kEigenvalues:
         break;
@@ -548,6 +606,23 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
     };
     if (dense) {
       MESHLA_CHECK_CUSOLVER(cusolverDnSetStream(self.cholesky->dense_handle(0), shards[0].stream));
+    }
+    if (op == SolverOp::kLuSolve && dense) {
+      // The working array is A's rows read column-major, Aᵀ: factored, then solved transposed.
+      const WorkspaceLayout& w = workspaces[0];
+      std::vector<char> host_work(std::max<std::size_t>(w.dense_host_bytes, 1));
+      auto* pivots = reinterpret_cast<std::int64_t*>(workspace(0, w.pivots));
+      MESHLA_CHECK_CUSOLVER(cusolverDnXgetrf(
+          self.cholesky->dense_handle(0), self.cholesky->dense_params(0), ld, ld, type,
+          working.data[0], ld, pivots, type, workspace(0, w.dense), w.dense_bytes,
+          host_work.data(), w.dense_host_bytes, dense_info));
+      read_dense_info();
+      if (result.info == 0) {
+        MESHLA_CHECK_CUSOLVER(cusolverDnXgetrs(
+            self.cholesky->dense_handle(0), self.cholesky->dense_params(0), CUBLAS_OP_T, ld,
+            problem.nrhs, type, working.data[0], ld, pivots, type, rhs, ld, dense_info));
+        read_dense_info();
+      }
     }
     if (op == SolverOp::kCholeskySolve && result.info == 0 && dense) {
       MESHLA_CHECK_CUSOLVER(cusolverDnXpotrs(
@@ -619,13 +694,16 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
     const SolverShard& shard = shards[part];
     switch (op) {
       case SolverOp::kCholeskySolve:
+      case SolverOp::kLuSolve:
         if (failed) {
           solver::fill_nan(dtype, shard.out.data, shard.out.numel(), stream);
         } else {
           solver::scatter_solution(dtype, rhs, ld, shard.out.data, layout, part, problem.nrhs,
-                                   complex, stream);
-          solver::sum_log_diagonal(dtype, working.data[part], ld, layout, part, scalars(part),
-                                   stream);
+                                   conjugates, stream);
+          if (op == SolverOp::kCholeskySolve) {
+            solver::sum_log_diagonal(dtype, working.data[part], ld, layout, part, scalars(part),
+                                     stream);
+          }
         }
         break;
       case SolverOp::kCholeskyInverse:

@@ -181,6 +181,42 @@ __global__ void scatter_solution_kernel(const T* src, Index ld, T* x, BlockCycli
   }
 }
 
+// Block (x: kTile solver rows r, y: kTile local columns) of a general A' = Π A Πᵀ: element
+// (r, g), g the local column's solver index, is A[original(r), original(g)], read from the row
+// block of the part that holds original row r. Loaded along the local columns (contiguous in
+// that row), stored along r (contiguous in the working column).
+template <typename T>
+__global__ void columns_to_solver_order_kernel(PartPointers shards, T* dst, Index ld,
+                                               BlockCyclicLayout layout, Index part,
+                                               T pad_diagonal) {
+  __shared__ T tile[kTile][kTile + 1];
+  const Index r0 = Index(blockIdx.x) * kTile;
+  const Index l0 = Index(blockIdx.y) * kTile;
+  const Index rows = layout.padded_n();
+  const Index locals = layout.local_columns();
+  for (int j = threadIdx.y; j < kTile; j += kTileRows) {
+    const Index r = r0 + j;
+    const Index local = l0 + threadIdx.x;
+    if (r < rows && local < locals) {
+      const Index original_row = layout.original_index(r);
+      T value = r == layout.solver_index_of_local(part, local) ? pad_diagonal : zero<T>();
+      if (original_row >= 0 && local < layout.rows_per_part) {
+        const Index owner = original_row / layout.rows_per_part;
+        const T* row = static_cast<const T*>(shards.data[owner]) +
+                       (original_row - owner * layout.rows_per_part) * layout.n;
+        value = row[part * layout.rows_per_part + local];
+      }
+      tile[j][threadIdx.x] = value;
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.y; j < kTile; j += kTileRows) {
+    const Index local = l0 + j;
+    const Index r = r0 + threadIdx.x;
+    if (r < rows && local < locals) dst[local * ld + r] = tile[threadIdx.x][j];
+  }
+}
+
 // Block (x: kTile solver rows r, y: kTile local columns) of the strict upper triangle: element
 // (r, g) with g the local column's solver index and r < g becomes conj(M[g, r]), which is row g of
 // solver column r (held by owner(r)). Loaded along g (contiguous in column r), stored along r.
@@ -315,6 +351,24 @@ void rows_to_solver_order(DType dtype, const void* src, Index src_ld, void* dst,
     rows_to_solver_order_kernel<T><<<segment_grid(layout, columns), kThreads, 0, stream>>>(
         static_cast<const T*>(src), src_ld, static_cast<T*>(dst), dst_ld, layout, part, first,
         columns, Element<T>::of_real(pad_diagonal));
+  });
+  MESHLA_CHECK_CUDA(cudaGetLastError());
+}
+
+void columns_to_solver_order(DType dtype, const PartPointers& shards, void* dst, Index ld,
+                             const BlockCyclicLayout& layout, Index part, double pad_diagonal,
+                             cudaStream_t stream) {
+  const Index row_tiles = (layout.padded_n() + kTile - 1) / kTile;
+  const Index column_tiles = (layout.local_columns() + kTile - 1) / kTile;
+  MESHLA_CHECK_ARG(column_tiles <= kMaxGridY,
+                   "columns_to_solver_order: " << layout.local_columns()
+                                               << " local columns exceed the kernel's grid");
+  dispatch(dtype, "columns_to_solver_order", [&](auto type) {
+    using T = decltype(type);
+    columns_to_solver_order_kernel<T>
+        <<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(column_tiles)),
+           dim3(kTile, kTileRows), 0, stream>>>(shards, static_cast<T*>(dst), ld, layout, part,
+                                                Element<T>::of_real(pad_diagonal));
   });
   MESHLA_CHECK_CUDA(cudaGetLastError());
 }

@@ -31,6 +31,14 @@ void rows_to_solver_order(DType dtype, const void* src, std::int64_t src_ld, voi
                           std::int64_t first, std::int64_t columns, double pad_diagonal,
                           cudaStream_t stream);
 
+// `part`'s local columns of a general A' = Π A Πᵀ in the working array (dst[c*ld + r'] =
+// A'[r', solver column of c]), read from every part's row block of A ([rows_per_part, n]
+// row-major, peers' memory read directly): the transpose of what rows_to_solver_order makes of
+// a row block, which is the same only for a symmetric A. Padding as rows_to_solver_order's.
+void columns_to_solver_order(DType dtype, const PartPointers& shards, void* dst, std::int64_t ld,
+                             const BlockCyclicLayout& layout, std::int64_t part,
+                             double pad_diagonal, cudaStream_t stream);
+
 // The inverse for real columns: dst[c*dst_ld + q] = src[c*src_ld + solver_index(q)], q < n.
 void rows_to_original_order(DType dtype, const void* src, std::int64_t src_ld, void* dst,
                             std::int64_t dst_ld, const BlockCyclicLayout& layout,

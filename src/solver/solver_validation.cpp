@@ -19,25 +19,29 @@ void check_solver_problem(SolverOp op, const SolverProblem& problem) {
                        dtype == DType::kComplex64 || dtype == DType::kComplex128,
                    solver_op_name(op) << ": dtype " << dtype_name(dtype)
                                       << " is not float32, float64, complex64 or complex128");
-  if (op == SolverOp::kCholeskySolve) {
-    MESHLA_CHECK_ARG(
-        problem.nrhs >= 1 && problem.nrhs <= 256,
-        "cholesky_solve: nrhs=" << problem.nrhs << " right-hand sides; cuSolverMg takes 1 to 256");
+  if (op == SolverOp::kCholeskySolve || op == SolverOp::kLuSolve) {
+    MESHLA_CHECK_ARG(problem.nrhs >= 1 && problem.nrhs <= 256,
+                     solver_op_name(op) << ": nrhs=" << problem.nrhs
+                                        << " right-hand sides; cuSolverMg takes 1 to 256");
   }
 }
 
 BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
                                 std::int64_t tile) {
   const bool eigen = op == SolverOp::kEigen || op == SolverOp::kEigenvalues;
-  // One GPU runs cusolverDn's syevd on the whole matrix (dense_solver.cpp): any tile, and by
-  // default one, so that nothing is padded.
-  if (eigen && parts == 1) return make_block_cyclic_layout(n, parts, tile, n);
+  // One GPU runs cusolverDn's syevd (getrf) on the whole matrix (dense_solver.cpp): any tile,
+  // and by default one, so that nothing is padded.
+  if ((eigen || op == SolverOp::kLuSolve) && parts == 1) {
+    return make_block_cyclic_layout(n, parts, tile, n);
+  }
   MESHLA_CHECK_ARG(!eigen || tile <= kLargestEigenTile,
                    solver_op_name(op) << ": tile=" << tile << " exceeds " << kLargestEigenTile
                                       << ", the largest tile cuSolverMg's syevd takes (0: "
                                          "meshla's choice)");
-  BlockCyclicLayout layout =
-      make_block_cyclic_layout(n, parts, tile, eigen ? kLargestEigenTile : kLargestCholeskyTile);
+  const std::int64_t largest = eigen                     ? kLargestEigenTile
+                                : op == SolverOp::kLuSolve ? kLargestLuTile
+                                                           : kLargestCholeskyTile;
+  BlockCyclicLayout layout = make_block_cyclic_layout(n, parts, tile, largest);
   if (op != SolverOp::kCholeskyInverse) return layout;
   // The inverse runs cusolverDn's potri on the first GPU (dense_solver.cpp: cuSolverMg's is wrong
   // on several GPUs), whose sizes are 32-bit: it refused n=49152 (CUSOLVER_STATUS_INVALID_VALUE).
@@ -56,6 +60,10 @@ BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
 
 BlockCyclicLayout check_solver_call(SolverOp op, const SolverProblem& problem, std::int64_t parts) {
   check_solver_problem(op, problem);
+  MESHLA_CHECK(kNotImplemented, !problem.overwrite_a || op != SolverOp::kLuSolve || parts == 1,
+               "lu_solve: overwrite_a on " << parts << " GPUs: cuSolverMg factors A's columns, "
+                                              "which each GPU reads from the others' row blocks "
+                                              "into a working copy; pass overwrite_a=False");
   const BlockCyclicLayout layout = solver_layout(op, problem.n, parts, problem.tile);
   MESHLA_CHECK_ARG(!problem.overwrite_a || !layout.padded(),
                    solver_op_name(op) << ": overwrite_a needs n/GPUs = " << problem.n << "/"
@@ -103,10 +111,11 @@ void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockC
     const SolverShard& shard = shards[part];
     check(shard.a, "a", part, problem.dtype, {rows, layout.n});
     switch (op) {
+      case SolverOp::kLuSolve:
       case SolverOp::kCholeskySolve:
         check(shard.b, "b", part, problem.dtype, {rows, problem.nrhs});
         check(shard.out, "out", part, problem.dtype, {rows, problem.nrhs});
-        if (shard.logdet.data != nullptr) {
+        if (op == SolverOp::kCholeskySolve && shard.logdet.data != nullptr) {
           check(shard.logdet, "logdet", part, real_dtype(problem.dtype), {});
         }
         break;

@@ -16,7 +16,7 @@ namespace meshla::solver {
 DType real_dtype(DType dtype);
 bool is_complex(DType dtype);
 
-// The dtype is one the solvers take; nrhs is 1 to 256 for kCholeskySolve.
+// The dtype is one the solvers take; nrhs is 1 to 256 for kCholeskySolve and kLuSolve.
 void check_solver_problem(SolverOp op, const SolverProblem& problem);
 
 // The most elements the inverse's padded matrix may have: cusolverDn's potri has 32-bit sizes.
@@ -25,13 +25,13 @@ constexpr std::int64_t kLargestInverseElements = 2147483647;
 // The layout `op` runs order n on `parts` GPUs in, with `tile` columns a tile (0: choose_tile's,
 // up to kLargestCholeskyTile or kLargestEigenTile); a tile over kLargestEigenTile for the
 // eigensolver on several GPUs is an error, and so is an inverse whose padded matrix has more than
-// kLargestInverseElements (kNotImplemented). On one GPU the eigensolver takes any tile, by default
-// the whole matrix.
+// kLargestInverseElements (kNotImplemented). On one GPU the eigensolver and the LU solve take
+// any tile, by default the whole matrix.
 BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts, std::int64_t tile);
 
 // A call of `op` with `problem` over `parts` GPUs, checked on its metadata alone: the problem
 // (check_solver_problem), its layout (solver_layout), and overwrite_a only where the layout does
-// not pad (padded, the solver works in a workspace of its own). Returns the layout. What
+// not pad (padded, the solver works in a workspace of its own) and, for kLuSolve, on one GPU. Returns the layout. What
 // DenseSolver runs, and what every front end checks first, on CPU arrays too. Exported for the
 // bindings (MESHLA_API).
 MESHLA_API BlockCyclicLayout check_solver_call(SolverOp op, const SolverProblem& problem,

@@ -209,5 +209,48 @@ TEST(SolverCall, ChecksTheProblemTheLayoutAndOverwriteAOnMetadata) {
   EXPECT_THROW(check_solver_call(SolverOp::kEigen, eigen, 2), Error);  // syevd's tile limit
 }
 
+TEST(SolverCall, TheLuSolveTakesRightHandSidesTilesUpTo1024AndOverwriteAOnOneGpu) {
+  const SolverProblem solve{.n = 4096, .dtype = DType::kComplex128, .nrhs = 3};
+  EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, solve, 2).tile, 1024);  // getrf: untried past
+  EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, solve, 1).tile, 4096);  // cusolverDn: no tiles
+  SolverProblem bad = solve;
+  bad.nrhs = 0;
+  try {
+    check_solver_call(SolverOp::kLuSolve, bad, 2);
+    FAIL() << "nrhs=0 taken";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("lu_solve: nrhs=0 right-hand sides"),
+              std::string::npos)
+        << error.what();
+  }
+  SolverProblem in_place = solve;
+  in_place.overwrite_a = true;
+  EXPECT_NO_THROW(check_solver_call(SolverOp::kLuSolve, in_place, 1));
+  try {
+    check_solver_call(SolverOp::kLuSolve, in_place, 2);
+    FAIL() << "overwrite_a taken on two GPUs";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kNotImplemented);
+    EXPECT_NE(std::string(error.what()).find("lu_solve: overwrite_a on 2 GPUs"), std::string::npos)
+        << error.what();
+  }
+}
+
+TEST(SolverValidation, TheLuSolveTakesBAndOutAndNoLogdet) {
+  Call lu;
+  lu.op = SolverOp::kLuSolve;
+  EXPECT_NO_THROW(lu.check());  // its logdet views are not read
+  lu.shards[1].b = make_tensor_view(fake_address(900), DType::kFloat64, {4, 3}, 5);
+  try {
+    lu.check();
+    FAIL() << "a b of 3 columns taken for nrhs=2";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("lu_solve: b of shard 1 has shape [4, 3], expected "
+                                             "[4, 2]"),
+              std::string::npos)
+        << error.what();
+  }
+}
+
 }  // namespace
 }  // namespace meshla::solver

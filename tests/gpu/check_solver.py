@@ -5,12 +5,12 @@ line per check.
 
 JAX (meshla.jax.linalg under jit, row-sharded arrays) and PyTorch (meshla.torch.linalg and the
 DenseSolver directly, on NaN-poisoned outputs): Cholesky solve with log-determinant, inverse,
-eigh and eigvalsh in float32, float64, complex64 and complex128, against numpy in float64 on the
-host with fresh random matrices: ||Ax - b|| / (||A|| ||x||), ||A A⁻¹ - I|| / (||A|| ||A⁻¹||),
-||AV - VΛ|| / ||A|| and ||VᴴV - I||. Also n not a multiple of the tile, n = 1, an
-ill-conditioned matrix, a non-positive-definite one (NaN and info > 0), two solves inside one jit,
-a donated input solved in its own buffers, and two 2-GPU meshes solving at the same time from two
-threads.
+eigh and eigvalsh, and the LU solve of a general matrix, in float32, float64, complex64 and
+complex128, against float64 references with fresh random matrices: ||Ax - b|| / (||A|| ||x||),
+||A A⁻¹ - I|| / (||A|| ||A⁻¹||), ||AV - VΛ|| / ||A|| and ||VᴴV - I||. Also n not a multiple of
+the tile, n = 1, an ill-conditioned matrix, a non-positive-definite one and a singular one (NaN
+and info > 0), two solves inside one jit, a donated input solved in its own buffers, and two
+2-GPU meshes solving at the same time from two threads.
 """
 
 import os
@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshla import _meshla  # noqa: E402
 from meshla.jax import linalg  # noqa: E402
-from matrices import DTYPES, TORCH_DTYPES, random_spd, random_symmetric, tolerance  # noqa: E402
+from matrices import (DTYPES, TORCH_DTYPES, random_general, random_spd,  # noqa: E402
+                      random_symmetric, tolerance)
 from meshla.torch import linalg as torch_linalg  # noqa: E402
 from meshla.torch._dtypes import DTYPES as MESHLA_DTYPES  # noqa: E402
 from reporting import Reporter, check_parser  # noqa: E402
@@ -136,9 +137,18 @@ class Checks:
             return ok, (f"residual {residual:.2e}, orthogonality {orthogonality:.2e}, eigenvalues "
                         f"{value_error:.2e}, eigvalsh {only_error:.2e} (tol {tol:.1e})")
 
+        def lu():
+            general = random_general(n, dtype, self.rng)
+            x, info = jax.jit(lambda a, b: linalg.lu_solve(a, b, mesh, tile=tile,
+                                                           return_info=True))(
+                jax.device_put(general, rows), jax.device_put(b, rows))
+            residual = solve_residual(general, x, b)
+            return int(info) == 0 and residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
+
         self.run(f"{label} cho_solve", solve)
         self.run(f"{label} cholesky_inverse", inverse)
         self.run(f"{label} eigh", eigh)
+        self.run(f"{label} lu_solve", lu)
 
     def jax_special(self, mesh):
         g = mesh.shape["x"]
@@ -163,6 +173,13 @@ class Checks:
             ok = (int(info) > 0 and np.isnan(np.asarray(x)).all() and int(inverse_info) > 0
                   and np.isnan(np.asarray(inverse)).all())
             return ok, f"info {int(info)}, inverse info {int(inverse_info)}"
+
+        def singular():
+            a = random_general(n, np.float64, self.rng, singular_column=n // 3)
+            x, info = linalg.lu_solve(jax.device_put(a, rows),
+                                      jax.device_put(np.ones((n, 2)), rows), mesh,
+                                      return_info=True)
+            return int(info) > 0 and np.isnan(np.asarray(x)).all(), f"lu_solve info {int(info)}"
 
         def twice_in_one_jit():
             a = random_spd(n, np.float64, self.rng, device=REFERENCE)
@@ -199,6 +216,7 @@ class Checks:
 
         self.run(f"jax g={g} ill-conditioned", ill_conditioned)
         self.run(f"jax g={g} not positive definite", not_spd)
+        self.run(f"jax g={g} singular (lu_solve)", singular)
         self.run(f"jax g={g} two solves in one jit, called twice", twice_in_one_jit)
         self.run(f"jax g={g} donated input", donated)
 
@@ -319,6 +337,26 @@ class Checks:
                                f"{logdet_error:.2e}")
             return ok, ", ".join(details) + f" (tol {tol:.1e})"
 
+        def lu_poisoned():
+            # DenseSolver directly, X NaN before the call; on one GPU in A's own buffer too.
+            solver = torch_linalg._solver(tuple(devices))
+            general = random_general(n, dtype, self.rng)
+            b = self.rng.standard_normal((n, 3)).astype(dtype)
+            op = _meshla.SolverOp.lu_solve
+            details, ok = [], True
+            for overwrite_a in (False, True) if g == 1 else (False,):
+                x = [torch.full((rows, 3), float("nan"), dtype=tdtype, device=f"cuda:{d}")
+                     for d in devices]
+                workspaces = torch_linalg._workspaces(solver, op, n, tdtype, 3, 0, overwrite_a,
+                                                      devices)
+                info, _, _, _ = solver.run(op, n, MESHLA_DTYPES[tdtype], 3, 0, overwrite_a,
+                                           shards(general), shards(b), x, [None] * g,
+                                           [None] * g, workspaces, torch_linalg._streams(devices))
+                residual = solve_residual(general, torch.cat([v.cpu() for v in x]).numpy(), b)
+                ok = ok and info == 0 and residual < tol
+                details.append(f"overwrite_a={overwrite_a}: residual {residual:.2e}")
+            return ok, ", ".join(details) + f" (tol {tol:.1e})"
+
         def overwrite_padded():
             # A padded layout works in a workspace of its own: overwrite_a cannot be honoured.
             a = random_spd(n, dtype, self.rng, device=REFERENCE)
@@ -335,6 +373,7 @@ class Checks:
                  factorizations_agree)
         self.run(f"{label} overwrite_a refused where the layout pads", overwrite_padded)
         self.run(f"{label} cholesky_inverse over a", inverse_in_place)
+        self.run(f"{label} lu_solve on poisoned outputs", lu_poisoned)
         self.run(f"{label} eigh and inverse on poisoned outputs", poisoned_outputs)
 
     def torch_large_inverse(self, devices):

@@ -6,9 +6,10 @@ one JSON line per check and rank.
 Each rank holds its row block of a fresh random matrix (the same seed on every rank), the group's
 first rank solves over every GPU through CUDA IPC, and every rank checks the gathered answer
 against numpy in float64: ||Ax - b|| / (||A|| ||x||) and log det, ||A A⁻¹ - I|| / (||A|| ||A⁻¹||),
-||AV - VΛ|| / ||A|| and the eigenvalues. Also a non-positive-definite matrix (LinAlgError on every
-rank), an inverse written over a's own buffers, and a rank whose outputs were poisoned before the
-call in the memory the solver's outputs reuse.
+||AV - VΛ|| / ||A|| and the eigenvalues, and the LU solve of a general matrix. Also a
+non-positive-definite matrix and a singular one (LinAlgError on every rank; NaN and info > 0
+without the check), an inverse written over a's own buffers, and a rank whose outputs were
+poisoned before the call in the memory the solver's outputs reuse.
 """
 
 import faulthandler
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from matrices import TORCH_DTYPES, random_spd, random_symmetric, tolerance
+from matrices import TORCH_DTYPES, random_general, random_spd, random_symmetric, tolerance
 from meshla.torch import linalg as torch_linalg
 from reporting import Reporter, check_parser
 
@@ -111,8 +112,18 @@ def main():
             ok = result.info == 0 and residual < tol and value_error < tol
             return ok, f"residual {residual:.2e}, eigenvalues {value_error:.2e} (tol {tol:.1e})"
 
+        def lu():
+            general = random_general(n, dtype, np.random.default_rng(seed[0] + 200 + case))
+            block = torch.from_numpy(general[rows]).to(device)
+            g64 = general.astype(a64.dtype)
+            poison_cache(n // size, 3, torch_dtype, device)
+            solved = torch_linalg.lu_solve_shard(block, b_block)
+            x = gathered(solved.x)
+            residual = np.linalg.norm(g64 @ x - b) / (np.linalg.norm(g64) * np.linalg.norm(x))
+            return solved.info == 0 and residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
+
         for routine, fn in (("cho_solve_shard", solve), ("cholesky_inverse_shard", inverse),
-                            ("eigh_shard", eigen)):
+                            ("eigh_shard", eigen), ("lu_solve_shard", lu)):
             check(reporter, "routines", f"{label}/{routine}/{dtype_name}/n={n}", rank, fn)
 
     def not_spd():
@@ -140,7 +151,22 @@ def main():
         return info == 0 and same and residual < tol, (
             f"residual {residual:.2e} (tol {tol:.1e}), written over a: {same}")
 
+    def singular():
+        n = 512
+        a = random_general(n, np.float64, np.random.default_rng(seed[0] + 9), singular_column=7)
+        block = torch.from_numpy(a[rank * n // size:(rank + 1) * n // size]).to(device)
+        ones = torch.ones(n // size, 1, dtype=torch.float64, device=device)
+        try:
+            torch_linalg.lu_solve_shard(block, ones)
+            return False, "no error for a singular matrix"
+        except torch.linalg.LinAlgError as e:
+            raised = "a is singular" in str(e)
+        failed = torch_linalg.lu_solve_shard(block, ones, check_errors=False)
+        nan = bool(torch.isnan(failed.x).all())
+        return raised and failed.info > 0 and nan, f"raised; info {failed.info}, NaN: {nan}"
+
     check(reporter, "special", f"{label}/cho_solve_shard/not_spd", rank, not_spd)
+    check(reporter, "special", f"{label}/lu_solve_shard/singular", rank, singular)
     check(reporter, "special", f"{label}/cholesky_inverse_shard/overwrite_a", rank,
           inverse_in_place)
     dist.barrier()

@@ -31,3 +31,15 @@ def random_symmetric(n, dtype, rng):
     if np.issubdtype(dtype, np.complexfloating):
         m = m + 1j * rng.standard_normal((n, n))
     return ((m + m.conj().T) / 2).astype(dtype)
+
+
+def random_general(n, dtype, rng, singular_column=None):
+    """A Gaussian matrix (not symmetric: the LU solve's pivoting is exercised); with
+    ``singular_column`` that column zero, which gives an exactly zero pivot whatever the
+    pivoting."""
+    m = rng.standard_normal((n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        m = m + 1j * rng.standard_normal((n, n))
+    if singular_column is not None:
+        m[:, singular_column] = 0
+    return m.astype(dtype)

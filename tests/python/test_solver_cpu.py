@@ -123,6 +123,70 @@ def test_jax_argument_errors(mesh):
         linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((8, 1)), mesh), mesh)
 
 
+def general(n, dtype, seed):
+    """A non-symmetric, well-conditioned matrix (a shifted Gaussian one)."""
+    rng = np.random.default_rng(seed)
+    m = rng.standard_normal((n, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        m = m + 1j * rng.standard_normal((n, n))
+    return (m + 3 * np.sqrt(n) * np.eye(n)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+def test_jax_lu_solve_matches_numpy_and_nans_a_singular_matrix(mesh, dtype):
+    n = 24
+    a = general(n, dtype, 11)
+    b = np.random.default_rng(12).standard_normal((n, 3)).astype(dtype)
+    x, info = jax.jit(lambda a, b: linalg.lu_solve(a, b, mesh, return_info=True))(
+        put(a, mesh), put(b, mesh))
+    assert int(info) == 0 and x.sharding.spec == P("x", None)
+    x = np.asarray(x)
+    assert np.linalg.norm(a @ x - b) / (np.linalg.norm(a) * np.linalg.norm(x)) < 1e-14
+    singular = a.copy()
+    singular[:, 5] = 0  # an exactly zero pivot, whatever the pivoting
+    x, info = linalg.lu_solve(put(singular, mesh), put(b[:, 0], mesh), mesh, return_info=True)
+    assert x.shape == (n,) and int(info) > 0 and np.isnan(np.asarray(x)).all()
+
+
+def test_jax_lu_solve_shard_form_and_its_refusals(mesh):
+    n = 16
+    a, b = general(n, np.float64, 13), np.ones((n, 2))
+
+    def body(a_block, b_block):
+        solved = linalg.lu_solve_shard(a_block, b_block, mesh=mesh)
+        return solved.x, solved.info
+
+    x, info = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x", None), P("x", None)),
+                                    out_specs=(P("x", None), P()), check_vma=False))(
+        put(a, mesh), put(b, mesh))
+    np.testing.assert_allclose(np.asarray(x), np.linalg.solve(a, b), rtol=1e-12)
+    assert int(info) == 0
+    with pytest.raises(NotImplementedError, match="lu_solve: overwrite_a on 4 GPUs"):
+        linalg.lu_solve(put(a, mesh), put(b, mesh), mesh, overwrite_a=True)
+    with pytest.raises(ValueError, match="lu_solve: nrhs=257 right-hand sides"):
+        linalg.lu_solve(put(a, mesh), put(np.ones((n, 257)), mesh), mesh)
+    with pytest.raises(ValueError, match=r"lu_solve: b has shape \(2, 1\)"):
+        linalg.lu_solve(put(a, mesh), put(np.ones((8, 1)), mesh), mesh)
+
+
+def test_torch_lu_solve_on_cpu_row_blocks():
+    n = 18
+    a = torch.from_numpy(general(n, np.complex128, 14))
+    b = torch.randn(n, 2, dtype=torch.complex128)
+    solved = torch_linalg.lu_solve(list(a.split(6)), list(b.split(6)))
+    x = torch.cat(solved.x)
+    assert solved.info == 0 and len(solved.x) == 3
+    assert torch.linalg.norm(a @ x - b) / (torch.linalg.norm(a) * torch.linalg.norm(x)) < 1e-14
+    singular = a.clone()
+    singular[:, 4] = 0
+    with pytest.raises(torch.linalg.LinAlgError, match="lu_solve: a is singular"):
+        torch_linalg.lu_solve(list(singular.split(6)), list(b.split(6)))
+    failed = torch_linalg.lu_solve(list(singular.split(6)), list(b.split(6)), check_errors=False)
+    assert failed.info > 0 and all(torch.isnan(block).all() for block in failed.x)
+    with pytest.raises(NotImplementedError, match="lu_solve: overwrite_a on 3 GPUs"):
+        torch_linalg.lu_solve(list(a.split(6)), list(b.split(6)), overwrite_a=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 def test_torch_cpu_row_blocks(dtype):
     n = 18
@@ -218,7 +282,9 @@ def _shard_forms(rank, size, results):
         written, _ = torch_linalg.cholesky_inverse_shard(own, overwrite_a=True)
         assert written is own and torch.equal(own, inverse)
         eig = torch_linalg.eigh_shard(a[rows])
-        results[rank] = (solved.x, solved.logdet, inverse, info, eig.eigenvalues, eig.eigenvectors)
+        lu = torch_linalg.lu_solve_shard(a[rows] + torch.triu(a[rows]), b[rows])  # not symmetric
+        results[rank] = (solved.x, solved.logdet, inverse, info, eig.eigenvalues, eig.eigenvectors,
+                         lu.x)
     finally:
         dist.destroy_process_group()
 
@@ -242,3 +308,7 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
     vectors = torch.cat([results[r][5] for r in range(size)])
     assert torch.allclose(values, torch.linalg.eigvalsh(a), atol=1e-12)
     assert torch.linalg.norm(a @ vectors - vectors * values) < 1e-10
+    general_a = torch.cat([a[r * n // size:(r + 1) * n // size]
+                           + torch.triu(a[r * n // size:(r + 1) * n // size]) for r in range(size)])
+    lu_x = torch.cat([results[r][6] for r in range(size)])
+    assert torch.linalg.norm(general_a @ lu_x - b) / torch.linalg.norm(b) < 1e-12

@@ -1,13 +1,15 @@
 """Distributed dense solvers for JAX: Cholesky solve (with log-determinant), inverse of a
-symmetric (Hermitian) positive-definite matrix, and the eigen-decomposition, over every GPU of a
-mesh axis.
+symmetric (Hermitian) positive-definite matrix, the eigen-decomposition, and the LU solve of a
+general matrix, over every GPU of a mesh axis.
 
 The matrix is sharded by rows over ``axis`` of ``mesh`` (``PartitionSpec(axis, None)``), the way
 JAX lays out a large array; right-hand sides likewise. On GPUs each call is one XLA FFI custom
 call per device: the calls of one solve meet inside meshla, and the first GPU's thread runs
 cuSolverMg over all of them (one process driving several GPUs). The row blocks are used as
 cuSolverMg's block-cyclic layout after a renumbering inside each GPU, so no matrix moves between
-GPUs and the extra memory is a few tile panels (see ``src/solver/block_cyclic.hpp``).
+GPUs and the extra memory is a few tile panels (see ``src/solver/block_cyclic.hpp``). The LU
+solve is the exception: a general A's columns are what cuSolverMg factors, so each GPU reads its
+columns from the others' row blocks into a working copy (A twice in memory, once over NVLink).
 
 Memory: the custom call declares that it writes into ``a`` (an output aliased to it), so XLA
 hands it a copy of ``a``: each GPU holds its row block twice (input and working copy) and a few
@@ -17,8 +19,9 @@ to solve in A's own memory, donate ``a`` and return the overwritten buffer
 is enough where nothing is padded). When n / GPUs is not a multiple of the tile, the solver pads
 and works in XLA scratch instead of the copy.
 
-Errors inside jit cannot raise: a matrix that is not positive definite (or an eigensolver that
-does not converge) gives NaN outputs and ``info > 0`` (returned with ``return_info=True``).
+Errors inside jit cannot raise: a matrix that is not positive definite (a singular one for the
+LU solve, or an eigensolver that does not converge) gives NaN outputs and ``info > 0`` (returned
+with ``return_info=True``).
 Bad shapes, dtypes or meshes raise at trace time or as ``XlaRuntimeError``. A GPU whose handler
 never arrives ends the call on the others after ``timeout_s`` with an error, and one whose own
 preparation fails (its workspace, say) ends it at once with that error. The solve itself is not
@@ -53,7 +56,10 @@ __all__ = [
     "cholesky_inverse_shard",
     "eigh",
     "eigh_shard",
+    "lu_solve",
+    "lu_solve_shard",
     "CholeskySolve",
+    "LuSolve",
     "Eigh",
 ]
 
@@ -73,6 +79,18 @@ class CholeskySolve(NamedTuple):
     logdet: jax.Array
     info: jax.Array
     overwritten_a: jax.Array  # A's buffer after the solver worked in it: garbage (see cho_solve)
+
+
+class LuSolve(NamedTuple):
+    """What :func:`lu_solve_shard` returns: ``x``, this device's rows of X; ``info``, an int32
+    scalar, 0 on success and > 0 where A is singular (a zero pivot; ``x`` is NaN then);
+    ``overwritten_a``, the buffer the solver worked in (as :class:`CholeskySolve`'s: garbage,
+    a zero-size placeholder where the solver worked in scratch, A's unchanged row block on CPU
+    devices). A plain named tuple: making one checks nothing."""
+
+    x: jax.Array
+    info: jax.Array
+    overwritten_a: jax.Array
 
 
 class Eigh(NamedTuple):
@@ -214,6 +232,46 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
     return CholeskySolve(x, logdet, info, working)
 
 
+def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> LuSolve:
+    """Inside ``shard_map``: this device's rows of a general A ([n/P, n]) and of B ([n/P, nrhs])
+    give its rows of X = A⁻¹ B (LU with partial pivoting) and info.
+
+    A is float32, float64, complex64 or complex128 (not necessarily symmetric), B of its dtype
+    with 1 to 256 columns; ``mesh``, ``axis``, ``tile`` and ``timeout_s`` as in
+    :func:`cho_solve_shard`. Returns a :class:`LuSolve`. Raises as :func:`cho_solve_shard`
+    does; a singular A raises nothing (NaN rows, info > 0). On several GPUs the solver works in
+    scratch of its own (the matrix's columns gathered from every GPU); on one it works in A's
+    buffer (``overwritten_a``) unless it pads."""
+    axis = _axis_of(mesh, axis)
+    _check_matrix(a_block, "lu_solve")
+    rows, n = a_block.shape
+    if b_block.ndim != 2 or b_block.shape[0] != rows or b_block.dtype != a_block.dtype:
+        raise ValueError(
+            f"lu_solve: b has shape {b_block.shape} and dtype {b_block.dtype}; expected "
+            f"[{rows}, nrhs] {a_block.dtype} (the rows of a are {a_block.shape})"
+        )
+    tile, padded = _layout(_meshla.SolverOp.lu_solve, a_block, mesh, axis, tile,
+                           nrhs=b_block.shape[1])
+    if not _on_gpu(mesh):
+        lu, pivots = jax.scipy.linalg.lu_factor(_gather_rows(a_block, axis))
+        zero_pivots = jnp.diagonal(lu) == 0
+        info = jnp.where(zero_pivots.any(), jnp.argmax(zero_pivots) + 1, 0).astype(jnp.int32)
+        x = jax.scipy.linalg.lu_solve((lu, pivots), _gather_rows(b_block, axis))
+        x = jnp.where(info > 0, jnp.nan, x).astype(a_block.dtype)
+        return LuSolve(_own_rows(x, axis, rows), info, a_block)
+    register_targets()
+    working, aliases = _working(a_block, padded or mesh.shape[axis] > 1)
+    call = jax.ffi.ffi_call(
+        "meshla_lu_solve",
+        (jax.ShapeDtypeStruct(b_block.shape, b_block.dtype), jax.ShapeDtypeStruct((), jnp.int32),
+         working),
+        input_output_aliases={0: 2} if aliases is None else aliases,
+    )
+    x, info, working = call(a_block, b_block, **_ffi_attributes(mesh, axis, tile, timeout_s))
+    return LuSolve(x, info, working)
+
+
 def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
                            timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[jax.Array, jax.Array]:
     """Inside ``shard_map``: this device's rows of A⁻¹ for a positive-definite A, and info.
@@ -328,6 +386,43 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     x = x[:, 0] if vector else x
     extra = (((logdet,) if return_logdet else ()) + ((info,) if return_info else ())
              + ((working,) if overwrite_a else ()))
+    return (x, *extra) if extra else x
+
+
+def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
+             return_info: bool = False, overwrite_a: bool = False,
+             timeout_s: float = DEFAULT_TIMEOUT_S):
+    """X = A⁻¹ B for a general A (LU with partial pivoting, as ``jnp.linalg.solve``) sharded by
+    rows over ``axis`` of ``mesh``; B is [n] or [n, nrhs] (nrhs <= 256) sharded the same way.
+    Returns X (sharded like B), or the tuple (X, then info with ``return_info``, the worked-in
+    buffer with ``overwrite_a``); info is an int32 scalar, 0 on success and > 0 where A is
+    singular (X is NaN then). Jittable; ``axis``, ``tile`` and ``timeout_s`` as in
+    :func:`cho_solve`.
+
+    ``overwrite_a`` as in :func:`cho_solve` (donate ``a`` and return the buffer), on one GPU
+    only: on several, the solver needs A's columns, which it gathers into scratch of its own
+    (A twice in memory).
+
+    Raises ``ValueError`` at trace time for an ``a`` that is not 2-D and the checks of
+    :func:`lu_solve_shard`; ``NotImplementedError`` for ``overwrite_a`` on several GPUs, for a
+    mesh whose devices span processes or a meshla built without XLA's FFI headers;
+    ``jax.errors.JaxRuntimeError`` from the custom call."""
+    axis = _axis_of(mesh, axis)
+    if a.ndim != 2:
+        raise ValueError(f"lu_solve: a has shape {a.shape}; expected [n, n]")
+    vector = b.ndim == 1
+    _, padded = _layout(_meshla.SolverOp.lu_solve, a, mesh, axis, tile,
+                        nrhs=1 if vector else b.shape[-1], overwrite_a=overwrite_a)
+    in_scratch = padded or mesh.shape[axis] > 1  # the placeholder lu_solve_shard returns
+    solve = functools.partial(lu_solve_shard, mesh=mesh, axis=axis, tile=tile,
+                              timeout_s=timeout_s)
+    x, info, working = _sharded(
+        lambda a_block, b_block: tuple(solve(a_block, b_block)), mesh,
+        (P(axis, None), P(axis, None)),
+        (P(axis, None), P(), P(axis) if in_scratch else P(axis, None)))(
+            a, b[:, None] if vector else b)
+    x = x[:, 0] if vector else x
+    extra = ((info,) if return_info else ()) + ((working,) if overwrite_a else ())
     return (x, *extra) if extra else x
 
 

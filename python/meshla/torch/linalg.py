@@ -7,9 +7,10 @@ rank drives every GPU through CUDA IPC, on copies of the other ranks' blocks tha
 GPU holds its blocks twice, and the first rank's process opens a context on every GPU).
 
 Calls wait for each device's current stream (their inputs) and return when the outputs are
-written. A matrix that is not positive definite (or an eigensolver that does not converge)
-raises ``torch.linalg.LinAlgError``, or, with ``check_errors=False``, gives NaN outputs and
-``info > 0``. On CPU tensors the functions run a torch.linalg reference.
+written. A matrix that is not positive definite (a singular one for the LU solve, or an
+eigensolver that does not converge) raises ``torch.linalg.LinAlgError``, or, with
+``check_errors=False``, gives NaN outputs and ``info > 0``. On CPU tensors the functions run a
+torch.linalg reference.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from meshla.torch._dtypes import DTYPES, dtype_of
 __all__ = [
     "CholeskySolve",
     "Eigh",
+    "LuSolve",
     "cho_solve",
     "cho_solve_shard",
     "cholesky_inverse",
     "cholesky_inverse_shard",
     "eigh",
     "eigh_shard",
+    "lu_solve",
+    "lu_solve_shard",
 ]
 
 
@@ -48,6 +52,16 @@ class CholeskySolve(NamedTuple):
 
     x: list[torch.Tensor]
     logdet: float
+    info: int
+
+
+class LuSolve(NamedTuple):
+    """What :func:`lu_solve` and :func:`lu_solve_shard` return: ``x``, the row blocks of X, as
+    :class:`CholeskySolve`'s; ``info``, 0 on success and > 0 where A is singular (a zero pivot;
+    with ``check_errors=False``, ``x`` is NaN then). A plain named tuple: making one checks
+    nothing."""
+
+    x: list[torch.Tensor]
     info: int
 
 
@@ -193,6 +207,47 @@ def _cho_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwr
         [b.contiguous() for b in b_shards], x, [None] * len(devices), [None] * len(devices),
         _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices), _streams(devices))
     return info, logdet
+
+
+def lu_solve(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor], *,
+             tile: int = 0, overwrite_a: bool = False, check_errors: bool = True) -> LuSolve:
+    """Row blocks of X = A⁻¹ B for a general A (LU with partial pivoting, as
+    ``torch.linalg.solve``); B's row blocks [n/P, nrhs], nrhs <= 256.
+
+    ``a_shards``, ``b_shards``, ``tile`` and ``check_errors`` as in :func:`cho_solve`, A need not
+    be symmetric. ``overwrite_a`` lets the solver factor in A's buffer on one GPU; on several it
+    needs A's columns, which it gathers from every GPU into a workspace of its own (A twice in
+    memory). Returns a :class:`LuSolve`. Raises as :func:`cho_solve` does (``ValueError``,
+    ``NotImplementedError`` for ``overwrite_a`` on several GPUs among them), and
+    ``torch.linalg.LinAlgError`` where A is singular, unless ``check_errors=False`` (then X is
+    NaN and info > 0)."""
+    n, dtype = _check_shards("lu_solve", a_shards)
+    nrhs = _check_rhs("lu_solve", a_shards, b_shards)
+    _check_call(_meshla.SolverOp.lu_solve, a_shards, nrhs, tile, overwrite_a)
+    if _on_cpu(a_shards):
+        factors, pivots, status = torch.linalg.lu_factor_ex(torch.cat(list(a_shards)))
+        info = int(status)
+        _raise_if_failed("lu_solve", info, check_errors, "a is singular")
+        x = torch.linalg.lu_solve(factors, pivots, torch.cat(list(b_shards)))
+        if info > 0:
+            x.fill_(float("nan"))
+        return LuSolve(list(x.split([a.shape[0] for a in a_shards])), info)
+    devices = _devices("lu_solve", a_shards)
+    x = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in b_shards]
+    info = _lu_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwrite_a)
+    _raise_if_failed("lu_solve", info, check_errors, "a is singular")
+    return LuSolve(x, info)
+
+
+def _lu_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwrite_a):
+    solver = _solver(devices)
+    op = _meshla.SolverOp.lu_solve
+    none = [None] * len(devices)
+    info, _, _, _ = solver.run(
+        op, n, DTYPES[dtype], nrhs, tile, overwrite_a, [a.contiguous() for a in a_shards],
+        [b.contiguous() for b in b_shards], x, none, none,
+        _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices), _streams(devices))
+    return info
 
 
 def cholesky_inverse(a_shards: Sequence[torch.Tensor], *, tile: int = 0,
@@ -388,6 +443,32 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
                                   work)
     _raise_if_failed("cho_solve_shard", info, check_errors, "a is not positive definite")
     return CholeskySolve(x, logdet, info)
+
+
+def lu_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 0,
+                   overwrite_a: bool = False, check_errors: bool = True) -> LuSolve:
+    """:func:`lu_solve` with one process per GPU, as :func:`cho_solve_shard` runs
+    :func:`cho_solve`: ``a`` and ``b`` are this rank's row blocks; returns a :class:`LuSolve`
+    whose ``x`` is this rank's row block of X. Raises as :func:`cho_solve_shard` does, and
+    ``torch.linalg.LinAlgError`` on every rank where A is singular unless
+    ``check_errors=False``."""
+    if a.device.type == "cpu":
+        result = lu_solve(_gather_rows(group, a), _gather_rows(group, b), tile=tile,
+                          overwrite_a=overwrite_a, check_errors=check_errors)
+        return LuSolve(_own_rows(group, result.x), result.info)
+    x = torch.empty_like(b, memory_format=torch.contiguous_format)
+
+    def work(parts):
+        a_shards, b_shards, x_shards = (list(role) for role in zip(*parts))
+        n, dtype = _check_shards("lu_solve_shard", a_shards)
+        nrhs = _check_rhs("lu_solve_shard", a_shards, b_shards)
+        _check_call(_meshla.SolverOp.lu_solve, a_shards, nrhs, tile, overwrite_a)
+        return _lu_solve_cuda(_devices("lu_solve_shard", a_shards), n, dtype, nrhs, a_shards,
+                              b_shards, x_shards, tile, overwrite_a)
+
+    info = _on_first_rank("lu_solve_shard", group, [a.contiguous(), b.contiguous(), x], work)
+    _raise_if_failed("lu_solve_shard", info, check_errors, "a is singular")
+    return LuSolve(x, info)
 
 
 def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,

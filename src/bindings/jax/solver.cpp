@@ -140,6 +140,25 @@ ffi::Error cholesky_solve(cudaStream_t stream, std::int32_t ordinal, ffi::Scratc
   });
 }
 
+ffi::Error lu_solve(cudaStream_t stream, std::int32_t ordinal, ffi::ScratchAllocator scratch,
+                    ffi::RunId run_id, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                    ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::Buffer<ffi::S32>> info,
+                    ffi::Result<ffi::AnyBuffer> working, ffi::Span<const std::int64_t> devices,
+                    std::int64_t group_size, std::int64_t tile, double timeout_s) {
+  return guarded([&] {
+    SolverShard shard = shard_on(stream, ordinal, a, info);
+    shard.b = view_of(b, ordinal, "b");
+    shard.out = view_of(*x, ordinal, "x");
+    const SolverProblem problem{.n = a.dimensions().back(),
+                                .dtype = shard.a.dtype,
+                                .nrhs = b.dimensions().back(),
+                                .tile = tile,
+                                .overwrite_a = works_in_a(a, *working)};
+    participate(SolverOp::kLuSolve, problem, shard, ordinal, scratch, run_id.run_id, devices,
+                group_size, timeout_s);
+  });
+}
+
 ffi::Error cholesky_inverse(cudaStream_t stream, std::int32_t ordinal,
                             ffi::ScratchAllocator scratch, ffi::RunId run_id, ffi::AnyBuffer a,
                             ffi::Result<ffi::AnyBuffer> out,
@@ -216,6 +235,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_cholesky_solve, cholesky_solve,
                                                            .Ret<ffi::Buffer<ffi::S32>>()
                                                            .Ret<ffi::AnyBuffer>()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_lu_solve, lu_solve,
+                              MESHLA_SOLVER_ATTRIBUTES(MESHLA_SOLVER_CONTEXT()
+                                                           .Arg<ffi::AnyBuffer>()
+                                                           .Arg<ffi::AnyBuffer>()
+                                                           .Ret<ffi::AnyBuffer>()
+                                                           .Ret<ffi::Buffer<ffi::S32>>()
+                                                           .Ret<ffi::AnyBuffer>()));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_cholesky_inverse, cholesky_inverse,
                               MESHLA_SOLVER_ATTRIBUTES(MESHLA_SOLVER_CONTEXT()
                                                            .Arg<ffi::AnyBuffer>()
@@ -239,6 +266,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_eigvalsh, eigvalsh,
 
 std::vector<std::pair<std::string, void*>> targets() {
   return {{"meshla_cholesky_solve", reinterpret_cast<void*>(&meshla_cholesky_solve)},
+          {"meshla_lu_solve", reinterpret_cast<void*>(&meshla_lu_solve)},
           {"meshla_cholesky_inverse", reinterpret_cast<void*>(&meshla_cholesky_inverse)},
           {"meshla_eigh", reinterpret_cast<void*>(&meshla_eigh)},
           {"meshla_eigvalsh", reinterpret_cast<void*>(&meshla_eigvalsh)}};

@@ -42,7 +42,8 @@ void bind_solver(nb::module_& m) {
       .value("cholesky_solve", SolverOp::kCholeskySolve)
       .value("cholesky_inverse", SolverOp::kCholeskyInverse)
       .value("eigh", SolverOp::kEigen)
-      .value("eigvalsh", SolverOp::kEigenvalues);
+      .value("eigvalsh", SolverOp::kEigenvalues)
+      .value("lu_solve", SolverOp::kLuSolve);
 
   m.def(
       "solver_call",
