@@ -34,13 +34,14 @@ BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
   if ((eigen || op == SolverOp::kLuSolve) && parts == 1) {
     return make_block_cyclic_layout(n, parts, tile, n);
   }
-  MESHLA_CHECK_ARG(!eigen || tile <= kLargestEigenTile,
-                   solver_op_name(op) << ": tile=" << tile << " exceeds " << kLargestEigenTile
-                                      << ", the largest tile cuSolverMg's syevd takes (0: "
-                                         "meshla's choice)");
-  const std::int64_t largest = eigen                     ? kLargestEigenTile
-                                : op == SolverOp::kLuSolve ? kLargestLuTile
-                                                           : kLargestCholeskyTile;
+  // cuSolverMg's syevd and getrf refuse tiles past theirs (CUSOLVER_STATUS_INVALID_VALUE).
+  const bool lu = op == SolverOp::kLuSolve;
+  const std::int64_t largest =
+      eigen ? kLargestEigenTile : (lu ? kLargestLuTile : kLargestCholeskyTile);
+  MESHLA_CHECK_ARG(!(eigen || lu) || tile <= largest,
+                   solver_op_name(op) << ": tile=" << tile << " exceeds " << largest
+                                      << ", the largest tile cuSolverMg's "
+                                      << (lu ? "getrf" : "syevd") << " takes (0: meshla's choice)");
   BlockCyclicLayout layout = make_block_cyclic_layout(n, parts, tile, largest);
   if (op != SolverOp::kCholeskyInverse) return layout;
   // The inverse runs cusolverDn's potri on the first GPU (dense_solver.cpp: cuSolverMg's is wrong

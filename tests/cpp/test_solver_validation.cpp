@@ -209,10 +209,22 @@ TEST(SolverCall, ChecksTheProblemTheLayoutAndOverwriteAOnMetadata) {
   EXPECT_THROW(check_solver_call(SolverOp::kEigen, eigen, 2), Error);  // syevd's tile limit
 }
 
-TEST(SolverCall, TheLuSolveTakesRightHandSidesTilesUpTo1024AndOverwriteAOnOneGpu) {
+TEST(SolverCall, TheLuSolveTakesRightHandSidesTilesUpTo512AndOverwriteAOnOneGpu) {
   const SolverProblem solve{.n = 4096, .dtype = DType::kComplex128, .nrhs = 3};
-  EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, solve, 2).tile, 1024);  // getrf: untried past
+  EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, solve, 2).tile, 512);   // getrf's largest
   EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, solve, 1).tile, 4096);  // cusolverDn: no tiles
+  SolverProblem large_tile = solve;
+  large_tile.tile = 768;
+  EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, large_tile, 1).tile, 768);
+  try {
+    check_solver_call(SolverOp::kLuSolve, large_tile, 2);
+    FAIL() << "tile=768 taken on two GPUs";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("lu_solve: tile=768 exceeds 512, the largest tile "
+                                             "cuSolverMg's getrf takes"),
+              std::string::npos)
+        << error.what();
+  }
   SolverProblem bad = solve;
   bad.nrhs = 0;
   try {

@@ -240,7 +240,8 @@ def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, til
     A is float32, float64, complex64 or complex128 (not necessarily symmetric), B of its dtype
     with 1 to 256 columns; ``mesh``, ``axis``, ``tile`` and ``timeout_s`` as in
     :func:`cho_solve_shard`. Returns a :class:`LuSolve`. Raises as :func:`cho_solve_shard`
-    does; a singular A raises nothing (NaN rows, info > 0). On several GPUs the solver works in
+    does, and ``ValueError`` for a ``tile`` above 512 on several devices (cuSolverMg's getrf's
+    largest); a singular A raises nothing (NaN rows, info > 0). On several GPUs the solver works in
     scratch of its own (the matrix's columns gathered from every GPU); on one it works in A's
     buffer (``overwritten_a``) unless it pads."""
     axis = _axis_of(mesh, axis)

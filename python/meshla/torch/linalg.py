@@ -217,8 +217,9 @@ def lu_solve(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor],
     ``a_shards``, ``b_shards``, ``tile`` and ``check_errors`` as in :func:`cho_solve`, A need not
     be symmetric. ``overwrite_a`` lets the solver factor in A's buffer on one GPU; on several it
     needs A's columns, which it gathers from every GPU into a workspace of its own (A twice in
-    memory). Returns a :class:`LuSolve`. Raises as :func:`cho_solve` does (``ValueError``,
-    ``NotImplementedError`` for ``overwrite_a`` on several GPUs among them), and
+    memory). Returns a :class:`LuSolve`. Raises as :func:`cho_solve` does (``ValueError``, a
+    ``tile`` above 512 on several GPUs included; ``NotImplementedError`` for ``overwrite_a`` on
+    several GPUs among them), and
     ``torch.linalg.LinAlgError`` where A is singular, unless ``check_errors=False`` (then X is
     NaN and info > 0)."""
     n, dtype = _check_shards("lu_solve", a_shards)
