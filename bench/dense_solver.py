@@ -7,10 +7,12 @@ For each dtype (float64, float32), GPU count (1, 2, 4) and n: the jitted
 factorization, then cuSolverMg's potrs), beside the time raw cuSolverMg spends in its potrf +
 potrs on the same GPUs and tile (measured inside meshla's DenseSolver with cholesky="cusolvermg",
 data already in its layout), and
-``jax.scipy.linalg.cho_factor`` + ``cho_solve`` on one GPU. Then eigh and the SPD inverse beside
+``jax.scipy.linalg.cho_factor`` + ``cho_solve`` on one GPU. Then ``lu_solve`` (``--lu-sizes``)
+on 1, 2, 4 GPUs beside ``jnp.linalg.solve`` on one GPU, eigh and the SPD inverse beside
 ``jnp.linalg.eigh`` / ``jnp.linalg.inv`` on one GPU, and with ``--largest`` the largest float64 n
-solved on all GPUs (input donated). Matrices are symmetric Hankel matrices h(i + j) plus n·I
-(diagonally dominant, so positive definite), generated on the GPUs row block by row block.
+solved on all GPUs (input donated). Matrices are Hankel matrices h(i + j) plus n·I (diagonally
+dominant, so positive definite; for the LU solve h(i + 2j) + n·I, not symmetric), generated on
+the GPUs row block by row block.
 Prints a table last and writes JSON with device, date and commit.
 """
 
@@ -44,11 +46,13 @@ from meshla.torch import linalg as torch_linalg  # noqa: E402
 from meshla.torch._dtypes import DTYPES  # noqa: E402
 
 
-def hankel_block(row0, rows, n, dtype):
-    """Rows [row0, row0 + rows) of h(i + j) + n I, h(k) = sin(0.618 k) in [-1, 1]."""
+def hankel_block(row0, rows, n, dtype, column_stride=1):
+    """Rows [row0, row0 + rows) of h(i + column_stride j) + n I, h(k) = sin(0.618 k) in [-1, 1]
+    (symmetric for column_stride 1)."""
     i = row0 + jnp.arange(rows)[:, None]
     j = jnp.arange(n)[None, :]
-    return jnp.sin(jnp.asarray(0.6180339887, dtype) * (i + j).astype(dtype)) + n * (i == j)
+    k = (i + column_stride * j).astype(dtype)
+    return jnp.sin(jnp.asarray(0.6180339887, dtype) * k) + n * (i == j)
 
 
 def hankel_block_torch(row0, rows, n, dtype, device):
@@ -58,12 +62,12 @@ def hankel_block_torch(row0, rows, n, dtype, device):
     return torch.sin(0.6180339887 * (i + j).to(dtype)) + n * (i == j)
 
 
-def make_matrix(mesh, n, dtype):
+def make_matrix(mesh, n, dtype, column_stride=1):
     g = mesh.shape["x"]
     rows = n // g
 
     def block(_):
-        return hankel_block(jax.lax.axis_index("x") * rows, rows, n, dtype)
+        return hankel_block(jax.lax.axis_index("x") * rows, rows, n, dtype, column_stride)
 
     return jax.jit(jax.shard_map(block, mesh=mesh, in_specs=P("x"), out_specs=P("x", None)))(
         jnp.zeros(g))
@@ -107,9 +111,9 @@ def raw_cusolvermg_seconds(devices, n, dtype, tile, repeats):
     return statistics.median(seconds)
 
 
-def row_residual(x, n, dtype):
+def row_residual(x, n, dtype, column_stride=1):
     """max |(A x - 1)_i| / (||A_i|| ||x||) over the first 64 rows, A rebuilt on the host."""
-    rows = np.asarray(hankel_block(0, 64, n, dtype), np.float64)
+    rows = np.asarray(hankel_block(0, 64, n, dtype, column_stride), np.float64)
     return float(np.abs(rows @ x - 1.0).max() / (np.linalg.norm(rows, axis=1).max()
                                                  * np.linalg.norm(x)))
 
@@ -165,6 +169,48 @@ def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles, gpu_counts):
                     }
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                a = b = None  # lets go of their device memory
+    return rows
+
+
+def bench_lu_solve(devices, sizes, dtypes, repeats, gpu_counts):
+    """meshla's lu_solve on each GPU count beside jnp.linalg.solve on one GPU (2/3 n³ flops)."""
+    rows = []
+    counts = [g for g in gpu_counts if g <= len(devices)]
+    progress = Progress("dense_solver lu_solve", len(dtypes) * len(sizes) * len(counts))
+    for dtype in dtypes:
+        for n in sizes:
+            single_seconds = None
+            for g in counts:
+                progress.start(f"{np.dtype(dtype).name} n={n} on {g} GPU(s)")
+                mesh = Mesh(np.array(devices[:g]), ("x",))
+                # A, XLA's copy of it, and on several GPUs the solver's working copy.
+                if 3.2 * n * n * np.dtype(dtype).itemsize / g > (
+                        devices[0].memory_stats()["bytes_limit"]):
+                    continue
+                a = make_matrix(mesh, n, dtype, column_stride=2)
+                b = jax.device_put(jnp.ones((n, 1), dtype), NamedSharding(mesh, P("x", None)))
+                if g == 1:
+                    single = jax.jit(jnp.linalg.solve)
+                    try:
+                        single_seconds = timed(lambda: single(a, b), repeats)
+                    except jax.errors.JaxRuntimeError as error:  # out of memory on one GPU
+                        print(f"n={n}: one-GPU jnp.linalg.solve failed: {str(error)[:200]}",
+                              flush=True)
+                solve = jax.jit(functools.partial(linalg.lu_solve, mesh=mesh))
+                meshla_s = timed(lambda: solve(a, b), repeats)
+                row = {
+                    "op": "lu_solve", "dtype": np.dtype(dtype).name, "n": n, "gpus": g,
+                    "tile": _meshla.solver_call(_meshla.SolverOp.lu_solve, n,
+                                                JAX_DTYPES[np.dtype(dtype)], 1, g, 0)[0],
+                    "meshla_s": meshla_s,
+                    "residual_first_rows": row_residual(np.asarray(solve(a, b)[:, 0]), n, dtype,
+                                                        column_stride=2),
+                    "jax_1gpu_s": single_seconds,
+                    "meshla_tflops": 2 * potrf_flops(n) / meshla_s / 1e12,
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
                 a = b = None  # lets go of their device memory
     return rows
 
@@ -226,6 +272,7 @@ def main():
     parser.add_argument("--sizes", default="8192,16384,32768,65536")
     parser.add_argument("--dtypes", default="float64,float32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lu-sizes", default="16384,32768")
     parser.add_argument("--eigh-n", type=int, default=8192)
     parser.add_argument("--inverse-n", type=int, default=16384)
     parser.add_argument("--largest", default="")
@@ -246,6 +293,9 @@ def main():
                                 [int(t) for t in args.extra_tiles.split(",") if t],
                                 [int(g) for g in args.gpu_counts.split(",")]),
     }
+    gpu_counts = [int(g) for g in args.gpu_counts.split(",")]
+    result["rows"] += bench_lu_solve(devices, [int(s) for s in args.lu_sizes.split(",") if s],
+                                     dtypes, args.repeats, gpu_counts)
     result["rows"] += bench_others(devices, args.eigh_n, args.inverse_n, args.repeats)
     if args.largest:
         result["rows"] += largest(devices, [int(s) for s in args.largest.split(",")])

@@ -98,8 +98,8 @@ BlockCyclicLayout make_block_cyclic_layout(std::int64_t n, std::int64_t parts, s
 // (CUSOLVER_STATUS_INVALID_VALUE; one H100, CUDA 13.0), which is also the most it is given.
 constexpr std::int64_t kLargestCholeskyTile = 2048;
 constexpr std::int64_t kLargestEigenTile = 1024;
-// cuSolverMg's getrf refused 768-column tiles (CUSOLVER_STATUS_INVALID_VALUE) and took 500
-// (2x H200, CUDA 13.0, 2026-11-28); 512 is the largest the LU solve gives it.
+// cuSolverMg's getrf takes tiles of up to 512 columns: 513 and above returned
+// CUSOLVER_STATUS_INVALID_VALUE (info -6, the tile's descriptor; 2x H200, CUDA 13.0, 2026-11-28).
 constexpr std::int64_t kLargestLuTile = 512;
 
 // The tile meshla uses when the caller gives none: n/parts itself up to `largest` rows per GPU
