@@ -22,9 +22,11 @@ projection ([M, 28672/tp] times [8192, 28672/tp]). Variants of one (op, M), on t
 
 Then one AdamW training step of examples/jax_tp_mlp.py (op mlp_train_step) at the same sizes: one
 block, [1, M, 8192] bf16 tokens split over the GPUs, 28672 hidden features, for M in
---mlp-tokens; variants xla_default, xla_windowed (plain jax.numpy on sharded arrays) and meshla
-(its all-gather→GEMM and GEMM→reduce-scatter, their conjugates in the backward). Each variant's
-first loss is checked against xla_default's; its ratio is its time over XLA's faster variant's.
+--mlp-tokens; variants xla_default, xla_windowed (plain jax.numpy on sharded arrays), meshla
+(its all-gather→GEMM and GEMM→reduce-scatter, their conjugates in the backward) and
+meshla_fp8_tensorwise / meshla_fp8_rowwise (the same in fp8: ``fp8=`` on both ops). Each
+variant's first loss is checked against xla_default's (fp8's within its rounding); its ratio is
+its time over XLA's faster variant's.
 
 A time is the median over --reps of --iters back-to-back dispatches of the jitted call, measured
 on the host from the first dispatch to the last result, after --warmup-ms of the variant alone
@@ -220,6 +222,8 @@ def mlp_step_variants(jax, mesh, m: int, windowed_only: bool) -> dict:
     losses = {"xla_default": example.plain_loss}
     if not windowed_only:
         losses["meshla"] = example.sharded_meshla_loss(mesh, 1)
+        for recipe in ("tensorwise", "rowwise"):
+            losses[f"meshla_fp8_{recipe}"] = example.sharded_meshla_loss(mesh, 1, recipe)
     variants = {}
     for name, loss in losses.items():
         step, init = example.training_step(loss)
@@ -337,7 +341,8 @@ def main():
             results = {**measure(jax, xla, args), **measure(jax, variants, args, reference)}
         except Exception as failure:  # reported in its rows; the operations' rows still land
             note = f"{type(failure).__name__}: {str(failure)[:200]}"
-            names = ("xla_default",) if args.windowed_only else ("xla_default", "meshla")
+            names = ("xla_default",) if args.windowed_only else (
+                "xla_default", "meshla", "meshla_fp8_tensorwise", "meshla_fp8_rowwise")
             results = {name: (None, note) for name in names}
         add_rows(MLP_STEP, m, results)
     if args.windowed_only:
