@@ -63,7 +63,8 @@ struct SolverProblem {
 // One GPU's part of a call, on the GPU of the solver's part of the same index.
 //   a           [n/P, n]      rows of A (input)
 //   b           [n/P, nrhs]   rows of B (kCholeskySolve, kLuSolve)
-//   out         [n/P, nrhs]   rows of X (kCholeskySolve, kLuSolve); [n/P, n] rows of A⁻¹ (may be `a`
+//   out         [n/P, nrhs]   rows of X (kCholeskySolve, kLuSolve); [n/P, n] rows of A⁻¹ (may be
+//   `a`
 //                             itself when overwrite_a) or of V (kEigen, never `a`)
 //   eigenvalues [n]           real type of dtype (kEigen, kEigenvalues); optional
 //   logdet      []            real type of dtype (kCholeskySolve); optional

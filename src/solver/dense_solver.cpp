@@ -91,14 +91,14 @@ cusolverEigMode_t eigen_mode(SolverOp op) {
 }
 
 // Whether the op's routine after the factorization runs cusolverDn's on the first GPU instead of
-// cuSolverMg's over all of them (the LU solve: its factorization too, on one GPU). The inverse always does (solver_layout bounds its size):
-// cuSolverMg's potri returns wrong inverses on several GPUs once n passes 2048 (2x H200, CUDA 13.0,
-// 2026-11-27: residual 0.7 to 3.2 at n=3072 to 8192, whichever factorization, tile and padding),
-// so over several GPUs the factor is gathered onto the first; on one, cusolverDn's potri was the
-// faster anyway (0.27 s against 0.35 s at n=16384, one H100). On one GPU also the solve after
-// meshla's factorization (cuSolverMg's potrs took a quarter longer at n=16384 and synchronised the
-// host after every tile) and the eigensolver (cuSolverMg's syevd took 1.71 s at n=8192,
-// cusolverDn's 0.61 s).
+// cuSolverMg's over all of them (the LU solve: its factorization too, on one GPU). The inverse
+// always does (solver_layout bounds its size): cuSolverMg's potri returns wrong inverses on several
+// GPUs once n passes 2048 (2x H200, CUDA 13.0, 2026-11-27: residual 0.7 to 3.2 at n=3072 to 8192,
+// whichever factorization, tile and padding), so over several GPUs the factor is gathered onto the
+// first; on one, cusolverDn's potri was the faster anyway (0.27 s against 0.35 s at n=16384, one
+// H100). On one GPU also the solve after meshla's factorization (cuSolverMg's potrs took a quarter
+// longer at n=16384 and synchronised the host after every tile) and the eigensolver (cuSolverMg's
+// syevd took 1.71 s at n=8192, cusolverDn's 0.61 s).
 bool runs_cusolver_dn(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout) {
   if (op == SolverOp::kCholeskyInverse) return true;
   if (layout.parts != 1) return false;
@@ -612,10 +612,10 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
       const WorkspaceLayout& w = workspaces[0];
       std::vector<char> host_work(std::max<std::size_t>(w.dense_host_bytes, 1));
       auto* pivots = reinterpret_cast<std::int64_t*>(workspace(0, w.pivots));
-      MESHLA_CHECK_CUSOLVER(cusolverDnXgetrf(
-          self.cholesky->dense_handle(0), self.cholesky->dense_params(0), ld, ld, type,
-          working.data[0], ld, pivots, type, workspace(0, w.dense), w.dense_bytes,
-          host_work.data(), w.dense_host_bytes, dense_info));
+      MESHLA_CHECK_CUSOLVER(
+          cusolverDnXgetrf(self.cholesky->dense_handle(0), self.cholesky->dense_params(0), ld, ld,
+                           type, working.data[0], ld, pivots, type, workspace(0, w.dense),
+                           w.dense_bytes, host_work.data(), w.dense_host_bytes, dense_info));
       read_dense_info();
       if (result.info == 0) {
         MESHLA_CHECK_CUSOLVER(cusolverDnXgetrs(

@@ -62,7 +62,8 @@ BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
 BlockCyclicLayout check_solver_call(SolverOp op, const SolverProblem& problem, std::int64_t parts) {
   check_solver_problem(op, problem);
   MESHLA_CHECK(kNotImplemented, !problem.overwrite_a || op != SolverOp::kLuSolve || parts == 1,
-               "lu_solve: overwrite_a on " << parts << " GPUs: cuSolverMg factors A's columns, "
+               "lu_solve: overwrite_a on " << parts
+                                           << " GPUs: cuSolverMg factors A's columns, "
                                               "which each GPU reads from the others' row blocks "
                                               "into a working copy; pass overwrite_a=False");
   const BlockCyclicLayout layout = solver_layout(op, problem.n, parts, problem.tile);

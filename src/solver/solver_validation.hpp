@@ -31,9 +31,9 @@ BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
 
 // A call of `op` with `problem` over `parts` GPUs, checked on its metadata alone: the problem
 // (check_solver_problem), its layout (solver_layout), and overwrite_a only where the layout does
-// not pad (padded, the solver works in a workspace of its own) and, for kLuSolve, on one GPU. Returns the layout. What
-// DenseSolver runs, and what every front end checks first, on CPU arrays too. Exported for the
-// bindings (MESHLA_API).
+// not pad (padded, the solver works in a workspace of its own) and, for kLuSolve, on one GPU.
+// Returns the layout. What DenseSolver runs, and what every front end checks first, on CPU arrays
+// too. Exported for the bindings (MESHLA_API).
 MESHLA_API BlockCyclicLayout check_solver_call(SolverOp op, const SolverProblem& problem,
                                                std::int64_t parts);
 

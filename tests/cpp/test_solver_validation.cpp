@@ -220,8 +220,9 @@ TEST(SolverCall, TheLuSolveTakesRightHandSidesTilesUpTo512AndOverwriteAOnOneGpu)
     check_solver_call(SolverOp::kLuSolve, large_tile, 2);
     FAIL() << "tile=768 taken on two GPUs";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("lu_solve: tile=768 exceeds 512, the largest tile "
-                                             "cuSolverMg's getrf takes"),
+    EXPECT_NE(std::string(error.what())
+                  .find("lu_solve: tile=768 exceeds 512, the largest tile "
+                        "cuSolverMg's getrf takes"),
               std::string::npos)
         << error.what();
   }
@@ -257,8 +258,9 @@ TEST(SolverValidation, TheLuSolveTakesBAndOutAndNoLogdet) {
     lu.check();
     FAIL() << "a b of 3 columns taken for nrhs=2";
   } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("lu_solve: b of shard 1 has shape [4, 3], expected "
-                                             "[4, 2]"),
+    EXPECT_NE(std::string(error.what())
+                  .find("lu_solve: b of shard 1 has shape [4, 3], expected "
+                        "[4, 2]"),
               std::string::npos)
         << error.what();
   }
