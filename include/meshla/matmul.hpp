@@ -15,6 +15,7 @@
 // cuBLASLt's outer-vector scales do not run there; everything else runs on cuBLASLt.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -53,7 +54,16 @@ struct MatmulOperands {
   void* d = nullptr;
   const float* a_scale = nullptr;  // fp8: one float (tensorwise) or m (rowwise)
   const float* b_scale = nullptr;  // fp8: one float (tensorwise) or n (rowwise)
+  // The call's own workspace, kMatmulWorkspaceBytes at a 256-byte boundary, for callers whose
+  // calls on one device may run at once (XLA schedules what it sees; a workspace it does not
+  // see would be shared unordered). nullptr: the Matmul's, which its calls share, so that they
+  // must run one after another (one stream, or streams ordered by the caller).
+  void* workspace = nullptr;
 };
+
+// Bytes of a call's own workspace (MatmulOperands::workspace): cuBLASLt's recommended workspace
+// for Hopper.
+inline constexpr std::size_t kMatmulWorkspaceBytes = std::size_t{32} << 20;
 
 // The rules prepare() and run() apply to a shape (extents, pitches, dtypes, scales), on the shape
 // alone: throws kInvalidArgument or kNotImplemented with a message that names what is wrong.

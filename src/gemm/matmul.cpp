@@ -17,8 +17,7 @@
 namespace meshla {
 namespace {
 
-// cuBLASLt's recommended workspace for Hopper.
-constexpr std::size_t kWorkspaceBytes = 32u << 20;
+constexpr std::size_t kWorkspaceBytes = kMatmulWorkspaceBytes;
 // Heuristic candidates timed by prepare(), and timed runs of each.
 constexpr int kCandidates = 8;
 constexpr int kTuneRepeats = 5;
@@ -486,16 +485,18 @@ void Matmul::run(const MatmulShape& shape, const MatmulOperands& ops, cudaStream
                    "matmul: the shape asks for an addend but none is given");
   MESHLA_CHECK_ARG(packed.scaling == MatmulScaling::kNone || (ops.a_scale && ops.b_scale),
                    "matmul: a float8 product needs a_scale and b_scale");
+  MESHLA_CHECK_ARG(reinterpret_cast<std::uintptr_t>(ops.workspace) % 256 == 0,
+                   "matmul: the call's workspace is not 256-byte aligned");
+  void* workspace = ops.workspace != nullptr ? ops.workspace : impl_->workspace.data();
   detail::DeviceGuard guard(impl_->device);
   if (impl_->runs_cutlass(packed)) {
     gemm::run_sm90_rowwise_fp8(packed, ops, impl_->device,
-                               packed.sm_count > 0 ? packed.sm_count : impl_->sm_count,
-                               impl_->workspace.data(), impl_->workspace.bytes(), stream);
+                               packed.sm_count > 0 ? packed.sm_count : impl_->sm_count, workspace,
+                               kWorkspaceBytes, stream);
     return;
   }
   impl_->lookup({packed, alignments_of(packed, ops)})
-      .run(impl_->handle, ops, packed.addend, impl_->workspace.data(), impl_->workspace.bytes(),
-           stream);
+      .run(impl_->handle, ops, packed.addend, workspace, kWorkspaceBytes, stream);
 }
 
 }  // namespace meshla

@@ -544,10 +544,17 @@ def _local_scaled(call: _Call, a_q, a_scale, b_q, b_scale, rowwise: bool, dtype)
                     _dequantized(b_q, b_scale, rowwise).T).astype(dtype)
     operands = (a_q, b_q, a_scale, b_scale)
     varying = frozenset().union(*map(varying_axes, operands))
-    shape = (a_q.shape[0], b_q.shape[0])
-    result = typed(shape, dtype, varying) if varying else jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ffi.ffi_call("meshla_scaled_matmul", result)(
+
+    def result(shape, dtype):
+        return typed(shape, dtype, varying) if varying else jax.ShapeDtypeStruct(shape, dtype)
+
+    # The call's own workspace (XLA sees it, so calls it runs at once get their own), with room
+    # to start at a 256-byte boundary.
+    workspace = result(((_meshla.matmul_workspace_bytes + 256) // 4,), jnp.int32)
+    out, _ = jax.ffi.ffi_call("meshla_scaled_matmul",
+                              (result((a_q.shape[0], b_q.shape[0]), dtype), workspace))(
         *(as_varying(x, varying) for x in operands), rowwise=np.int32(rowwise))
+    return out
 
 
 def _scaled_forward(call: _Call, op, a_q, b_q, bias, scales, return_gathered: bool, tuning,

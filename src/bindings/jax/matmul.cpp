@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "bindings/jax/ffi_common.hpp"
+#include "core/alignment.hpp"
 #include "meshla/matmul.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -22,7 +23,8 @@ PerDevice<Matmul>& matmuls() {
 // rules (dtypes, alignment) are the core's, in its words.
 ffi::Error scaled_matmul(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer a,
                          ffi::AnyBuffer b, ffi::AnyBuffer a_scale, ffi::AnyBuffer b_scale,
-                         ffi::Result<ffi::AnyBuffer> out, std::int32_t rowwise) {
+                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                         std::int32_t rowwise) {
   return guarded([&] {
     const TensorView va = view_of(a, device, "a"), vb = view_of(b, device, "b");
     const TensorView vout = view_of(*out, device, "out");
@@ -41,24 +43,34 @@ ffi::Error scaled_matmul(cudaStream_t stream, std::int32_t device, ffi::AnyBuffe
     shape.k = va.shape[1];
     shape.trans_b = true;
     MESHLA_CHECK(kInternal,
-                 a_scale.element_count() == static_cast<std::size_t>(rowwise ? shape.m : 1) &&
+                 a_scale.element_type() == ffi::DataType::F32 &&
+                     b_scale.element_type() == ffi::DataType::F32 &&
+                     a_scale.element_count() == static_cast<std::size_t>(rowwise ? shape.m : 1) &&
                      b_scale.element_count() == static_cast<std::size_t>(rowwise ? shape.n : 1),
                  "scaled_matmul: " << a_scale.element_count() << " and " << b_scale.element_count()
                                    << " scales for a " << va.shape_string() << " and b "
                                    << vb.shape_string());
+    // XLA aligns its buffers to fewer bytes than the GEMM wants (256): meshla.jax asks for that
+    // many more, and the workspace starts at the first boundary.
+    const auto address = reinterpret_cast<std::uintptr_t>(workspace->untyped_data());
+    const std::size_t skipped = detail::align_up(address) - address;
+    MESHLA_CHECK(kInternal, workspace->size_bytes() >= skipped + kMatmulWorkspaceBytes,
+                 "scaled_matmul: a workspace of " << workspace->size_bytes() << " bytes");
     const MatmulOperands operands{.a = va.data,
                                   .b = vb.data,
                                   .d = vout.data,
                                   .a_scale = static_cast<const float*>(a_scale.untyped_data()),
-                                  .b_scale = static_cast<const float*>(b_scale.untyped_data())};
+                                  .b_scale = static_cast<const float*>(b_scale.untyped_data()),
+                                  .workspace = reinterpret_cast<void*>(address + skipped)};
     matmuls().with_engine(device, [&](Matmul& matmul) { matmul.run(shape, operands, stream); });
   });
 }
 
 }  // namespace
 
-// a, b, a_scale, b_scale; the product; rowwise (1) or tensorwise (0) scales. Matmul::run only
-// enqueues (no allocation, no host wait), so XLA may capture the call in a command buffer.
+// a, b, a_scale, b_scale; the product and the call's workspace (a result XLA allocates, so that
+// calls it runs at once do not share one); rowwise (1) or tensorwise (0) scales. Matmul::run
+// only enqueues (no allocation, no host wait), so XLA may capture the call in a command buffer.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_scaled_matmul, scaled_matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -67,6 +79,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_scaled_matmul, scaled_matmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<std::int32_t>("rowwise"),
                               {ffi::Traits::kCmdBufferCompatible});

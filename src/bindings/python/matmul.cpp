@@ -60,10 +60,21 @@ void bind_matmul(nb::module_& m) {
           [](Matmul& matmul, const Array& a, const Array& b, const Array& d,
              const std::optional<Array>& bias, bool trans_b, const std::string& scaling,
              const std::optional<Array>& a_scale, const std::optional<Array>& b_scale,
-             std::uintptr_t stream) {
+             std::uintptr_t stream, const std::optional<Array>& workspace) {
             const int device = matmul.device();
             const TensorView va = view_of(a, "a"), vb = view_of(b, "b"), vd = view_of(d, "d");
             const TensorView vbias = view_of(bias, "bias");
+            const TensorView vworkspace = view_of(workspace, "workspace");
+            if (vworkspace.data != nullptr) {
+              MESHLA_CHECK_ARG(
+                  vworkspace.device_kind == DeviceKind::kCuda && vworkspace.device == device &&
+                      static_cast<std::size_t>(vworkspace.numel()) * dtype_size(vworkspace.dtype) >=
+                          kMatmulWorkspaceBytes,
+                  "matmul: workspace must be "
+                      << kMatmulWorkspaceBytes << " bytes on cuda:" << device << ", got "
+                      << vworkspace.shape_string() << " " << dtype_name(vworkspace.dtype) << " on "
+                      << vworkspace.place_string());
+            }
             const Rows ra = rows_of(va, "a", device), rb = rows_of(vb, "b", device);
             const Rows rd = rows_of(vd, "d", device);
             const std::int64_t k = trans_b ? rb.length : rb.count;
@@ -100,16 +111,20 @@ void bind_matmul(nb::module_& m) {
                         .a_scale = scale_of(view_of(a_scale, "a_scale"), "a_scale",
                                             rowwise ? ra.count : 1, device),
                         .b_scale = scale_of(view_of(b_scale, "b_scale"), "b_scale", rowwise ? n : 1,
-                                            device)},
+                                            device),
+                        .workspace = vworkspace.data},
                        to_stream(stream));
           },
           "a"_a, "b"_a, "d"_a, "bias"_a.none() = nb::none(), "trans_b"_a = false,
           "scaling"_a = "none", "a_scale"_a.none() = nb::none(), "b_scale"_a.none() = nb::none(),
-          "stream"_a = 0,
+          "stream"_a = 0, "workspace"_a.none() = nb::none(),
           "Enqueues d = a @ op(b) (+ bias) on `stream` (a cudaStream_t as an integer): a [m, k], "
           "b [k, n] or with trans_b [n, k], d [m, n], dtypes from the arrays; fp8 a and b with "
-          "scaling 'tensorwise' (a_scale, b_scale one float32 each) or 'rowwise' (m and n).")
+          "scaling 'tensorwise' (a_scale, b_scale one float32 each) or 'rowwise' (m and n); "
+          "`workspace`, matmul_workspace_bytes of the device's memory for this call alone (None: "
+          "the Matmul's, shared by its calls, which must then run one after another).")
       .def_prop_ro("device", &Matmul::device);
+  m.attr("matmul_workspace_bytes") = kMatmulWorkspaceBytes;
   m.def(
       "check_scaled_matmul",
       [](DType a, DType b, DType out, std::int64_t m, std::int64_t n, std::int64_t k,
