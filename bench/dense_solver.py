@@ -184,7 +184,7 @@ def bench_lu_solve(devices, sizes, dtypes, repeats, gpu_counts):
             for g in counts:
                 progress.start(f"{np.dtype(dtype).name} n={n} on {g} GPU(s)")
                 mesh = Mesh(np.array(devices[:g]), ("x",))
-                # A, XLA's copy of it, and on several GPUs the solver's working copy.
+                # A, and the solver's working copy of it (on one GPU XLA's copy, aliased).
                 if 3.2 * n * n * np.dtype(dtype).itemsize / g > (
                         devices[0].memory_stats()["bytes_limit"]):
                     continue

@@ -47,8 +47,9 @@ MESHLA_API std::string_view solver_op_name(SolverOp op);
 enum class CholeskyFactorization { kMeshla, kCusolverMg };
 
 // The problem: order n over the solver's parts, element type, right-hand sides (kCholeskySolve,
-// kLuSolve), the tile (columns per block-cyclic tile; 0 picks one; at most 1024 for the
-// eigensolver on several GPUs, which is cuSolverMg's syevd's limit), whether A's shards may be
+// kLuSolve), the tile (columns per block-cyclic tile; 0 picks one; on several GPUs at most 1024
+// for the eigensolver and 512 for the LU solve, cuSolverMg's syevd's and getrf's limits; the LU
+// solve on one GPU takes none), whether A's shards may be
 // used as the solver's working memory (then they hold garbage afterwards; not for kLuSolve on
 // several GPUs, whose working copy holds A's columns), and who factors A.
 struct SolverProblem {
@@ -77,9 +78,9 @@ struct SolverShard {
 
 // What the host learns from a call. info > 0: A is not positive definite (kCholesky*), the
 // eigensolver did not converge (kEigen*) or A is singular (kLuSolve: a zero pivot); every output
-// then holds NaN. The index info refers to
-// the solver's internal row order, not A's. cusolverMgPotrf reports a failed factorization as
-// an internal error without an index: then info is 1.
+// then holds NaN. The index info refers to the solver's internal order, not A's (the LU
+// solve's: A' = Π A Πᵀ's pivots over several GPUs, Aᵀ's on one). cusolverMgPotrf reports a
+// failed factorization as an internal error without an index: then info is 1.
 struct SolverResult {
   int info = 0;
   double logdet = 0.0;              // kCholeskySolve

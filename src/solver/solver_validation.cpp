@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <sstream>
+#include <string_view>
 
 #include "core/checks.hpp"
 
@@ -13,12 +14,19 @@ DType real_dtype(DType dtype) {
 
 bool is_complex(DType dtype) { return dtype == DType::kComplex64 || dtype == DType::kComplex128; }
 
-void check_solver_problem(SolverOp op, const SolverProblem& problem) {
-  const DType dtype = problem.dtype;
+namespace {
+
+void check_dtype(std::string_view name, DType dtype) {
   MESHLA_CHECK_ARG(dtype == DType::kFloat32 || dtype == DType::kFloat64 ||
                        dtype == DType::kComplex64 || dtype == DType::kComplex128,
-                   solver_op_name(op) << ": dtype " << dtype_name(dtype)
-                                      << " is not float32, float64, complex64 or complex128");
+                   name << ": dtype " << dtype_name(dtype)
+                        << " is not float32, float64, complex64 or complex128");
+}
+
+}  // namespace
+
+void check_solver_problem(SolverOp op, const SolverProblem& problem) {
+  check_dtype(solver_op_name(op), problem.dtype);
   if (op == SolverOp::kCholeskySolve || op == SolverOp::kLuSolve) {
     MESHLA_CHECK_ARG(problem.nrhs >= 1 && problem.nrhs <= 256,
                      solver_op_name(op) << ": nrhs=" << problem.nrhs
@@ -26,14 +34,29 @@ void check_solver_problem(SolverOp op, const SolverProblem& problem) {
   }
 }
 
+void check_tall_qr_call(std::string_view name, std::int64_t m, std::int64_t n, DType dtype,
+                        std::int64_t parts, std::int64_t nrhs) {
+  check_dtype(name, dtype);
+  MESHLA_CHECK_ARG(n >= 1 && m >= 1, name << ": a is [" << m << ", " << n << "]; it needs rows "
+                                          << "and columns");
+  MESHLA_CHECK_ARG(parts >= 1 && m % parts == 0, name << ": a's " << m << " rows do not split "
+                                                      << "evenly over " << parts << " devices");
+  MESHLA_CHECK(kNotImplemented, m / parts >= n,
+               name << ": a is [" << m << ", " << n << "] over " << parts << " devices: each "
+                    << "device's " << m / parts << " rows are fewer than its " << n
+                    << " columns; the tall-skinny QR needs m/devices >= n (square and wide "
+                       "matrices are not supported yet)");
+  MESHLA_CHECK_ARG(nrhs >= 0, name << ": nrhs=" << nrhs << " right-hand sides");
+}
+
 BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
                                 std::int64_t tile) {
   const bool eigen = op == SolverOp::kEigen || op == SolverOp::kEigenvalues;
-  // One GPU runs cusolverDn's syevd (getrf) on the whole matrix (dense_solver.cpp): any tile,
-  // and by default one, so that nothing is padded.
-  if ((eigen || op == SolverOp::kLuSolve) && parts == 1) {
-    return make_block_cyclic_layout(n, parts, tile, n);
-  }
+  // One GPU runs cusolverDn's syevd or getrf on the whole matrix (dense_solver.cpp): the
+  // eigensolver takes any tile, by default one, so that nothing is padded; the LU solve always
+  // one (a tile would only pad it).
+  if (eigen && parts == 1) return make_block_cyclic_layout(n, parts, tile, n);
+  if (op == SolverOp::kLuSolve && parts == 1) return make_block_cyclic_layout(n, 1, n, n);
   // cuSolverMg's syevd and getrf refuse tiles past theirs (CUSOLVER_STATUS_INVALID_VALUE).
   const bool lu = op == SolverOp::kLuSolve;
   const std::int64_t largest =

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "meshla/dense_solver.hpp"
@@ -18,6 +19,14 @@ bool is_complex(DType dtype);
 
 // The dtype is one the solvers take; nrhs is 1 to 256 for kCholeskySolve and kLuSolve.
 void check_solver_problem(SolverOp op, const SolverProblem& problem);
+
+// A call of the tall-skinny QR (qr, least_squares: meshla.torch and meshla.jax run it in the
+// frameworks' own ops, a QR of each device's row block, then one of the stacked R factors): the
+// dtype as the solvers take, m rows split evenly over `parts` devices, each device's block at
+// least as tall as a is wide (kNotImplemented otherwise), nrhs >= 0 (0: no right-hand side).
+// Exported for the bindings (MESHLA_API), which check every call with it, on CPU arrays too.
+MESHLA_API void check_tall_qr_call(std::string_view name, std::int64_t m, std::int64_t n,
+                                   DType dtype, std::int64_t parts, std::int64_t nrhs);
 
 // The most elements the inverse's padded matrix may have: cusolverDn's potri has 32-bit sizes.
 constexpr std::int64_t kLargestInverseElements = 2147483647;

@@ -215,7 +215,7 @@ TEST(SolverCall, TheLuSolveTakesRightHandSidesTilesUpTo512AndOverwriteAOnOneGpu)
   EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, solve, 1).tile, 4096);  // cusolverDn: no tiles
   SolverProblem large_tile = solve;
   large_tile.tile = 768;
-  EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, large_tile, 1).tile, 768);
+  EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, large_tile, 1).tile, 4096);  // never padded
   try {
     check_solver_call(SolverOp::kLuSolve, large_tile, 2);
     FAIL() << "tile=768 taken on two GPUs";
@@ -252,7 +252,8 @@ TEST(SolverCall, TheLuSolveTakesRightHandSidesTilesUpTo512AndOverwriteAOnOneGpu)
 TEST(SolverValidation, TheLuSolveTakesBAndOutAndNoLogdet) {
   Call lu;
   lu.op = SolverOp::kLuSolve;
-  EXPECT_NO_THROW(lu.check());  // its logdet views are not read
+  lu.shards[0].logdet = make_tensor_view(fake_address(800), DType::kInt32, {3}, 3);
+  EXPECT_NO_THROW(lu.check());  // a logdet it does not write is not checked
   lu.shards[1].b = make_tensor_view(fake_address(900), DType::kFloat64, {4, 3}, 5);
   try {
     lu.check();
@@ -264,6 +265,30 @@ TEST(SolverValidation, TheLuSolveTakesBAndOutAndNoLogdet) {
               std::string::npos)
         << error.what();
   }
+}
+
+TEST(SolverCall, TheTallSkinnyQrNeedsEachDevicesBlockAtLeastAsTallAsAIsWide) {
+  EXPECT_NO_THROW(check_tall_qr_call("qr", 4096, 256, DType::kComplex64, 4, 0));
+  EXPECT_NO_THROW(check_tall_qr_call("qr", 1024, 256, DType::kFloat64, 4, 0));  // square blocks
+  const auto refused = [](std::int64_t m, std::int64_t n, DType dtype, std::int64_t parts,
+                          std::int64_t nrhs, ErrorCode code, const std::string& expected) {
+    try {
+      check_tall_qr_call("least_squares", m, n, dtype, parts, nrhs);
+      FAIL() << "accepted; expected '" << expected << "'";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), code) << error.what();
+      EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << error.what();
+    }
+  };
+  refused(1000, 256, DType::kFloat64, 4, 1, ErrorCode::kNotImplemented,
+          "least_squares: a is [1000, 256] over 4 devices: each device's 250 rows are fewer "
+          "than its 256 columns");
+  refused(1002, 8, DType::kFloat64, 4, 1, ErrorCode::kInvalidArgument,
+          "least_squares: a's 1002 rows do not split evenly over 4 devices");
+  refused(64, 8, DType::kBFloat16, 2, 1, ErrorCode::kInvalidArgument,
+          "least_squares: dtype bfloat16 is not float32, float64, complex64 or complex128");
+  refused(64, 0, DType::kFloat32, 2, 1, ErrorCode::kInvalidArgument,
+          "least_squares: a is [64, 0]; it needs rows and columns");
 }
 
 }  // namespace

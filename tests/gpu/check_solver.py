@@ -5,12 +5,13 @@ line per check.
 
 JAX (meshla.jax.linalg under jit, row-sharded arrays) and PyTorch (meshla.torch.linalg and the
 DenseSolver directly, on NaN-poisoned outputs): Cholesky solve with log-determinant, inverse,
-eigh and eigvalsh, and the LU solve of a general matrix, in float32, float64, complex64 and
-complex128, against float64 references with fresh random matrices: ||Ax - b|| / (||A|| ||x||),
-||A A⁻¹ - I|| / (||A|| ||A⁻¹||), ||AV - VΛ|| / ||A|| and ||VᴴV - I||. Also n not a multiple of
-the tile, n = 1, an ill-conditioned matrix, a non-positive-definite one and a singular one (NaN
-and info > 0), two solves inside one jit, a donated input solved in its own buffers, and two
-2-GPU meshes solving at the same time from two threads.
+eigh and eigvalsh, the LU solve of a general matrix, and the tall-skinny QR and least squares,
+in float32, float64, complex64 and complex128, against float64 references with fresh random
+matrices: ||Ax - b|| / (||A|| ||x||), ||A A⁻¹ - I|| / (||A|| ||A⁻¹||), ||AV - VΛ|| / ||A||,
+||VᴴV - I||, ||A - QR||, ||QᴴQ - I|| and the normal equations' residual. Also n not a multiple
+of the tile, n = 1, an ill-conditioned matrix, a non-positive-definite one and a singular one
+(NaN and info > 0), two solves inside one jit, a donated input solved in its own buffers, and
+two 2-GPU meshes solving at the same time from two threads.
 """
 
 import os
@@ -145,10 +146,35 @@ class Checks:
             residual = solve_residual(general, x, b)
             return int(info) == 0 and residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
 
+        def tall_qr():
+            # A [4n, n/4]: each device's rows at least the columns.
+            m, k = 4 * n, max(n // 4, 1)
+            tall_tol = tolerance(dtype, m)
+            a = random_general(m, dtype, self.rng, columns=k)
+            rhs = self.rng.standard_normal((m, 2)).astype(dtype)
+            q, r = jax.jit(lambda a: linalg.qr(a, mesh))(jax.device_put(a, rows))
+            x, info = jax.jit(lambda a, b: linalg.least_squares(a, b, mesh, return_info=True))(
+                jax.device_put(a, rows), jax.device_put(rhs, rows))
+            a64, q64, r64 = double(a), double(q), double(r)
+            factor_error = float(torch.linalg.norm(q64 @ r64 - a64) / torch.linalg.norm(a64))
+            orthogonality = float(torch.linalg.norm(
+                q64.conj().T @ q64 - torch.eye(k, dtype=q64.dtype, device=q64.device)))
+            # The normal equations' residual Aᴴ(AX - B), relative: zero at the minimizer.
+            x64, b64 = double(x), double(rhs)
+            normal = float(torch.linalg.norm(a64.conj().T @ (a64 @ x64 - b64)) / (
+                spectral_norm(a64) ** 2 * float(torch.linalg.norm(x64))))
+            ok = (int(info) == 0 and factor_error < tall_tol
+                  and orthogonality < tall_tol * k ** 0.5 and normal < tall_tol
+                  and bool(torch.equal(r64, torch.triu(r64))))
+            return ok, (f"[{m}, {k}]: A - QR {factor_error:.2e}, orthogonality "
+                        f"{orthogonality:.2e}, normal equations {normal:.2e} "
+                        f"(tol {tall_tol:.1e})")
+
         self.run(f"{label} cho_solve", solve)
         self.run(f"{label} cholesky_inverse", inverse)
         self.run(f"{label} eigh", eigh)
         self.run(f"{label} lu_solve", lu)
+        self.run(f"{label} qr and least_squares (tall)", tall_qr)
 
     def jax_special(self, mesh):
         g = mesh.shape["x"]

@@ -6,7 +6,8 @@ one JSON line per check and rank.
 Each rank holds its row block of a fresh random matrix (the same seed on every rank), the group's
 first rank solves over every GPU through CUDA IPC, and every rank checks the gathered answer
 against numpy in float64: ||Ax - b|| / (||A|| ||x||) and log det, ||A A⁻¹ - I|| / (||A|| ||A⁻¹||),
-||AV - VΛ|| / ||A|| and the eigenvalues, and the LU solve of a general matrix. Also a
+||AV - VΛ|| / ||A|| and the eigenvalues, the LU solve of a general matrix, and the tall-skinny
+QR and least squares (A - QR, QᴴQ - I, the normal equations' residual). Also a
 non-positive-definite matrix and a singular one (LinAlgError on every rank; NaN and info > 0
 without the check), an inverse written over a's own buffers, and a rank whose outputs were
 poisoned before the call in the memory the solver's outputs reuse.
@@ -122,8 +123,33 @@ def main():
             residual = np.linalg.norm(g64 @ x - b) / (np.linalg.norm(g64) * np.linalg.norm(x))
             return solved.info == 0 and residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
 
+        def tall_qr():
+            m, k = 4 * n, n // 8  # each rank's rows at least the columns
+            tall_tol = tolerance(dtype, m)
+            tall_a = random_general(m, dtype, np.random.default_rng(seed[0] + 300 + case),
+                                    columns=k)
+            block = torch.from_numpy(tall_a[rank * m // size:(rank + 1) * m // size]).to(device)
+            rhs = torch.from_numpy(b.repeat(4, axis=0)[rank * m // size:(rank + 1) * m // size]
+                                   ).to(device)
+            factors = torch_linalg.qr_shard(block)
+            fit = torch_linalg.least_squares_shard(block, rhs)
+            q, r = gathered(factors.q), factors.r.cpu().numpy().astype(a64.dtype)
+            t64 = tall_a.astype(a64.dtype)
+            factor_error = np.linalg.norm(q @ r - t64) / np.linalg.norm(t64)
+            orthogonality = np.linalg.norm(q.conj().T @ q - np.eye(k))
+            x = fit.x.cpu().numpy().astype(a64.dtype)
+            b64 = b.repeat(4, axis=0).astype(a64.dtype)
+            normal = np.linalg.norm(t64.conj().T @ (t64 @ x - b64)) / (
+                np.linalg.norm(t64, 2) ** 2 * np.linalg.norm(x))
+            ok = (fit.info == 0 and factor_error < tall_tol
+                  and orthogonality < tall_tol * k ** 0.5 and normal < tall_tol)
+            return ok, (f"[{m}, {k}]: A - QR {factor_error:.2e}, orthogonality "
+                        f"{orthogonality:.2e}, normal equations {normal:.2e} "
+                        f"(tol {tall_tol:.1e})")
+
         for routine, fn in (("cho_solve_shard", solve), ("cholesky_inverse_shard", inverse),
-                            ("eigh_shard", eigen), ("lu_solve_shard", lu)):
+                            ("eigh_shard", eigen), ("lu_solve_shard", lu),
+                            ("qr_shard and least_squares_shard", tall_qr)):
             check(reporter, "routines", f"{label}/{routine}/{dtype_name}/n={n}", rank, fn)
 
     def not_spd():

@@ -33,13 +33,14 @@ def random_symmetric(n, dtype, rng):
     return ((m + m.conj().T) / 2).astype(dtype)
 
 
-def random_general(n, dtype, rng, singular_column=None):
-    """A Gaussian matrix (not symmetric: the LU solve's pivoting is exercised); with
-    ``singular_column`` that column zero, which gives an exactly zero pivot whatever the
-    pivoting."""
-    m = rng.standard_normal((n, n))
+def random_general(n, dtype, rng, singular_column=None, columns=None):
+    """An n x n Gaussian matrix (not symmetric: the LU solve's pivoting is exercised), or
+    n x ``columns``; with ``singular_column`` that column zero, which gives an exactly zero pivot
+    whatever the pivoting."""
+    shape = (n, n if columns is None else columns)
+    m = rng.standard_normal(shape)
     if np.issubdtype(dtype, np.complexfloating):
-        m = m + 1j * rng.standard_normal((n, n))
+        m = m + 1j * rng.standard_normal(shape)
     if singular_column is not None:
         m[:, singular_column] = 0
     return m.astype(dtype)

@@ -187,6 +187,83 @@ def test_torch_lu_solve_on_cpu_row_blocks():
         torch_linalg.lu_solve(list(a.split(6)), list(b.split(6)), overwrite_a=True)
 
 
+def tall(m, n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, n))
+    if np.issubdtype(dtype, np.complexfloating):
+        a = a + 1j * rng.standard_normal((m, n))
+    return a.astype(dtype)
+
+
+def check_qr(a, q, r, tolerance):
+    """A = Q R, Q's columns orthonormal, R upper triangular."""
+    n = a.shape[1]
+    assert np.linalg.norm(q @ r - a) / np.linalg.norm(a) < tolerance
+    assert np.linalg.norm(q.conj().T @ q - np.eye(n)) < tolerance * n
+    assert np.array_equal(r, np.triu(r))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex128])
+def test_jax_tall_qr_and_least_squares_match_numpy(mesh, dtype):
+    m, n = 64, 12  # 16 rows a device
+    a = tall(m, n, dtype, 21)
+    b = tall(m, 3, dtype, 22)
+    tolerance = 1e-5 if dtype == np.float32 else 1e-13
+    q, r = jax.jit(lambda a: linalg.qr(a, mesh))(put(a, mesh))
+    assert q.sharding.spec == P("x", None) and r.shape == (n, n)
+    check_qr(a, np.asarray(q), np.asarray(r), tolerance)
+    x, info = jax.jit(lambda a, b: linalg.least_squares(a, b, mesh, return_info=True))(
+        put(a, mesh), put(b, mesh))
+    expected = np.linalg.lstsq(a.astype(np.complex128), b.astype(np.complex128), rcond=None)[0]
+    assert int(info) == 0 and x.shape == (n, 3)
+    assert np.linalg.norm(np.asarray(x) - expected) / np.linalg.norm(expected) < 100 * tolerance
+    vector = linalg.least_squares(put(a, mesh), put(b[:, 0], mesh), mesh)
+    assert vector.shape == (n,)
+
+
+def test_jax_tall_qr_refusals_and_rank_deficiency(mesh):
+    a = tall(64, 12, np.float64, 23)
+    with pytest.raises(NotImplementedError, match=r"qr: a is \[64, 20\] over 4 devices: each "
+                                                  "device's 16 rows are fewer than its 20 "
+                                                  "columns"):
+        linalg.qr(put(tall(64, 20, np.float64, 24), mesh), mesh)
+    with pytest.raises(ValueError, match="least_squares: dtype int32 is not float32"):
+        linalg.least_squares(put(np.ones((64, 4), np.int32), mesh),
+                             put(np.ones((64, 1), np.int32), mesh), mesh)
+    with pytest.raises(ValueError, match=r"least_squares: b has shape \(8, 1\)"):
+        linalg.least_squares(put(a, mesh), put(np.ones((32, 1)), mesh), mesh)
+    deficient = a.copy()
+    deficient[:, 4] = 0  # a zero column: R's fifth diagonal element is exactly zero
+    x, info = linalg.least_squares(put(deficient, mesh), put(np.ones((64, 1)), mesh), mesh,
+                                   return_info=True)
+    assert int(info) == 5 and np.isnan(np.asarray(x)).all()
+
+
+def test_torch_tall_qr_and_least_squares_on_cpu_row_blocks():
+    m, n = 60, 10
+    a = torch.from_numpy(tall(m, n, np.complex128, 25))
+    b = torch.from_numpy(tall(m, 2, np.complex128, 26))
+    factors = torch_linalg.qr(list(a.split(20)))
+    check_qr(a.numpy(), torch.cat(factors.q).numpy(), factors.r.numpy(), 1e-13)
+    solved = torch_linalg.least_squares(list(a.split(20)), list(b.split(20)))
+    expected = torch.linalg.lstsq(a, b).solution
+    assert solved.info == 0
+    assert torch.linalg.norm(solved.x - expected) / torch.linalg.norm(expected) < 1e-12
+    with pytest.raises(NotImplementedError, match=r"qr: a is \[60, 10\] over 10 devices: each "
+                                                  "device's 6 rows are fewer than its 10"):
+        torch_linalg.qr(list(a.split(6)))
+    with pytest.raises(ValueError, match=r"qr: a_shards\[2\] has shape \(10, 10\)"):
+        torch_linalg.qr(list(a.split(25)))
+    deficient = a.clone()
+    deficient[:, 3] = 0
+    with pytest.raises(torch.linalg.LinAlgError, match="least_squares: a does not have full "
+                                                       "column rank"):
+        torch_linalg.least_squares(list(deficient.split(20)), list(b.split(20)))
+    failed = torch_linalg.least_squares(list(deficient.split(20)), list(b.split(20)),
+                                        check_errors=False)
+    assert failed.info == 4 and torch.isnan(failed.x).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
 def test_torch_cpu_row_blocks(dtype):
     n = 18
@@ -283,8 +360,19 @@ def _shard_forms(rank, size, results):
         assert written is own and torch.equal(own, inverse)
         eig = torch_linalg.eigh_shard(a[rows])
         lu = torch_linalg.lu_solve_shard(a[rows] + torch.triu(a[rows]), b[rows])  # not symmetric
+        tall_a = torch.from_numpy(tall(4 * n, 5, np.float64, 27))
+        tall_rows = slice(rank * 2 * n, (rank + 1) * 2 * n)
+        factors = torch_linalg.qr_shard(tall_a[tall_rows])
+        fit = torch_linalg.least_squares_shard(tall_a[tall_rows], tall_a[tall_rows, :2] + 1)
+        try:  # a rank whose b does not fit: the error on every rank, no wait
+            torch_linalg.least_squares_shard(tall_a[tall_rows],
+                                             torch.ones(3 if rank else 2 * n, 1,
+                                                        dtype=torch.float64))
+            misfit = None
+        except ValueError as error:
+            misfit = str(error)
         results[rank] = (solved.x, solved.logdet, inverse, info, eig.eigenvalues, eig.eigenvectors,
-                         lu.x)
+                         lu.x, factors.q, factors.r, fit.x, misfit)
     finally:
         dist.destroy_process_group()
 
@@ -312,3 +400,11 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
                            + torch.triu(a[r * n // size:(r + 1) * n // size]) for r in range(size)])
     lu_x = torch.cat([results[r][6] for r in range(size)])
     assert torch.linalg.norm(general_a @ lu_x - b) / torch.linalg.norm(b) < 1e-12
+    tall_a = torch.from_numpy(tall(4 * n, 5, np.float64, 27))
+    q = torch.cat([results[r][7] for r in range(size)])
+    check_qr(tall_a.numpy(), q.numpy(), results[0][8].numpy(), 1e-13)
+    assert torch.equal(results[0][8], results[1][8])
+    expected = torch.linalg.lstsq(tall_a, tall_a[:, :2] + 1).solution
+    assert all(torch.linalg.norm(results[r][9] - expected) < 1e-12 for r in range(size))
+    assert all("least_squares_shard: b is (3, 1)" in results[r][10] and "(rank 1)" in results[r][10]
+               for r in range(size))

@@ -56,10 +56,15 @@ __all__ = [
     "cholesky_inverse_shard",
     "eigh",
     "eigh_shard",
+    "least_squares",
+    "least_squares_shard",
     "lu_solve",
     "lu_solve_shard",
+    "qr",
+    "qr_shard",
     "CholeskySolve",
     "LuSolve",
+    "QR",
     "Eigh",
 ]
 
@@ -91,6 +96,15 @@ class LuSolve(NamedTuple):
     x: jax.Array
     info: jax.Array
     overwritten_a: jax.Array
+
+
+class QR(NamedTuple):
+    """What :func:`qr_shard` returns: ``q``, this device's rows of Q ([m/P, n], orthonormal
+    columns), and ``r``, R ([n, n], upper triangular, the same on every device): A = Q R. A plain
+    named tuple: making one checks nothing."""
+
+    q: jax.Array
+    r: jax.Array
 
 
 class Eigh(NamedTuple):
@@ -273,6 +287,81 @@ def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, til
     return LuSolve(x, info, working)
 
 
+# The tall-skinny QR (qr, least_squares): a QR of each device's row block, then one of their
+# stacked R factors (P n x n, on every device); Q's rows are each block's Q times its slice of
+# the second Q. Householder QRs throughout (as stable as one QR of A), one all-gather of n x n
+# factors, no custom call: XLA's own QR and collectives, so it runs wherever the mesh's devices
+# are (one process or jax.distributed, one host or several). Products in full precision: XLA's
+# default lets float32 GEMMs round through TF32.
+
+_FULL = jax.lax.Precision.HIGHEST
+
+
+def _check_tall(name: str, a_block, mesh: Mesh, axis: str, nrhs: int = 0) -> None:
+    """The extension's rules of a tall-skinny QR call (dtype, rows split evenly, each device's
+    block at least as tall as A is wide), the same words in meshla.torch."""
+    _check_matrix(a_block, name)
+    parts = mesh.shape[axis]
+    _meshla.tall_qr_call(name, a_block.shape[0] * parts, a_block.shape[1], dtype_of("a", a_block),
+                         parts, nrhs)
+
+
+def _tall_factors(a_block, axis: str):
+    """(this block's Q [rows, n], the stacked factors' Q [P n, n], R [n, n])."""
+    q_block, r_block = jnp.linalg.qr(a_block)
+    q_stacked, r = jnp.linalg.qr(jax.lax.all_gather(r_block, axis, tiled=True))
+    return q_block, q_stacked, r
+
+
+def _stacked_slice(q_stacked, axis: str, n: int):
+    return jax.lax.dynamic_slice_in_dim(q_stacked, jax.lax.axis_index(axis) * n, n, axis=0)
+
+
+def qr_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> QR:
+    """Inside ``shard_map``: the reduced QR of a tall A sharded by rows over ``axis``: this
+    device's rows of Q and R (the same on every device), A = Q R.
+
+    ``a_block`` is this device's [m/P, n] rows, m/P >= n, float32, float64, complex64 or
+    complex128; ``mesh`` and ``axis`` as in :func:`cho_solve_shard`. Returns a :class:`QR`.
+    Raises ``ValueError`` at trace time for an ``axis`` not in ``mesh``, an ``a_block`` that is
+    not 2-D or an unsupported dtype, and ``NotImplementedError`` where a device's rows are fewer
+    than A's columns (the tall-skinny QR; square and wide matrices are not supported yet). Runs
+    in every process model: it is jax.numpy's QR and one all-gather of R factors."""
+    axis = _axis_of(mesh, axis)
+    _check_tall("qr", a_block, mesh, axis)
+    q_block, q_stacked, r = _tall_factors(a_block, axis)
+    n = a_block.shape[1]
+    return QR(jnp.matmul(q_block, _stacked_slice(q_stacked, axis, n), precision=_FULL), r)
+
+
+def least_squares_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None
+                        ) -> tuple[jax.Array, jax.Array]:
+    """Inside ``shard_map``: X minimizing ||A X - B|| for a tall A of full column rank sharded by
+    rows over ``axis`` (this device's [m/P, n] rows, m/P >= n) and B sharded the same way
+    ([m/P, nrhs]). Returns (X [n, nrhs], the same on every device; info, an int32 scalar: 0, or
+    i > 0 where R's i-th diagonal element is zero, A rank-deficient, with X NaN), from the
+    tall-skinny QR: X = R⁻¹ Qᴴ B, Qᴴ B formed from the blocks' Qᴴ B without forming Q. Raises as
+    :func:`qr_shard` does, and ``ValueError`` for a ``b_block`` whose rows or dtype differ."""
+    axis = _axis_of(mesh, axis)
+    _check_matrix(a_block, "least_squares")
+    rows = a_block.shape[0]
+    if b_block.ndim != 2 or b_block.shape[0] != rows or b_block.dtype != a_block.dtype:
+        raise ValueError(
+            f"least_squares: b has shape {b_block.shape} and dtype {b_block.dtype}; expected "
+            f"[{rows}, nrhs] {a_block.dtype} (the rows of a are {a_block.shape})"
+        )
+    _check_tall("least_squares", a_block, mesh, axis, b_block.shape[1])
+    q_block, q_stacked, r = _tall_factors(a_block, axis)
+    # Qᴴ B = (second Q)ᴴ [Q_pᴴ B_p stacked over the devices]
+    projected = jax.lax.all_gather(
+        jnp.matmul(q_block.conj().T, b_block, precision=_FULL), axis, tiled=True)
+    qtb = jnp.matmul(q_stacked.conj().T, projected, precision=_FULL)
+    zero = jnp.diagonal(r) == 0
+    info = jnp.where(zero.any(), jnp.argmax(zero) + 1, 0).astype(jnp.int32)
+    x = jax.scipy.linalg.solve_triangular(r, qtb, lower=False)
+    return jnp.where(info > 0, jnp.nan, x).astype(a_block.dtype), info
+
+
 def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
                            timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[jax.Array, jax.Array]:
     """Inside ``shard_map``: this device's rows of A⁻¹ for a positive-definite A, and info.
@@ -425,6 +514,33 @@ def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     x = x[:, 0] if vector else x
     extra = ((info,) if return_info else ()) + ((working,) if overwrite_a else ())
     return (x, *extra) if extra else x
+
+
+def qr(a, mesh: Mesh, axis: str | None = None):
+    """The reduced QR of a tall A ([m, n], m/devices >= n) sharded by rows over ``axis`` of
+    ``mesh``: returns (Q, sharded like A; R [n, n], replicated), A = Q R, as
+    ``jnp.linalg.qr(a)``'s (signs may differ). Jittable. Raises as :func:`qr_shard` does."""
+    axis = _axis_of(mesh, axis)
+    factor = functools.partial(qr_shard, mesh=mesh, axis=axis)
+    return _sharded(lambda block: tuple(factor(block)), mesh, (P(axis, None),),
+                    (P(axis, None), P()))(a)
+
+
+def least_squares(a, b, mesh: Mesh, axis: str | None = None, *, return_info: bool = False):
+    """X minimizing ||A X - B|| (as ``jnp.linalg.lstsq``'s solution) for a tall A of full column
+    rank ([m, n], m/devices >= n) sharded by rows over ``axis`` of ``mesh``; B is [m] or
+    [m, nrhs], sharded the same way. Returns X ([n] or [n, nrhs], replicated), or with
+    ``return_info`` the tuple (X, info) as :func:`least_squares_shard`'s. Jittable. Raises as
+    :func:`least_squares_shard` does, and ``ValueError`` for an ``a`` that is not 2-D."""
+    axis = _axis_of(mesh, axis)
+    if a.ndim != 2:
+        raise ValueError(f"least_squares: a has shape {a.shape}; expected [m, n]")
+    vector = b.ndim == 1
+    solve = functools.partial(least_squares_shard, mesh=mesh, axis=axis)
+    x, info = _sharded(solve, mesh, (P(axis, None), P(axis, None)), (P(), P()))(
+        a, b[:, None] if vector else b)
+    x = x[:, 0] if vector else x
+    return (x, info) if return_info else x
 
 
 def cholesky_inverse(a, mesh: Mesh, axis: str | None = None, *, tile: int = 0,

@@ -30,15 +30,21 @@ from meshla.torch._dtypes import DTYPES, dtype_of
 __all__ = [
     "CholeskySolve",
     "Eigh",
+    "LeastSquares",
     "LuSolve",
+    "QR",
     "cho_solve",
     "cho_solve_shard",
     "cholesky_inverse",
     "cholesky_inverse_shard",
     "eigh",
     "eigh_shard",
+    "least_squares",
+    "least_squares_shard",
     "lu_solve",
     "lu_solve_shard",
+    "qr",
+    "qr_shard",
 ]
 
 
@@ -62,6 +68,26 @@ class LuSolve(NamedTuple):
     nothing."""
 
     x: list[torch.Tensor]
+    info: int
+
+
+class QR(NamedTuple):
+    """What :func:`qr` and :func:`qr_shard` return: ``q``, the row blocks of Q, one per shard on
+    its device (from :func:`qr_shard`, this rank's block alone, a tensor), orthonormal columns;
+    ``r``, R [n, n], upper triangular, on the first shard's device (from :func:`qr_shard`, on
+    every rank's): A = Q R. A plain named tuple: making one checks nothing."""
+
+    q: list[torch.Tensor]
+    r: torch.Tensor
+
+
+class LeastSquares(NamedTuple):
+    """What :func:`least_squares` and :func:`least_squares_shard` return: ``x``, X [n, nrhs] on
+    the first shard's device (from :func:`least_squares_shard`, on every rank's); ``info``, 0,
+    or i > 0 where R's i-th diagonal element is zero (A rank-deficient; with
+    ``check_errors=False``, X is NaN then). A plain named tuple: making one checks nothing."""
+
+    x: torch.Tensor
     info: int
 
 
@@ -249,6 +275,80 @@ def _lu_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwri
         [b.contiguous() for b in b_shards], x, none, none,
         _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices), _streams(devices))
     return info
+
+
+# The tall-skinny QR (qr, least_squares): a QR of each row block, then one of the stacked R
+# factors (P n x n); Q's blocks are each block's Q times its slice of the second Q. Householder
+# QRs throughout (as stable as one QR of A), torch's own routines on each block's device, and
+# with one process per GPU one all-gather of n x n factors over the group, whatever its backend:
+# it crosses nodes where the group does.
+
+
+def _check_tall_shards(name: str, a_shards: Sequence[torch.Tensor], nrhs: int) -> tuple[int, int]:
+    """The blocks' shapes (one width and dtype, equal rows), then the extension's rules of a
+    tall-skinny QR call (as meshla.jax's). Returns (m, n)."""
+    if len(a_shards) == 0:
+        raise ValueError(f"{name}: a_shards is empty")
+    first = a_shards[0]
+    for p, shard in enumerate(a_shards):
+        if shard.ndim != 2 or shard.shape != first.shape or shard.dtype != first.dtype:
+            raise ValueError(
+                f"{name}: a_shards[{p}] has shape {tuple(shard.shape)} and dtype {shard.dtype}; "
+                f"expected {tuple(first.shape)} {first.dtype} like a_shards[0] (equal row blocks)")
+    m, n = first.shape[0] * len(a_shards), first.shape[1]
+    _meshla.tall_qr_call(name, m, n, dtype_of("a", first), len(a_shards), nrhs)
+    return m, n
+
+
+def _stacked_qr(r_blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The QR of the blocks' R factors stacked, on the first one's device."""
+    device = r_blocks[0].device
+    return torch.linalg.qr(torch.cat([r.to(device) for r in r_blocks]))
+
+
+def _solved_by_r(name: str, r: torch.Tensor, qtb: torch.Tensor,
+                 check_errors: bool) -> LeastSquares:
+    """X = R⁻¹ Qᴴ B; info names R's first zero diagonal element (NaN X)."""
+    zero = (torch.diagonal(r) == 0).nonzero()
+    info = int(zero[0, 0]) + 1 if len(zero) else 0
+    if info and check_errors:
+        raise torch.linalg.LinAlgError(
+            f"{name}: a does not have full column rank (R's diagonal element {info} is zero); "
+            "pass check_errors=False to get NaN instead")
+    x = torch.linalg.solve_triangular(r, qtb, upper=True)
+    return LeastSquares(x.fill_(float("nan")) if info else x, info)
+
+
+def qr(a_shards: Sequence[torch.Tensor]) -> QR:
+    """The reduced QR of a tall A given as equal row blocks ([m/P, n] each, m/P >= n, one per
+    device or all on the CPU), as ``torch.linalg.qr``'s (signs may differ): A = Q R.
+
+    Returns a :class:`QR`. Raises ``ValueError`` for an empty ``a_shards``, blocks that differ in
+    shape or dtype, or an unsupported dtype, and ``NotImplementedError`` where a block's rows are
+    fewer than A's columns (the tall-skinny QR; square and wide matrices are not supported
+    yet)."""
+    _, n = _check_tall_shards("qr", a_shards, 0)
+    local = [torch.linalg.qr(block) for block in a_shards]
+    q_stacked, r = _stacked_qr([r_block for _, r_block in local])
+    return QR([q_block @ q_stacked[p * n:(p + 1) * n].to(q_block.device)
+               for p, (q_block, _) in enumerate(local)], r)
+
+
+def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor], *,
+                  check_errors: bool = True) -> LeastSquares:
+    """X minimizing ||A X - B|| (as ``torch.linalg.lstsq``'s solution) for a tall A of full
+    column rank given as in :func:`qr`, and B's row blocks ([m/P, nrhs], each on its A block's
+    device). X = R⁻¹ Qᴴ B from the tall-skinny QR, Qᴴ B formed without forming Q. Returns a
+    :class:`LeastSquares`. Raises as :func:`qr` does, ``ValueError`` for B blocks that do not
+    match A's, and ``torch.linalg.LinAlgError`` where R has a zero diagonal element (A
+    rank-deficient), unless ``check_errors=False`` (X NaN, info > 0)."""
+    nrhs = _check_rhs("least_squares", a_shards, b_shards)
+    _, n = _check_tall_shards("least_squares", a_shards, nrhs)
+    local = [torch.linalg.qr(block) for block in a_shards]
+    q_stacked, r = _stacked_qr([r_block for _, r_block in local])
+    projected = torch.cat([(q_block.mH @ b).to(r.device)
+                           for (q_block, _), b in zip(local, b_shards)])
+    return _solved_by_r("least_squares", r, q_stacked.mH @ projected, check_errors)
 
 
 def cholesky_inverse(a_shards: Sequence[torch.Tensor], *, tile: int = 0,
@@ -470,6 +570,71 @@ def lu_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 
     info = _on_first_rank("lu_solve_shard", group, [a.contiguous(), b.contiguous(), x], work)
     _raise_if_failed("lu_solve_shard", info, check_errors, "a is singular")
     return LuSolve(x, info)
+
+
+def _agreed_tall_shard(name: str, a: torch.Tensor, b: torch.Tensor | None,
+                       group) -> tuple[int, int]:
+    """Every rank's block shape and dtype and its B's fit (so that a rank that disagrees, or
+    whose B does not match its A, raises ValueError on every rank, before any collective that
+    would wait for it), then the tall QR's rules."""
+    group = group if group is not None else dist.group.WORLD
+    nrhs = 0 if b is None else (b.shape[-1] if b.ndim else 0)
+    misfit = None
+    if b is not None and (b.ndim != 2 or b.shape[0] != a.shape[0] or b.dtype != a.dtype
+                          or b.device != a.device):
+        misfit = (f"{name}: b is {tuple(b.shape)} {b.dtype} on {b.device}; expected "
+                  f"[{a.shape[0]}, nrhs] {a.dtype} on {a.device}")
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (tuple(a.shape), str(a.dtype), nrhs, misfit), group=group)
+    for rank, (shape, dtype, rhs, error) in enumerate(everyone):
+        if error is not None:
+            raise ValueError(f"{error} (rank {rank})")
+        if (shape, dtype, rhs) != everyone[0][:3]:
+            raise ValueError(f"{name}: rank {rank} has a {shape} {dtype} with {rhs} right-hand "
+                             f"sides where rank 0 has {everyone[0][0]} {everyone[0][1]} with "
+                             f"{everyone[0][2]}")
+    if a.ndim != 2:
+        raise ValueError(f"{name}: a has shape {tuple(a.shape)}; expected a row block [m/P, n]")
+    m, n = a.shape[0] * len(everyone), a.shape[1]
+    _meshla.tall_qr_call(name, m, n, dtype_of("a", a), len(everyone), nrhs)
+    return m, n
+
+
+def _all_gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's (small) tensor, in rank order, on this tensor's device; through the host
+    where the group's backend takes no CUDA tensors (gloo)."""
+    group = group if group is not None else dist.group.WORLD
+    through_host = tensor.is_cuda and "nccl" not in dist.get_backend(group)
+    sent = (tensor.cpu() if through_host else tensor).contiguous()
+    received = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(received, sent, group=group)
+    return [t.to(tensor.device) for t in received]
+
+
+def qr_shard(a: torch.Tensor, group=None) -> QR:
+    """:func:`qr` with one process per device: ``a`` is this rank's row block ([m/P, n],
+    m/P >= n), ranks in the order of ``group`` (a torch.distributed process group of any backend;
+    default the world), on one host or several. Collective. Returns a :class:`QR` of this rank's
+    block of Q and R (the same on every rank). Raises as :func:`qr` does, on every rank, and
+    ``ValueError`` on every rank where the ranks' blocks differ in shape or dtype."""
+    _, n = _agreed_tall_shard("qr_shard", a, None, group)
+    q_block, r_block = torch.linalg.qr(a)
+    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
+    rank = dist.get_rank(group)
+    return QR(q_block @ q_stacked[rank * n:(rank + 1) * n], r)
+
+
+def least_squares_shard(a: torch.Tensor, b: torch.Tensor, group=None, *,
+                        check_errors: bool = True) -> LeastSquares:
+    """:func:`least_squares` with one process per device, as :func:`qr_shard` runs :func:`qr`:
+    ``a`` and ``b`` are this rank's row blocks; returns a :class:`LeastSquares` whose X is on
+    every rank. Raises as :func:`least_squares` does, on every rank (a rank whose B does not
+    match its A included)."""
+    _agreed_tall_shard("least_squares_shard", a, b, group)
+    q_block, r_block = torch.linalg.qr(a)
+    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
+    projected = torch.cat(_all_gather_small(q_block.mH @ b, group))
+    return _solved_by_r("least_squares_shard", r, q_stacked.mH @ projected, check_errors)
 
 
 def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
