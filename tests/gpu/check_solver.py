@@ -5,13 +5,14 @@ line per check.
 
 JAX (meshla.jax.linalg under jit, row-sharded arrays) and PyTorch (meshla.torch.linalg and the
 DenseSolver directly, on NaN-poisoned outputs): Cholesky solve with log-determinant, inverse,
-eigh and eigvalsh, the LU solve of a general matrix, and the tall-skinny QR and least squares,
-in float32, float64, complex64 and complex128, against float64 references with fresh random
-matrices: ||Ax - b|| / (||A|| ||x||), ||A A⁻¹ - I|| / (||A|| ||A⁻¹||), ||AV - VΛ|| / ||A||,
-||VᴴV - I||, ||A - QR||, ||QᴴQ - I|| and the normal equations' residual. Also n not a multiple
-of the tile, n = 1, an ill-conditioned matrix, a non-positive-definite one and a singular one
-(NaN and info > 0), two solves inside one jit, a donated input solved in its own buffers, and
-two 2-GPU meshes solving at the same time from two threads.
+eigh and eigvalsh, the LU solve of a general matrix, and the tall-skinny QR, least squares, SVD
+and polar decomposition, in float32, float64, complex64 and complex128, against float64
+references with fresh random matrices: ||Ax - b|| / (||A|| ||x||), ||A A⁻¹ - I|| /
+(||A|| ||A⁻¹||), ||AV - VΛ|| / ||A||, ||VᴴV - I||, ||A - QR||, ||QᴴQ - I||, the normal
+equations' residual, ||A - USVᴴ||, the singular values and ||A - UH||. Also n not a multiple of
+the tile, n = 1, an ill-conditioned matrix, a non-positive-definite one and a singular one (NaN
+and info > 0), two solves inside one jit, a donated input solved in its own buffers, and two
+2-GPU meshes solving at the same time from two threads.
 """
 
 import os
@@ -163,18 +164,31 @@ class Checks:
             x64, b64 = double(x), double(rhs)
             normal = float(torch.linalg.norm(a64.conj().T @ (a64 @ x64 - b64)) / (
                 spectral_norm(a64) ** 2 * float(torch.linalg.norm(x64))))
+            # The SVD and the polar factors: A - U S Vᴴ, the values against torch's, A - U H.
+            u, s, vh = jax.jit(lambda a: linalg.svd(a, mesh))(jax.device_put(a, rows))
+            u64, s64, vh64 = double(u), double(s).real, double(vh)
+            svd_error = float(torch.linalg.norm((u64 * s64) @ vh64 - a64)
+                              / torch.linalg.norm(a64))
+            reference = torch.linalg.svdvals(a64)
+            value_error = float((s64 - reference).abs().max() / reference.max())
+            unitary, hermitian = jax.jit(lambda a: linalg.polar(a, mesh))(
+                jax.device_put(a, rows))
+            polar_error = float(torch.linalg.norm(double(unitary) @ double(hermitian) - a64)
+                                / torch.linalg.norm(a64))
             ok = (int(info) == 0 and factor_error < tall_tol
                   and orthogonality < tall_tol * k ** 0.5 and normal < tall_tol
-                  and bool(torch.equal(r64, torch.triu(r64))))
+                  and bool(torch.equal(r64, torch.triu(r64))) and svd_error < tall_tol
+                  and value_error < tall_tol and polar_error < tall_tol)
             return ok, (f"[{m}, {k}]: A - QR {factor_error:.2e}, orthogonality "
-                        f"{orthogonality:.2e}, normal equations {normal:.2e} "
+                        f"{orthogonality:.2e}, normal equations {normal:.2e}, A - USVᴴ "
+                        f"{svd_error:.2e}, values {value_error:.2e}, A - UH {polar_error:.2e} "
                         f"(tol {tall_tol:.1e})")
 
         self.run(f"{label} cho_solve", solve)
         self.run(f"{label} cholesky_inverse", inverse)
         self.run(f"{label} eigh", eigh)
         self.run(f"{label} lu_solve", lu)
-        self.run(f"{label} qr and least_squares (tall)", tall_qr)
+        self.run(f"{label} qr, least_squares, svd and polar (tall)", tall_qr)
 
     def jax_special(self, mesh):
         g = mesh.shape["x"]

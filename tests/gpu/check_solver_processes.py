@@ -7,7 +7,8 @@ Each rank holds its row block of a fresh random matrix (the same seed on every r
 first rank solves over every GPU through CUDA IPC, and every rank checks the gathered answer
 against numpy in float64: ||Ax - b|| / (||A|| ||x||) and log det, ||A A⁻¹ - I|| / (||A|| ||A⁻¹||),
 ||AV - VΛ|| / ||A|| and the eigenvalues, the LU solve of a general matrix, and the tall-skinny
-QR and least squares (A - QR, QᴴQ - I, the normal equations' residual). Also a
+QR, least squares, SVD and polar decomposition (A - QR, QᴴQ - I, the normal equations'
+residual, A - USVᴴ and the singular values, A - UH). Also a
 non-positive-definite matrix and a singular one (LinAlgError on every rank; NaN and info > 0
 without the check), an inverse written over a's own buffers, and a rank whose outputs were
 poisoned before the call in the memory the solver's outputs reuse.
@@ -141,15 +142,28 @@ def main():
             b64 = b.repeat(4, axis=0).astype(a64.dtype)
             normal = np.linalg.norm(t64.conj().T @ (t64 @ x - b64)) / (
                 np.linalg.norm(t64, 2) ** 2 * np.linalg.norm(x))
+            decomposed = torch_linalg.svd_shard(block)
+            u = gathered(decomposed.u)
+            s = decomposed.s.cpu().numpy().astype(np.float64)
+            vh = decomposed.vh.cpu().numpy().astype(a64.dtype)
+            svd_error = np.linalg.norm((u * s) @ vh - t64) / np.linalg.norm(t64)
+            reference = np.linalg.svd(t64, compute_uv=False)
+            value_error = np.abs(s - reference).max() / reference.max()
+            factors = torch_linalg.polar_shard(block)
+            polar_error = np.linalg.norm(
+                gathered(factors.u) @ factors.h.cpu().numpy().astype(a64.dtype) - t64
+            ) / np.linalg.norm(t64)
             ok = (fit.info == 0 and factor_error < tall_tol
-                  and orthogonality < tall_tol * k ** 0.5 and normal < tall_tol)
+                  and orthogonality < tall_tol * k ** 0.5 and normal < tall_tol
+                  and svd_error < tall_tol and value_error < tall_tol and polar_error < tall_tol)
             return ok, (f"[{m}, {k}]: A - QR {factor_error:.2e}, orthogonality "
-                        f"{orthogonality:.2e}, normal equations {normal:.2e} "
+                        f"{orthogonality:.2e}, normal equations {normal:.2e}, A - USVᴴ "
+                        f"{svd_error:.2e}, values {value_error:.2e}, A - UH {polar_error:.2e} "
                         f"(tol {tall_tol:.1e})")
 
         for routine, fn in (("cho_solve_shard", solve), ("cholesky_inverse_shard", inverse),
                             ("eigh_shard", eigen), ("lu_solve_shard", lu),
-                            ("qr_shard and least_squares_shard", tall_qr)):
+                            ("qr, least_squares, svd and polar _shard", tall_qr)):
             check(reporter, "routines", f"{label}/{routine}/{dtype_name}/n={n}", rank, fn)
 
     def not_spd():

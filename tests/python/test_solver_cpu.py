@@ -221,6 +221,33 @@ def test_jax_tall_qr_and_least_squares_match_numpy(mesh, dtype):
     assert vector.shape == (n,)
 
 
+def numpy_polar(a):
+    u, s, vh = np.linalg.svd(a, full_matrices=False)
+    return u @ vh, (vh.conj().T * s) @ vh
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.complex128])
+def test_jax_tall_svd_and_polar_match_numpy(mesh, dtype):
+    m, n = 64, 12
+    a = tall(m, n, dtype, 31)
+    tolerance = 1e-5 if dtype == np.float32 else 1e-13
+    u, s, vh = jax.jit(lambda a: linalg.svd(a, mesh))(put(a, mesh))
+    assert u.sharding.spec == P("x", None) and s.shape == (n,) and vh.shape == (n, n)
+    u, s, vh = np.asarray(u), np.asarray(s), np.asarray(vh)
+    expected = np.linalg.svd(a.astype(np.complex128), compute_uv=False)
+    assert np.abs(s - expected).max() / expected.max() < tolerance
+    assert np.linalg.norm((u * s) @ vh - a) / np.linalg.norm(a) < 10 * tolerance
+    assert np.linalg.norm(u.conj().T @ u - np.eye(n)) < tolerance * n
+    values = linalg.svd(put(a, mesh), mesh, compute_uv=False)
+    assert np.abs(np.asarray(values) - expected).max() / expected.max() < tolerance
+    unitary, hermitian = jax.jit(lambda a: linalg.polar(a, mesh))(put(a, mesh))
+    want_u, want_h = numpy_polar(a.astype(np.complex128))
+    assert np.linalg.norm(np.asarray(unitary) - want_u) / np.linalg.norm(want_u) < 10 * tolerance
+    assert np.linalg.norm(np.asarray(hermitian) - want_h) / np.linalg.norm(want_h) < 10 * tolerance
+    with pytest.raises(NotImplementedError, match="polar: a is \\[64, 20\\] over 4 devices"):
+        linalg.polar(put(tall(64, 20, dtype, 32), mesh), mesh)
+
+
 def test_jax_tall_qr_refusals_and_rank_deficiency(mesh):
     a = tall(64, 12, np.float64, 23)
     with pytest.raises(NotImplementedError, match=r"qr: a is \[64, 20\] over 4 devices: each "
@@ -262,6 +289,16 @@ def test_torch_tall_qr_and_least_squares_on_cpu_row_blocks():
     failed = torch_linalg.least_squares(list(deficient.split(20)), list(b.split(20)),
                                         check_errors=False)
     assert failed.info == 4 and torch.isnan(failed.x).all()
+    decomposed = torch_linalg.svd(list(a.split(20)))
+    u = torch.cat(decomposed.u)
+    assert torch.allclose(decomposed.s, torch.linalg.svdvals(a), rtol=1e-12)
+    assert torch.linalg.norm((u * decomposed.s) @ decomposed.vh - a) < 1e-12 * torch.linalg.norm(a)
+    values = torch_linalg.svd(list(a.split(20)), compute_uv=False)
+    assert values.u is None and torch.allclose(values.s, decomposed.s, rtol=1e-12)
+    factors = torch_linalg.polar(list(a.split(20)))
+    want_u, want_h = numpy_polar(a.numpy())
+    assert np.linalg.norm(torch.cat(factors.u).numpy() - want_u) < 1e-12 * np.linalg.norm(want_u)
+    assert np.linalg.norm(factors.h.numpy() - want_h) < 1e-12 * np.linalg.norm(want_h)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
@@ -371,8 +408,12 @@ def _shard_forms(rank, size, results):
             misfit = None
         except ValueError as error:
             misfit = str(error)
+        decomposed = torch_linalg.svd_shard(tall_a[tall_rows])
+        values = torch_linalg.svd_shard(tall_a[tall_rows], compute_uv=False).s
+        unitary = torch_linalg.polar_shard(tall_a[tall_rows])
         results[rank] = (solved.x, solved.logdet, inverse, info, eig.eigenvalues, eig.eigenvectors,
-                         lu.x, factors.q, factors.r, fit.x, misfit)
+                         lu.x, factors.q, factors.r, fit.x, misfit, decomposed.u, decomposed.s,
+                         decomposed.vh, values, unitary.u, unitary.h)
     finally:
         dist.destroy_process_group()
 
@@ -408,3 +449,12 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
     assert all(torch.linalg.norm(results[r][9] - expected) < 1e-12 for r in range(size))
     assert all("least_squares_shard: b is (3, 1)" in results[r][10] and "(rank 1)" in results[r][10]
                for r in range(size))
+    u = torch.cat([results[r][11] for r in range(size)])
+    s, vh = results[0][12], results[0][13]
+    assert torch.allclose(s, torch.linalg.svdvals(tall_a), rtol=1e-12)
+    assert torch.allclose(results[1][14], s, rtol=1e-12)
+    assert torch.linalg.norm((u * s) @ vh - tall_a) < 1e-12 * torch.linalg.norm(tall_a)
+    want_u, want_h = numpy_polar(tall_a.numpy())
+    polar_u = torch.cat([results[r][15] for r in range(size)]).numpy()
+    assert np.linalg.norm(polar_u - want_u) < 1e-12 * np.linalg.norm(want_u)
+    assert np.linalg.norm(results[1][16].numpy() - want_h) < 1e-12 * np.linalg.norm(want_h)

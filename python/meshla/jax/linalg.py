@@ -60,11 +60,17 @@ __all__ = [
     "least_squares_shard",
     "lu_solve",
     "lu_solve_shard",
+    "polar",
+    "polar_shard",
     "qr",
     "qr_shard",
+    "svd",
+    "svd_shard",
     "CholeskySolve",
     "LuSolve",
+    "Polar",
     "QR",
+    "SVD",
     "Eigh",
 ]
 
@@ -105,6 +111,27 @@ class QR(NamedTuple):
 
     q: jax.Array
     r: jax.Array
+
+
+class SVD(NamedTuple):
+    """What :func:`svd_shard` returns: ``u``, this device's rows of U ([m/P, n], orthonormal
+    columns; None without ``compute_uv``), ``s``, the n singular values in descending order (A's
+    real dtype), and ``vh``, Vᴴ ([n, n]; None without ``compute_uv``), both the same on every
+    device: A = U diag(s) Vᴴ. A plain named tuple: making one checks nothing."""
+
+    u: jax.Array | None
+    s: jax.Array
+    vh: jax.Array | None
+
+
+class Polar(NamedTuple):
+    """What :func:`polar_shard` returns: ``u``, this device's rows of the unitary polar factor
+    ([m/P, n], orthonormal columns), and ``h``, the Hermitian positive semi-definite factor
+    ([n, n], the same on every device): A = U H. A plain named tuple: making one checks
+    nothing."""
+
+    u: jax.Array
+    h: jax.Array
 
 
 class Eigh(NamedTuple):
@@ -334,6 +361,39 @@ def qr_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> QR:
     return QR(jnp.matmul(q_block, _stacked_slice(q_stacked, axis, n), precision=_FULL), r)
 
 
+def svd_shard(a_block, *, mesh: Mesh, axis: str | None = None, compute_uv: bool = True) -> SVD:
+    """Inside ``shard_map``: the thin SVD of a tall A sharded by rows over ``axis`` (this
+    device's [m/P, n] rows, m/P >= n), from the tall-skinny QR: A = Q R, R = U_R diag(s) Vᴴ on
+    every device, U = Q U_R (this device's rows). ``compute_uv=False`` gives the values alone
+    (no Q is formed). Returns an :class:`SVD`. Raises as :func:`qr_shard` does."""
+    axis = _axis_of(mesh, axis)
+    _check_tall("svd", a_block, mesh, axis)
+    if not compute_uv:
+        r_block = jnp.linalg.qr(a_block, mode="r")
+        r = jnp.linalg.qr(jax.lax.all_gather(r_block, axis, tiled=True), mode="r")
+        return SVD(None, jnp.linalg.svd(r, compute_uv=False), None)
+    q_block, q_stacked, r = _tall_factors(a_block, axis)
+    u_r, s, vh = jnp.linalg.svd(r, full_matrices=False)
+    mine = jnp.matmul(_stacked_slice(q_stacked, axis, a_block.shape[1]), u_r, precision=_FULL)
+    return SVD(jnp.matmul(q_block, mine, precision=_FULL), s, vh)
+
+
+def polar_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> Polar:
+    """Inside ``shard_map``: the polar decomposition A = U H of a tall A sharded by rows over
+    ``axis`` (this device's [m/P, n] rows, m/P >= n): U = Q U_R Vᴴ (this device's rows) and
+    H = V diag(s) Vᴴ (the same on every device) from the tall-skinny QR and R's SVD. Returns a
+    :class:`Polar`. Raises as :func:`qr_shard` does."""
+    axis = _axis_of(mesh, axis)
+    _check_tall("polar", a_block, mesh, axis)
+    q_block, q_stacked, r = _tall_factors(a_block, axis)
+    u_r, s, vh = jnp.linalg.svd(r, full_matrices=False)
+    rotation = jnp.matmul(u_r, vh, precision=_FULL)
+    mine = jnp.matmul(_stacked_slice(q_stacked, axis, a_block.shape[1]), rotation,
+                      precision=_FULL)
+    h = jnp.matmul(vh.conj().T * s.astype(vh.dtype), vh, precision=_FULL)
+    return Polar(jnp.matmul(q_block, mine, precision=_FULL), h)
+
+
 def least_squares_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None
                         ) -> tuple[jax.Array, jax.Array]:
     """Inside ``shard_map``: X minimizing ||A X - B|| for a tall A of full column rank sharded by
@@ -523,6 +583,30 @@ def qr(a, mesh: Mesh, axis: str | None = None):
     axis = _axis_of(mesh, axis)
     factor = functools.partial(qr_shard, mesh=mesh, axis=axis)
     return _sharded(lambda block: tuple(factor(block)), mesh, (P(axis, None),),
+                    (P(axis, None), P()))(a)
+
+
+def svd(a, mesh: Mesh, axis: str | None = None, *, compute_uv: bool = True):
+    """The thin SVD of a tall A ([m, n], m/devices >= n) sharded by rows over ``axis`` of
+    ``mesh``, as ``jnp.linalg.svd(a, full_matrices=False)``: returns (U, sharded like A; s;
+    Vᴴ, both replicated), or s alone with ``compute_uv=False``. Jittable. Raises as
+    :func:`qr_shard` does."""
+    axis = _axis_of(mesh, axis)
+    decompose = functools.partial(svd_shard, mesh=mesh, axis=axis, compute_uv=compute_uv)
+    if not compute_uv:
+        return _sharded(lambda block: decompose(block).s, mesh, (P(axis, None),), P())(a)
+    return _sharded(lambda block: tuple(decompose(block)), mesh, (P(axis, None),),
+                    (P(axis, None), P(), P()))(a)
+
+
+def polar(a, mesh: Mesh, axis: str | None = None):
+    """The polar decomposition A = U H of a tall A ([m, n], m/devices >= n) sharded by rows over
+    ``axis`` of ``mesh``: returns (U, orthonormal columns, sharded like A; H [n, n], Hermitian
+    positive semi-definite, replicated), as ``scipy.linalg.polar(a)``. Jittable. Raises as
+    :func:`qr_shard` does."""
+    axis = _axis_of(mesh, axis)
+    decompose = functools.partial(polar_shard, mesh=mesh, axis=axis)
+    return _sharded(lambda block: tuple(decompose(block)), mesh, (P(axis, None),),
                     (P(axis, None), P()))(a)
 
 

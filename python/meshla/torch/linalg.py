@@ -32,7 +32,9 @@ __all__ = [
     "Eigh",
     "LeastSquares",
     "LuSolve",
+    "Polar",
     "QR",
+    "SVD",
     "cho_solve",
     "cho_solve_shard",
     "cholesky_inverse",
@@ -43,8 +45,12 @@ __all__ = [
     "least_squares_shard",
     "lu_solve",
     "lu_solve_shard",
+    "polar",
+    "polar_shard",
     "qr",
     "qr_shard",
+    "svd",
+    "svd_shard",
 ]
 
 
@@ -79,6 +85,27 @@ class QR(NamedTuple):
 
     q: list[torch.Tensor]
     r: torch.Tensor
+
+
+class SVD(NamedTuple):
+    """What :func:`svd` and :func:`svd_shard` return: ``u``, the row blocks of U as :class:`QR`'s
+    ``q`` (None without ``compute_uv``); ``s``, the n singular values in descending order, and
+    ``vh``, Vᴴ [n, n] (None without ``compute_uv``), on the first shard's device (from
+    :func:`svd_shard`, on every rank's): A = U diag(s) Vᴴ. A plain named tuple: making one
+    checks nothing."""
+
+    u: list[torch.Tensor] | None
+    s: torch.Tensor
+    vh: torch.Tensor | None
+
+
+class Polar(NamedTuple):
+    """What :func:`polar` and :func:`polar_shard` return: ``u``, the row blocks of the unitary
+    polar factor as :class:`QR`'s ``q``; ``h``, the Hermitian positive semi-definite factor
+    [n, n] as :class:`QR`'s ``r``: A = U H. A plain named tuple: making one checks nothing."""
+
+    u: list[torch.Tensor]
+    h: torch.Tensor
 
 
 class LeastSquares(NamedTuple):
@@ -332,6 +359,41 @@ def qr(a_shards: Sequence[torch.Tensor]) -> QR:
     q_stacked, r = _stacked_qr([r_block for _, r_block in local])
     return QR([q_block @ q_stacked[p * n:(p + 1) * n].to(q_block.device)
                for p, (q_block, _) in enumerate(local)], r)
+
+
+def _hermitian_factor(s: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+    """V diag(s) Vᴴ."""
+    return (vh.mH * s.to(vh.dtype)) @ vh
+
+
+def svd(a_shards: Sequence[torch.Tensor], *, compute_uv: bool = True) -> SVD:
+    """The thin SVD of a tall A given as in :func:`qr`, as ``torch.linalg.svd(a,
+    full_matrices=False)``: from the tall-skinny QR, A = Q R and R = U_R diag(s) Vᴴ, U = Q U_R.
+    ``compute_uv=False`` gives the values alone (no Q is formed). Returns an :class:`SVD`.
+    Raises as :func:`qr` does."""
+    _, n = _check_tall_shards("svd", a_shards, 0)
+    if not compute_uv:
+        _, r = _stacked_qr([torch.linalg.qr(block, mode="r")[1] for block in a_shards])
+        return SVD(None, torch.linalg.svdvals(r), None)
+    local = [torch.linalg.qr(block) for block in a_shards]
+    q_stacked, r = _stacked_qr([r_block for _, r_block in local])
+    u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
+    rotated = q_stacked @ u_r
+    return SVD([q_block @ rotated[p * n:(p + 1) * n].to(q_block.device)
+                for p, (q_block, _) in enumerate(local)], s, vh)
+
+
+def polar(a_shards: Sequence[torch.Tensor]) -> Polar:
+    """The polar decomposition A = U H of a tall A given as in :func:`qr` (as
+    ``scipy.linalg.polar``): U = Q U_R Vᴴ and H = V diag(s) Vᴴ from the tall-skinny QR and R's
+    SVD. Returns a :class:`Polar`. Raises as :func:`qr` does."""
+    _, n = _check_tall_shards("polar", a_shards, 0)
+    local = [torch.linalg.qr(block) for block in a_shards]
+    q_stacked, r = _stacked_qr([r_block for _, r_block in local])
+    u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
+    rotated = q_stacked @ (u_r @ vh)
+    return Polar([q_block @ rotated[p * n:(p + 1) * n].to(q_block.device)
+                  for p, (q_block, _) in enumerate(local)], _hermitian_factor(s, vh))
 
 
 def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor], *,
@@ -622,6 +684,34 @@ def qr_shard(a: torch.Tensor, group=None) -> QR:
     q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
     rank = dist.get_rank(group)
     return QR(q_block @ q_stacked[rank * n:(rank + 1) * n], r)
+
+
+def svd_shard(a: torch.Tensor, group=None, *, compute_uv: bool = True) -> SVD:
+    """:func:`svd` with one process per device, as :func:`qr_shard` runs :func:`qr`: returns an
+    :class:`SVD` of this rank's block of U, and s and Vᴴ on every rank. Raises as
+    :func:`qr_shard` does."""
+    _, n = _agreed_tall_shard("svd_shard", a, None, group)
+    if not compute_uv:
+        _, r = _stacked_qr(_all_gather_small(torch.linalg.qr(a, mode="r")[1], group))
+        return SVD(None, torch.linalg.svdvals(r), None)
+    q_block, r_block = torch.linalg.qr(a)
+    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
+    u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
+    rank = dist.get_rank(group)
+    return SVD(q_block @ (q_stacked[rank * n:(rank + 1) * n] @ u_r), s, vh)
+
+
+def polar_shard(a: torch.Tensor, group=None) -> Polar:
+    """:func:`polar` with one process per device, as :func:`qr_shard` runs :func:`qr`: returns a
+    :class:`Polar` of this rank's block of U, and H on every rank. Raises as :func:`qr_shard`
+    does."""
+    _, n = _agreed_tall_shard("polar_shard", a, None, group)
+    q_block, r_block = torch.linalg.qr(a)
+    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
+    u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
+    rank = dist.get_rank(group)
+    return Polar(q_block @ (q_stacked[rank * n:(rank + 1) * n] @ (u_r @ vh)),
+                 _hermitian_factor(s, vh))
 
 
 def least_squares_shard(a: torch.Tensor, b: torch.Tensor, group=None, *,
