@@ -248,6 +248,58 @@ def test_jax_tall_svd_and_polar_match_numpy(mesh, dtype):
         linalg.polar(put(tall(64, 20, dtype, 32), mesh), mesh)
 
 
+_TALL_ACROSS_PROCESSES = """
+import sys
+import numpy as np
+import jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.config.update("jax_enable_x64", True)
+jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from meshla.jax import linalg
+mesh = Mesh(np.array(jax.devices()), ("x",))  # 2 processes x 2 host devices
+a = np.random.default_rng(41).standard_normal((64, 6))
+b = np.random.default_rng(42).standard_normal((64, 2))
+rows = NamedSharding(mesh, P("x", None))
+ga, gb = (jax.make_array_from_callback(x.shape, rows, lambda index, x=x: x[index]) for x in (a, b))
+q, r = jax.jit(lambda a: linalg.qr(a, mesh))(ga)
+x = jax.jit(lambda a, b: linalg.least_squares(a, b, mesh))(ga, gb)
+s = jax.jit(lambda a: linalg.svd(a, mesh, compute_uv=False))(ga)
+mine = sorted(q.addressable_shards, key=lambda shard: shard.index[0].start)
+first = mine[0].index[0].start
+q_rows = np.concatenate([np.asarray(shard.data) for shard in mine])
+r = np.asarray(r.addressable_shards[0].data)
+print(np.abs(q_rows @ r - a[first:first + len(q_rows)]).max(),
+      np.abs(np.asarray(x.addressable_shards[0].data)
+             - np.linalg.lstsq(a, b, rcond=None)[0]).max(),
+      np.abs(np.asarray(s.addressable_shards[0].data) - np.linalg.svd(a, compute_uv=False)).max())
+jax.distributed.shutdown()
+"""
+
+
+def test_jax_tall_routines_run_with_one_process_per_device_group():
+    """The tall-skinny routines under jax.distributed: two processes of two host devices each
+    (gloo's CPU collectives), each process's rows of Q, X and the singular values against numpy;
+    the same code runs one process per GPU."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    ranks = [subprocess.Popen([sys.executable, "-c", _TALL_ACROSS_PROCESSES, address, str(rank)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=240) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), outputs
+    for out, _ in outputs:
+        errors = [float(v) for v in out.strip().splitlines()[-1].split()]
+        assert max(errors) < 1e-12, errors
+
+
 def test_jax_tall_qr_refusals_and_rank_deficiency(mesh):
     a = tall(64, 12, np.float64, 23)
     with pytest.raises(NotImplementedError, match=r"qr: a is \[64, 20\] over 4 devices: each "
