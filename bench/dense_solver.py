@@ -6,13 +6,14 @@ For each dtype (float64, float32), GPU count (1, 2, 4) and n: the jitted
 ``meshla.jax.linalg.cho_solve`` on a row-sharded array (A and one right-hand side; meshla's own
 factorization, then cuSolverMg's potrs), beside the time raw cuSolverMg spends in its potrf +
 potrs on the same GPUs and tile (measured inside meshla's DenseSolver with cholesky="cusolvermg",
-data already in its layout), and
-``jax.scipy.linalg.cho_factor`` + ``cho_solve`` on one GPU. Then ``lu_solve`` (``--lu-sizes``)
-on 1, 2, 4 GPUs beside ``jnp.linalg.solve`` on one GPU, eigh and the SPD inverse beside
-``jnp.linalg.eigh`` / ``jnp.linalg.inv`` on one GPU, and with ``--largest`` the largest float64 n
-solved on all GPUs (input donated). Matrices are Hankel matrices h(i + j) plus n·I (diagonally
-dominant, so positive definite; for the LU solve h(i + 2j) + n·I, not symmetric), generated on
-the GPUs row block by row block.
+data already in its layout), and ``jax.scipy.linalg.cho_factor`` + ``cho_solve`` on one GPU.
+Then ``lu_solve`` (``--lu-sizes``) on 1, 2, 4 GPUs beside ``jnp.linalg.solve`` on one GPU, the
+tall-skinny routines (``--tall`` m:n shapes: qr, least_squares, svd, polar beside jax's own on
+one GPU, on a Gaussian A), eigh and the SPD inverse beside ``jnp.linalg.eigh`` /
+``jnp.linalg.inv`` on one GPU, and with ``--largest`` the largest float64 n solved on all GPUs
+(input donated). Matrices are Hankel matrices h(i + j) plus n·I (diagonally dominant, so
+positive definite; for the LU solve h(i + 2j) + n·I, not symmetric), generated on the GPUs row
+block by row block.
 Prints a table last and writes JSON with device, date and commit.
 """
 
@@ -215,6 +216,48 @@ def bench_lu_solve(devices, sizes, dtypes, repeats, gpu_counts):
     return rows
 
 
+def bench_tall(devices, shapes, dtypes, repeats, gpu_counts):
+    """The tall-skinny routines (qr, least_squares, svd, polar) of an [m, n] Gaussian A on each
+    GPU count beside jax's own on one GPU (jnp.linalg.qr, lstsq, svd, jax.scipy.linalg.polar)."""
+    rows = []
+    counts = [g for g in gpu_counts if g <= len(devices)]
+    ours = {"qr": lambda mesh: lambda a, b: linalg.qr(a, mesh),
+            "least_squares": lambda mesh: lambda a, b: linalg.least_squares(a, b, mesh),
+            "svd": lambda mesh: lambda a, b: linalg.svd(a, mesh),
+            "polar": lambda mesh: lambda a, b: linalg.polar(a, mesh)}
+    theirs = {"qr": lambda a, b: jnp.linalg.qr(a),
+              "least_squares": lambda a, b: jnp.linalg.lstsq(a, b)[0],
+              "svd": lambda a, b: jnp.linalg.svd(a, full_matrices=False),
+              "polar": lambda a, b: jax.scipy.linalg.polar(a, method="svd")}
+    progress = Progress("dense_solver tall", len(dtypes) * len(shapes) * len(counts))
+    for dtype in dtypes:
+        for m, n in shapes:
+            one_gpu = {}
+            for g in counts:
+                progress.start(f"{np.dtype(dtype).name} [{m}, {n}] on {g} GPU(s)")
+                mesh = Mesh(np.array(devices[:g]), ("x",))
+                sharding = NamedSharding(mesh, P("x", None))
+                a = jax.device_put(jax.random.normal(jax.random.key(m + n), (m, n), dtype),
+                                   sharding)
+                b = jax.device_put(jnp.ones((m, 1), dtype), sharding)
+                for op, make in ours.items():
+                    if g == 1:
+                        single = jax.jit(theirs[op])
+                        try:
+                            one_gpu[op] = timed(lambda: single(a, b), repeats)
+                        except jax.errors.JaxRuntimeError as error:
+                            print(f"[{m}, {n}] one-GPU jax {op} failed: {str(error)[:200]}",
+                                  flush=True)
+                    call = jax.jit(make(mesh))
+                    row = {"op": op, "dtype": np.dtype(dtype).name, "n": n, "m": m, "gpus": g,
+                           "meshla_s": timed(lambda: call(a, b), repeats),
+                           "jax_1gpu_s": one_gpu.get(op)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                a = b = None  # lets go of their device memory
+    return rows
+
+
 def bench_others(devices, n_eigh, n_inverse, repeats):
     rows = []
     g = min(4, len(devices))
@@ -273,6 +316,9 @@ def main():
     parser.add_argument("--dtypes", default="float64,float32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lu-sizes", default="16384,32768")
+    parser.add_argument("--tall", default="262144:1024,262144:4096",
+                        help="m:n shapes of the tall-skinny routines (qr, least_squares, svd, "
+                             "polar)")
     parser.add_argument("--eigh-n", type=int, default=8192)
     parser.add_argument("--inverse-n", type=int, default=16384)
     parser.add_argument("--largest", default="")
@@ -296,6 +342,8 @@ def main():
     gpu_counts = [int(g) for g in args.gpu_counts.split(",")]
     result["rows"] += bench_lu_solve(devices, [int(s) for s in args.lu_sizes.split(",") if s],
                                      dtypes, args.repeats, gpu_counts)
+    tall = [tuple(int(v) for v in shape.split(":")) for shape in args.tall.split(",") if shape]
+    result["rows"] += bench_tall(devices, tall, dtypes, args.repeats, gpu_counts)
     result["rows"] += bench_others(devices, args.eigh_n, args.inverse_n, args.repeats)
     if args.largest:
         result["rows"] += largest(devices, [int(s) for s in args.largest.split(",")])
