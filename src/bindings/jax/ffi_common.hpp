@@ -92,18 +92,19 @@ ffi::Error guarded(Body&& body) {
 
 // One `Engine` per GPU of this process (an engine constructed from a CUDA ordinal), made by the
 // first call on that GPU. Calls on one GPU may come from several threads (two executables at
-// once): each runs under its GPU's lock.
+// once): each runs under its GPU's lock, holding the engine, so that clear() (at interpreter
+// exit) lets go of an engine only after the calls that use it.
 template <typename Engine>
 class PerDevice {
  public:
   template <typename Body>
   void with_engine(int device, Body&& body) {
-    Entry* entry;
+    std::shared_ptr<Entry> entry;
     {
       std::lock_guard lock(mutex_);
-      std::unique_ptr<Entry>& slot = entries_[device];
-      if (!slot) slot = std::make_unique<Entry>(device);
-      entry = slot.get();
+      std::shared_ptr<Entry>& slot = entries_[device];
+      if (!slot) slot = std::make_shared<Entry>(device);
+      entry = slot;
     }
     std::lock_guard lock(entry->mutex);
     body(entry->engine);
@@ -121,7 +122,7 @@ class PerDevice {
     Engine engine;
   };
   std::mutex mutex_;
-  std::map<int, std::unique_ptr<Entry>> entries_;
+  std::map<int, std::shared_ptr<Entry>> entries_;
 };
 
 }  // namespace meshla::jax_ffi
