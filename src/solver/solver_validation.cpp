@@ -56,7 +56,10 @@ BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
   // eigensolver takes any tile, by default one, so that nothing is padded; the LU solve always
   // one (a tile would only pad it).
   if (eigen && parts == 1) return make_block_cyclic_layout(n, parts, tile, n);
-  if (op == SolverOp::kLuSolve && parts == 1) return make_block_cyclic_layout(n, 1, n, n);
+  if (op == SolverOp::kLuSolve && parts == 1) {
+    make_block_cyclic_layout(n, 1, tile, n);  // the arguments' checks (a negative tile, say)
+    return make_block_cyclic_layout(n, 1, n, n);
+  }
   // cuSolverMg's syevd and getrf refuse tiles past theirs (CUSOLVER_STATUS_INVALID_VALUE).
   const bool lu = op == SolverOp::kLuSolve;
   const std::int64_t largest =

@@ -216,6 +216,9 @@ TEST(SolverCall, TheLuSolveTakesRightHandSidesTilesUpTo512AndOverwriteAOnOneGpu)
   SolverProblem large_tile = solve;
   large_tile.tile = 768;
   EXPECT_EQ(check_solver_call(SolverOp::kLuSolve, large_tile, 1).tile, 4096);  // never padded
+  SolverProblem negative_tile = solve;
+  negative_tile.tile = -1;
+  EXPECT_THROW(check_solver_call(SolverOp::kLuSolve, negative_tile, 1), Error);
   try {
     check_solver_call(SolverOp::kLuSolve, large_tile, 2);
     FAIL() << "tile=768 taken on two GPUs";

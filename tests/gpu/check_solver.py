@@ -173,16 +173,21 @@ class Checks:
             value_error = float((s64 - reference).abs().max() / reference.max())
             unitary, hermitian = jax.jit(lambda a: linalg.polar(a, mesh))(
                 jax.device_put(a, rows))
-            polar_error = float(torch.linalg.norm(double(unitary) @ double(hermitian) - a64)
-                                / torch.linalg.norm(a64))
+            u_polar, h_polar = double(unitary), double(hermitian)
+            polar_error = max(
+                float(torch.linalg.norm(u_polar @ h_polar - a64) / torch.linalg.norm(a64)),
+                float(torch.linalg.norm(u_polar.conj().T @ u_polar
+                                        - torch.eye(k, dtype=u_polar.dtype, device=u_polar.device))
+                      / k ** 0.5),
+                float(torch.linalg.norm(h_polar - h_polar.conj().T) / torch.linalg.norm(h_polar)))
             ok = (int(info) == 0 and factor_error < tall_tol
                   and orthogonality < tall_tol * k ** 0.5 and normal < tall_tol
                   and bool(torch.equal(r64, torch.triu(r64))) and svd_error < tall_tol
                   and value_error < tall_tol and polar_error < tall_tol)
             return ok, (f"[{m}, {k}]: A - QR {factor_error:.2e}, orthogonality "
                         f"{orthogonality:.2e}, normal equations {normal:.2e}, A - USVᴴ "
-                        f"{svd_error:.2e}, values {value_error:.2e}, A - UH {polar_error:.2e} "
-                        f"(tol {tall_tol:.1e})")
+                        f"{svd_error:.2e}, values {value_error:.2e}, polar (A - UH, UᴴU - I, "
+                        f"H - Hᴴ) {polar_error:.2e} (tol {tall_tol:.1e})")
 
         self.run(f"{label} cho_solve", solve)
         self.run(f"{label} cholesky_inverse", inverse)

@@ -150,16 +150,17 @@ def main():
             reference = np.linalg.svd(t64, compute_uv=False)
             value_error = np.abs(s - reference).max() / reference.max()
             factors = torch_linalg.polar_shard(block)
-            polar_error = np.linalg.norm(
-                gathered(factors.u) @ factors.h.cpu().numpy().astype(a64.dtype) - t64
-            ) / np.linalg.norm(t64)
+            u_polar, h_polar = gathered(factors.u), factors.h.cpu().numpy().astype(a64.dtype)
+            polar_error = max(np.linalg.norm(u_polar @ h_polar - t64) / np.linalg.norm(t64),
+                              np.linalg.norm(u_polar.conj().T @ u_polar - np.eye(k)) / k ** 0.5,
+                              np.linalg.norm(h_polar - h_polar.conj().T) / np.linalg.norm(h_polar))
             ok = (fit.info == 0 and factor_error < tall_tol
                   and orthogonality < tall_tol * k ** 0.5 and normal < tall_tol
                   and svd_error < tall_tol and value_error < tall_tol and polar_error < tall_tol)
             return ok, (f"[{m}, {k}]: A - QR {factor_error:.2e}, orthogonality "
                         f"{orthogonality:.2e}, normal equations {normal:.2e}, A - USVᴴ "
-                        f"{svd_error:.2e}, values {value_error:.2e}, A - UH {polar_error:.2e} "
-                        f"(tol {tall_tol:.1e})")
+                        f"{svd_error:.2e}, values {value_error:.2e}, polar (A - UH, UᴴU - I, "
+                        f"H - Hᴴ) {polar_error:.2e} (tol {tall_tol:.1e})")
 
         for routine, fn in (("cho_solve_shard", solve), ("cholesky_inverse_shard", inverse),
                             ("eigh_shard", eigen), ("lu_solve_shard", lu),

@@ -327,7 +327,8 @@ _FULL = jax.lax.Precision.HIGHEST
 def _check_tall(name: str, a_block, mesh: Mesh, axis: str, nrhs: int = 0) -> None:
     """The extension's rules of a tall-skinny QR call (dtype, rows split evenly, each device's
     block at least as tall as A is wide), the same words in meshla.torch."""
-    _check_matrix(a_block, name)
+    if a_block.ndim != 2:
+        raise ValueError(f"{name}: a has shape {a_block.shape}; expected a row block [m/P, n]")
     parts = mesh.shape[axis]
     _meshla.tall_qr_call(name, a_block.shape[0] * parts, a_block.shape[1], dtype_of("a", a_block),
                          parts, nrhs)
@@ -399,11 +400,12 @@ def least_squares_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None
     """Inside ``shard_map``: X minimizing ||A X - B|| for a tall A of full column rank sharded by
     rows over ``axis`` (this device's [m/P, n] rows, m/P >= n) and B sharded the same way
     ([m/P, nrhs]). Returns (X [n, nrhs], the same on every device; info, an int32 scalar: 0, or
-    i > 0 where R's i-th diagonal element is zero, A rank-deficient, with X NaN), from the
+    i > 0 where R's i-th diagonal element is exactly zero, A rank-deficient (a zero column, say,
+    as LAPACK's gels reports; numerical rank deficiency is not detected), with X NaN), from the
     tall-skinny QR: X = R⁻¹ Qᴴ B, Qᴴ B formed from the blocks' Qᴴ B without forming Q. Raises as
     :func:`qr_shard` does, and ``ValueError`` for a ``b_block`` whose rows or dtype differ."""
     axis = _axis_of(mesh, axis)
-    _check_matrix(a_block, "least_squares")
+    _check_tall("least_squares", a_block, mesh, axis)
     rows = a_block.shape[0]
     if b_block.ndim != 2 or b_block.shape[0] != rows or b_block.dtype != a_block.dtype:
         raise ValueError(
@@ -619,6 +621,9 @@ def least_squares(a, b, mesh: Mesh, axis: str | None = None, *, return_info: boo
     axis = _axis_of(mesh, axis)
     if a.ndim != 2:
         raise ValueError(f"least_squares: a has shape {a.shape}; expected [m, n]")
+    if b.ndim not in (1, 2) or b.shape[0] != a.shape[0] or b.dtype != a.dtype:
+        raise ValueError(f"least_squares: b has shape {b.shape} and dtype {b.dtype}; expected "
+                         f"[{a.shape[0]}] or [{a.shape[0]}, nrhs] {a.dtype} (a is {a.shape})")
     vector = b.ndim == 1
     solve = functools.partial(least_squares_shard, mesh=mesh, axis=axis)
     x, info = _sharded(solve, mesh, (P(axis, None), P(axis, None)), (P(), P()))(

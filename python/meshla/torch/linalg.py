@@ -111,8 +111,9 @@ class Polar(NamedTuple):
 class LeastSquares(NamedTuple):
     """What :func:`least_squares` and :func:`least_squares_shard` return: ``x``, X [n, nrhs] on
     the first shard's device (from :func:`least_squares_shard`, on every rank's); ``info``, 0,
-    or i > 0 where R's i-th diagonal element is zero (A rank-deficient; with
-    ``check_errors=False``, X is NaN then). A plain named tuple: making one checks nothing."""
+    or i > 0 where R's i-th diagonal element is exactly zero (A rank-deficient, a zero column
+    say, as LAPACK's gels reports; a numerically rank-deficient A is not detected); with
+    ``check_errors=False`` X is NaN then. A plain named tuple: making one checks nothing."""
 
     x: torch.Tensor
     info: int
@@ -308,12 +309,15 @@ def _lu_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwri
 # factors (P n x n); Q's blocks are each block's Q times its slice of the second Q. Householder
 # QRs throughout (as stable as one QR of A), torch's own routines on each block's device, and
 # with one process per GPU one all-gather of n x n factors over the group, whatever its backend:
-# it crosses nodes where the group does.
+# it crosses nodes where the group does. The products are torch's matmuls: float32 at torch's
+# default precision is full float32; with TF32 allowed (torch.set_float32_matmul_precision
+# "high") Q's orthogonality drops to about 1e-3.
 
 
-def _check_tall_shards(name: str, a_shards: Sequence[torch.Tensor], nrhs: int) -> tuple[int, int]:
-    """The blocks' shapes (one width and dtype, equal rows), then the extension's rules of a
-    tall-skinny QR call (as meshla.jax's). Returns (m, n)."""
+def _check_tall_shards(name: str, a_shards: Sequence[torch.Tensor],
+                       b_shards: Sequence[torch.Tensor] | None = None) -> tuple[int, int, int]:
+    """The blocks' shapes (2-D, one shape and dtype: equal rows), B's blocks against them, then
+    the extension's rules of a tall-skinny QR call (as meshla.jax's). Returns (m, n, nrhs)."""
     if len(a_shards) == 0:
         raise ValueError(f"{name}: a_shards is empty")
     first = a_shards[0]
@@ -321,10 +325,12 @@ def _check_tall_shards(name: str, a_shards: Sequence[torch.Tensor], nrhs: int) -
         if shard.ndim != 2 or shard.shape != first.shape or shard.dtype != first.dtype:
             raise ValueError(
                 f"{name}: a_shards[{p}] has shape {tuple(shard.shape)} and dtype {shard.dtype}; "
-                f"expected {tuple(first.shape)} {first.dtype} like a_shards[0] (equal row blocks)")
+                f"expected equal row blocks [m/P, n] of one dtype (a_shards[0] is "
+                f"{tuple(first.shape)} {first.dtype})")
+    nrhs = 0 if b_shards is None else _check_rhs(name, a_shards, b_shards)
     m, n = first.shape[0] * len(a_shards), first.shape[1]
     _meshla.tall_qr_call(name, m, n, dtype_of("a", first), len(a_shards), nrhs)
-    return m, n
+    return m, n, nrhs
 
 
 def _stacked_qr(r_blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,7 +349,7 @@ def _solved_by_r(name: str, r: torch.Tensor, qtb: torch.Tensor,
             f"{name}: a does not have full column rank (R's diagonal element {info} is zero); "
             "pass check_errors=False to get NaN instead")
     x = torch.linalg.solve_triangular(r, qtb, upper=True)
-    return LeastSquares(x.fill_(float("nan")) if info else x, info)
+    return LeastSquares(torch.full_like(x, float("nan")) if info else x, info)
 
 
 def qr(a_shards: Sequence[torch.Tensor]) -> QR:
@@ -354,7 +360,7 @@ def qr(a_shards: Sequence[torch.Tensor]) -> QR:
     shape or dtype, or an unsupported dtype, and ``NotImplementedError`` where a block's rows are
     fewer than A's columns (the tall-skinny QR; square and wide matrices are not supported
     yet)."""
-    _, n = _check_tall_shards("qr", a_shards, 0)
+    _, n, _ = _check_tall_shards("qr", a_shards)
     local = [torch.linalg.qr(block) for block in a_shards]
     q_stacked, r = _stacked_qr([r_block for _, r_block in local])
     return QR([q_block @ q_stacked[p * n:(p + 1) * n].to(q_block.device)
@@ -371,7 +377,7 @@ def svd(a_shards: Sequence[torch.Tensor], *, compute_uv: bool = True) -> SVD:
     full_matrices=False)``: from the tall-skinny QR, A = Q R and R = U_R diag(s) Vᴴ, U = Q U_R.
     ``compute_uv=False`` gives the values alone (no Q is formed). Returns an :class:`SVD`.
     Raises as :func:`qr` does."""
-    _, n = _check_tall_shards("svd", a_shards, 0)
+    _, n, _ = _check_tall_shards("svd", a_shards)
     if not compute_uv:
         _, r = _stacked_qr([torch.linalg.qr(block, mode="r")[1] for block in a_shards])
         return SVD(None, torch.linalg.svdvals(r), None)
@@ -387,7 +393,7 @@ def polar(a_shards: Sequence[torch.Tensor]) -> Polar:
     """The polar decomposition A = U H of a tall A given as in :func:`qr` (as
     ``scipy.linalg.polar``): U = Q U_R Vᴴ and H = V diag(s) Vᴴ from the tall-skinny QR and R's
     SVD. Returns a :class:`Polar`. Raises as :func:`qr` does."""
-    _, n = _check_tall_shards("polar", a_shards, 0)
+    _, n, _ = _check_tall_shards("polar", a_shards)
     local = [torch.linalg.qr(block) for block in a_shards]
     q_stacked, r = _stacked_qr([r_block for _, r_block in local])
     u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
@@ -404,8 +410,7 @@ def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Ten
     :class:`LeastSquares`. Raises as :func:`qr` does, ``ValueError`` for B blocks that do not
     match A's, and ``torch.linalg.LinAlgError`` where R has a zero diagonal element (A
     rank-deficient), unless ``check_errors=False`` (X NaN, info > 0)."""
-    nrhs = _check_rhs("least_squares", a_shards, b_shards)
-    _, n = _check_tall_shards("least_squares", a_shards, nrhs)
+    _check_tall_shards("least_squares", a_shards, b_shards)
     local = [torch.linalg.qr(block) for block in a_shards]
     q_stacked, r = _stacked_qr([r_block for _, r_block in local])
     projected = torch.cat([(q_block.mH @ b).to(r.device)
@@ -640,23 +645,24 @@ def _agreed_tall_shard(name: str, a: torch.Tensor, b: torch.Tensor | None,
     whose B does not match its A, raises ValueError on every rank, before any collective that
     would wait for it), then the tall QR's rules."""
     group = group if group is not None else dist.group.WORLD
-    nrhs = 0 if b is None else (b.shape[-1] if b.ndim else 0)
     misfit = None
-    if b is not None and (b.ndim != 2 or b.shape[0] != a.shape[0] or b.dtype != a.dtype
-                          or b.device != a.device):
+    if a.ndim != 2:
+        misfit = f"{name}: a has shape {tuple(a.shape)}; expected a row block [m/P, n]"
+    elif b is not None and (b.ndim != 2 or b.shape[0] != a.shape[0] or b.dtype != a.dtype
+                            or b.device != a.device):
         misfit = (f"{name}: b is {tuple(b.shape)} {b.dtype} on {b.device}; expected "
                   f"[{a.shape[0]}, nrhs] {a.dtype} on {a.device}")
+    nrhs = b.shape[-1] if b is not None and misfit is None else 0
+    mine = (tuple(a.shape), str(a.dtype), a.device.type, nrhs, misfit)
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (tuple(a.shape), str(a.dtype), nrhs, misfit), group=group)
-    for rank, (shape, dtype, rhs, error) in enumerate(everyone):
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, (shape, dtype, device, rhs, error) in enumerate(everyone):
         if error is not None:
-            raise ValueError(f"{error} (rank {rank})")
-        if (shape, dtype, rhs) != everyone[0][:3]:
-            raise ValueError(f"{name}: rank {rank} has a {shape} {dtype} with {rhs} right-hand "
-                             f"sides where rank 0 has {everyone[0][0]} {everyone[0][1]} with "
-                             f"{everyone[0][2]}")
-    if a.ndim != 2:
-        raise ValueError(f"{name}: a has shape {tuple(a.shape)}; expected a row block [m/P, n]")
+            raise ValueError(f"{error} (rank {rank} of the group)")
+        if (shape, dtype, device, rhs) != everyone[0][:4]:
+            raise ValueError(f"{name}: rank {rank} of the group has a {shape} {dtype} on {device} "
+                             f"with {rhs} right-hand sides where rank 0 has {everyone[0][0]} "
+                             f"{everyone[0][1]} on {everyone[0][2]} with {everyone[0][3]}")
     m, n = a.shape[0] * len(everyone), a.shape[1]
     _meshla.tall_qr_call(name, m, n, dtype_of("a", a), len(everyone), nrhs)
     return m, n
