@@ -168,7 +168,8 @@ def _mesh_groups(mesh: Mesh, axis: str) -> tuple[np.ndarray, int]:
     for device in devices:
         if device.process_index != jax.process_index():
             raise NotImplementedError(
-                "meshla.jax.linalg drives the GPUs of one process; this mesh spans processes"
+                "meshla.jax.linalg's cuSolverMg routines drive the GPUs of one process; this "
+                "mesh spans processes (qr, least_squares, svd and polar run on such meshes)"
             )
     return np.array([d.local_hardware_id for d in devices], np.int64), mesh.shape[axis]
 
