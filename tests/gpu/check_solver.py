@@ -402,6 +402,38 @@ class Checks:
                 details.append(f"overwrite_a={overwrite_a}: residual {residual:.2e}")
             return ok, ", ".join(details) + f" (tol {tol:.1e})"
 
+        def tall_blocks():
+            # The one-process torch forms: each block's QR on its GPU, R's gathered on the first.
+            m, k = 4 * n, max(n // 4, 1)
+            tall_tol = tolerance(dtype, m)
+            a = random_general(m, dtype, self.rng, columns=k)
+            rhs = self.rng.standard_normal((m, 2)).astype(dtype)
+            blocks = [torch.from_numpy(a[p * (m // g):(p + 1) * (m // g)]).to(f"cuda:{d}")
+                      for p, d in enumerate(devices)]
+            rhs_blocks = [torch.from_numpy(rhs[p * (m // g):(p + 1) * (m // g)]).to(f"cuda:{d}")
+                          for p, d in enumerate(devices)]
+            a64 = double(a)
+            factors = torch_linalg.qr(blocks)
+            q, r = double(torch.cat([x.cpu() for x in factors.q])), double(factors.r.cpu())
+            factor_error = float(torch.linalg.norm(q @ r - a64) / torch.linalg.norm(a64))
+            fit = torch_linalg.least_squares(blocks, rhs_blocks)
+            x64 = double(fit.x.cpu())
+            normal = float(torch.linalg.norm(a64.conj().T @ (a64 @ x64 - double(rhs))) / (
+                spectral_norm(a64) ** 2 * float(torch.linalg.norm(x64))))
+            decomposed = torch_linalg.svd(blocks)
+            u = double(torch.cat([x.cpu() for x in decomposed.u]))
+            s64 = double(decomposed.s.cpu()).real
+            svd_error = float(torch.linalg.norm((u * s64) @ double(decomposed.vh.cpu()) - a64)
+                              / torch.linalg.norm(a64))
+            unitary = torch_linalg.polar(blocks)
+            u_polar = double(torch.cat([x.cpu() for x in unitary.u]))
+            polar_error = float(torch.linalg.norm(u_polar @ double(unitary.h.cpu()) - a64)
+                                / torch.linalg.norm(a64))
+            worst = max(factor_error, normal, svd_error, polar_error)
+            return fit.info == 0 and worst < tall_tol, (
+                f"[{m}, {k}]: A - QR {factor_error:.2e}, normal equations {normal:.2e}, "
+                f"A - USVᴴ {svd_error:.2e}, A - UH {polar_error:.2e} (tol {tall_tol:.1e})")
+
         def overwrite_padded():
             # A padded layout works in a workspace of its own: overwrite_a cannot be honoured.
             a = random_spd(n, dtype, self.rng, device=REFERENCE)
@@ -419,6 +451,7 @@ class Checks:
         self.run(f"{label} overwrite_a refused where the layout pads", overwrite_padded)
         self.run(f"{label} cholesky_inverse over a", inverse_in_place)
         self.run(f"{label} lu_solve on poisoned outputs", lu_poisoned)
+        self.run(f"{label} qr, least_squares, svd and polar of row blocks (tall)", tall_blocks)
         self.run(f"{label} eigh and inverse on poisoned outputs", poisoned_outputs)
 
     def torch_large_inverse(self, devices):
