@@ -179,6 +179,22 @@ def _check_matrix(a_block: jax.Array, name: str) -> None:
         raise ValueError(f"{name}: a has shape {a_block.shape}; expected a row block [n/P, n]")
 
 
+def _check_rhs_block(name: str, a_block, b_block) -> None:
+    """B's row block against A's: 2-D, A's rows and dtype."""
+    rows = a_block.shape[0]
+    if b_block.ndim != 2 or b_block.shape[0] != rows or b_block.dtype != a_block.dtype:
+        raise ValueError(
+            f"{name}: b has shape {b_block.shape} and dtype {b_block.dtype}; expected "
+            f"[{rows}, nrhs] {a_block.dtype} (the rows of a are {a_block.shape})"
+        )
+
+
+def _first_zero_info(diagonal) -> jax.Array:
+    """info as LAPACK reports a zero pivot: 1 + the index of the first exact zero, else 0."""
+    zero = diagonal == 0
+    return jnp.where(zero.any(), jnp.argmax(zero) + 1, 0).astype(jnp.int32)
+
+
 def _real_dtype(dtype) -> np.dtype:
     return jnp.finfo(dtype).dtype
 
@@ -245,11 +261,7 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
     axis = _axis_of(mesh, axis)
     _check_matrix(a_block, "cho_solve")
     rows, n = a_block.shape
-    if b_block.ndim != 2 or b_block.shape[0] != rows or b_block.dtype != a_block.dtype:
-        raise ValueError(
-            f"cho_solve: b has shape {b_block.shape} and dtype {b_block.dtype}; expected "
-            f"[{rows}, nrhs] {a_block.dtype} (the rows of a are {a_block.shape})"
-        )
+    _check_rhs_block("cho_solve", a_block, b_block)
     tile, padded = _layout(_meshla.SolverOp.cholesky_solve, a_block, mesh, axis, tile,
                            nrhs=b_block.shape[1])
     if not _on_gpu(mesh):
@@ -289,17 +301,12 @@ def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, til
     axis = _axis_of(mesh, axis)
     _check_matrix(a_block, "lu_solve")
     rows, n = a_block.shape
-    if b_block.ndim != 2 or b_block.shape[0] != rows or b_block.dtype != a_block.dtype:
-        raise ValueError(
-            f"lu_solve: b has shape {b_block.shape} and dtype {b_block.dtype}; expected "
-            f"[{rows}, nrhs] {a_block.dtype} (the rows of a are {a_block.shape})"
-        )
+    _check_rhs_block("lu_solve", a_block, b_block)
     tile, padded = _layout(_meshla.SolverOp.lu_solve, a_block, mesh, axis, tile,
                            nrhs=b_block.shape[1])
     if not _on_gpu(mesh):
         lu, pivots = jax.scipy.linalg.lu_factor(_gather_rows(a_block, axis))
-        zero_pivots = jnp.diagonal(lu) == 0
-        info = jnp.where(zero_pivots.any(), jnp.argmax(zero_pivots) + 1, 0).astype(jnp.int32)
+        info = _first_zero_info(jnp.diagonal(lu))
         x = jax.scipy.linalg.lu_solve((lu, pivots), _gather_rows(b_block, axis))
         x = jnp.where(info > 0, jnp.nan, x).astype(a_block.dtype)
         return LuSolve(_own_rows(x, axis, rows), info, a_block)
@@ -406,21 +413,15 @@ def least_squares_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None
     tall-skinny QR: X = R⁻¹ Qᴴ B, Qᴴ B formed from the blocks' Qᴴ B without forming Q. Raises as
     :func:`qr_shard` does, and ``ValueError`` for a ``b_block`` whose rows or dtype differ."""
     axis = _axis_of(mesh, axis)
-    _check_tall("least_squares", a_block, mesh, axis)
-    rows = a_block.shape[0]
-    if b_block.ndim != 2 or b_block.shape[0] != rows or b_block.dtype != a_block.dtype:
-        raise ValueError(
-            f"least_squares: b has shape {b_block.shape} and dtype {b_block.dtype}; expected "
-            f"[{rows}, nrhs] {a_block.dtype} (the rows of a are {a_block.shape})"
-        )
+    _check_tall("least_squares", a_block, mesh, axis)  # a's own rules before b's
+    _check_rhs_block("least_squares", a_block, b_block)
     _check_tall("least_squares", a_block, mesh, axis, b_block.shape[1])
     q_block, q_stacked, r = _tall_factors(a_block, axis)
     # Qᴴ B = (second Q)ᴴ [Q_pᴴ B_p stacked over the devices]
     projected = jax.lax.all_gather(
         jnp.matmul(q_block.conj().T, b_block, precision=_FULL), axis, tiled=True)
     qtb = jnp.matmul(q_stacked.conj().T, projected, precision=_FULL)
-    zero = jnp.diagonal(r) == 0
-    info = jnp.where(zero.any(), jnp.argmax(zero) + 1, 0).astype(jnp.int32)
+    info = _first_zero_info(jnp.diagonal(r))
     x = jax.scipy.linalg.solve_triangular(r, qtb, lower=False)
     return jnp.where(info > 0, jnp.nan, x).astype(a_block.dtype), info
 

@@ -247,18 +247,19 @@ def cho_solve(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor]
         return CholeskySolve(list(x.split([a.shape[0] for a in a_shards])), logdet, info)
     devices = _devices("cho_solve", a_shards)
     x = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in b_shards]
-    info, logdet = _cho_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile,
-                                   overwrite_a)
+    info, logdet = _solve_cuda(_meshla.SolverOp.cholesky_solve, devices, n, dtype, nrhs,
+                               a_shards, b_shards, x, tile, overwrite_a)
     _raise_if_failed("cho_solve", info, check_errors, "a is not positive definite")
     return CholeskySolve(x, logdet, info)
 
 
-def _cho_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwrite_a):
+def _solve_cuda(op, devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwrite_a):
+    """One right-hand-side solve (cho_solve, lu_solve) on the DenseSolver: (info, logdet)."""
     solver = _solver(devices)
-    op = _meshla.SolverOp.cholesky_solve
+    none = [None] * len(devices)
     info, logdet, _, _ = solver.run(
         op, n, DTYPES[dtype], nrhs, tile, overwrite_a, [a.contiguous() for a in a_shards],
-        [b.contiguous() for b in b_shards], x, [None] * len(devices), [None] * len(devices),
+        [b.contiguous() for b in b_shards], x, none, none,
         _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices), _streams(devices))
     return info, logdet
 
@@ -289,29 +290,10 @@ def lu_solve(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor],
         return LuSolve(list(x.split([a.shape[0] for a in a_shards])), info)
     devices = _devices("lu_solve", a_shards)
     x = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in b_shards]
-    info = _lu_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwrite_a)
+    info, _ = _solve_cuda(_meshla.SolverOp.lu_solve, devices, n, dtype, nrhs, a_shards,
+                          b_shards, x, tile, overwrite_a)
     _raise_if_failed("lu_solve", info, check_errors, "a is singular")
     return LuSolve(x, info)
-
-
-def _lu_solve_cuda(devices, n, dtype, nrhs, a_shards, b_shards, x, tile, overwrite_a):
-    solver = _solver(devices)
-    op = _meshla.SolverOp.lu_solve
-    none = [None] * len(devices)
-    info, _, _, _ = solver.run(
-        op, n, DTYPES[dtype], nrhs, tile, overwrite_a, [a.contiguous() for a in a_shards],
-        [b.contiguous() for b in b_shards], x, none, none,
-        _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices), _streams(devices))
-    return info
-
-
-# The tall-skinny QR (qr, least_squares): a QR of each row block, then one of the stacked R
-# factors (P n x n); Q's blocks are each block's Q times its slice of the second Q. Householder
-# QRs throughout (as stable as one QR of A), torch's own routines on each block's device, and
-# with one process per GPU one all-gather of n x n factors over the group, whatever its backend:
-# it crosses nodes where the group does. The products are torch's matmuls: float32 at torch's
-# default precision is full float32; with TF32 allowed (torch.set_float32_matmul_precision
-# "high") Q's orthogonality drops to about 1e-3.
 
 
 def _check_tall_shards(name: str, a_shards: Sequence[torch.Tensor],
@@ -331,6 +313,13 @@ def _check_tall_shards(name: str, a_shards: Sequence[torch.Tensor],
     m, n = first.shape[0] * len(a_shards), first.shape[1]
     _meshla.tall_qr_call(name, m, n, dtype_of("a", first), len(a_shards), nrhs)
     return m, n, nrhs
+
+
+def _blocks_factors(a_shards: Sequence[torch.Tensor]):
+    """(each block's Q, the stacked R factors' Q on the first device, R) of the row blocks."""
+    local = [torch.linalg.qr(block) for block in a_shards]
+    q_stacked, r = _stacked_qr([r_block for _, r_block in local])
+    return [q_block for q_block, _ in local], q_stacked, r
 
 
 def _stacked_qr(r_blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,10 +350,9 @@ def qr(a_shards: Sequence[torch.Tensor]) -> QR:
     fewer than A's columns (the tall-skinny QR; square and wide matrices are not supported
     yet)."""
     _, n, _ = _check_tall_shards("qr", a_shards)
-    local = [torch.linalg.qr(block) for block in a_shards]
-    q_stacked, r = _stacked_qr([r_block for _, r_block in local])
+    q_blocks, q_stacked, r = _blocks_factors(a_shards)
     return QR([q_block @ q_stacked[p * n:(p + 1) * n].to(q_block.device)
-               for p, (q_block, _) in enumerate(local)], r)
+               for p, q_block in enumerate(q_blocks)], r)
 
 
 def _hermitian_factor(s: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
@@ -381,12 +369,11 @@ def svd(a_shards: Sequence[torch.Tensor], *, compute_uv: bool = True) -> SVD:
     if not compute_uv:
         _, r = _stacked_qr([torch.linalg.qr(block, mode="r")[1] for block in a_shards])
         return SVD(None, torch.linalg.svdvals(r), None)
-    local = [torch.linalg.qr(block) for block in a_shards]
-    q_stacked, r = _stacked_qr([r_block for _, r_block in local])
+    q_blocks, q_stacked, r = _blocks_factors(a_shards)
     u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
     rotated = q_stacked @ u_r
     return SVD([q_block @ rotated[p * n:(p + 1) * n].to(q_block.device)
-                for p, (q_block, _) in enumerate(local)], s, vh)
+                for p, q_block in enumerate(q_blocks)], s, vh)
 
 
 def polar(a_shards: Sequence[torch.Tensor]) -> Polar:
@@ -394,12 +381,11 @@ def polar(a_shards: Sequence[torch.Tensor]) -> Polar:
     ``scipy.linalg.polar``): U = Q U_R Vᴴ and H = V diag(s) Vᴴ from the tall-skinny QR and R's
     SVD. Returns a :class:`Polar`. Raises as :func:`qr` does."""
     _, n, _ = _check_tall_shards("polar", a_shards)
-    local = [torch.linalg.qr(block) for block in a_shards]
-    q_stacked, r = _stacked_qr([r_block for _, r_block in local])
+    q_blocks, q_stacked, r = _blocks_factors(a_shards)
     u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
     rotated = q_stacked @ (u_r @ vh)
     return Polar([q_block @ rotated[p * n:(p + 1) * n].to(q_block.device)
-                  for p, (q_block, _) in enumerate(local)], _hermitian_factor(s, vh))
+                  for p, q_block in enumerate(q_blocks)], _hermitian_factor(s, vh))
 
 
 def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor], *,
@@ -411,10 +397,9 @@ def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Ten
     match A's, and ``torch.linalg.LinAlgError`` where R has a zero diagonal element (A
     rank-deficient), unless ``check_errors=False`` (X NaN, info > 0)."""
     _check_tall_shards("least_squares", a_shards, b_shards)
-    local = [torch.linalg.qr(block) for block in a_shards]
-    q_stacked, r = _stacked_qr([r_block for _, r_block in local])
+    q_blocks, q_stacked, r = _blocks_factors(a_shards)
     projected = torch.cat([(q_block.mH @ b).to(r.device)
-                           for (q_block, _), b in zip(local, b_shards)])
+                           for q_block, b in zip(q_blocks, b_shards)])
     return _solved_by_r("least_squares", r, q_stacked.mH @ projected, check_errors)
 
 
@@ -579,6 +564,22 @@ def _own_rows(group, blocks):
     return blocks[dist.get_rank(group)]
 
 
+def _solve_on_first_rank(name, op, a, b, group, tile, overwrite_a):
+    """A right-hand-side solve of every rank's blocks, run by the group's first rank
+    (_on_first_rank), its checks there: (this rank's X block, (info, logdet))."""
+    x = torch.empty_like(b, memory_format=torch.contiguous_format)
+
+    def work(parts):
+        a_shards, b_shards, x_shards = (list(role) for role in zip(*parts))
+        n, dtype = _check_shards(name, a_shards)
+        nrhs = _check_rhs(name, a_shards, b_shards)
+        _check_call(op, a_shards, nrhs, tile, overwrite_a)
+        return _solve_cuda(op, _devices(name, a_shards), n, dtype, nrhs, a_shards, b_shards,
+                           x_shards, tile, overwrite_a)
+
+    return x, _on_first_rank(name, group, [a.contiguous(), b.contiguous(), x], work)
+
+
 def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 0,
                     overwrite_a: bool = False, check_errors: bool = True) -> CholeskySolve:
     """:func:`cho_solve` with one process per GPU: ``a`` is this rank's row block of A and ``b``
@@ -597,18 +598,8 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
         result = cho_solve(_gather_rows(group, a), _gather_rows(group, b), tile=tile,
                            overwrite_a=overwrite_a, check_errors=check_errors)
         return CholeskySolve(_own_rows(group, result.x), result.logdet, result.info)
-    x = torch.empty_like(b, memory_format=torch.contiguous_format)
-
-    def work(parts):
-        a_shards, b_shards, x_shards = (list(role) for role in zip(*parts))
-        n, dtype = _check_shards("cho_solve_shard", a_shards)
-        nrhs = _check_rhs("cho_solve_shard", a_shards, b_shards)
-        _check_call(_meshla.SolverOp.cholesky_solve, a_shards, nrhs, tile, overwrite_a)
-        return _cho_solve_cuda(_devices("cho_solve_shard", a_shards), n, dtype, nrhs, a_shards,
-                               b_shards, x_shards, tile, overwrite_a)
-
-    info, logdet = _on_first_rank("cho_solve_shard", group, [a.contiguous(), b.contiguous(), x],
-                                  work)
+    x, (info, logdet) = _solve_on_first_rank("cho_solve_shard", _meshla.SolverOp.cholesky_solve,
+                                             a, b, group, tile, overwrite_a)
     _raise_if_failed("cho_solve_shard", info, check_errors, "a is not positive definite")
     return CholeskySolve(x, logdet, info)
 
@@ -624,17 +615,8 @@ def lu_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 
         result = lu_solve(_gather_rows(group, a), _gather_rows(group, b), tile=tile,
                           overwrite_a=overwrite_a, check_errors=check_errors)
         return LuSolve(_own_rows(group, result.x), result.info)
-    x = torch.empty_like(b, memory_format=torch.contiguous_format)
-
-    def work(parts):
-        a_shards, b_shards, x_shards = (list(role) for role in zip(*parts))
-        n, dtype = _check_shards("lu_solve_shard", a_shards)
-        nrhs = _check_rhs("lu_solve_shard", a_shards, b_shards)
-        _check_call(_meshla.SolverOp.lu_solve, a_shards, nrhs, tile, overwrite_a)
-        return _lu_solve_cuda(_devices("lu_solve_shard", a_shards), n, dtype, nrhs, a_shards,
-                              b_shards, x_shards, tile, overwrite_a)
-
-    info = _on_first_rank("lu_solve_shard", group, [a.contiguous(), b.contiguous(), x], work)
+    x, (info, _) = _solve_on_first_rank("lu_solve_shard", _meshla.SolverOp.lu_solve, a, b, group,
+                                        tile, overwrite_a)
     _raise_if_failed("lu_solve_shard", info, check_errors, "a is singular")
     return LuSolve(x, info)
 
@@ -679,6 +661,19 @@ def _all_gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return [t.to(tensor.device) for t in received]
 
 
+def _shard_factors(a: torch.Tensor, group):
+    """(this rank's block's Q, the stacked R factors' Q, R), the same R on every rank."""
+    q_block, r_block = torch.linalg.qr(a)
+    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
+    return q_block, q_stacked, r
+
+
+def _own_slice(q_stacked: torch.Tensor, group, n: int) -> torch.Tensor:
+    """This rank's n rows of the stacked factors' Q (ranks in the group's order)."""
+    rank = dist.get_rank(group)
+    return q_stacked[rank * n:(rank + 1) * n]
+
+
 def qr_shard(a: torch.Tensor, group=None) -> QR:
     """:func:`qr` with one process per device: ``a`` is this rank's row block ([m/P, n],
     m/P >= n), ranks in the order of ``group`` (a torch.distributed process group of any backend;
@@ -686,10 +681,8 @@ def qr_shard(a: torch.Tensor, group=None) -> QR:
     block of Q and R (the same on every rank). Raises as :func:`qr` does, on every rank, and
     ``ValueError`` on every rank where the ranks' blocks differ in shape or dtype."""
     _, n = _agreed_tall_shard("qr_shard", a, None, group)
-    q_block, r_block = torch.linalg.qr(a)
-    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
-    rank = dist.get_rank(group)
-    return QR(q_block @ q_stacked[rank * n:(rank + 1) * n], r)
+    q_block, q_stacked, r = _shard_factors(a, group)
+    return QR(q_block @ _own_slice(q_stacked, group, n), r)
 
 
 def svd_shard(a: torch.Tensor, group=None, *, compute_uv: bool = True) -> SVD:
@@ -700,11 +693,9 @@ def svd_shard(a: torch.Tensor, group=None, *, compute_uv: bool = True) -> SVD:
     if not compute_uv:
         _, r = _stacked_qr(_all_gather_small(torch.linalg.qr(a, mode="r")[1], group))
         return SVD(None, torch.linalg.svdvals(r), None)
-    q_block, r_block = torch.linalg.qr(a)
-    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
+    q_block, q_stacked, r = _shard_factors(a, group)
     u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
-    rank = dist.get_rank(group)
-    return SVD(q_block @ (q_stacked[rank * n:(rank + 1) * n] @ u_r), s, vh)
+    return SVD(q_block @ (_own_slice(q_stacked, group, n) @ u_r), s, vh)
 
 
 def polar_shard(a: torch.Tensor, group=None) -> Polar:
@@ -712,11 +703,9 @@ def polar_shard(a: torch.Tensor, group=None) -> Polar:
     :class:`Polar` of this rank's block of U, and H on every rank. Raises as :func:`qr_shard`
     does."""
     _, n = _agreed_tall_shard("polar_shard", a, None, group)
-    q_block, r_block = torch.linalg.qr(a)
-    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
+    q_block, q_stacked, r = _shard_factors(a, group)
     u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
-    rank = dist.get_rank(group)
-    return Polar(q_block @ (q_stacked[rank * n:(rank + 1) * n] @ (u_r @ vh)),
+    return Polar(q_block @ (_own_slice(q_stacked, group, n) @ (u_r @ vh)),
                  _hermitian_factor(s, vh))
 
 
@@ -727,8 +716,7 @@ def least_squares_shard(a: torch.Tensor, b: torch.Tensor, group=None, *,
     every rank. Raises as :func:`least_squares` does, on every rank (a rank whose B does not
     match its A included)."""
     _agreed_tall_shard("least_squares_shard", a, b, group)
-    q_block, r_block = torch.linalg.qr(a)
-    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
+    q_block, q_stacked, r = _shard_factors(a, group)
     projected = torch.cat(_all_gather_small(q_block.mH @ b, group))
     return _solved_by_r("least_squares_shard", r, q_stacked.mH @ projected, check_errors)
 
