@@ -13,15 +13,20 @@ routines run in every process model); JAXMg at the same shapes. meshla's one-pro
 bench/dense_solver.py's: h(i + j) + n·I (SPD; symmetric for syevd), h(i + 2j) + n·I for the
 general routines, generated on the GPUs. A time is the median of --repeats jitted calls after a
 warm-up, each blocked on; a row notes a case that raised (out of memory, say) instead of ending
-the run.
+the run. Rank 0 rewrites --out after every case, so a run cut short keeps what it measured.
+Nothing waits forever: each rank prints the case it starts (stderr), and a rank still in one
+case (or in jax.distributed's start) after --case-timeout seconds prints every thread's Python
+stack and exits; the parent kills every rank after --deadline seconds.
 Needs JAXMg's stack importable (PYTHONPATH) and NCCL >= 2.29 ahead of torch's (LD_PRELOAD): see
 .probe/kit_stage.sh.
 """
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -39,6 +44,11 @@ def parse_args():
     parser.add_argument("--tile", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default="jaxmg,meshla")
+    parser.add_argument("--case-timeout", type=float, default=300,
+                        help="seconds a rank may spend in one case before it dumps its stacks "
+                        "and exits")
+    parser.add_argument("--deadline", type=float, default=1800,
+                        help="seconds after which the parent kills every rank")
     parser.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -50,12 +60,23 @@ def launch(args):
         sock.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
     ranks = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(rank),
-                               "--coordinator", coordinator]) for rank in range(args.processes)]
-    codes = [rank.wait() for rank in ranks]
+                               "--coordinator", coordinator], start_new_session=True)
+             for rank in range(args.processes)]
+    end = time.monotonic() + args.deadline
+    try:
+        codes = [rank.wait(timeout=max(end - time.monotonic(), 0)) for rank in ranks]
+    except subprocess.TimeoutExpired:
+        print(f"jaxmg_peer: the ranks ran past --deadline {args.deadline:g} s; killing them",
+              file=sys.stderr, flush=True)
+        for rank in ranks:
+            if rank.poll() is None:
+                os.killpg(rank.pid, signal.SIGKILL)
+        sys.exit(124)
     sys.exit(max(codes))
 
 
 def run(args):
+    faulthandler.dump_traceback_later(args.case_timeout, exit=True)  # the start, too
     import jax
     jax.distributed.initialize(args.coordinator, num_processes=args.processes,
                                process_id=args.rank, local_device_ids=[args.rank])
@@ -112,19 +133,25 @@ def run(args):
         "gesvd": lambda a, b: linalg.svd(a, mesh),
         "polar": lambda a, b: linalg.polar(a, mesh),
     }
-    cases = []
-    if jaxmg is not None:
-        cases += [(op, engine_call, "jaxmg", n, n, stride)
-                  for n in (int(v) for v in args.sizes.split(",") if v)
-                  for op, (stride, engine_call) in square.items()]
+    cases = []  # meshla's first, then JAXMg's from the smallest: a short run still says much
     for shape in (s for s in args.tall.split(",") if s):
         m, n = (int(v) for v in shape.split(":"))
-        if jaxmg is not None:
-            cases += [(op, square[op][1], "jaxmg", m, n, 2) for op in tall_meshla]
         if "meshla" in engines:
             cases += [(op, call, "meshla", m, n, 2) for op, call in tall_meshla.items()]
-    result_rows = []
-    for op, call, engine, m, n, stride in cases:
+        if jaxmg is not None:
+            cases += [(op, square[op][1], "jaxmg", m, n, 2) for op in tall_meshla]
+    if jaxmg is not None:
+        cases += [(op, engine_call, "jaxmg", n, n, stride)
+                  for n in sorted(int(v) for v in args.sizes.split(",") if v)
+                  for op, (stride, engine_call) in square.items()]
+    record = {"device": jax.devices()[0].device_kind, "processes": args.processes,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": args.commit, "jax": jax.__version__,
+              "jaxmg": getattr(jaxmg, "__version__", None), "rows": []}
+    for index, (op, call, engine, m, n, stride) in enumerate(cases):
+        print(f"[rank {args.rank}] case {index + 1}/{len(cases)}: {engine} {op} [{m}, {n}]",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback_later(args.case_timeout, exit=True)
         row = {"op": op, "engine": engine, "m": m, "n": n, "dtype": "float64",
                "processes": args.processes, "tile": t if engine == "jaxmg" else None}
         try:
@@ -138,17 +165,12 @@ def run(args):
         except Exception as error:  # recorded; the other cases still run
             row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
         a = b = None  # lets go of their device memory
-        result_rows.append(row)
+        record["rows"].append(row)
         if args.rank == 0:
             print(json.dumps(row), flush=True)
-    if args.rank == 0:
-        record = {"device": jax.devices()[0].device_kind, "processes": args.processes,
-                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                      timespec="seconds"),
-                  "commit": args.commit, "jax": jax.__version__,
-                  "jaxmg": getattr(jaxmg, "__version__", None), "rows": result_rows}
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
+    faulthandler.cancel_dump_traceback_later()
     jax.distributed.shutdown()
 
 
