@@ -2,7 +2,9 @@
 
 #include <cstdint>
 #include <sstream>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/checks.hpp"
 
@@ -47,6 +49,22 @@ void check_tall_qr_call(std::string_view name, std::int64_t m, std::int64_t n, D
                     << " columns; the tall-skinny QR needs m/devices >= n (square and wide "
                        "matrices are not supported yet)");
   MESHLA_CHECK_ARG(nrhs >= 0, name << ": nrhs=" << nrhs << " right-hand sides");
+}
+
+void check_rhs_block(std::string_view name, std::string_view b,
+                     const std::vector<std::int64_t>& b_shape, DType b_dtype, std::int64_t a_rows,
+                     DType a_dtype, bool vector_ok) {
+  const bool fits = (b_shape.size() == 2 || (vector_ok && b_shape.size() == 1)) &&
+                    b_shape[0] == a_rows && b_dtype == a_dtype;
+  std::ostringstream shape;
+  shape << "[";
+  for (std::size_t dim = 0; dim < b_shape.size(); ++dim) shape << (dim ? ", " : "") << b_shape[dim];
+  shape << "]";
+  const std::string rows = std::to_string(a_rows);
+  MESHLA_CHECK_ARG(fits, name << ": " << b << " is " << shape.str() << " " << dtype_name(b_dtype)
+                              << "; expected " << (vector_ok ? "[" + rows + "] or " : "") << "["
+                              << rows << ", nrhs] " << dtype_name(a_dtype)
+                              << ": a's rows and dtype");
 }
 
 BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,

@@ -28,6 +28,14 @@ void check_solver_problem(SolverOp op, const SolverProblem& problem);
 MESHLA_API void check_tall_qr_call(std::string_view name, std::int64_t m, std::int64_t n,
                                    DType dtype, std::int64_t parts, std::int64_t nrhs);
 
+// A right-hand side's row block beside a's block of a_rows rows: 2-D (or 1-D where
+// `vector_ok`: one right-hand side) with a's rows and dtype; `b` names it in the message ("b",
+// "b_shards[1]"). Both front ends check B with it, so that the words are the same in each.
+// Exported for the bindings (MESHLA_API).
+MESHLA_API void check_rhs_block(std::string_view name, std::string_view b,
+                                const std::vector<std::int64_t>& b_shape, DType b_dtype,
+                                std::int64_t a_rows, DType a_dtype, bool vector_ok = false);
+
 // The most elements the inverse's padded matrix may have: cusolverDn's potri has 32-bit sizes.
 constexpr std::int64_t kLargestInverseElements = 2147483647;
 

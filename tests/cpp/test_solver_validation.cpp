@@ -294,5 +294,29 @@ TEST(SolverCall, TheTallSkinnyQrNeedsEachDevicesBlockAtLeastAsTallAsAIsWide) {
           "least_squares: a is [64, 0]; it needs rows and columns");
 }
 
+TEST(SolverCall, ARightHandSideBlockHasAsRowsAndDtype) {
+  EXPECT_NO_THROW(
+      check_rhs_block("lu_solve", "b", {512, 3}, DType::kFloat64, 512, DType::kFloat64));
+  EXPECT_NO_THROW(
+      check_rhs_block("least_squares", "b", {512}, DType::kFloat32, 512, DType::kFloat32, true));
+  const auto refused = [](std::vector<std::int64_t> shape, DType dtype, bool vector_ok,
+                          const std::string& expected) {
+    try {
+      check_rhs_block("cho_solve", "b_shards[1]", shape, dtype, 512, DType::kFloat64, vector_ok);
+      FAIL() << "accepted; expected '" << expected << "'";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument) << error.what();
+      EXPECT_NE(std::string(error.what()).find(expected), std::string::npos) << error.what();
+    }
+  };
+  refused({256, 1}, DType::kFloat64, false,
+          "cho_solve: b_shards[1] is [256, 1] float64; expected [512, nrhs] float64: a's rows "
+          "and dtype");
+  refused({512, 1}, DType::kFloat32, false, "b_shards[1] is [512, 1] float32; expected");
+  refused({512}, DType::kFloat64, false, "b_shards[1] is [512] float64; expected [512, nrhs]");
+  refused({}, DType::kFloat64, true, "b_shards[1] is [] float64; expected [512] or [512, nrhs]");
+  refused({512, 1, 1}, DType::kFloat64, true, "is [512, 1, 1] float64");
+}
+
 }  // namespace
 }  // namespace meshla::solver

@@ -119,7 +119,8 @@ def test_jax_argument_errors(mesh):
     with pytest.raises(ValueError, match="dtype int32 is not float32, float64, complex64 or "
                                          "complex128"):
         linalg.eigh(put(np.eye(8, dtype=np.int32), mesh), mesh)
-    with pytest.raises(ValueError, match=r"b has shape \(2, 1\)"):
+    with pytest.raises(ValueError, match=r"cho_solve: b is \[8, 1\] float64; expected \[16\] or "
+                                         r"\[16, nrhs\] float64: a's rows and dtype"):
         linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((8, 1)), mesh), mesh)
 
 
@@ -165,7 +166,7 @@ def test_jax_lu_solve_shard_form_and_its_refusals(mesh):
         linalg.lu_solve(put(a, mesh), put(b, mesh), mesh, overwrite_a=True)
     with pytest.raises(ValueError, match="lu_solve: nrhs=257 right-hand sides"):
         linalg.lu_solve(put(a, mesh), put(np.ones((n, 257)), mesh), mesh)
-    with pytest.raises(ValueError, match=r"lu_solve: b has shape \(2, 1\)"):
+    with pytest.raises(ValueError, match=r"lu_solve: b is \[8, 1\] float64; expected "):
         linalg.lu_solve(put(a, mesh), put(np.ones((8, 1)), mesh), mesh)
 
 
@@ -311,8 +312,8 @@ def test_jax_tall_qr_refusals_and_rank_deficiency(mesh):
     with pytest.raises(ValueError, match="least_squares: dtype int32 is not float32"):
         linalg.least_squares(put(np.ones((64, 4), np.int32), mesh),
                              put(np.ones((64, 1), np.int32), mesh), mesh)
-    with pytest.raises(ValueError, match=r"least_squares: b has shape \(32, 1\) and dtype "
-                                         r"float64; expected \[64\] or \[64, nrhs\]"):
+    with pytest.raises(ValueError, match=r"least_squares: b is \[32, 1\] float64; expected "
+                                         r"\[64\] or \[64, nrhs\] float64"):
         linalg.least_squares(put(a, mesh), put(np.ones((32, 1)), mesh), mesh)
     deficient = a.copy()
     deficient[:, 4] = 0  # a zero column: R's fifth diagonal element is exactly zero
@@ -444,6 +445,21 @@ def test_cpu_refuses_what_the_gpus_refuse(mesh):
         torch_linalg.eigh(list(torch.eye(8, dtype=torch.float64).split(4)), tile=4096)
 
 
+def test_a_misfit_b_is_refused_in_the_same_words_in_both_frameworks(mesh):
+    """B's rule is the extension's: JAX's block and torch's shard name it alike."""
+    a = np.eye(16)
+    with pytest.raises(ValueError) as jax_error:
+        jax.jit(jax.shard_map(lambda a, b: linalg.lu_solve_shard(a, b, mesh=mesh)[0], mesh=mesh,
+                              in_specs=(P("x", None), P("x", None)), out_specs=P("x", None)))(
+            put(a, mesh), put(np.ones((8, 1), np.float32), mesh))
+    with pytest.raises(ValueError) as torch_error:
+        torch_linalg.lu_solve(list(torch.from_numpy(a).split(4)),
+                              [torch.ones(2, 1, dtype=torch.float32)] * 4)
+    expected = "lu_solve: b is [2, 1] float32; expected [4, nrhs] float64: a's rows and dtype"
+    assert str(jax_error.value) == expected
+    assert str(torch_error.value) == expected.replace(" b is", " b_shards[0] is")
+
+
 def _shard_forms(rank, size, results):
     import torch.distributed as dist
 
@@ -515,7 +531,7 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
     assert torch.equal(results[0][8], results[1][8])
     expected = torch.linalg.lstsq(tall_a, tall_a[:, :2] + 1).solution
     assert all(torch.linalg.norm(results[r][9] - expected) < 1e-12 for r in range(size))
-    assert all("least_squares_shard: b is (3, 1)" in results[r][10]
+    assert all("least_squares_shard: b is [3, 1] float64; expected [24, nrhs]" in results[r][10]
                and "(rank 1 of the group)" in results[r][10] for r in range(size))
     assert all("qr_shard: rank 1 of the group has a (24, 4)" in results[r][17]
                for r in range(size))

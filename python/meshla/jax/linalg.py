@@ -179,14 +179,11 @@ def _check_matrix(a_block: jax.Array, name: str) -> None:
         raise ValueError(f"{name}: a has shape {a_block.shape}; expected a row block [n/P, n]")
 
 
-def _check_rhs_block(name: str, a_block, b_block) -> None:
-    """B's row block against A's: 2-D, A's rows and dtype."""
-    rows = a_block.shape[0]
-    if b_block.ndim != 2 or b_block.shape[0] != rows or b_block.dtype != a_block.dtype:
-        raise ValueError(
-            f"{name}: b has shape {b_block.shape} and dtype {b_block.dtype}; expected "
-            f"[{rows}, nrhs] {a_block.dtype} (the rows of a are {a_block.shape})"
-        )
+def _check_rhs_block(name: str, a_block, b_block, vector_ok: bool = False) -> None:
+    """B (or its row block) against A's: 2-D (or 1-D where ``vector_ok``), A's rows and dtype;
+    the extension's words, as meshla.torch's."""
+    _meshla.rhs_block(name, "b", list(b_block.shape), dtype_of("b", b_block), a_block.shape[0],
+                      dtype_of("a", a_block), vector_ok)
 
 
 def _first_zero_info(diagonal) -> jax.Array:
@@ -527,6 +524,7 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     axis = _axis_of(mesh, axis)
     if a.ndim != 2:
         raise ValueError(f"cho_solve: a has shape {a.shape}; expected [n, n]")
+    _check_rhs_block("cho_solve", a, b, vector_ok=True)
     vector = b.ndim == 1
     # The working buffer is A's shape, or a zero-size placeholder when the solver pads.
     _, padded = _layout(_meshla.SolverOp.cholesky_solve, a, mesh, axis, tile,
@@ -564,6 +562,7 @@ def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     axis = _axis_of(mesh, axis)
     if a.ndim != 2:
         raise ValueError(f"lu_solve: a has shape {a.shape}; expected [n, n]")
+    _check_rhs_block("lu_solve", a, b, vector_ok=True)
     vector = b.ndim == 1
     _, padded = _layout(_meshla.SolverOp.lu_solve, a, mesh, axis, tile,
                         nrhs=1 if vector else b.shape[-1], overwrite_a=overwrite_a)
@@ -623,9 +622,7 @@ def least_squares(a, b, mesh: Mesh, axis: str | None = None, *, return_info: boo
     axis = _axis_of(mesh, axis)
     if a.ndim != 2:
         raise ValueError(f"least_squares: a has shape {a.shape}; expected [m, n]")
-    if b.ndim not in (1, 2) or b.shape[0] != a.shape[0] or b.dtype != a.dtype:
-        raise ValueError(f"least_squares: b has shape {b.shape} and dtype {b.dtype}; expected "
-                         f"[{a.shape[0]}] or [{a.shape[0]}, nrhs] {a.dtype} (a is {a.shape})")
+    _check_rhs_block("least_squares", a, b, vector_ok=True)
     vector = b.ndim == 1
     solve = functools.partial(least_squares_shard, mesh=mesh, axis=axis)
     x, info = _sharded(solve, mesh, (P(axis, None), P(axis, None)), (P(), P()))(

@@ -174,11 +174,20 @@ def _check_rhs(name: str, a_shards: Sequence[torch.Tensor],
     if len(b_shards) != len(a_shards):
         raise ValueError(f"{name}: {len(b_shards)} b_shards for {len(a_shards)} a_shards")
     for p, (a, b) in enumerate(zip(a_shards, b_shards)):
-        if (b.ndim != 2 or b.shape[0] != a.shape[0] or b.shape[1] != b_shards[0].shape[1]
-                or b.dtype != a.dtype or b.device != a.device):
-            raise ValueError(f"{name}: b_shards[{p}] is {tuple(b.shape)} {b.dtype} on "
-                             f"{b.device}; expected [{a.shape[0]}, nrhs] {a.dtype} on {a.device}")
+        _check_rhs_block(name, f"b_shards[{p}]", a, b)
+        if b.shape[1] != b_shards[0].shape[1]:
+            raise ValueError(f"{name}: b_shards[{p}] has {b.shape[1]} columns, b_shards[0] "
+                             f"{b_shards[0].shape[1]}: every block has the same right-hand sides")
     return b_shards[0].shape[1]
+
+
+def _check_rhs_block(name: str, label: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    """One block of B against A's: 2-D with A's rows and dtype (the extension's words, as
+    meshla.jax's), on A's device."""
+    _meshla.rhs_block(name, label, list(b.shape), dtype_of(label, b), a.shape[0],
+                      dtype_of("a", a))
+    if b.device != a.device:
+        raise ValueError(f"{name}: {label} is on {b.device}; expected a's device, {a.device}")
 
 
 def _on_cpu(shards: Sequence[torch.Tensor]) -> bool:
@@ -630,10 +639,11 @@ def _agreed_tall_shard(name: str, a: torch.Tensor, b: torch.Tensor | None,
     misfit = None
     if a.ndim != 2:
         misfit = f"{name}: a has shape {tuple(a.shape)}; expected a row block [m/P, n]"
-    elif b is not None and (b.ndim != 2 or b.shape[0] != a.shape[0] or b.dtype != a.dtype
-                            or b.device != a.device):
-        misfit = (f"{name}: b is {tuple(b.shape)} {b.dtype} on {b.device}; expected "
-                  f"[{a.shape[0]}, nrhs] {a.dtype} on {a.device}")
+    elif b is not None:
+        try:
+            _check_rhs_block(name, "b", a, b)
+        except ValueError as error:
+            misfit = str(error)
     nrhs = b.shape[-1] if b is not None and misfit is None else 0
     mine = (tuple(a.shape), str(a.dtype), a.device.type, nrhs, misfit)
     everyone = [None] * dist.get_world_size(group)

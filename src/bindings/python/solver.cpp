@@ -68,6 +68,16 @@ void bind_solver(nb::module_& m) {
       "dtype, an even split of the rows, each device's rows at least n (NotImplementedError "
       "otherwise); raises in `name`'s words.");
 
+  m.def(
+      "rhs_block",
+      [](const std::string& name, const std::string& b, const std::vector<std::int64_t>& b_shape,
+         DType b_dtype, std::int64_t a_rows, DType a_dtype, bool vector_ok) {
+        solver::check_rhs_block(name, b, b_shape, b_dtype, a_rows, a_dtype, vector_ok);
+      },
+      "name"_a, "b"_a, "b_shape"_a, "b_dtype"_a, "a_rows"_a, "a_dtype"_a, "vector_ok"_a = false,
+      "Checks a right-hand side's row block beside a's (2-D, or 1-D where vector_ok; a's rows "
+      "and dtype); raises ValueError in `name`'s words, naming the block `b`.");
+
   nb::class_<DenseSolver>(m, "DenseSolver",
                           "cuSolverMg over the GPUs of this process, cusolverDn on one (see "
                           "meshla/dense_solver.hpp).")
