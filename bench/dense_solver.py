@@ -8,12 +8,12 @@ factorization, then cuSolverMg's potrs), beside the time raw cuSolverMg spends i
 potrs on the same GPUs and tile (measured inside meshla's DenseSolver with cholesky="cusolvermg",
 data already in its layout), and ``jax.scipy.linalg.cho_factor`` + ``cho_solve`` on one GPU.
 Then ``lu_solve`` (``--lu-sizes``) on 1, 2, 4 GPUs beside ``jnp.linalg.solve`` on one GPU, the
-tall-skinny routines (``--tall`` m:n shapes: qr, least_squares, svd, polar beside jax's own on
-one GPU, on a Gaussian A), eigh and the SPD inverse beside ``jnp.linalg.eigh`` /
-``jnp.linalg.inv`` on one GPU, and with ``--largest`` the largest float64 n solved on all GPUs
-(input donated). Matrices are Hankel matrices h(i + j) plus n·I (diagonally dominant, so
-positive definite; for the LU solve h(i + 2j) + n·I, not symmetric), generated on the GPUs row
-block by row block.
+tall-skinny routines (``--tall`` m:n shapes: qr, least_squares, svd, polar on a Gaussian A, in
+meshla.jax beside jax's own on one GPU and in meshla.torch beside torch.linalg's), eigh and
+the SPD inverse beside ``jnp.linalg.eigh`` / ``jnp.linalg.inv`` on one GPU, and with
+``--largest`` the largest float64 n solved on all GPUs (input donated). Matrices are Hankel
+matrices h(i + j) plus n·I (diagonally dominant, so positive definite; for the LU solve
+h(i + 2j) + n·I, not symmetric), generated on the GPUs row block by row block.
 Prints a table last and writes JSON with device, date and commit.
 """
 
@@ -216,9 +216,22 @@ def bench_lu_solve(devices, sizes, dtypes, repeats, gpu_counts):
     return rows
 
 
+def timed_torch(function, devices, repeats):
+    """timed() for torch calls on `devices`: every one synchronized."""
+    def synchronized():
+        out = function()
+        for d in devices:
+            torch.cuda.synchronize(d)
+        return out
+
+    return timed(synchronized, repeats)
+
+
 def bench_tall(devices, shapes, dtypes, repeats, gpu_counts):
     """The tall-skinny routines (qr, least_squares, svd, polar) of an [m, n] Gaussian A on each
-    GPU count beside jax's own on one GPU (jnp.linalg.qr, lstsq, svd, jax.scipy.linalg.polar)."""
+    GPU count, in both frameworks: meshla.jax beside jax's own on one GPU (jnp.linalg.qr,
+    lstsq, svd, jax.scipy.linalg.polar), meshla.torch (row blocks, one process) beside
+    torch.linalg's on one GPU (qr, lstsq, svd; polar as U Vᴴ and V S Vᴴ of the SVD)."""
     rows = []
     counts = [g for g in gpu_counts if g <= len(devices)]
     ours = {"qr": lambda mesh: lambda a, b: linalg.qr(a, mesh),
@@ -229,12 +242,26 @@ def bench_tall(devices, shapes, dtypes, repeats, gpu_counts):
               "least_squares": lambda a, b: jnp.linalg.lstsq(a, b)[0],
               "svd": lambda a, b: jnp.linalg.svd(a, full_matrices=False),
               "polar": lambda a, b: jax.scipy.linalg.polar(a, method="svd")}
-    progress = Progress("dense_solver tall", len(dtypes) * len(shapes) * len(counts))
+    ours_torch = {"qr": lambda a, b: torch_linalg.qr(a),
+                  "least_squares": lambda a, b: torch_linalg.least_squares(a, b),
+                  "svd": lambda a, b: torch_linalg.svd(a),
+                  "polar": lambda a, b: torch_linalg.polar(a)}
+
+    def torch_polar(a):
+        u, s, vh = torch.linalg.svd(a, full_matrices=False)
+        return u @ vh, (vh.mH * s) @ vh
+
+    theirs_torch = {"qr": lambda a, b: torch.linalg.qr(a),
+                    "least_squares": lambda a, b: torch.linalg.lstsq(a, b).solution,
+                    "svd": lambda a, b: torch.linalg.svd(a, full_matrices=False),
+                    "polar": lambda a, b: torch_polar(a)}
+    progress = Progress("dense_solver tall", 2 * len(dtypes) * len(shapes) * len(counts))
     for dtype in dtypes:
+        tdtype = {jnp.float64: torch.float64, jnp.float32: torch.float32}[dtype]
         for m, n in shapes:
-            one_gpu = {}
+            one_gpu, one_gpu_torch = {}, {}
             for g in counts:
-                progress.start(f"{np.dtype(dtype).name} [{m}, {n}] on {g} GPU(s)")
+                progress.start(f"jax {np.dtype(dtype).name} [{m}, {n}] on {g} GPU(s)")
                 mesh = Mesh(np.array(devices[:g]), ("x",))
                 sharding = NamedSharding(mesh, P("x", None))
                 a = jax.device_put(jax.random.normal(jax.random.key(m + n), (m, n), dtype),
@@ -249,12 +276,34 @@ def bench_tall(devices, shapes, dtypes, repeats, gpu_counts):
                             print(f"[{m}, {n}] one-GPU jax {op} failed: {str(error)[:200]}",
                                   flush=True)
                     call = jax.jit(make(mesh))
-                    row = {"op": op, "dtype": np.dtype(dtype).name, "n": n, "m": m, "gpus": g,
-                           "meshla_s": timed(lambda: call(a, b), repeats),
+                    row = {"op": op, "framework": "jax", "dtype": np.dtype(dtype).name, "n": n,
+                           "m": m, "gpus": g, "meshla_s": timed(lambda: call(a, b), repeats),
                            "jax_1gpu_s": one_gpu.get(op)}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 a = b = None  # lets go of their device memory
+                progress.start(f"torch {np.dtype(dtype).name} [{m}, {n}] on {g} GPU(s)")
+                ids = [d.id for d in devices[:g]]
+                generator = torch.Generator().manual_seed(m + n)
+                a = [torch.randn(m // g, n, dtype=tdtype, generator=generator).to(f"cuda:{d}")
+                     for d in ids]
+                b = [torch.ones(m // g, 1, dtype=tdtype, device=f"cuda:{d}") for d in ids]
+                for op in ours_torch:
+                    if g == 1:
+                        try:
+                            one_gpu_torch[op] = timed_torch(
+                                lambda: theirs_torch[op](a[0], b[0]), ids, repeats)
+                        except torch.OutOfMemoryError as error:
+                            print(f"[{m}, {n}] one-GPU torch {op} failed: {str(error)[:200]}",
+                                  flush=True)
+                    row = {"op": op, "framework": "torch", "dtype": np.dtype(dtype).name,
+                           "n": n, "m": m, "gpus": g,
+                           "meshla_s": timed_torch(lambda: ours_torch[op](a, b), ids, repeats),
+                           "torch_1gpu_s": one_gpu_torch.get(op)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                a = b = None
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -351,18 +400,19 @@ def main():
         json.dump(result, f, indent=1)
     print(f"\n{result['device']} x{len(devices)}, {result['date']}, commit {args.commit}")
     print(f"{'op':<16}{'dtype':<9}{'n':>7}{'gpus':>5}{'tile':>6}{'meshla s':>10}"
-          f"{'cuSolverMg s':>13}{'ratio':>7}{'1-GPU jax s':>12}{'speedup':>8}")
+          f"{'cuSolverMg s':>13}{'ratio':>7}{'1-GPU peer s':>13}{'speedup':>8}")
     for row in result["rows"]:
         if row["op"] == "largest":
             continue
-        raw, single = row.get("cusolvermg_s"), row.get("jax_1gpu_s")
+        raw, single = row.get("cusolvermg_s"), row.get("jax_1gpu_s", row.get("torch_1gpu_s"))
         raw_text = "" if raw is None else f"{raw:.4f}"
         ratio = "" if raw is None else f"{row['meshla_s'] / raw:.2f}"
         single_text = "" if single is None else f"{single:.4f}"
         speedup = "" if single is None else f"{single / row['meshla_s']:.2f}"
-        print(f"{row['op']:<16}{row['dtype']:<9}{row['n']:>7}{row['gpus']:>5}"
+        op = f"torch {row['op']}" if row.get("framework") == "torch" else row["op"]
+        print(f"{op:<16}{row['dtype']:<9}{row['n']:>7}{row['gpus']:>5}"
               f"{row.get('tile', ''):>6}{row['meshla_s']:>10.4f}{raw_text:>13}{ratio:>7}"
-              f"{single_text:>12}{speedup:>8}")
+              f"{single_text:>13}{speedup:>8}")
 
 
 if __name__ == "__main__":
