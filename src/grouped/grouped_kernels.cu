@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "core/cuda_checks.hpp"
 #include "grouped/grouped_device.cuh"
@@ -178,53 +179,57 @@ __global__ void copy_matrices_kernel(Matrices src, Matrices dst, std::int64_t gr
   }
 }
 
-// fp32 grouped GEMM: 64x64 tiles, 16-deep slices of K, 4x4 outputs per thread. Group g's
-// operands are A (M x K) and B (K x N) at element strides that depend on the pass.
+// The portable grouped GEMM (fp32 groups anywhere; bf16 and fp16 groups where meshla's Hopper
+// kernel cannot run): 64x64 tiles, 16-deep slices of K, 4x4 outputs per thread, products and
+// sums in fp32. Group g's operands are A (M x K) and B (K x N) of element type T at element
+// strides that depend on the pass; its output D is Out: T, or fp32 where a weight gradient
+// accumulates into fp32 main grads.
 constexpr int kTile = 64;
 constexpr int kDepth = 16;
 constexpr int kSimtThreads = 256;
 
+template <typename T, typename Out>
 struct GroupGemm {
   std::int64_t m, n, k;
-  const float* a;
+  const T* a;
   std::int64_t a_m, a_k;
-  const float* b;
+  const T* b;
   std::int64_t b_k, b_n;
-  float* d;
+  Out* d;
   std::int64_t d_m;
-  const float* bias;  // length n, or nullptr
+  const T* bias;  // length n, or nullptr
 };
 
-__device__ GroupGemm group_gemm(const GroupIndex& index, const GroupedOperands& op,
-                                std::int64_t g) {
+template <typename T, typename Out>
+__device__ GroupGemm<T, Out> group_gemm(const GroupIndex& index, const GroupedOperands& op,
+                                        std::int64_t g) {
   const std::int64_t first = index.offsets[g];
   const std::int64_t rows = index.offsets[g + 1] - first;
   const std::int64_t in = op.in_features, out = op.out_features;
-  const auto* x = static_cast<const float*>(op.x);
-  const auto* dy = static_cast<const float*>(op.dy);
-  const auto* w = static_cast<const float*>(op.weight) + g * op.weight_group_stride;
-  auto* d = static_cast<float*>(op.out);
+  const auto* x = static_cast<const T*>(op.x);
+  const auto* dy = static_cast<const T*>(op.dy);
+  const auto* w = static_cast<const T*>(op.weight) + g * op.weight_group_stride;
+  auto* d = static_cast<Out*>(op.out);
   switch (op.pass) {
     case GroupedPass::kForward:
-      return {
-          rows, out,
-          in,   x + first * in,
-          in,   1,
-          w,    1,
-          in,   d + first * out,
-          out,  op.bias ? static_cast<const float*>(op.bias) + g * op.bias_group_stride : nullptr};
+      return {rows, out,
+              in,   x + first * in,
+              in,   1,
+              w,    1,
+              in,   d + first * out,
+              out,  op.bias ? static_cast<const T*>(op.bias) + g * op.bias_group_stride : nullptr};
     case GroupedPass::kDgrad:
       return {rows, in, out, dy + first * out, out, 1, w, in, 1, d + first * in, in, nullptr};
     default:  // kWgrad
-      return {
-          rows == 0 ? 0 : out,         in, rows,   dy + first * out, 1, out, x + first * in, in, 1,
-          group_dweight<float>(op, g), in, nullptr};
+      return {rows == 0 ? 0 : out, in, rows, dy + first * out,          1,  out,
+              x + first * in,      in, 1,    group_dweight<Out>(op, g), in, nullptr};
   }
 }
 
+template <typename T, typename Out>
 __global__ void __launch_bounds__(kSimtThreads)
-    grouped_fp32_kernel(GroupIndex index, GroupedOperands op) {
-  const GroupGemm p = group_gemm(index, op, blockIdx.z);
+    grouped_simt_kernel(GroupIndex index, GroupedOperands op) {
+  const GroupGemm<T, Out> p = group_gemm<T, Out>(index, op, blockIdx.z);
   const std::int64_t col0 = blockIdx.x * static_cast<std::int64_t>(kTile);
   if (col0 >= p.n) return;
   __shared__ float a_tile[kDepth][kTile];
@@ -237,8 +242,10 @@ __global__ void __launch_bounds__(kSimtThreads)
       for (int i = threadIdx.x; i < kDepth * kTile; i += kSimtThreads) {
         const int kk = i / kTile, mm = i % kTile;
         const std::int64_t row = row0 + mm, col = col0 + mm, k = k0 + kk;
-        a_tile[kk][mm] = row < p.m && k < p.k ? p.a[row * p.a_m + k * p.a_k] : 0.0f;
-        b_tile[kk][mm] = col < p.n && k < p.k ? p.b[k * p.b_k + col * p.b_n] : 0.0f;
+        a_tile[kk][mm] =
+            row < p.m && k < p.k ? static_cast<float>(p.a[row * p.a_m + k * p.a_k]) : 0.0f;
+        b_tile[kk][mm] =
+            col < p.n && k < p.k ? static_cast<float>(p.b[k * p.b_k + col * p.b_n]) : 0.0f;
       }
       __syncthreads();
 #pragma unroll
@@ -263,13 +270,28 @@ __global__ void __launch_bounds__(kSimtThreads)
         const std::int64_t col = col0 + tx * 4 + j;
         if (col >= p.n) continue;
         float value = acc[i][j];
-        if (p.bias) value += p.bias[col];
-        float& target = p.d[row * p.d_m + col];
-        target = op.accumulate ? target + value : value;
+        if (p.bias) value += static_cast<float>(p.bias[col]);
+        Out& target = p.d[row * p.d_m + col];
+        target = static_cast<Out>(op.accumulate ? static_cast<float>(target) + value : value);
       }
     }
   }
 }
+
+// The portable GEMM of T groups: into T, or into fp32 where the weight gradient accumulates.
+template <typename T>
+struct GroupedSimt {
+  static void launch(dim3 grid, int threads, cudaStream_t stream, GroupIndex index,
+                     GroupedOperands operands) {
+    if constexpr (std::is_same_v<T, float>) {
+      grouped_simt_kernel<float, float><<<grid, threads, 0, stream>>>(index, operands);
+    } else if (operands.accumulate) {
+      grouped_simt_kernel<T, float><<<grid, threads, 0, stream>>>(index, operands);
+    } else {
+      grouped_simt_kernel<T, T><<<grid, threads, 0, stream>>>(index, operands);
+    }
+  }
+};
 
 }  // namespace
 
@@ -348,7 +370,7 @@ void launch_bias_grad(const GroupIndex& index, const void* dy, DType dtype, std:
                             dbias_group_stride);
 }
 
-void launch_grouped_fp32(const GroupIndex& index, const GroupedOperands& operands,
+void launch_grouped_simt(const GroupIndex& index, const GroupedOperands& operands, DType dtype,
                          cudaStream_t stream) {
   MESHLA_ASSERT(index.groups <= kMaxGridY);  // validate_grouped_args refuses more groups
   const std::int64_t n =
@@ -359,8 +381,7 @@ void launch_grouped_fp32(const GroupIndex& index, const GroupedOperands& operand
   const dim3 grid(static_cast<unsigned>((n + kTile - 1) / kTile),
                   static_cast<unsigned>(std::clamp<std::int64_t>(m_tiles, 1, kMaxGridY)),
                   static_cast<unsigned>(index.groups));
-  grouped_fp32_kernel<<<grid, kSimtThreads, 0, stream>>>(index, operands);
-  MESHLA_CHECK_CUDA(cudaGetLastError());
+  launch_by_dtype<GroupedSimt>(dtype, grid, kSimtThreads, stream, index, operands);
 }
 
 }  // namespace meshla::grouped

@@ -90,8 +90,10 @@ enum class CopyMode {
 void launch_copy_matrices(const Matrices& src, const Matrices& dst, std::int64_t groups,
                           int element_size, CopyMode mode, cudaStream_t stream);
 
-// fp32 grouped GEMM of any pass but kBiasGrad, in full fp32.
-void launch_grouped_fp32(const GroupIndex& index, const GroupedOperands& operands,
+// The portable grouped GEMM of any pass but kBiasGrad (fp32 groups on every GPU; bf16 and fp16
+// groups where meshla's Hopper kernel cannot run): SIMT, fp32 products and sums, any feature
+// size, the group sizes read on the device.
+void launch_grouped_simt(const GroupIndex& index, const GroupedOperands& operands, DType dtype,
                          cudaStream_t stream);
 
 }  // namespace meshla::grouped

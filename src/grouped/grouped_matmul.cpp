@@ -212,6 +212,7 @@ void run_padded(GroupedMatmul& engine, GroupedPass pass, const GroupedMatmulArgs
 
 struct GroupedMatmul::Impl {
   int device = 0;
+  bool hopper = false;  // runs meshla's Hopper kernels (detail::runs_hopper_kernels)
   int sm_count = 0;
   int l2_bytes = 0;
   grouped::DeviceStatus* status = nullptr;  // host-mapped, written by the device
@@ -236,9 +237,10 @@ struct GroupedMatmul::Impl {
                         "NaN)");
   }
 
-  // Whether `pass` runs on the CUTLASS kernels (bf16, fp16), or on the fp32 path / bias kernel.
-  static bool uses_cutlass(GroupedPass pass, DType dtype) {
-    return pass != GroupedPass::kBiasGrad &&
+  // Whether `pass` runs on the CUTLASS kernels (bf16, fp16 on Hopper), or on the portable
+  // kernel (fp32 anywhere, bf16 and fp16 elsewhere) / the bias kernel.
+  bool uses_cutlass(GroupedPass pass, DType dtype) const {
+    return hopper && pass != GroupedPass::kBiasGrad &&
            (dtype == DType::kBFloat16 || dtype == DType::kFloat16);
   }
 
@@ -290,6 +292,7 @@ struct GroupedMatmul::Impl {
 
 GroupedMatmul::GroupedMatmul(int device) : impl_(std::make_unique<Impl>()) {
   impl_->device = device;
+  impl_->hopper = detail::runs_hopper_kernels(device);
   detail::DeviceGuard guard(device);
   MESHLA_CHECK_CUDA(
       cudaDeviceGetAttribute(&impl_->sm_count, cudaDevAttrMultiProcessorCount, device));
@@ -318,7 +321,7 @@ std::size_t GroupedMatmul::workspace_bytes(GroupedPass pass, const GroupedMatmul
     return workspace_bytes(pass_on_out_in_kernels(pass), as_out_in(pass, args));
   }
   const grouped::PaddedFeatures features = grouped::padded_features(shape);
-  if (Impl::uses_cutlass(pass, shape.dtype) && features.any()) {
+  if (impl_->uses_cutlass(pass, shape.dtype) && features.any()) {
     return impl_->padded(pass, args, shape, features).total;
   }
   return impl_->aligned_bytes(pass, shape.dtype, shape.groups, shape.out_features);
@@ -342,7 +345,7 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
           grouped::validate_grouped_args(executed, swapped);
       const grouped::PaddedFeatures features = grouped::padded_features(executed_shape);
       const std::size_t index_offset =
-          Impl::uses_cutlass(executed, shape.dtype) && features.any()
+          impl_->uses_cutlass(executed, shape.dtype) && features.any()
               ? impl_->padded(executed, swapped, executed_shape, features).inner
               : 0;
       detail::DeviceGuard guard(impl_->device);
@@ -360,15 +363,9 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
                    "grouped_linear " << grouped_pass_name(pass)
                                      << ": tensors are on cuda:" << args.m_splits.device
                                      << " but this GroupedMatmul is for cuda:" << impl_->device);
-  // The CUTLASS passes (bf16, fp16) build the index, poison a failed call's output and zero empty
-  // groups' weight gradients in their table kernel; the others launch each.
-  const bool cutlass_pass = Impl::uses_cutlass(pass, shape.dtype);
-  MESHLA_CHECK(kNotImplemented, !cutlass_pass || detail::runs_hopper_kernels(impl_->device),
-               "grouped_linear " << grouped_pass_name(pass) << ": " << dtype_name(shape.dtype)
-                                 << " groups run meshla's Hopper (sm_90) kernel, which cuda:"
-                                 << impl_->device
-                                 << " cannot run (or MESHLA_PORTABLE=1 asks for the portable "
-                                    "paths); float32 groups run on any GPU");
+  // The CUTLASS passes (bf16, fp16 on Hopper) build the index, poison a failed call's output and
+  // zero empty groups' weight gradients in their table kernel; the others launch each.
+  const bool cutlass_pass = impl_->uses_cutlass(pass, shape.dtype);
   const CutlassWorkspace parts = impl_->cutlass_workspace(pass, shape.dtype, shape.groups);
   const grouped::WorkspaceLayout layout = grouped::workspace_layout(
       shape.groups, Impl::pass_bytes(pass, shape.groups, shape.out_features, parts));
@@ -445,7 +442,7 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
           : grouped::GroupedSpan{out.data, out.dtype, 1, out.numel(), out.numel()};
 
   if (!cutlass_pass) {
-    grouped::launch_grouped_fp32(index, operands, stream);
+    grouped::launch_grouped_simt(index, operands, shape.dtype, stream);
     if (pass == GroupedPass::kWgrad && !args.accumulate) {
       grouped::launch_zero_empty_groups(index, out_span, stream);
     }

@@ -78,6 +78,11 @@ MODELS = (
     Model("grouped", _python("check_grouped.py"),
           ("capture", "passes", "padded", "autograd", "errors", "main-grads", "edges", "compile"),
           gpus=1),
+    # The portable grouped GEMM GPUs other than Hopper take for bf16 and fp16 groups (SIMT, fp32
+    # sums), forced on Hopper.
+    Model("grouped-portable", _python("check_grouped.py"),
+          ("capture", "passes", "padded", "autograd", "errors", "main-grads", "edges"), gpus=1,
+          env=(("MESHLA_PORTABLE", "1"),)),
     # One process driving 1, 2 and 4 GPUs (as many as there are).
     Model("solver", _python("check_solver.py"), ("jax", "torch", "large", "special"),
           timeout_s=600.0),
