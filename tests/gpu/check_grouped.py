@@ -294,8 +294,9 @@ def check_bad_splits(report):
     torch.cuda.synchronize()
     report.record("bad-splits/check_device_errors-side-stream", 0, "sums to 6" in raised, raised)
 
-    # Every pass poisons its whole output when m_splits are bad: the CUTLASS passes (bf16) in their
-    # table kernel, fp32 and the bias gradient in a kernel of their own.
+    # Every pass poisons its whole output when m_splits are bad: the CUTLASS passes (bf16 on
+    # Hopper) in their table kernel, the portable kernel's (fp32; bf16 under grouped-portable) and
+    # the bias gradient in a kernel of their own.
     bad = torch.tensor([10, 10, 10], device=dev)
     dy = torch.randn(64, 16, device=dev, dtype=torch.bfloat16)
     stride = mt.packed_group_stride(16, 32, torch.bfloat16)
