@@ -185,8 +185,10 @@ class Checks:
         recipe = "rowwise" if rowwise else "tensorwise"
         self.run(f"scaled ops tp={tp} {recipe} {backend}", body)
 
-    def mlp_gradients(self, mesh, trans_b: bool):
-        """A sequence-parallel MLP over a (data, tp) mesh: loss and every gradient."""
+    def mlp_gradients(self, mesh, trans_b: bool, sequence_parallel: bool = True):
+        """An MLP over a (data, tp) mesh: loss and every gradient. Sequence parallel, all-gather
+        then reduce-scatter; without, column_parallel_matmul (its input's gradient an
+        all-reduce) then matmul_all_reduce."""
         data, tp = mesh.shape["data"], mesh.shape["tp"]
         tokens, hidden, ffn = 256 * tp, 128, 256
         x = self.random((data, tokens, hidden), jnp.float32)
@@ -200,15 +202,19 @@ class Checks:
             return jnp.sum(jnp.tanh(jnp.matmul(h, kn(w2), precision="highest") + b2) ** 2)
 
         def shard_loss(x, w1, w2, b1, b2):
-            h = mj.all_gather_matmul(x[0], w1, axis_name="tp", mesh=mesh, bias=b1,
-                                     trans_b=trans_b)
-            y = mj.matmul_reduce_scatter(jnp.tanh(h), w2, axis_name="tp", mesh=mesh, bias=b2,
-                                         trans_b=trans_b)
+            options = dict(axis_name="tp", mesh=mesh, trans_b=trans_b)
+            if not sequence_parallel:  # x and y the same on every shard of tp
+                h = mj.column_parallel_matmul(x[0], w1, bias=b1, **options)
+                y = mj.matmul_all_reduce(jnp.tanh(h), w2, bias=b2, **options)
+                return jax.lax.psum(jnp.sum(jnp.tanh(y) ** 2), "data")
+            h = mj.all_gather_matmul(x[0], w1, bias=b1, **options)
+            y = mj.matmul_reduce_scatter(jnp.tanh(h), w2, bias=b2, **options)
             return jax.lax.psum(jnp.sum(jnp.tanh(y) ** 2), ("data", "tp"))
 
         column = P("tp", None) if trans_b else P(None, "tp")
         row = P(None, "tp") if trans_b else P("tp", None)
-        specs = (P("data", "tp", None), column, row, P("tp"), P())
+        rows = P("data", "tp", None) if sequence_parallel else P("data", None, None)
+        specs = (rows, column, row, P("tp"), P())
 
         def body():
             loss, grads = jax.jit(jax.shard_map(
@@ -222,13 +228,15 @@ class Checks:
             errors += [error(g, np.asarray(e, np.float64)) for g, e in zip(grads, expected)]
             return max(errors) < 1e-4, f"loss and gradient errors {errors}"
 
-        self.run(f"mlp gradients data={data} tp={tp} trans_b={trans_b}", body)
+        form = "" if sequence_parallel else " column_parallel_matmul"
+        self.run(f"mlp gradients{form} data={data} tp={tp} trans_b={trans_b}", body)
 
-    def fp8_gradients(self, mesh, recipe: str):
-        """The sequence-parallel MLP of mlp_gradients in bfloat16 with fp8=recipe (b as [n, k],
-        no tanh on the output): the loss's gradients against jax.grad of the plain float32
-        model, within fp8 rounding's bound (tests/python/test_jax_collective_cpu.py derives it),
-        the last shard's rows 10x larger so that a scale applied to another shard's rows fails."""
+    def fp8_gradients(self, mesh, recipe: str, sequence_parallel: bool = True):
+        """The MLP of mlp_gradients in bfloat16 with fp8=recipe (b as [n, k], no tanh on the
+        output; sequence parallel or not, as there): the loss's gradients against jax.grad of
+        the plain float32 model, within fp8 rounding's bound
+        (tests/python/test_jax_collective_cpu.py derives it), the last shard's rows 10x larger
+        so that a scale applied to another shard's rows fails."""
         data, tp = mesh.shape["data"], mesh.shape["tp"]
         tokens, hidden, ffn = 256 * tp, 128, 256
         x = self.random((data, tokens, hidden), np.float32)
@@ -246,11 +254,16 @@ class Checks:
 
         def shard_loss(x, w1, w2, b2, r):
             options = dict(axis_name="tp", mesh=mesh, trans_b=True, fp8=recipe)
+            if not sequence_parallel:
+                h = mj.column_parallel_matmul(x[0], w1, **options)
+                y = mj.matmul_all_reduce(jax.nn.relu(h), w2, bias=b2, **options)
+                return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * r[0]), "data")
             h = mj.all_gather_matmul(x[0], w1, **options)
             y = mj.matmul_reduce_scatter(jax.nn.relu(h), w2, bias=b2, **options)
             return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * r[0]), ("data", "tp"))
 
-        specs = (P("data", "tp", None), P("tp", None), P(None, "tp"), P())
+        rows = P("data", "tp", None) if sequence_parallel else P("data", None, None)
+        specs = (rows, P("tp", None), P(None, "tp"), P())
         bound = 4 * (4.0 ** -3 + 4.0 ** -4) ** 0.5 / 3 ** 0.5  # two e5m2 x e4m3 products deep
 
         def body():
@@ -264,7 +277,8 @@ class Checks:
                       for g, e in zip(grads, expected)]
             return max(errors) < bound, f"gradient errors {errors} (bound {bound:.3f})"
 
-        self.run(f"fp8 gradients {recipe} data={data} tp={tp}", body)
+        form = "" if sequence_parallel else " column_parallel_matmul"
+        self.run(f"fp8 gradients{form} {recipe} data={data} tp={tp}", body)
 
     def many_calls(self, mesh, calls=2000):
         """Random ops and shapes inside one jitted fori_loop, each output feeding the next call,
@@ -367,14 +381,16 @@ def main():
         for rowwise in (False, True):
             for backend in (("nccl", "symmetric") if tp > 1 else ("auto",)):
                 run("ops", checks.scaled_ops, mesh, rowwise, backend)
-        run("gradients", checks.mlp_gradients, mesh, trans_b=True)
-        for recipe in ("tensorwise", "rowwise"):
-            run("gradients", checks.fp8_gradients, mesh, recipe)
+        for sequence_parallel in (True, False):
+            run("gradients", checks.mlp_gradients, mesh, True, sequence_parallel)
+            for recipe in ("tensorwise", "rowwise"):
+                run("gradients", checks.fp8_gradients, mesh, recipe, sequence_parallel)
         run("loop", checks.many_calls, mesh)
         run("donation", checks.donated, mesh)
     if count % 2 == 0:  # a data × tensor mesh: two tensor-parallel groups
-        run("gradients", checks.mlp_gradients, Mesh(devices.reshape(2, count // 2), ("data", "tp")),
-            False)
+        data_tp = Mesh(devices.reshape(2, count // 2), ("data", "tp"))
+        run("gradients", checks.mlp_gradients, data_tp, False)
+        run("gradients", checks.mlp_gradients, data_tp, False, False)
 
 
 if __name__ == "__main__":

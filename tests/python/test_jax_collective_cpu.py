@@ -210,10 +210,10 @@ def test_gradient_needs_checked_types(mesh):
         unchecked(put(mesh, a, P(None, "tp")), put(mesh, b, P("tp", None)))
 
 
-def test_gpu_custom_calls_trace_with_the_reference_types(mesh, monkeypatch):
-    """The GPU path as far as it goes without GPUs: the MLP's loss and gradients traced with the
-    handlers' custom calls in place of the reference (same types, the conjugates in the
-    backward), without lowering them."""
+def traced_on_gpus(mesh, monkeypatch, shard_loss, x_spec):
+    """The GPU path as far as it goes without GPUs: an MLP's loss gradients traced with the
+    handlers' custom calls in place of the reference (same types), without lowering them.
+    Returns the shard_map body's equations and its custom calls (target, output shapes)."""
     from meshla.jax import collective
 
     monkeypatch.setattr(collective, "_reference", lambda call, *operands: collective._on_gpus(
@@ -221,21 +221,42 @@ def test_gpu_custom_calls_trace_with_the_reference_types(mesh, monkeypatch):
     x, w1, w2 = (random(shape, jnp.bfloat16, seed)
                  for seed, shape in enumerate(((2, 16, 8), (12, 8), (8, 12))))
     b2 = random((8,), jnp.bfloat16, 3)
+    specs = (x_spec, P("tp", None), P(None, "tp"), P())
+    traced = jax.make_jaxpr(jax.shard_map(jax.grad(shard_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
+                                          in_specs=specs, out_specs=specs))(x, w1, w2, b2)
+    inner = traced.eqns[0].params["jaxpr"].eqns
+    return inner, [(e.params["target_name"], [tuple(v.aval.shape) for v in e.outvars])
+                   for e in inner if e.primitive.name == "ffi_call"]
 
+
+def test_gpu_custom_calls_trace_with_the_reference_types(mesh, monkeypatch):
+    """The sequence-parallel MLP: the conjugates in the backward."""
     def shard_loss(x, w1, w2, b2):
         h = mj.all_gather_matmul(x[0], w1, axis_name="tp", mesh=mesh, trans_b=True)
         y = mj.matmul_reduce_scatter(h, w2, axis_name="tp", mesh=mesh, bias=b2, trans_b=True)
         return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), ("data", "tp"))
 
-    specs = (P("data", "tp", None), P("tp", None), P(None, "tp"), P())
-    traced = jax.make_jaxpr(jax.shard_map(jax.grad(shard_loss, argnums=(0, 1, 2, 3)), mesh=mesh,
-                                          in_specs=specs, out_specs=specs))(x, w1, w2, b2)
-    calls = [(e.params["target_name"], [tuple(v.aval.shape) for v in e.outvars])
-             for e in traced.eqns[0].params["jaxpr"].eqns if e.primitive.name == "ffi_call"]
+    _, calls = traced_on_gpus(mesh, monkeypatch, shard_loss, P("data", "tp", None))
     assert calls == [("meshla_all_gather_matmul", [(16, 6), (16, 8)]),
                      ("meshla_matmul_reduce_scatter", [(8, 8)]),
                      ("meshla_all_gather_matmul", [(16, 6), (16, 8)]),
                      ("meshla_matmul_reduce_scatter", [(8, 8)])], calls
+
+
+def test_column_parallel_gradient_traces_one_all_reduce_call(mesh, monkeypatch):
+    """Without sequence parallelism: the column layer's forward is XLA's local GEMM, its input's
+    gradient one meshla all-reduce (no psum of XLA's), beside the row layer's forward
+    all-reduce."""
+    def shard_loss(x, w1, w2, b2):
+        h = mj.column_parallel_matmul(x[0], w1, axis_name="tp", mesh=mesh, trans_b=True)
+        y = mj.matmul_all_reduce(h, w2, axis_name="tp", mesh=mesh, bias=b2, trans_b=True)
+        return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), "data")
+
+    inner, calls = traced_on_gpus(mesh, monkeypatch, shard_loss, P("data", None, None))
+    assert calls == [("meshla_matmul_all_reduce", [(16, 8)]),
+                     ("meshla_matmul_all_reduce", [(16, 8)])], calls
+    assert not [e for e in inner  # psum, psum_invariant: an XLA all-reduce over the axis
+                if e.primitive.name.startswith("psum") and "tp" in e.params["axes"]]
 
 
 def test_group_numbers_tell_meshes_apart(monkeypatch):
@@ -313,6 +334,7 @@ _REFERENCES = {
         + (0 if bias is None else bias)),
     "matmul_all_reduce": lambda a, b, bias: (
         jax.lax.psum(a @ b, "tp") + (0 if bias is None else bias)),
+    "column_parallel_matmul": lambda a, b, bias: a @ b + (0 if bias is None else bias),
 }
 _VARYING = ((), ("tp",), ("data", "tp"))
 
@@ -479,7 +501,8 @@ def fp8_bound(*mantissa_bits: int) -> float:
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_fp8_training_matches_the_model_within_fp8_rounding(mesh, recipe, sequence_parallel):
     """An MLP in fp8 (fp8=recipe): sequence parallel, all-gather→GEMM then GEMM→reduce-scatter;
-    without, a local first layer then GEMM→all-reduce. Its output and every gradient against
+    without, column_parallel_matmul (a local GEMM, its input's gradient all-reduced) then
+    GEMM→all-reduce. Its output and every gradient against
     jax.grad of the plain float32 model, within fp8 rounding's bound (the last shard's rows 10x
     larger, so that a scale applied to another shard's rows fails)."""
     tokens, hidden, inner = 32, 64, 128
@@ -503,7 +526,8 @@ def test_fp8_training_matches_the_model_within_fp8_rounding(mesh, recipe, sequen
             h = mj.all_gather_matmul(x, up, **options)
             y = mj.matmul_reduce_scatter(jax.nn.relu(h), down, bias=bias, **options)
         else:
-            y = mj.matmul_all_reduce(jax.nn.relu(x @ up.T), down, bias=bias, **options)
+            h = mj.column_parallel_matmul(x, up, **options)
+            y = mj.matmul_all_reduce(jax.nn.relu(h), down, bias=bias, **options)
         # The data axis replicates: the loss counts each token once over the tensor axis.
         return jax.lax.psum(loss_of(y, target), "tp") / (2 if not sequence_parallel else 1), y
 
@@ -546,6 +570,33 @@ def test_fp8_training_errors_are_named(mesh):
         shard_call(mesh, lambda a, w: mj.all_gather_matmul(
             a, w, axis_name="tp", mesh=mesh, trans_b=True, fp8="tensorwise"),
             a[:, :24], w[:, :24], specs=specs)
+
+
+def test_column_parallel_errors_are_named(mesh):
+    """column_parallel_matmul's operands follow matmul_all_reduce's rules, in its own name; a's
+    gradient (an all-reduce with the call's tuning) and fp8's GEMMs are checked when traced."""
+    a, w = random((8, 32), jnp.bfloat16, 52), random((16, 32), jnp.bfloat16, 53)
+    specs = (P(), P("tp", None))
+
+    def call(a, w, **options):
+        return shard_call(mesh, lambda a, w: mj.column_parallel_matmul(
+            a, w, axis_name="tp", mesh=mesh, **options), a, w, specs=specs)
+
+    with pytest.raises(ValueError, match=r"^column_parallel_matmul: .*shape"):
+        call(a, w[:, :24], trans_b=True)
+    with pytest.raises(ValueError, match=r"^column_parallel_matmul: .*float16"):
+        call(a, w.astype(jnp.float16), trans_b=True)
+    with pytest.raises(ValueError, match="column_parallel_matmul: fp8='e4m3' is not one of"):
+        call(a, w, trans_b=True, fp8="e4m3")
+    with pytest.raises(NotImplementedError, match=r"column_parallel_matmul: float8 needs b "
+                                                  r"stored \[n, k\] \(trans_b\)"):
+        call(a, w.T, fp8="tensorwise")
+    with pytest.raises(ValueError, match=r"column_parallel_matmul: the product, a float8 "
+                                         r"\[8, 24\] @ \[8, 24\]ᵀ"):
+        call(a[:, :24], w[:, :24], trans_b=True, fp8="tensorwise")
+    with pytest.raises(ValueError, match="axis_name"):
+        shard_call(mesh, lambda a, w: mj.column_parallel_matmul(a, w, axis_name=3, mesh=mesh),
+                   a, w, specs=specs)
 
 
 # (rowwise fp8 products are bfloat16 or float32, not float16)

@@ -55,6 +55,7 @@ __all__ = [
     "all_gather_matmul",
     "all_gather_matmul_global",
     "all_gather_scaled_matmul",
+    "column_parallel_matmul",
     "matmul_all_reduce",
     "matmul_all_reduce_global",
     "matmul_reduce_scatter",
@@ -650,6 +651,181 @@ def _fp8_bwd(call: _Call, residuals, grad):
 
 
 _fp8_collective.defvjp(_fp8_fwd, _fp8_bwd)
+
+# A column-parallel layer without sequence parallelism (meshla.torch's column_parallel_matmul):
+# a, the same on every rank, times this rank's column slice of b. The forward is a local
+# product; a's gradient, the product's gradient times bᵀ summed over the ranks, is a
+# matmul_all_reduce, the conjugate op, where JAX's differentiation of the local product would
+# add a separate all-reduce (psum) after the GEMM.
+
+@dataclasses.dataclass(frozen=True)
+class _Column:
+    """A column_parallel_matmul as traced: custom_vjp's non-differentiable argument."""
+
+    backward: _Call  # a's gradient: matmul_all_reduce(the product's gradient, b)
+    trans_b: bool
+    varying: tuple[frozenset, frozenset, frozenset]  # the types of a, b and the bias
+    fp8: str | None
+
+
+def _renamed(name: str, check):
+    """``check()``, its errors (the extension's words, under the op whose rules apply) beginning
+    with ``name`` instead, as meshla.torch's column_parallel_matmul words them."""
+    try:
+        return check()
+    except (ValueError, NotImplementedError) as error:
+        prefix = f"{_Op.matmul_all_reduce.name}: "
+        if not str(error).startswith(prefix):
+            raise
+        raise type(error)(f"{name}: {str(error)[len(prefix):]}") from None
+
+
+def _check_column_fp8(name: str, a, b, fp8) -> None:
+    """The fp8 recipe, and the float8 GEMMs' rules for the forward's local product and b's
+    gradient (a's is the scaled all-reduce, checked as the backward's call)."""
+    if fp8 not in _RECIPES:
+        raise ValueError(f"{name}: fp8={fp8!r} is not one of None, 'tensorwise', 'rowwise'")
+    rowwise = fp8 == "rowwise"
+    m, k, n = a.shape[0], b.shape[1], b.shape[0]
+    for what, operands, rows, cols, contracted in (
+            ("the product", (_E4M3, _E4M3, a.dtype), m, n, k),
+            ("b's gradient", (_E5M2, _E4M3, jnp.float32), n, k, m)):
+        try:
+            _meshla.check_scaled_matmul(*(DTYPES[np.dtype(d)] for d in operands), rows, cols,
+                                        contracted, rowwise)
+        except (ValueError, NotImplementedError) as e:
+            raise type(e)(f"{name}: {what}, a float8 [{rows}, {contracted}] @ "
+                          f"[{cols}, {contracted}]ᵀ: {e}") from None
+
+
+def column_parallel_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=None,
+                           trans_b: bool = False, algorithm="auto", chunks: int = 0,
+                           comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
+                           timeout_s: float = DEFAULT_TIMEOUT_S, fp8: str | None = None):
+    """Inside ``jax.shard_map``: ``a @ b (+ bias)`` for a column-parallel layer without sequence
+    parallelism: ``a`` [m, k] the same on every shard of ``axis_name``, ``b`` this shard's
+    [k, n] column slice ([n, k] with ``trans_b``), ``bias`` its [n]. Returns the [m, n] product
+    (this shard's output columns). The forward is a local GEMM.
+
+    Differentiable: ``a``'s gradient, summed over the axis, is the product's gradient times bᵀ
+    through :func:`matmul_all_reduce` (the communication overlapped with that GEMM, with
+    ``backend``, ``algorithm``, ``chunks``, ``comm_sms`` and ``comm_ctas``); ``b``'s and the
+    bias's are this shard's own. The conjugate of :func:`matmul_all_reduce`, as in
+    meshla.torch; with sequence parallelism, use :func:`all_gather_matmul`. Where ``a`` varies
+    over the axis, or the product's gradient does not, nothing is summed and a's gradient is a
+    local GEMM. ``mesh`` and ``timeout_s`` as in :func:`all_gather_matmul`.
+
+    ``fp8="tensorwise"`` or ``"rowwise"`` computes it in float8, as the other ops' ``fp8=``
+    (``b`` as [n, k], ``trans_b=True``): the forward and b's gradient local fp8 GEMMs (meshla's
+    on GPUs), a's gradient the scaled all-reduce of the product's gradient in float8_e5m2.
+
+    Raises as :func:`matmul_all_reduce` does, in this function's name (the operands follow its
+    rules; a's gradient is checked as its call with the tuning); with ``fp8``, ``ValueError``
+    for float8 GEMMs their rules refuse and ``NotImplementedError`` without ``trans_b``."""
+    name = "column_parallel_matmul"
+    tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
+    if fp8 is not None and not trans_b:  # the float8 GEMM's own words
+        raise NotImplementedError(f"{name}: float8 needs b stored [n, k] (trans_b): cuBLASLt's "
+                                  "fp8 GEMM reads both operands along k")
+
+    def traced(x, y, bias, trans_b, tuning):
+        return _traced_call(_Op.matmul_all_reduce, x, y, bias, axis_name=axis_name, mesh=mesh,
+                            trans_b=trans_b, return_gathered=False, tuning=tuning,
+                            timeout_s=timeout_s)
+
+    forward = _renamed(name, lambda: traced(a, b, bias, trans_b, Tuning.of()))
+    n = b.shape[0] if trans_b else b.shape[1]
+    grad = jax.ShapeDtypeStruct((a.shape[0], n), a.dtype)
+    backward = _renamed(name, lambda: traced(grad, b, None, not trans_b, tuning))
+    if fp8 is not None:
+        _check_column_fp8(name, a, b, fp8)
+        # a's gradient: the scaled all-reduce of the e5m2 gradient and bᵀ ([k, n] as [n', k'])
+        k = b.shape[1]
+        scales = [jax.ShapeDtypeStruct((rows if fp8 == "rowwise" else 1,), jnp.float32)
+                  for rows in (a.shape[0], k)]
+        _renamed(name, lambda: _describe(
+            _Op.matmul_all_reduce, jax.ShapeDtypeStruct(grad.shape, _E5M2),
+            jax.ShapeDtypeStruct((k, n), _E4M3), None, axis=axis_name, tp=backward.tp,
+            group=None, trans_b=True, return_gathered=False,
+            tuning=Tuning.of(backend=tuning.backend), scales=scales, out_dtype=a.dtype))
+    column = _Column(backward, trans_b, forward.varying, fp8)
+    return _column_parallel(column, a, b, bias)
+
+
+def _column_product(column: _Column, a, b, bias):
+    """The forward: a's local product with b, and what the backward keeps."""
+    if column.fp8 is None:
+        precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+        out = jnp.matmul(a, b.T if column.trans_b else b, precision=precision,
+                         preferred_element_type=jnp.float32)
+        if bias is not None:
+            out = out + bias.astype(jnp.float32)
+        return out.astype(a.dtype), (a, b, bias, None)
+    rowwise = column.fp8 == "rowwise"
+    a_q, a_scale = _quantized(a, _E4M3, rowwise)
+    b_q, b_scale = _quantized(b, _E4M3, rowwise)
+    out = _local_scaled(column.backward, a_q, a_scale, b_q, b_scale, rowwise, a.dtype)
+    if bias is not None:
+        out = out + bias.astype(out.dtype)
+    # Tensorwise, the backward transposes the forward's fp8 bytes; rowwise it casts again.
+    kept = None if rowwise else (a_q, a_scale, b_q, b_scale)
+    return out, (a, b, bias, kept)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _column_parallel(column: _Column, a, b, bias):
+    return _column_product(column, a, b, bias)[0]
+
+
+def _column_parallel_fwd(column: _Column, a, b, bias):
+    return _column_product(column, a, b, bias)
+
+
+def _column_parallel_bwd(column: _Column, residuals, grad):
+    call = column.backward
+    if not jax_config._check_vma.value:
+        raise NotImplementedError(
+            "column_parallel_matmul: its gradient needs jax.shard_map's check_vma=True (the "
+            "default): without the varying-axes types, which cotangents to sum over the axis is "
+            "unknown")
+    a, b, bias, kept = residuals
+    dtype = a.dtype
+    # Every rank's product used the same a and its own columns: a's gradient sums their
+    # contributions (the all-reduce), unless a varies over the axis or the gradient does not.
+    summed = call.axis in varying_axes(grad) and call.axis not in column.varying[0]
+    if column.fp8 is None:
+        if summed:
+            grad_a, _ = _forward(call, grad, b, None)
+        else:
+            grad_a = _dot(grad, b if column.trans_b else b.T)
+        rows = _dot(grad.T, a) if column.trans_b else _dot(a.T, grad)
+    else:
+        rowwise = column.fp8 == "rowwise"
+        g_q, g_scale = _quantized(grad, _E5M2, rowwise)
+        if rowwise:  # each operand cast again along its other axis
+            bt_q, bt_scale = _quantized(b.T, _E4M3, True)
+            at_q, at_scale = _quantized(a.T, _E4M3, True)
+            gt_q, gt_scale = _quantized(grad.T, _E5M2, True)
+        else:  # the forward's and the gradient's fp8 bytes transposed
+            a_q, a_scale, b_q, b_scale = kept
+            bt_q, bt_scale, at_q, at_scale = b_q.T, b_scale, a_q.T, a_scale
+            gt_q, gt_scale = g_q.T, g_scale
+        if summed:
+            grad_a, _ = _scaled_forward(call, _Op.matmul_all_reduce, g_q, bt_q, None,
+                                        (g_scale, bt_scale), False,
+                                        Tuning.of(backend=call.tuning.backend), dtype)
+        else:
+            grad_a = _local_scaled(call, g_q, g_scale, bt_q, bt_scale, rowwise, dtype)
+        rows = _local_scaled(call, gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32)
+    grad_a = _cotangent(grad_a, column.varying[0], dtype)
+    grad_b = _cotangent(rows, column.varying[1], b.dtype)
+    grad_bias = None if bias is None else _cotangent(
+        jnp.sum(grad.astype(jnp.float32), axis=0), column.varying[2], bias.dtype)
+    return grad_a, grad_b, grad_bias
+
+
+_column_parallel.defvjp(_column_parallel_fwd, _column_parallel_bwd)
+
 
 # The float8 ops: torch._scaled_mm's operands (b stored [n, k]) with their scales; no backward.
 
