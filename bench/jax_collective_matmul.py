@@ -24,9 +24,10 @@ Then one AdamW training step of examples/jax_tp_mlp.py (op mlp_train_step) at th
 block, [1, M, 8192] bf16 tokens split over the GPUs, 28672 hidden features, for M in
 --mlp-tokens; variants xla_default, xla_windowed (plain jax.numpy on sharded arrays), meshla
 (its all-gather→GEMM and GEMM→reduce-scatter, their conjugates in the backward) and
-meshla_fp8_tensorwise / meshla_fp8_rowwise (the same in fp8: ``fp8=`` on both ops). Each
-variant's first loss is checked against xla_default's (fp8's within its rounding); its ratio is
-its time over XLA's faster variant's.
+meshla_fp8_tensorwise / meshla_fp8_rowwise (the same in fp8: ``fp8=`` on both ops); then the
+same without sequence parallelism (op mlp_train_step_no_sp: every GPU holds all M tokens, meshla
+runs column_parallel_matmul and matmul_all_reduce). Each variant's first loss is checked against
+xla_default's (fp8's within its rounding); its ratio is its time over XLA's faster variant's.
 
 A time is the median over --reps of --iters back-to-back dispatches of the jitted call, measured
 on the host from the first dispatch to the last result, after --warmup-ms of the variant alone
@@ -37,6 +38,7 @@ printed as a table: ratio = time / gemm.
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -57,7 +59,9 @@ from progress import Progress
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
 CHECK_TOLERANCE = 2e-2
-MLP_STEP = "mlp_train_step"
+# The example MLP's training step with sequence parallelism, and without it (every tensor-axis
+# GPU holds all the tokens: column_parallel_matmul, then matmul_all_reduce).
+MLP_STEPS = {"mlp_train_step": True, "mlp_train_step_no_sp": False}
 
 
 def parse_args() -> argparse.Namespace:
@@ -207,7 +211,7 @@ def meshla_variants(jax, mesh, shapes: Shapes) -> dict:
     return variants
 
 
-def mlp_step_variants(jax, mesh, m: int, windowed_only: bool) -> dict:
+def mlp_step_variants(jax, mesh, m: int, windowed_only: bool, sequence_parallel: bool) -> dict:
     """The example MLP's training step on the benchmark's sizes, each variant stepping its own
     copy of the same parameters: {variant: fn returning the step's loss}."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
@@ -217,13 +221,13 @@ def mlp_step_variants(jax, mesh, m: int, windowed_only: bool) -> dict:
 
     mesh = Mesh(mesh.devices.reshape(1, -1), ("data", "tp"))
     params, batches = example.sharded_inputs(mesh, 1, 1, m, HIDDEN, INTERMEDIATE,
-                                             jax.numpy.bfloat16)
+                                             jax.numpy.bfloat16, sequence_parallel)
     x, target = batches[0]
     losses = {"xla_default": example.plain_loss}
     if not windowed_only:
-        losses["meshla"] = example.sharded_meshla_loss(mesh, 1)
-        for recipe in ("tensorwise", "rowwise"):
-            losses[f"meshla_fp8_{recipe}"] = example.sharded_meshla_loss(mesh, 1, recipe)
+        for recipe in (None, "tensorwise", "rowwise"):
+            losses["meshla" + (f"_fp8_{recipe}" if recipe else "")] = (
+                example.sharded_meshla_loss(mesh, 1, recipe, sequence_parallel))
     variants = {}
     for name, loss in losses.items():
         step, init = example.training_step(loss)
@@ -310,7 +314,7 @@ def main():
                          "check_error": note if isinstance(note, float) else None})
 
     progress = Progress("xla_windowed" if args.windowed_only else "jax_collective_matmul",
-                        len(args.ops) * len(args.m) + len(args.mlp_tokens))
+                        len(args.ops) * len(args.m) + len(MLP_STEPS) * len(args.mlp_tokens))
     for op in args.ops:
         for m in args.m:
             progress.start(f"{op} M={m}")
@@ -331,10 +335,10 @@ def main():
             results["gemm"] = (min(times) if times else None,
                                None if times else str(layouts))
             add_rows(op, m, results)
-    for m in args.mlp_tokens:
-        progress.start(f"{MLP_STEP} M={m}")
+    for (step, sequence_parallel), m in itertools.product(MLP_STEPS.items(), args.mlp_tokens):
+        progress.start(f"{step} M={m}")
         try:
-            variants = mlp_step_variants(jax, mesh, m, args.windowed_only)
+            variants = mlp_step_variants(jax, mesh, m, args.windowed_only, sequence_parallel)
             # Each variant's first step starts from the same parameters: their losses must agree.
             xla = {"xla_default": variants.pop("xla_default")}
             reference = xla["xla_default"]()
@@ -344,7 +348,7 @@ def main():
             names = ("xla_default",) if args.windowed_only else (
                 "xla_default", "meshla", "meshla_fp8_tensorwise", "meshla_fp8_rowwise")
             results = {name: (None, note) for name in names}
-        add_rows(MLP_STEP, m, results)
+        add_rows(step, m, results)
     if args.windowed_only:
         with open(args.out, "w") as f:
             json.dump(rows, f)
@@ -358,7 +362,7 @@ def main():
         except subprocess.CalledProcessError as failure:  # reported; the other rows still land
             cases = [(op, m) for op in args.ops for m in args.m]
             if name == "xla_windowed":
-                cases += [(MLP_STEP, m) for m in args.mlp_tokens]
+                cases += [(step, m) for step in MLP_STEPS for m in args.mlp_tokens]
             times = {case: (None, f"{name} failed: {failure}") for case in cases}
         for (op, m), (time_taken, note) in times.items():
             rows.append({"op": op, "m": m, "tp": tp, "variant": name, "time_ms": time_taken,
@@ -366,7 +370,7 @@ def main():
     # The operations against the local GEMM; the training step against XLA's faster variant.
     base = {(r["op"], r["m"]): r["time_ms"] for r in rows if r["variant"] == "gemm"}
     for r in rows:
-        if r["op"] == MLP_STEP and r["time_ms"] is not None and r["variant"].startswith("xla"):
+        if r["op"] in MLP_STEPS and r["time_ms"] is not None and r["variant"].startswith("xla"):
             key = (r["op"], r["m"])
             base[key] = min(base.get(key) or r["time_ms"], r["time_ms"])
     for r in rows:
@@ -379,14 +383,14 @@ def main():
               "env": {name: os.environ.get(name) for name in MULTICAST_OFF}, "rows": rows}
     append_run(args.out, record)
     print(f"{'op':<22} {'M':>6} {'variant':<18} {'time_ms':>9} {'ratio':>6}  note")
-    order = [*OPS, MLP_STEP]
+    order = [*OPS, *MLP_STEPS]
     for r in sorted(rows, key=lambda r: (order.index(r["op"]), r["m"])):
         time_cell = "-" if r["time_ms"] is None else f"{r['time_ms']:.3f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         print(f"{r['op']:<22} {r['m']:>6} {r['variant']:<18} {time_cell:>9} {ratio:>6}  "
               f"{r['unavailable'] or ''}".rstrip())
     print("ratio = time / gemm (one GPU's local GEMM of the same size, its faster layout); for "
-          f"{MLP_STEP}, time / XLA's faster variant")
+          "the training steps, time / XLA's faster variant of the same step")
 
 
 if __name__ == "__main__":

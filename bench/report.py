@@ -103,7 +103,7 @@ def collective_chart(run: dict):
         # The run says what its ratio is to ("ratio_to"); before that field, the torch
         # benchmark's was to max(GEMM alone, collective alone), the JAX one's to the GEMM alone
         # and its training step's to XLA's faster step.
-        base = ("XLA's faster step" if op == "mlp_train_step"
+        base = ("XLA's faster step" if op.startswith("mlp_train_step")
                 else "the fastest GEMM alone" if run.get("ratio_to", "").startswith("gemm")
                 else "the fp8 GEMM alone" if run.get("ratio_to") == "fp8_gemm"
                 else "the GEMM alone" if "jax" in run else "max(GEMM, collective)")

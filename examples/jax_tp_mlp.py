@@ -1,10 +1,11 @@
-"""A sequence-parallel tensor-parallel MLP trained with optax under jax.jit: meshla.jax's
-collective matmuls against plain jax.numpy on sharded arrays (XLA inserts the collectives), the
-same losses step by step.
+"""A tensor-parallel MLP trained with optax under jax.jit: meshla.jax's collective matmuls
+against plain jax.numpy on sharded arrays (XLA inserts the collectives), the same losses step by
+step.
 
   python3 examples/jax_tp_mlp.py                 # every GPU on the tensor axis
   python3 examples/jax_tp_mlp.py --data 2        # a data × tensor mesh
   python3 examples/jax_tp_mlp.py --dtype bfloat16 --fp8 tensorwise   # meshla's matmuls in fp8
+  python3 examples/jax_tp_mlp.py --no-sequence-parallel   # tokens the same on every tp device
   XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu \\
       python3 examples/jax_tp_mlp.py --data 2    # without GPUs (meshla's reference path)
 
@@ -12,6 +13,9 @@ Each block is x + W₂ gelu(W₁ x + b₁) + b₂ with the weights as [out, in]:
 hidden features) and W₂'s columns are split over the tensor axis, the tokens of x over it too
 (sequence parallelism) and the batch over the data axis. meshla runs the first matmul as an
 all-gather→GEMM and the second as a GEMM→reduce-scatter; their backward as the conjugates.
+Without sequence parallelism every tensor-axis device holds all the tokens: the first matmul is
+column_parallel_matmul (a local GEMM; its input's gradient a GEMM→all-reduce) and the second a
+GEMM→all-reduce.
 """
 
 import argparse
@@ -40,6 +44,8 @@ def parse_args():
     parser.add_argument("--fp8", choices=("tensorwise", "rowwise"), default=None,
                         help="meshla's matmuls in float8 (the losses then agree within 2%%, "
                         "fp8's rounding, not to float32's precision)")
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                        help="every tensor-axis device holds all the tokens")
     return parser.parse_args()
 
 
@@ -58,7 +64,11 @@ def init_params(key, blocks: int, hidden: int, ffn: int, dtype):
 
 # Where each parameter lives: W₁ and b₁ split by output features, W₂ by input features.
 PARAM_SPECS = {"w1": P("tp", None), "b1": P("tp"), "w2": P(None, "tp"), "b2": P()}
-DATA_SPEC = P("data", "tp", None)  # [batch, tokens, hidden]: batch over data, tokens over tp
+
+
+def data_spec(sequence_parallel: bool = True) -> P:
+    """[batch, tokens, hidden]: batch over data, tokens over tp with sequence parallelism."""
+    return P("data", "tp" if sequence_parallel else None, None)
 
 
 def plain_loss(params, x, target):
@@ -69,30 +79,35 @@ def plain_loss(params, x, target):
     return jnp.mean((x.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
 
 
-def meshla_loss(mesh: Mesh, fp8=None):
+def meshla_loss(mesh: Mesh, fp8=None, sequence_parallel: bool = True):
     """The model inside shard_map on each device's shards, its matmuls meshla's (in float8 with
     ``fp8``). The MLP works token by token, and the reduce-scatter hands each device back the
-    rows the all-gather took from it, so each block needs no reordering."""
+    rows the all-gather took from it, so each block needs no reordering. Without sequence
+    parallelism x, and so the loss, is the same on every tensor-axis device."""
+    options = dict(axis_name="tp", mesh=mesh, trans_b=True, fp8=fp8)
+    first = mj.all_gather_matmul if sequence_parallel else mj.column_parallel_matmul
+    second = mj.matmul_reduce_scatter if sequence_parallel else mj.matmul_all_reduce
+    summed = ("data", "tp") if sequence_parallel else ("data",)
+
     def local_loss(params, x, target):
         for block in params:
             rows = x.reshape(-1, x.shape[-1])  # this device's tokens of its sequences
-            h = mj.all_gather_matmul(rows, block["w1"], axis_name="tp", mesh=mesh,
-                                     bias=block["b1"], trans_b=True, fp8=fp8)
-            y = mj.matmul_reduce_scatter(jax.nn.gelu(h), block["w2"], axis_name="tp",
-                                         mesh=mesh, bias=block["b2"], trans_b=True, fp8=fp8)
+            h = first(rows, block["w1"], bias=block["b1"], **options)
+            y = second(jax.nn.gelu(h), block["w2"], bias=block["b2"], **options)
             x = x + y.reshape(x.shape)
         squared = jnp.sum((x.astype(jnp.float32) - target.astype(jnp.float32)) ** 2)
-        count = x.size * mesh.shape["data"] * mesh.shape["tp"]
-        return jax.lax.psum(squared, ("data", "tp")) / count
+        count = x.size * np.prod([mesh.shape[axis] for axis in summed])
+        return jax.lax.psum(squared, summed) / count
 
     return local_loss
 
 
-def sharded_meshla_loss(mesh: Mesh, blocks: int, fp8=None):
+def sharded_meshla_loss(mesh: Mesh, blocks: int, fp8=None, sequence_parallel: bool = True):
     """meshla_loss on global arrays: the parameters and batches sharded as PARAM_SPECS and
-    DATA_SPEC say."""
-    return jax.shard_map(meshla_loss(mesh, fp8), mesh=mesh,
-                         in_specs=([PARAM_SPECS] * blocks, DATA_SPEC, DATA_SPEC), out_specs=P())
+    data_spec say."""
+    data = data_spec(sequence_parallel)
+    return jax.shard_map(meshla_loss(mesh, fp8, sequence_parallel), mesh=mesh,
+                         in_specs=([PARAM_SPECS] * blocks, data, data), out_specs=P())
 
 
 def training_step(loss):
@@ -109,13 +124,13 @@ def training_step(loss):
 
 
 def sharded_inputs(mesh: Mesh, blocks: int, batch: int, tokens: int, hidden: int, ffn: int,
-                   dtype):
+                   dtype, sequence_parallel: bool = True):
     """The parameters and three (x, target) batches, placed on the mesh."""
     params = init_params(jax.random.key(0), blocks, hidden, ffn, dtype)
     param_shardings = [{name: NamedSharding(mesh, spec) for name, spec in PARAM_SPECS.items()}
                        for _ in params]
     params = jax.device_put(params, param_shardings)
-    data_sharding = NamedSharding(mesh, DATA_SPEC)
+    data_sharding = NamedSharding(mesh, data_spec(sequence_parallel))
     shape = (batch * mesh.shape["data"], tokens, hidden)
     batches = [tuple(jax.device_put(jax.random.normal(key, shape, dtype), data_sharding)
                      for key in jax.random.split(jax.random.key(seed)))
@@ -141,12 +156,14 @@ def main():
         raise SystemExit(f"--data {args.data} does not divide the {len(devices)} devices")
     mesh = Mesh(np.array(devices).reshape(args.data, -1), ("data", "tp"))
     params, batches = sharded_inputs(mesh, args.blocks, args.batch, args.tokens, args.hidden,
-                                     args.ffn, jnp.dtype(args.dtype))
-    meshla_losses = train(sharded_meshla_loss(mesh, args.blocks, args.fp8), params, batches,
+                                     args.ffn, jnp.dtype(args.dtype), args.sequence_parallel)
+    meshla_losses = train(sharded_meshla_loss(mesh, args.blocks, args.fp8,
+                                              args.sequence_parallel), params, batches,
                           args.steps)
     plain_losses = train(plain_loss, params, batches, args.steps)
     fp8 = f", meshla in fp8 ({args.fp8})" if args.fp8 else ""
-    print(f"mesh {dict(mesh.shape)} on {devices[0].platform}, {args.dtype}{fp8}")
+    form = "sequence parallel" if args.sequence_parallel else "no sequence parallelism"
+    print(f"mesh {dict(mesh.shape)} on {devices[0].platform}, {args.dtype}{fp8}, {form}")
     print(f"{'step':>4} {'meshla':>12} {'jnp':>12} {'relative':>10}")
     worst = 0.0
     for i, (ours, theirs) in enumerate(zip(meshla_losses, plain_losses)):

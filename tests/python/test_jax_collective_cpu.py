@@ -276,9 +276,11 @@ def test_group_numbers_tell_meshes_apart(monkeypatch):
 
 
 @pytest.mark.parametrize("fp8", [None, "tensorwise"])
-def test_the_mlp_example_trains_like_jnp(fp8):
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_the_mlp_example_trains_like_jnp(fp8, sequence_parallel):
     """examples/jax_tp_mlp.py on 4 host devices (2 × 2): meshla's losses are jnp's step by step,
-    or within 2% with its matmuls in fp8 (the example exits non-zero where they differ)."""
+    or within 2% with its matmuls in fp8 (the example exits non-zero where they differ), with
+    sequence parallelism and without (column_parallel_matmul, matmul_all_reduce)."""
     import subprocess
     import sys
 
@@ -286,7 +288,8 @@ def test_the_mlp_example_trains_like_jnp(fp8):
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "jax_tp_mlp.py")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
-    extra = ["--dtype", "bfloat16", "--fp8", fp8] if fp8 else []
+    extra = (["--dtype", "bfloat16", "--fp8", fp8] if fp8 else []) + (
+        [] if sequence_parallel else ["--no-sequence-parallel"])
     done = subprocess.run([sys.executable, example, "--data", "2", "--steps", "4", "--tokens",
                            "32", "--hidden", "64", "--ffn", "128", *extra], env=env,
                           capture_output=True, text=True, timeout=300)
