@@ -55,24 +55,30 @@ def parse_args():
 
 
 def launch(args):
-    """Starts the ranks and waits for them; rank 0 writes --out."""
+    """Starts the ranks and waits for them; rank 0 writes --out. Each rank leads a process group
+    of its own, killed whatever ends the wait (the deadline, an error, SIGINT or SIGTERM), so
+    that no rank outlives the run holding its GPU."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
-    ranks = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(rank),
-                               "--coordinator", coordinator], start_new_session=True)
-             for rank in range(args.processes)]
-    end = time.monotonic() + args.deadline
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally
+    ranks = []
     try:
-        codes = [rank.wait(timeout=max(end - time.monotonic(), 0)) for rank in ranks]
-    except subprocess.TimeoutExpired:
-        print(f"jaxmg_peer: the ranks ran past --deadline {args.deadline:g} s; killing them",
-              file=sys.stderr, flush=True)
+        ranks += [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(rank),
+                                    "--coordinator", coordinator], start_new_session=True)
+                  for rank in range(args.processes)]
+        end = time.monotonic() + args.deadline
+        try:
+            codes = [rank.wait(timeout=max(end - time.monotonic(), 0)) for rank in ranks]
+        except subprocess.TimeoutExpired:
+            print(f"jaxmg_peer: the ranks ran past --deadline {args.deadline:g} s; killing them",
+                  file=sys.stderr, flush=True)
+            sys.exit(124)
+        sys.exit(next((code for code in codes if code != 0), 0))
+    finally:
         for rank in ranks:
             if rank.poll() is None:
                 os.killpg(rank.pid, signal.SIGKILL)
-        sys.exit(124)
-    sys.exit(max(codes))
 
 
 def run(args):
@@ -168,8 +174,9 @@ def run(args):
         record["rows"].append(row)
         if args.rank == 0:
             print(json.dumps(row), flush=True)
-            with open(args.out, "w") as f:
+            with open(args.out + ".part", "w") as f:  # replaced whole: a kill leaves the last
                 json.dump(record, f, indent=1)
+            os.replace(args.out + ".part", args.out)
     faulthandler.cancel_dump_traceback_later()
     jax.distributed.shutdown()
 

@@ -12,12 +12,15 @@
 // dW_g and db_g are zero (left untouched when accumulating). Accumulated weight gradients may
 // also sit anywhere, each at its own address (dweight_addresses).
 //
-// bf16 and fp16 accumulate in fp32 on CUTLASS's Hopper grouped GEMM (TMA + WGMMA, problem sizes
-// read on the device; other GPUs refuse them with kNotImplemented for now); fp32 is computed in
-// full fp32 by a meshla kernel, on any GPU. TMA reads 16-bit rows of a multiple of 8 features
-// at 16-byte aligned addresses in place; features of other sizes run on zero-padded copies of
-// the operands with such rows, and of the weights and bias, in the workspace (the outputs
-// cropped back), so any size runs, at the cost of those copies.
+// On Hopper, bf16 and fp16 accumulate in fp32 on CUTLASS's grouped GEMM (TMA + WGMMA, problem
+// sizes read on the device). TMA reads 16-bit rows of a multiple of 8 features at 16-byte
+// aligned addresses in place; features of other sizes run there on zero-padded copies of the
+// operands with such rows, and of the weights and bias, in the workspace (the outputs cropped
+// back), so any size runs, at the cost of those copies. fp32 groups, and bf16 and fp16 ones on
+// other GPUs (or under MESHLA_PORTABLE=1, read when the engine is made), run meshla's portable
+// kernel: SIMT, fp32 products and sums, any feature size in place, far slower than Hopper's.
+// The 16-byte alignment of 16-bit operands is required everywhere, so that a program that runs
+// on one GPU runs on every other.
 //
 // Checks that need m_splits (no negative size, sizes summing to the rows of x) run on the device.
 // A call that fails them does no GEMM, fills its outputs with NaN and records the error in

@@ -1,7 +1,7 @@
 // Kernels of the grouped GEMM other than CUTLASS's: the device-side group index (prefix sums and
 // validation of m_splits), NaN poisoning of a failed call's outputs, zeroing of empty groups'
 // weight gradients, the bias gradient, the bias added after a product without a bias epilogue,
-// the padded runs' copies and the fp32 grouped GEMM. Launchers only enqueue on `stream`.
+// the padded runs' copies and the portable grouped GEMM. Launchers only enqueue on `stream`.
 #pragma once
 
 #include <cstdint>

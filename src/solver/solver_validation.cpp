@@ -56,15 +56,16 @@ void check_rhs_block(std::string_view name, std::string_view b,
                      DType a_dtype, bool vector_ok) {
   const bool fits = (b_shape.size() == 2 || (vector_ok && b_shape.size() == 1)) &&
                     b_shape[0] == a_rows && b_dtype == a_dtype;
+  if (fits) return;
   std::ostringstream shape;
   shape << "[";
   for (std::size_t dim = 0; dim < b_shape.size(); ++dim) shape << (dim ? ", " : "") << b_shape[dim];
   shape << "]";
   const std::string rows = std::to_string(a_rows);
-  MESHLA_CHECK_ARG(fits, name << ": " << b << " is " << shape.str() << " " << dtype_name(b_dtype)
-                              << "; expected " << (vector_ok ? "[" + rows + "] or " : "") << "["
-                              << rows << ", nrhs] " << dtype_name(a_dtype)
-                              << ": a's rows and dtype");
+  MESHLA_THROW(kInvalidArgument,
+               name << ": " << b << " is " << shape.str() << " " << dtype_name(b_dtype)
+                    << "; expected " << (vector_ok ? "[" + rows + "] or " : "") << "[" << rows
+                    << ", nrhs] " << dtype_name(a_dtype) << ": a's rows and dtype");
 }
 
 BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,

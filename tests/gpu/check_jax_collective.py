@@ -235,8 +235,9 @@ class Checks:
         """The MLP of mlp_gradients in bfloat16 with fp8=recipe (b as [n, k], no tanh on the
         output; sequence parallel or not, as there): the loss's gradients against jax.grad of
         the plain float32 model, within fp8 rounding's bound
-        (tests/python/test_jax_collective_cpu.py derives it), the last shard's rows 10x larger
-        so that a scale applied to another shard's rows fails."""
+        (tests/python/test_jax_collective_cpu.py derives it). The last tp shard's rows are 10x
+        larger, so that with sequence parallelism a scale applied to another shard's rows
+        fails."""
         data, tp = mesh.shape["data"], mesh.shape["tp"]
         tokens, hidden, ffn = 256 * tp, 128, 256
         x = self.random((data, tokens, hidden), np.float32)

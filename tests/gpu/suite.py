@@ -79,7 +79,8 @@ MODELS = (
           ("capture", "passes", "padded", "autograd", "errors", "main-grads", "edges", "compile"),
           gpus=1),
     # The portable grouped GEMM GPUs other than Hopper take for bf16 and fp16 groups (SIMT, fp32
-    # sums), forced on Hopper.
+    # sums), forced on Hopper. The compile family is left out: it checks torch.compile's tracing
+    # of the ops, which does not depend on the kernel.
     Model("grouped-portable", _python("check_grouped.py"),
           ("capture", "passes", "padded", "autograd", "errors", "main-grads", "edges"), gpus=1,
           env=(("MESHLA_PORTABLE", "1"),)),
@@ -96,6 +97,9 @@ MODELS = (
     # meshla.jax's grouped GEMM on one GPU.
     Model("jax-grouped", _python("check_jax_grouped.py"),
           ("passes", "ragged-layout", "shard-map", "errors"), gpus=1),
+    Model("jax-grouped-portable", _python("check_jax_grouped.py"),
+          ("passes", "ragged-layout", "shard-map", "errors"), gpus=1,
+          env=(("MESHLA_PORTABLE", "1"),)),
     # One process per GPU under jax.distributed (the script starts them).
     Model("jax-collective-processes", _python("check_jax_collective.py", "--processes", "{gpus}"),
           JAX_FAMILIES, min_gpus=2),

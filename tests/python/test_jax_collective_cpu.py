@@ -581,9 +581,10 @@ def test_column_parallel_errors_are_named(mesh):
     a, w = random((8, 32), jnp.bfloat16, 52), random((16, 32), jnp.bfloat16, 53)
     specs = (P(), P("tp", None))
 
-    def call(a, w, **options):
+    def call(a, w, **options):  # w as [n, k] with trans_b, else [k, n]: n split over tp
+        w_spec = P("tp", None) if options.get("trans_b") else P(None, "tp")
         return shard_call(mesh, lambda a, w: mj.column_parallel_matmul(
-            a, w, axis_name="tp", mesh=mesh, **options), a, w, specs=specs)
+            a, w, axis_name="tp", mesh=mesh, **options), a, w, specs=(P(), w_spec))
 
     with pytest.raises(ValueError, match=r"^column_parallel_matmul: .*shape"):
         call(a, w[:, :24], trans_b=True)
@@ -600,6 +601,13 @@ def test_column_parallel_errors_are_named(mesh):
     with pytest.raises(ValueError, match="axis_name"):
         shard_call(mesh, lambda a, w: mj.column_parallel_matmul(a, w, axis_name=3, mesh=mesh),
                    a, w, specs=specs)
+    with pytest.raises(ValueError, match="fp8='bogus' is not one of"):  # the recipe first
+        call(a, w.T, fp8="bogus")
+    with pytest.raises(NotImplementedError, match=r"backend=cublasmp runs a's gradient"):
+        call(a, w, trans_b=True, backend="cublasmp")
+    with pytest.raises(ValueError, match=r"^column_parallel_matmul: call it inside "
+                                         r"jax.shard_map over axis 'tp' on per-shard arrays$"):
+        mj.column_parallel_matmul(a, w, axis_name="tp", mesh=mesh, trans_b=True)
 
 
 # (rowwise fp8 products are bfloat16 or float32, not float16)

@@ -458,6 +458,12 @@ def test_a_misfit_b_is_refused_in_the_same_words_in_both_frameworks(mesh):
     expected = "lu_solve: b is [2, 1] float32; expected [4, nrhs] float64: a's rows and dtype"
     assert str(jax_error.value) == expected
     assert str(torch_error.value) == expected.replace(" b is", " b_shards[0] is")
+    # A dtype meshla does not take at all is named with the routine too.
+    with pytest.raises(ValueError, match=r"^lu_solve: b\.dtype=uint8 is not one meshla takes"):
+        linalg.lu_solve(put(a, mesh), put(np.ones((16, 1), np.uint8), mesh), mesh)
+    with pytest.raises(ValueError, match=r"^lu_solve: b_shards\[0\]\.dtype=torch\.uint8 is not"):
+        torch_linalg.lu_solve(list(torch.from_numpy(a).split(4)),
+                              [torch.ones(4, 1, dtype=torch.uint8)] * 4)
 
 
 def _shard_forms(rank, size, results):

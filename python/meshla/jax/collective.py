@@ -159,12 +159,13 @@ def _mesh_of(op: str, mesh: Mesh | None, axis: str) -> Mesh:
     return mesh
 
 
-def _check_inside_shard_map(op: str, mesh: Mesh, axis: str) -> None:
+def _check_inside_shard_map(op: str, mesh: Mesh, axis: str, global_form: bool = True) -> None:
     abstract = jax.sharding.get_abstract_mesh()
     manual = dict(zip(abstract.axis_names, abstract.axis_types)).get(axis)
     if manual != jax.sharding.AxisType.Manual:
+        hint = f" (or use {op}_global on global arrays)" if global_form else ""
         raise ValueError(f"{op}: call it inside jax.shard_map over axis {axis!r} on per-shard "
-                         f"arrays (or use {op}_global on global arrays)")
+                         f"arrays{hint}")
     if abstract.shape[axis] != mesh.shape[axis]:
         raise ValueError(f"{op}: axis {axis!r} has {abstract.shape[axis]} devices in the "
                          f"enclosing shard_map but {mesh.shape[axis]} in mesh=")
@@ -665,6 +666,7 @@ class _Column:
     backward: _Call  # a's gradient: matmul_all_reduce(the product's gradient, b)
     trans_b: bool
     varying: tuple[frozenset, frozenset, frozenset]  # the types of a, b and the bias
+    dtypes: tuple[jnp.dtype, jnp.dtype]  # a's and b's (their gradients')
     fp8: str | None
 
 
@@ -680,11 +682,14 @@ def _renamed(name: str, check):
         raise type(error)(f"{name}: {str(error)[len(prefix):]}") from None
 
 
-def _check_column_fp8(name: str, a, b, fp8) -> None:
-    """The fp8 recipe, and the float8 GEMMs' rules for the forward's local product and b's
-    gradient (a's is the scaled all-reduce, checked as the backward's call)."""
+def _check_column_fp8(name: str, a, b, trans_b: bool, fp8) -> None:
+    """The fp8 recipe, b's layout, and the float8 GEMMs' rules for the forward's local product
+    and b's gradient (a's is the scaled all-reduce, checked as the backward's call)."""
     if fp8 not in _RECIPES:
         raise ValueError(f"{name}: fp8={fp8!r} is not one of None, 'tensorwise', 'rowwise'")
+    if not trans_b:  # the float8 ops' words (the extension's GEMM rule)
+        raise NotImplementedError(f"{name}: float8 needs b stored [n, k] (trans_b): cuBLASLt's "
+                                  "fp8 GEMM reads both operands along k")
     rowwise = fp8 == "rowwise"
     m, k, n = a.shape[0], b.shape[1], b.shape[0]
     for what, operands, rows, cols, contracted in (
@@ -724,9 +729,15 @@ def column_parallel_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bi
     for float8 GEMMs their rules refuse and ``NotImplementedError`` without ``trans_b``."""
     name = "column_parallel_matmul"
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
-    if fp8 is not None and not trans_b:  # the float8 GEMM's own words
-        raise NotImplementedError(f"{name}: float8 needs b stored [n, k] (trans_b): cuBLASLt's "
-                                  "fp8 GEMM reads both operands along k")
+    if not isinstance(axis_name, str):
+        raise ValueError(f"{name}: axis_name must be the name of a mesh axis, got {axis_name!r}")
+    # There is no global form: the shard_map check in this op's words.
+    _check_inside_shard_map(name, _mesh_of(name, mesh, axis_name), axis_name, global_form=False)
+    if tuning.backend == _meshla.Backend.cublasmp and trans_b:
+        raise NotImplementedError(
+            f"{name}: backend=cublasmp runs a's gradient, a GEMM+AllReduce by bᵀ, only for b "
+            "stored [k, n] (trans_b=False): cuBLASMp takes that product's b as [n, k] alone; "
+            "use backend='nccl' or 'symmetric'")
 
     def traced(x, y, bias, trans_b, tuning):
         return _traced_call(_Op.matmul_all_reduce, x, y, bias, axis_name=axis_name, mesh=mesh,
@@ -738,7 +749,7 @@ def column_parallel_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bi
     grad = jax.ShapeDtypeStruct((a.shape[0], n), a.dtype)
     backward = _renamed(name, lambda: traced(grad, b, None, not trans_b, tuning))
     if fp8 is not None:
-        _check_column_fp8(name, a, b, fp8)
+        _check_column_fp8(name, a, b, trans_b, fp8)
         # a's gradient: the scaled all-reduce of the e5m2 gradient and bᵀ ([k, n] as [n', k'])
         k = b.shape[1]
         scales = [jax.ShapeDtypeStruct((rows if fp8 == "rowwise" else 1,), jnp.float32)
@@ -748,7 +759,7 @@ def column_parallel_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bi
             jax.ShapeDtypeStruct((k, n), _E4M3), None, axis=axis_name, tp=backward.tp,
             group=None, trans_b=True, return_gathered=False,
             tuning=Tuning.of(backend=tuning.backend), scales=scales, out_dtype=a.dtype))
-    column = _Column(backward, trans_b, forward.varying, fp8)
+    column = _Column(backward, trans_b, forward.varying, (a.dtype, b.dtype), fp8)
     return _column_parallel(column, a, b, bias)
 
 
@@ -767,9 +778,11 @@ def _column_product(column: _Column, a, b, bias):
     out = _local_scaled(column.backward, a_q, a_scale, b_q, b_scale, rowwise, a.dtype)
     if bias is not None:
         out = out + bias.astype(out.dtype)
-    # Tensorwise, the backward transposes the forward's fp8 bytes; rowwise it casts again.
-    kept = None if rowwise else (a_q, a_scale, b_q, b_scale)
-    return out, (a, b, bias, kept)
+    # Tensorwise, the backward transposes the forward's fp8 bytes (the 16-bit operands are let
+    # go); rowwise it casts the operands again along their other axis.
+    if rowwise:
+        return out, (a, b, bias, None)
+    return out, (None, None, bias, (a_q, a_scale, b_q, b_scale))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -789,7 +802,7 @@ def _column_parallel_bwd(column: _Column, residuals, grad):
             "default): without the varying-axes types, which cotangents to sum over the axis is "
             "unknown")
     a, b, bias, kept = residuals
-    dtype = a.dtype
+    dtype, b_dtype = column.dtypes
     # Every rank's product used the same a and its own columns: a's gradient sums their
     # contributions (the all-reduce), unless a varies over the axis or the gradient does not.
     summed = call.axis in varying_axes(grad) and call.axis not in column.varying[0]
@@ -818,7 +831,7 @@ def _column_parallel_bwd(column: _Column, residuals, grad):
             grad_a = _local_scaled(call, g_q, g_scale, bt_q, bt_scale, rowwise, dtype)
         rows = _local_scaled(call, gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32)
     grad_a = _cotangent(grad_a, column.varying[0], dtype)
-    grad_b = _cotangent(rows, column.varying[1], b.dtype)
+    grad_b = _cotangent(rows, column.varying[1], b_dtype)
     grad_bias = None if bias is None else _cotangent(
         jnp.sum(grad.astype(jnp.float32), axis=0), column.varying[2], bias.dtype)
     return grad_a, grad_b, grad_bias

@@ -10,10 +10,10 @@ roles for ``[in, out]``: meshla/grouped_matmul.hpp's WeightLayout), so nothing i
 
 On GPUs each pass (the product, and in the backward the input gradient, the weight gradient and
 the bias gradient) is one XLA FFI custom call running meshla's grouped kernels (CUTLASS's Hopper
-grouped GEMM for bf16 and fp16, meshla's own kernel for fp32), which only enqueues: XLA may
-capture it in a command buffer. On CPU devices a ``jax.numpy`` reference runs
-(``jax.lax.ragged_dot`` and per-group sums, accumulating in float32), so the same program runs
-without GPUs.
+grouped GEMM for bf16 and fp16 on Hopper, meshla's portable kernel for fp32 and on other GPUs),
+which only enqueues: XLA may capture it in a command buffer. On CPU devices a ``jax.numpy``
+reference runs (``jax.lax.ragged_dot`` and per-group sums, accumulating in float32), so the same
+program runs without GPUs.
 """
 
 from __future__ import annotations
@@ -296,12 +296,12 @@ def grouped_linear(x, m_splits, weight, bias=None):
     Raises ``ValueError`` when traced, naming the argument and the shapes in meshla.torch's
     words, for: x and the weights in different dtypes, a dtype other than bfloat16, float16 or
     float32, and shapes that do not fit together (on CPUs too, so that a program refused on a
-    GPU is refused everywhere). 16-bit in or out features that are not multiples of 8 (rows TMA
-    cannot read) run on zero-padded copies in the workspace. Group sizes that are negative or do
-    not sum to ``rows`` raise ``ValueError`` at once in an eager call on the CPU; under
-    ``jax.jit``, and on a GPU, the call's outputs are NaN, and on a GPU the next grouped call that
-    its handler runs on that GPU fails with ``jax.errors.JaxRuntimeError`` in the same words (the
-    sizes are read on the device only).
+    GPU is refused everywhere). On Hopper, 16-bit in or out features that are not multiples of 8
+    (rows TMA cannot read) run on zero-padded copies in the workspace. Group sizes that are
+    negative or do not sum to ``rows`` raise ``ValueError`` at once in an eager call on the CPU;
+    under ``jax.jit``, and on a GPU, the call's outputs are NaN, and on a GPU the next grouped
+    call that its handler runs on that GPU fails with ``jax.errors.JaxRuntimeError`` in the same
+    words (the sizes are read on the device only).
     Inside an XLA command buffer a replay does not run the handler, so there the NaN may be all
     that shows until a call outside one.
     """

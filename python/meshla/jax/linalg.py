@@ -182,8 +182,9 @@ def _check_matrix(a_block: jax.Array, name: str) -> None:
 def _check_rhs_block(name: str, a_block, b_block, vector_ok: bool = False) -> None:
     """B (or its row block) against A's: 2-D (or 1-D where ``vector_ok``), A's rows and dtype;
     the extension's words, as meshla.torch's."""
-    _meshla.rhs_block(name, "b", list(b_block.shape), dtype_of("b", b_block), a_block.shape[0],
-                      dtype_of("a", a_block), vector_ok)
+    a_dtype = dtype_of(f"{name}: a", a_block)
+    _meshla.rhs_block(name, "b", list(b_block.shape), dtype_of(f"{name}: b", b_block),
+                      a_block.shape[0], a_dtype, vector_ok)
 
 
 def _first_zero_info(diagonal) -> jax.Array:
@@ -210,8 +211,8 @@ def _layout(op, a, mesh: Mesh, axis: str, tile: int, nrhs: int = 0,
             overwrite_a: bool = False) -> tuple[int, bool]:
     """The extension's checks of the call (dtype, right-hand sides, tile, overwrite_a; the same
     on CPU and GPU meshes) and its (tile, padded). ``a`` is the whole matrix or a row block."""
-    return _meshla.solver_call(op, a.shape[-1], dtype_of("a", a), nrhs, mesh.shape[axis], tile,
-                               overwrite_a)
+    return _meshla.solver_call(op, a.shape[-1], dtype_of(f"{op.name}: a", a), nrhs,
+                               mesh.shape[axis], tile, overwrite_a)
 
 
 def _working(a_block: jax.Array, padded: bool):
@@ -335,8 +336,8 @@ def _check_tall(name: str, a_block, mesh: Mesh, axis: str, nrhs: int = 0) -> Non
     if a_block.ndim != 2:
         raise ValueError(f"{name}: a has shape {a_block.shape}; expected a row block [m/P, n]")
     parts = mesh.shape[axis]
-    _meshla.tall_qr_call(name, a_block.shape[0] * parts, a_block.shape[1], dtype_of("a", a_block),
-                         parts, nrhs)
+    _meshla.tall_qr_call(name, a_block.shape[0] * parts, a_block.shape[1],
+                         dtype_of(f"{name}: a", a_block), parts, nrhs)
 
 
 def _tall_factors(a_block, axis: str):

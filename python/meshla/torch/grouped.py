@@ -357,8 +357,9 @@ def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor
     x and the weights in different dtypes (with a hint when torch.autocast is on, which does not
     cast these inputs), a dtype other than bfloat16, float16 or float32, shapes that do not fit
     together, operands on other devices than ``m_splits``, and 16-bit operands used in place that
-    do not start on 16-byte boundaries (TMA's rule). 16-bit in or out features that are not
-    multiples of 8 run on zero-padded copies in the workspace (slower by those copies). Group
+    do not start on 16-byte boundaries (TMA's rule, kept on every GPU). On Hopper, 16-bit in or
+    out features that are not multiples of 8 run on zero-padded copies in the workspace (slower
+    by those copies). Group
     sizes that are
     negative or do not sum to ``rows`` raise at once on the CPU; on a GPU they are found on the
     device, the call's outputs are filled with NaN, and the next grouped call on that device (or

@@ -165,7 +165,8 @@ def _check_call(op, a_shards, nrhs: int, tile: int, overwrite_a: bool) -> None:
     """The extension's checks of the call (dtype, right-hand sides, tile, overwrite_a), the same
     on CPU and CUDA shards."""
     n = a_shards[0].shape[-1]
-    _meshla.solver_call(op, n, dtype_of("a", a_shards[0]), nrhs, len(a_shards), tile, overwrite_a)
+    _meshla.solver_call(op, n, dtype_of(f"{op.name}: a", a_shards[0]), nrhs, len(a_shards), tile,
+                        overwrite_a)
 
 
 def _check_rhs(name: str, a_shards: Sequence[torch.Tensor],
@@ -184,8 +185,9 @@ def _check_rhs(name: str, a_shards: Sequence[torch.Tensor],
 def _check_rhs_block(name: str, label: str, a: torch.Tensor, b: torch.Tensor) -> None:
     """One block of B against A's: 2-D with A's rows and dtype (the extension's words, as
     meshla.jax's), on A's device."""
-    _meshla.rhs_block(name, label, list(b.shape), dtype_of(label, b), a.shape[0],
-                      dtype_of("a", a))
+    a_dtype = dtype_of(f"{name}: a", a)
+    _meshla.rhs_block(name, label, list(b.shape), dtype_of(f"{name}: {label}", b), a.shape[0],
+                      a_dtype)
     if b.device != a.device:
         raise ValueError(f"{name}: {label} is on {b.device}; expected a's device, {a.device}")
 
@@ -320,7 +322,7 @@ def _check_tall_shards(name: str, a_shards: Sequence[torch.Tensor],
                 f"{tuple(first.shape)} {first.dtype})")
     nrhs = 0 if b_shards is None else _check_rhs(name, a_shards, b_shards)
     m, n = first.shape[0] * len(a_shards), first.shape[1]
-    _meshla.tall_qr_call(name, m, n, dtype_of("a", first), len(a_shards), nrhs)
+    _meshla.tall_qr_call(name, m, n, dtype_of(f"{name}: a", first), len(a_shards), nrhs)
     return m, n, nrhs
 
 
@@ -656,7 +658,7 @@ def _agreed_tall_shard(name: str, a: torch.Tensor, b: torch.Tensor | None,
                              f"with {rhs} right-hand sides where rank 0 has {everyone[0][0]} "
                              f"{everyone[0][1]} on {everyone[0][2]} with {everyone[0][3]}")
     m, n = a.shape[0] * len(everyone), a.shape[1]
-    _meshla.tall_qr_call(name, m, n, dtype_of("a", a), len(everyone), nrhs)
+    _meshla.tall_qr_call(name, m, n, dtype_of(f"{name}: a", a), len(everyone), nrhs)
     return m, n
 
 
