@@ -263,6 +263,40 @@ def check_module_autograd(report, dtype, seed):
                   "every weight gradient is a 256-byte aligned view of one buffer")
 
 
+def check_ragged_layout(report, dtype, seed):
+    """grouped_matmul with rhs [G, k, n] (torch._grouped_mm's layout; the core swaps the passes'
+    roles): output and every gradient against float64, an empty group's rhs gradient zero, odd
+    feature sizes (padded copies on Hopper)."""
+    torch.manual_seed(seed)
+    groups, k, n, rows = 5, 200, 72, 900
+    sizes = random_splits(groups, rows, torch.Generator().manual_seed(seed))
+    sizes[1] = 0
+    sizes[0] = rows - int(sizes[1:].sum())
+    lhs = torch.randn(rows, k, device="cuda", dtype=dtype, requires_grad=True)
+    rhs = (torch.randn(groups, k, n, device="cuda") / k ** 0.5).to(dtype).requires_grad_()
+    bias = torch.randn(groups, n, device="cuda", dtype=dtype, requires_grad=True)
+    out = mt.grouped_matmul(lhs, rhs, sizes.cuda(), bias)
+    d_out = torch.randn_like(out)
+    out.backward(d_out)
+    lhs64, rhs64, bias64 = (t.detach().double().requires_grad_() for t in (lhs, rhs, bias))
+    pieces, start = [], 0
+    for g, size in enumerate(sizes.tolist()):
+        pieces.append(lhs64[start:start + size] @ rhs64[g] + bias64[g])
+        start += size
+    ref = torch.cat(pieces)
+    ref.backward(d_out.double())
+    errors = {"out": relative_error(out, ref.detach()),
+              "d_lhs": relative_error(lhs.grad, lhs64.grad),
+              "d_rhs": relative_error(rhs.grad, rhs64.grad),
+              "d_bias": relative_error(bias.grad, bias64.grad)}
+    worst = max(errors, key=errors.get)
+    empty_zero = not rhs.grad[1].any().item() and not bias.grad[1].any().item()
+    report.record(f"ragged-layout/{str(dtype)[6:]}", 0,
+                  errors[worst] <= TOLERANCE[dtype] and empty_zero,
+                  f"worst {worst}: {errors[worst]:.2e}; empty group's gradients zero: "
+                  f"{empty_zero}")
+
+
 def _value_error_of(call) -> str:
     """The ValueError that ``call()`` raises, as text, or "nothing raised"."""
     try:
@@ -627,6 +661,8 @@ def main():
     checks += [("passes", f"split-tails/{d}", lambda d=d: check_split_tails(report, d))
                for d in (torch.bfloat16, torch.float16)]
     checks += [("autograd", f"module/{d}", lambda d=d: check_module_autograd(report, d, 3))
+               for d in TOLERANCE]
+    checks += [("autograd", f"ragged-layout/{d}", lambda d=d: check_ragged_layout(report, d, 7))
                for d in TOLERANCE]
     checks += [("errors", "bad-splits", lambda: check_bad_splits(report))]
     checks += [("capture", f"graph/{d}", lambda d=d: check_graph_capture(report, d))

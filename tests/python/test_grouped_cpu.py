@@ -43,6 +43,43 @@ def test_functional_matches_loop_with_gradients(bias):
     assert torch.count_nonzero(grads[1][1]) == 0  # the empty group's weight gradient is zero
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_matmul_takes_ragged_dots_layout(bias):
+    """grouped_matmul: rhs [G, k, n] (torch._grouped_mm's layout) against a loop in float64,
+    every gradient, an empty group's rhs gradient zero; transpose_rhs is grouped_linear."""
+    torch.manual_seed(1)
+    sizes = [5, 0, 7, 1]
+    lhs = torch.randn(sum(sizes), 6, requires_grad=True)
+    rhs = torch.randn(4, 6, 3, requires_grad=True)
+    b = torch.randn(4, 3, requires_grad=True) if bias else None
+    out = mt.grouped_matmul(lhs, rhs, splits(sizes), b)
+    ref = loop_reference(lhs, splits(sizes), rhs.transpose(1, 2), b)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    d_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [lhs, rhs] + ([b] if bias else []), d_out)
+    ref_grads = torch.autograd.grad(ref, [lhs, rhs] + ([b] if bias else []), d_out)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    assert grads[1].shape == rhs.shape and torch.count_nonzero(grads[1][1]) == 0
+    linear = mt.grouped_matmul(lhs, rhs.transpose(1, 2).contiguous(), splits(sizes), b,
+                               transpose_rhs=True)
+    torch.testing.assert_close(linear, out)
+
+
+def test_grouped_matmul_errors_name_its_operands():
+    """The core's checks in grouped_matmul's words (lhs, rhs, group_sizes), as meshla.jax's."""
+    lhs, rhs = torch.randn(10, 8), torch.randn(3, 8, 5)
+    with pytest.raises(ValueError, match="grouped_matmul: lhs is torch.bfloat16 but rhs is "
+                                         "torch.float32; they must match"):
+        mt.grouped_matmul(lhs.bfloat16(), rhs, splits([4, 0, 6]))
+    with pytest.raises(ValueError, match=r"^grouped_matmul forward: lhs.shape=\[10, 8\] must be "
+                                         r"\[rows, in\] = \[10, 7\]"):
+        mt.grouped_matmul(lhs, rhs[:, :7], splits([4, 0, 6]))
+    with pytest.raises(ValueError, match=r"^grouped_matmul forward: rhs.shape=\[3, 8, 5\] must be "
+                                         r"\[G, in, out\] = \[2, 8, 5\]"):
+        mt.grouped_matmul(lhs, rhs, splits([4, 0]))
+
+
 def test_ops_pass_opcheck():
     """Schemas, fake implementations and the mutation annotation agree with the kernels. The
     weight gradient's groups fill 256 bytes exactly: padding between groups is left unwritten,
@@ -60,6 +97,9 @@ def test_ops_pass_opcheck():
         (torch.ops.meshla.grouped_mm_wgrad.default, (x, dy, sizes, stride)),
         (torch.ops.meshla.grouped_mm_wgrad_accumulate_.default, (x, dy, sizes, main_grads)),
         (torch.ops.meshla.grouped_bias_grad.default, (dy, sizes, 4)),
+        (torch.ops.meshla.grouped_mm.default, (x, sizes, w, torch.randn(4, 8), True)),
+        (torch.ops.meshla.grouped_mm_dgrad.default, (dy, sizes, w, True)),
+        (torch.ops.meshla.grouped_mm_wgrad.default, (x, dy, sizes, stride, True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

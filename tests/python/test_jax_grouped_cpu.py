@@ -230,7 +230,16 @@ def test_grouped_matmul_errors_name_its_arguments(case, words):
         b = jnp.zeros((2, 4), jnp.float32)
     if case == "dtypes":
         rhs = rhs.astype(jnp.bfloat16)
-    assert message(lambda: mj.grouped_matmul(lhs, rhs, group_sizes, b)).startswith(words)
+    from_jax = message(lambda: mj.grouped_matmul(lhs, rhs, group_sizes, b))
+    assert from_jax.startswith(words)
+    # meshla.torch's grouped_matmul, the same call: the same words (dtype names aside)
+    def as_torch(a):  # numpy has no bfloat16: through float32
+        if a.dtype == jnp.bfloat16:
+            return torch.from_numpy(np.array(a.astype(jnp.float32))).bfloat16()
+        return torch.from_numpy(np.array(a))
+
+    from_torch = message(lambda: mt.grouped_matmul(*map(as_torch, (lhs, rhs, group_sizes, b))))
+    assert re.sub(r"torch\.", "", from_torch) == from_jax
 
 
 def test_sixteen_bit_features_that_tma_cannot_read_run():

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshla import _meshla
+from meshla._grouped import RAGGED_NAMES
 from meshla.jax._dtypes import dtype_of
 from meshla.jax._ffi import register_targets
 from meshla.jax._vma import as_varying, typed, varying_axes
@@ -36,8 +37,6 @@ __all__ = ["grouped_linear", "grouped_matmul"]
 
 _PASS = _meshla.GroupedPass
 _LAYOUT = _meshla.WeightLayout
-# What grouped_matmul calls the operands the core's checks name (its words for WeightLayout.in_out).
-_RAGGED_NAMES = {"m_splits": "group_sizes", "x": "lhs", "weight": "rhs", "y": "out"}
 # Bytes XLA may leave before the first 256-byte boundary of a workspace it allocates.
 _ALIGNMENT_SLACK = 256
 
@@ -51,7 +50,7 @@ def _gpus_present() -> bool:
 
 def _meta(name: str, x, device: int, layout):
     if layout == _LAYOUT.in_out:
-        name = _RAGGED_NAMES.get(name, name)
+        name = RAGGED_NAMES.get(name, name)
     shape = [int(d) for d in x.shape]
     strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]  # JAX arrays are row-major
     return _meshla.ArrayMeta(shape, strides, dtype_of(name, x), device, 0, name)

@@ -2,7 +2,8 @@
 tensor-parallel layers over it
 (:mod:`meshla.torch.parallel_linear`: :class:`ColumnParallelLinear`, :class:`RowParallelLinear`),
 grouped GEMM for Mixture-of-Experts
-(:mod:`meshla.torch.grouped`: :class:`GroupedLinear`, :func:`grouped_linear`) and distributed
+(:mod:`meshla.torch.grouped`: :class:`GroupedLinear`, :func:`grouped_linear`,
+:func:`grouped_matmul`) and distributed
 dense solvers over the GPUs of one process (:mod:`meshla.torch.linalg`).
 
 A :class:`TPGroup` names the tensor-parallel group an op runs over. Build one from a
@@ -36,6 +37,7 @@ from meshla.torch.grouped import (
     GroupedLinear,
     check_device_errors,
     grouped_linear,
+    grouped_matmul,
     packed_group_stride,
 )
 from meshla.torch import linalg
@@ -54,6 +56,7 @@ __all__ = [
     "group_from_mpi",
     "group_from_process_group",
     "grouped_linear",
+    "grouped_matmul",
     "linalg",
     "local_groups",
     "matmul_all_reduce",

@@ -9,10 +9,13 @@ Ops (``torch.ops.meshla.*``, with fake implementations for ``torch.compile``; th
 autograd of their own: :func:`grouped_linear` and :class:`GroupedLinear` differentiate through
 them):
 
-- ``grouped_mm(x, m_splits, weight, bias)``: ``y_g = x_g @ weight[g].T (+ bias[g])``
-- ``grouped_mm_dgrad(dy, m_splits, weight)``: ``dx_g = dy_g @ weight[g]``
-- ``grouped_mm_wgrad(x, dy, m_splits, group_stride)``: every ``dW_g = dy_g.T @ x_g`` in one
-  packed flat buffer, group ``g`` at element ``g * group_stride``
+- ``grouped_mm(x, m_splits, weight, bias, in_out=False)``: ``y_g = x_g @ weight[g].T (+ bias[g])``
+  (``x_g @ weight[g]`` with ``in_out``: weights ``[G, in, out]``, torch._grouped_mm's layout)
+- ``grouped_mm_dgrad(dy, m_splits, weight, in_out=False)``: ``dx_g = dy_g @ weight[g]`` (``@
+  weight[g].T`` with ``in_out``)
+- ``grouped_mm_wgrad(x, dy, m_splits, group_stride, in_out=False)``: every ``dW_g = dy_g.T @ x_g``
+  (``x_g.T @ dy_g`` with ``in_out``) in one packed flat buffer, group ``g`` at element
+  ``g * group_stride``
 - ``grouped_mm_wgrad_accumulate_(x, dy, m_splits, main_grads)``: ``main_grads[g] += dy_g.T @ x_g``
   for a list of G fp32 ``[out, in]`` tensors, each anywhere (a framework's gradient buffer)
 - ``grouped_bias_grad(dy, m_splits, num_groups)``: ``db_g`` = the sum of dy_g's rows
@@ -35,13 +38,16 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from meshla import _meshla
+from meshla._grouped import RAGGED_NAMES
 from meshla.torch._dtypes import DTYPES, meta
 from meshla.torch._library import capsule, current_stream, op
 from meshla.torch._main_grad import added_to_main_grad, main_grad_buffer, overwrites_main_grad
 
-__all__ = ["GroupedLinear", "check_device_errors", "grouped_linear", "packed_group_stride"]
+__all__ = ["GroupedLinear", "check_device_errors", "grouped_linear", "grouped_matmul",
+           "packed_group_stride"]
 
 _PASS = _meshla.GroupedPass
+_LAYOUT = _meshla.WeightLayout
 
 # One GroupedMatmul per CUDA device index: it holds the host-mapped record that the device-side
 # checks of m_splits write into.
@@ -65,27 +71,37 @@ _workspace_sizes: dict[tuple, int] = {}
 _WORKSPACE_SIZES_KEPT = 256
 
 
-def _metas(tensors: dict) -> dict:
-    return {name: t if isinstance(t, _meshla.ArrayMeta) else meta(name, t)
+def _layout(in_out: bool):
+    return _LAYOUT.in_out if in_out else _LAYOUT.out_in
+
+
+def _named(name: str, layout) -> str:
+    """How the core's checks name an operand: grouped_matmul's words for the in_out layout."""
+    return RAGGED_NAMES.get(name, name) if layout == _LAYOUT.in_out else name
+
+
+def _metas(tensors: dict, layout) -> dict:
+    return {name: t if isinstance(t, _meshla.ArrayMeta) else meta(_named(name, layout), t)
             for name, t in tensors.items()}
 
 
-def _check_call(grouped_pass, m_splits, accumulate=False, **tensors):
+def _check_call(grouped_pass, m_splits, accumulate=False, layout=_LAYOUT.out_in, **tensors):
     """The extension's checks of one pass on the tensors' metadata (GroupedMatmul.run's own, for
     CPU tensors too): the reference path refuses what the CUDA path would, in the same words."""
-    _meshla.check_grouped_call(grouped_pass, meta("m_splits", m_splits), accumulate=accumulate,
-                               **_metas(tensors))
+    _meshla.check_grouped_call(grouped_pass, meta(_named("m_splits", layout), m_splits),
+                               accumulate=accumulate, weight_layout=layout,
+                               **_metas(tensors, layout))
 
 
 _RANKS = {"x": 2, "dy": 2, "weight": 3}
 
 
-def _check_ranks(grouped_pass, m_splits, **operands):
+def _check_ranks(grouped_pass, m_splits, layout=_LAYOUT.out_in, **operands):
     """The ops read their operands' sizes to make their outputs before the extension checks the
     call: operands of the wrong rank are sent to those checks first, which refuse them (ranks come
     before outputs there) in their words."""
     if m_splits.dim() != 1 or any(t.dim() != _RANKS[name] for name, t in operands.items()):
-        _check_call(grouped_pass, m_splits, **operands)
+        _check_call(grouped_pass, m_splits, layout=layout, **operands)
 
 
 def _cpu_groups(m_splits, rows):
@@ -120,87 +136,100 @@ def check_device_errors(device=None) -> None:
     _engine(index).check_device_errors(current_stream(index))
 
 
-def _run(grouped_pass, m_splits, lead, accumulate=False, **tensors):
+def _run(grouped_pass, m_splits, lead, accumulate=False, layout=_LAYOUT.out_in, **tensors):
     """Runs one pass on the current stream of ``lead``'s device with a workspace from the caching
     allocator, so concurrent calls on different streams never share one. Sizing the workspace
     is host work every call would repeat: the size is kept per device, pass, accumulate and the
     operands' shapes and dtypes (it grows with the rows when features run padded), and sizing a
     new key checks the call (run() checks every call, but the size is needed before it)."""
     index = lead.get_device()
-    key = (index, grouped_pass, accumulate, m_splits.shape[0],
+    key = (index, grouped_pass, accumulate, layout, m_splits.shape[0],
            *((name, t.dtype, *t.shape) for name, t in tensors.items() if t is not None))
     size = _workspace_sizes.get(key)
     if size is None:
         if len(_workspace_sizes) >= _WORKSPACE_SIZES_KEPT:  # token counts that keep changing
             _workspace_sizes.clear()
         size = _workspace_sizes[key] = _engine(index).workspace_bytes(
-            grouped_pass, meta("m_splits", m_splits), accumulate=accumulate,
-            **_metas({name: t for name, t in tensors.items() if t is not None}))
+            grouped_pass, meta(_named("m_splits", layout), m_splits), accumulate=accumulate,
+            weight_layout=layout,
+            **_metas({name: t for name, t in tensors.items() if t is not None}, layout))
     # int64 words: DLPack hands the extension no uint8, and the size is counted in bytes.
     workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
     _engine(index).run(grouped_pass, capsule(m_splits), capsule(workspace), current_stream(index),
-                       accumulate=accumulate, **{name: capsule(t) for name, t in tensors.items()})
+                       accumulate=accumulate, weight_layout=layout,
+                       **{name: capsule(t) for name, t in tensors.items()})
 
 
-@op("grouped_mm(Tensor x, Tensor m_splits, Tensor weight, Tensor? bias) -> Tensor")
-def _grouped_mm(x, m_splits, weight, bias):
-    _check_ranks(_PASS.forward, m_splits, x=x, weight=weight)
-    y = x.new_empty(x.shape[0], weight.shape[1])
+def _as_out_in(weight, in_out: bool):
+    """Group g's weight as an [out, in] matrix (a view)."""
+    return weight.transpose(-1, -2) if in_out else weight
+
+
+@op("grouped_mm(Tensor x, Tensor m_splits, Tensor weight, Tensor? bias, bool in_out=False) "
+    "-> Tensor")
+def _grouped_mm(x, m_splits, weight, bias, in_out=False):
+    layout = _layout(in_out)
+    _check_ranks(_PASS.forward, m_splits, layout, x=x, weight=weight)
+    y = x.new_empty(x.shape[0], _as_out_in(weight, in_out).shape[1])
     if x.device.type == "cpu":
-        _check_call(_PASS.forward, m_splits, x=x, weight=weight, bias=bias, y=y)
+        _check_call(_PASS.forward, m_splits, layout=layout, x=x, weight=weight, bias=bias, y=y)
         for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
-            rows = x[start:start + size] @ weight[g].T
+            rows = x[start:start + size] @ _as_out_in(weight, in_out)[g].T
             y[start:start + size] = rows if bias is None else rows + bias[g]
         return y
-    _run(_PASS.forward, m_splits, x, x=x, weight=weight, bias=bias, y=y)
+    _run(_PASS.forward, m_splits, x, layout=layout, x=x, weight=weight, bias=bias, y=y)
     return y
 
 
 @torch.library.register_fake("meshla::grouped_mm")
-def _(x, m_splits, weight, bias):
-    return x.new_empty(x.shape[0], weight.shape[1])
+def _(x, m_splits, weight, bias, in_out=False):
+    return x.new_empty(x.shape[0], _as_out_in(weight, in_out).shape[1])
 
 
-@op("grouped_mm_dgrad(Tensor dy, Tensor m_splits, Tensor weight) -> Tensor")
-def _grouped_mm_dgrad(dy, m_splits, weight):
-    _check_ranks(_PASS.dgrad, m_splits, dy=dy, weight=weight)
-    dx = dy.new_empty(dy.shape[0], weight.shape[2])
+@op("grouped_mm_dgrad(Tensor dy, Tensor m_splits, Tensor weight, bool in_out=False) -> Tensor")
+def _grouped_mm_dgrad(dy, m_splits, weight, in_out=False):
+    layout = _layout(in_out)
+    _check_ranks(_PASS.dgrad, m_splits, layout, dy=dy, weight=weight)
+    dx = dy.new_empty(dy.shape[0], _as_out_in(weight, in_out).shape[2])
     if dy.device.type == "cpu":
-        _check_call(_PASS.dgrad, m_splits, dy=dy, weight=weight, dx=dx)
+        _check_call(_PASS.dgrad, m_splits, layout=layout, dy=dy, weight=weight, dx=dx)
         for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0])):
-            dx[start:start + size] = dy[start:start + size] @ weight[g]
+            dx[start:start + size] = dy[start:start + size] @ _as_out_in(weight, in_out)[g]
         return dx
-    _run(_PASS.dgrad, m_splits, dy, dy=dy, weight=weight, dx=dx)
+    _run(_PASS.dgrad, m_splits, dy, layout=layout, dy=dy, weight=weight, dx=dx)
     return dx
 
 
 @torch.library.register_fake("meshla::grouped_mm_dgrad")
-def _(dy, m_splits, weight):
-    return dy.new_empty(dy.shape[0], weight.shape[2])
+def _(dy, m_splits, weight, in_out=False):
+    return dy.new_empty(dy.shape[0], _as_out_in(weight, in_out).shape[2])
 
 
-def _packed(flat, num_groups, out_features, in_features, group_stride):
-    return flat.as_strided((num_groups, out_features, in_features),
-                           (group_stride, in_features, 1))
+def _packed(flat, num_groups, rows, columns, group_stride):
+    return flat.as_strided((num_groups, rows, columns), (group_stride, columns, 1))
 
 
-@op("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor m_splits, SymInt group_stride) -> Tensor")
-def _grouped_mm_wgrad(x, dy, m_splits, group_stride):
-    _check_ranks(_PASS.wgrad, m_splits, x=x, dy=dy)
+@op("grouped_mm_wgrad(Tensor x, Tensor dy, Tensor m_splits, SymInt group_stride, "
+    "bool in_out=False) -> Tensor")
+def _grouped_mm_wgrad(x, dy, m_splits, group_stride, in_out=False):
+    """Every dW_g into one packed buffer: [out, in] matrices, or [in, out] with ``in_out``."""
+    layout = _layout(in_out)
+    _check_ranks(_PASS.wgrad, m_splits, layout, x=x, dy=dy)
     num_groups, out_features, in_features = m_splits.shape[0], dy.shape[1], x.shape[1]
     flat = x.new_empty(num_groups * group_stride)
-    dweight = _packed(flat, num_groups, out_features, in_features, group_stride)
+    dweight = (_packed(flat, num_groups, in_features, out_features, group_stride) if in_out else
+               _packed(flat, num_groups, out_features, in_features, group_stride))
     if x.device.type == "cpu":
-        _check_call(_PASS.wgrad, m_splits, x=x, dy=dy, dweight=dweight)
+        _check_call(_PASS.wgrad, m_splits, layout=layout, x=x, dy=dy, dweight=dweight)
         for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
-            dweight[g] = dy[start:start + size].T @ x[start:start + size]
+            _as_out_in(dweight, in_out)[g] = dy[start:start + size].T @ x[start:start + size]
         return flat
-    _run(_PASS.wgrad, m_splits, x, x=x, dy=dy, dweight=dweight)
+    _run(_PASS.wgrad, m_splits, x, layout=layout, x=x, dy=dy, dweight=dweight)
     return flat
 
 
 @torch.library.register_fake("meshla::grouped_mm_wgrad")
-def _(x, dy, m_splits, group_stride):
+def _(x, dy, m_splits, group_stride, in_out=False):
     return x.new_empty(m_splits.shape[0] * group_stride)
 
 
@@ -292,28 +321,28 @@ def _(dy, m_splits, num_groups):
     return dy.new_empty(num_groups, dy.shape[1])
 
 
-def _weight_grad(x, dy, m_splits, num_groups, dtype):
-    """All dW_g in one packed buffer from the caching allocator, as a [G, out, in] view whose
-    groups start on 256-byte boundaries."""
-    out_features, in_features = dy.shape[1], x.shape[1]
-    stride = packed_group_stride(out_features, in_features, dtype)
-    flat = _grouped_mm_wgrad(x, dy, m_splits, stride)
-    return _packed(flat, num_groups, out_features, in_features, stride)
+def _weight_grad(x, dy, m_splits, num_groups, dtype, in_out=False):
+    """All dW_g in one packed buffer from the caching allocator, as a [G, out, in] view (with
+    ``in_out``, [G, in, out]) whose groups start on 256-byte boundaries."""
+    rows, columns = (x.shape[1], dy.shape[1]) if in_out else (dy.shape[1], x.shape[1])
+    stride = packed_group_stride(rows, columns, dtype)
+    flat = _grouped_mm_wgrad(x, dy, m_splits, stride, in_out)
+    return _packed(flat, num_groups, rows, columns, stride)
 
 
-def _forward_saving_inputs(ctx, x, m_splits, weight, bias):
+def _forward_saving_inputs(ctx, x, m_splits, weight, bias, in_out=False):
     """The forward op of both autograd Functions below, keeping what their backward needs."""
     ctx.save_for_backward(x, m_splits, weight)
-    ctx.has_bias = bias is not None
-    return _grouped_mm(x, m_splits, weight, bias)
+    ctx.has_bias, ctx.in_out = bias is not None, in_out
+    return _grouped_mm(x, m_splits, weight, bias, in_out)
 
 
 class _GroupedMatmulFunction(torch.autograd.Function):
-    """Autograd of :func:`grouped_linear`."""
+    """Autograd of :func:`grouped_linear` and :func:`grouped_matmul`."""
 
     @staticmethod
-    def forward(ctx, x, m_splits, weight, bias):
-        return _forward_saving_inputs(ctx, x, m_splits, weight, bias)
+    def forward(ctx, x, m_splits, weight, bias, in_out):
+        return _forward_saving_inputs(ctx, x, m_splits, weight, bias, in_out)
 
     @staticmethod
     @once_differentiable  # the backward ops have no autograd: a double backward raises
@@ -322,23 +351,23 @@ class _GroupedMatmulFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dweight = dbias = None
         if ctx.needs_input_grad[0]:
-            dx = _grouped_mm_dgrad(dy, m_splits, weight)
+            dx = _grouped_mm_dgrad(dy, m_splits, weight, ctx.in_out)
         if ctx.needs_input_grad[2]:
-            dweight = _weight_grad(x, dy, m_splits, weight.shape[0], weight.dtype)
+            dweight = _weight_grad(x, dy, m_splits, weight.shape[0], weight.dtype, ctx.in_out)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             dbias = _grouped_bias_grad(dy, m_splits, weight.shape[0])
-        return dx, None, dweight, dbias
+        return dx, None, dweight, dbias, None
 
 
-def _check_same_dtype(where, x, weight):
+def _check_same_dtype(where, x, weight, x_name="x", weights_are="the weights are"):
     """The kernels take one dtype for x and the weights. Under torch.autocast the usual mismatch
     is bf16 activations beside fp32 weights: autocast does not cast these ops' inputs."""
     if x.dtype != weight.dtype:
-        hint = (" (torch.autocast is on, and it does not cast grouped_linear's inputs: keep the "
+        hint = (f" (torch.autocast is on, and it does not cast {where}'s inputs: keep the "
                 "weights in the activations' dtype)" if torch.is_autocast_enabled(x.device.type)
                 else "")
-        raise ValueError(f"{where}: x is {x.dtype} but the weights are {weight.dtype}; they must "
-                         f"match{hint}")
+        raise ValueError(f"{where}: {x_name} is {x.dtype} but {weights_are} {weight.dtype}; they "
+                         f"must match{hint}")
 
 
 def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor,
@@ -359,13 +388,33 @@ def grouped_linear(x: torch.Tensor, m_splits: torch.Tensor, weight: torch.Tensor
     together, operands on other devices than ``m_splits``, and 16-bit operands used in place that
     do not start on 16-byte boundaries (TMA's rule, kept on every GPU). On Hopper, 16-bit in or
     out features that are not multiples of 8 run on zero-padded copies in the workspace (slower
-    by those copies). Group
-    sizes that are
-    negative or do not sum to ``rows`` raise at once on the CPU; on a GPU they are found on the
+    by those copies). Group sizes that are negative or do not sum to ``rows`` raise at once on
+    the CPU; on a GPU they are found on the
     device, the call's outputs are filled with NaN, and the next grouped call on that device (or
     :func:`check_device_errors`) raises."""
     _check_same_dtype("grouped_linear", x, weight)
-    return _GroupedMatmulFunction.apply(x.contiguous(), m_splits, weight, bias)
+    return _GroupedMatmulFunction.apply(x.contiguous(), m_splits, weight, bias, False)
+
+
+def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None, *,
+                   transpose_rhs: bool = False) -> torch.Tensor:
+    """``out[rows of group g] = lhs[rows of group g] @ rhs[g] (+ bias[g])``: torch._grouped_mm's
+    and jax.lax.ragged_dot's layout (meshla.jax.grouped_matmul's, in its words).
+
+    ``lhs`` is ``[m, k]``, its rows in group order; ``rhs`` ``[G, k, n]`` (contiguous rows), or
+    ``[G, n, k]`` with ``transpose_rhs=True`` (a linear layer's weights: then this is
+    :func:`grouped_linear`, in its words); ``group_sizes`` int64 or int32 ``[G]`` on lhs's device
+    summing to ``m`` (groups may be empty); ``bias`` ``[G, n]``. bfloat16, float16 or float32,
+    the same for every operand. Returns ``[m, n]`` in lhs's dtype, accumulated in float32.
+    Differentiable in lhs, rhs and bias (once); rhs's gradient comes in one packed buffer as
+    :func:`grouped_linear`'s does, zero for an empty group. The same kernels as
+    :func:`grouped_linear` (the core swaps the passes' roles: nothing is transposed), and its
+    errors, in grouped_matmul's words (lhs, rhs, out, group_sizes)."""
+    if transpose_rhs:
+        return grouped_linear(lhs, group_sizes, rhs, bias)
+    _check_same_dtype("grouped_matmul", lhs, rhs, "lhs", "rhs is")
+    return _GroupedMatmulFunction.apply(lhs.contiguous(), group_sizes, rhs, bias, True)
 
 
 @dataclass(eq=False)
