@@ -80,6 +80,16 @@ def test_grouped_matmul_errors_name_its_operands():
         mt.grouped_matmul(lhs, rhs, splits([4, 0]))
 
 
+def test_the_engine_binding_takes_every_argument_the_ops_pass():
+    """CPU tensors never reach GroupedMatmul.run (CUDA only), so its keywords are checked here
+    against what grouped._run passes it (weight_layout was once missing from them)."""
+    signature = mt.grouped._meshla.GroupedMatmul.run.__doc__
+    for name in ("grouped_pass", "m_splits", "workspace", "stream", "x", "dy", "weight", "bias",
+                 "y", "dx", "dweight", "dbias", "accumulate", "dweight_addresses",
+                 "weight_layout"):
+        assert f"{name}:" in signature, name
+
+
 def test_ops_pass_opcheck():
     """Schemas, fake implementations and the mutation annotation agree with the kernels. The
     weight gradient's groups fill 256 bytes exactly: padding between groups is left unwritten,

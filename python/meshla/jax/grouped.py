@@ -321,7 +321,9 @@ def grouped_matmul(lhs, rhs, group_sizes, bias=None, *, transpose_rhs=False):
     ``jax.checkpoint``): the gradient of rhs is the per-group ``lhs_gᵀ d_out_g``, zero for an
     empty group. The checks, the rules on group sizes (NaN outputs and a later call's error under
     ``jax.jit``) and the padded runs of 16-bit feature sizes that are not multiples of 8 are
-    :func:`grouped_linear`'s, in grouped_matmul's words (lhs, rhs, out, group_sizes).
+    :func:`grouped_linear`'s, in grouped_matmul's words (lhs, rhs, out, group_sizes), except bad
+    group sizes, which are reported in grouped_linear's (m_splits), as in meshla.torch: the
+    device-side check that finds them serves both.
     """
     if transpose_rhs:
         return grouped_linear(lhs, group_sizes, rhs, bias)

@@ -410,7 +410,9 @@ def grouped_matmul(lhs: torch.Tensor, rhs: torch.Tensor, group_sizes: torch.Tens
     Differentiable in lhs, rhs and bias (once); rhs's gradient comes in one packed buffer as
     :func:`grouped_linear`'s does, zero for an empty group. The same kernels as
     :func:`grouped_linear` (the core swaps the passes' roles: nothing is transposed), and its
-    errors, in grouped_matmul's words (lhs, rhs, out, group_sizes)."""
+    errors, in grouped_matmul's words (lhs, rhs, out, group_sizes), except bad group sizes,
+    which are reported in grouped_linear's (m_splits), as in meshla.jax: the device-side check
+    that finds them serves both."""
     if transpose_rhs:
         return grouped_linear(lhs, group_sizes, rhs, bias)
     _check_same_dtype("grouped_matmul", lhs, rhs, "lhs", "rhs is")

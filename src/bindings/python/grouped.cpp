@@ -107,7 +107,8 @@ void bind_grouped(nb::module_& m) {
              const std::optional<Array>& weight, const std::optional<Array>& bias,
              const std::optional<Array>& y, const std::optional<Array>& dx,
              const std::optional<Array>& dweight, const std::optional<Array>& dbias,
-             bool accumulate, const std::optional<Array>& dweight_addresses) {
+             bool accumulate, const std::optional<Array>& dweight_addresses,
+             WeightLayout weight_layout) {
             GroupedMatmulArgs args{
                 .m_splits = view_of(m_splits, "m_splits"),
                 .x = view_of(x, "x"),
@@ -120,7 +121,8 @@ void bind_grouped(nb::module_& m) {
                 .dbias = view_of(dbias, "dbias"),
                 .dweight_addresses = view_of(dweight_addresses, "dweight_addresses"),
                 .accumulate = accumulate,
-                .workspace = view_of(workspace, "workspace")};
+                .workspace = view_of(workspace, "workspace"),
+                .weight_layout = weight_layout};
             nb::gil_scoped_release release;
             self.run(pass, args, to_stream(stream));
           },
@@ -128,7 +130,7 @@ void bind_grouped(nb::module_& m) {
           "dy"_a.none() = nb::none(), "weight"_a.none() = nb::none(), "bias"_a.none() = nb::none(),
           "y"_a.none() = nb::none(), "dx"_a.none() = nb::none(), "dweight"_a.none() = nb::none(),
           "dbias"_a.none() = nb::none(), "accumulate"_a = false,
-          "dweight_addresses"_a.none() = nb::none(),
+          "dweight_addresses"_a.none() = nb::none(), "weight_layout"_a = WeightLayout::kOutIn,
           "Enqueues one pass on `stream` (a cudaStream_t as an integer).")
       .def(
           "check_device_errors",
