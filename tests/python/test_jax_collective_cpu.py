@@ -259,6 +259,38 @@ def test_column_parallel_gradient_traces_one_all_reduce_call(mesh, monkeypatch):
                 if e.primitive.name.startswith("psum") and "tp" in e.params["axes"]]
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_column_parallel_traces_meshla_calls_only(mesh, monkeypatch, recipe):
+    """The fp8 MLP without sequence parallelism on the GPU path (every call traced with a group
+    number, as on GPUs, without lowering): local products on meshla's fp8 GEMM, x's gradient one
+    scaled all-reduce, no psum over the tensor axis."""
+    from meshla.jax import collective
+
+    traced = collective._traced_call
+    monkeypatch.setattr(collective, "_traced_call", lambda *args, **options: (
+        collective.dataclasses.replace(traced(*args, **options), group=7)))
+    x, w1, w2 = (random(shape, jnp.bfloat16, seed)
+                 for seed, shape in enumerate(((2, 32, 32), (64, 32), (32, 64))))
+
+    def shard_loss(x, w1, w2):
+        options = dict(axis_name="tp", mesh=mesh, trans_b=True, fp8=recipe)
+        h = mj.column_parallel_matmul(x[0], w1, **options)
+        y = mj.matmul_all_reduce(h, w2, **options)
+        return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), "data")
+
+    specs = (P("data", None, None), P("tp", None), P(None, "tp"))
+    jaxpr = jax.make_jaxpr(jax.shard_map(jax.grad(shard_loss, argnums=(0, 1, 2)), mesh=mesh,
+                                         in_specs=specs, out_specs=specs))(x, w1, w2)
+    inner = jaxpr.eqns[0].params["jaxpr"].eqns
+    calls = [e.params["target_name"] for e in inner if e.primitive.name == "ffi_call"]
+    local, summed = "meshla_scaled_matmul", "meshla_matmul_all_reduce"
+    # forward: the column's product, the row's all-reduce; backward: the row's two local
+    # products, the column's x gradient (all-reduced) and w1 gradient
+    assert calls == [local, summed, local, local, summed, local], calls
+    assert not [e for e in inner
+                if e.primitive.name.startswith("psum") and "tp" in e.params["axes"]]
+
+
 def test_group_numbers_tell_meshes_apart(monkeypatch):
     """Each (mesh, axis) gets its own groups: also two meshes over the same devices in the same
     order whose shapes differ (a data=2 × tp=1 mesh beside a tp=2 one)."""
