@@ -290,15 +290,21 @@ def check_fp8_layers(group, reporter, label, seed_base):
     a scale applied to another rank's rows fails), within twice fp8 rounding's RMS bound per fp8
     stage (e4m3 forward, e5m2 gradients); one case adds the weights' gradients to a float32
     main_grad (fuse_wgrad_accumulation), checked as the buffer's start plus the gradient. Each
-    case runs twice on fresh inputs."""
+    case runs twice on fresh inputs. Two cases run the pair compiled into CUDA graphs
+    (torch.compile's mode="reduce-overhead"; where one thread drives the group, as check_layers
+    does), checked on a replay: two steps on other inputs first, their gradients dropped."""
     tp, r, dev = group.size, group.rank, group.device
     hidden, inner, tokens = 256, 512, 128 * tp
     forward_bound = 2 * fp8_rounding_bound(3, 3)  # two fp8 GEMMs deep, as the gradients
     gradient_bound = 2 * fp8_rounding_bound(2, 3)
-    cases = [(recipe, sp, False) for recipe in ("tensorwise", "rowwise") for sp in (False, True)]
-    cases.append(("tensorwise", True, True))
-    for index, (recipe, sp, fused) in enumerate(cases):
-        name = f"{label}/fp8-layers/{recipe}/sp={int(sp)}/fused_wgrad={int(fused)}"
+    cases = [(recipe, sp, False, None) for recipe in ("tensorwise", "rowwise")
+             for sp in (False, True)]
+    cases.append(("tensorwise", True, True, None))
+    if threading.current_thread() is threading.main_thread():
+        cases += [(recipe, True, False, "reduce-overhead") for recipe in ("tensorwise", "rowwise")]
+    for index, (recipe, sp, fused, mode) in enumerate(cases):
+        name = (f"{label}/fp8-layers/{recipe}/sp={int(sp)}/fused_wgrad={int(fused)}"
+                + (f"/compiled={mode}" if mode else ""))
         try:
             errors = {}
             for run in range(2):
@@ -332,7 +338,21 @@ def check_fp8_layers(group, reporter, label, seed_base):
                     starts[layer] = start
                 rows = slice(r * tokens // tp, (r + 1) * tokens // tp) if sp else slice(None)
                 x_mine = x.detach()[rows].bfloat16().requires_grad_()
-                y = row(torch.relu(col(x_mine)))
+
+                def mlp(x):
+                    return row(torch.relu(col(x)))
+
+                if mode is not None:
+                    torch._dynamo.reset()  # each case's closure would count as a recompile
+                step = mlp if mode is None else torch.compile(mlp, fullgraph=True, mode=mode)
+                for _ in range(2 if mode else 0):  # recorded, then replayed below
+                    torch.compiler.cudagraph_mark_step_begin()
+                    other = torch.randn_like(x_mine).requires_grad_()
+                    step(other).float().sum().backward()
+                for parameter in (*col.parameters(), *row.parameters()):
+                    parameter.grad = None
+                torch.compiler.cudagraph_mark_step_begin()
+                y = step(x_mine)
                 (y.double() * grad_y[rows]).sum().backward()
                 shard = slice(r * inner // tp, (r + 1) * inner // tp)
 
