@@ -224,6 +224,18 @@ def test_jax_tall_qr_and_least_squares_match_numpy(mesh, dtype):
             < 100 * tolerance)
 
 
+def test_tall_qr_of_one_block_is_its_own(mesh):
+    """On one device the QR is the block's (no second stage), in both frameworks."""
+    a = tall(48, 12, np.float64, 27)
+    one = Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
+    assert str(jax.make_jaxpr(lambda a: linalg.qr(a, one))(a)).count(" qr[") == 1
+    q, r = jax.jit(lambda a: linalg.qr(a, one))(put(a, one))
+    check_qr(a, np.asarray(q), np.asarray(r), 1e-13)
+    np.testing.assert_allclose(np.asarray(r), np.linalg.qr(a)[1], rtol=1e-12, atol=1e-12)
+    factors = torch_linalg.qr([torch.from_numpy(a)])
+    check_qr(a, factors.q[0].numpy(), factors.r.numpy(), 1e-13)
+
+
 def numpy_polar(a):
     u, s, vh = np.linalg.svd(a, full_matrices=False)
     return u @ vh, (vh.conj().T * s) @ vh

@@ -363,6 +363,8 @@ def qr_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> QR:
     in every process model: it is jax.numpy's QR and one all-gather of R factors."""
     axis = _axis_of(mesh, axis)
     _check_tall("qr", a_block, mesh, axis)
+    if mesh.shape[axis] == 1:  # one block: its QR is A's (the second stage would cost 2 m n²)
+        return QR(*jnp.linalg.qr(a_block))
     q_block, q_stacked, r = _tall_factors(a_block, axis)
     n = a_block.shape[1]
     return QR(jnp.matmul(q_block, _stacked_slice(q_stacked, axis, n), precision=_FULL), r)

@@ -361,6 +361,9 @@ def qr(a_shards: Sequence[torch.Tensor]) -> QR:
     fewer than A's columns (the tall-skinny QR; square and wide matrices are not supported
     yet)."""
     _, n, _ = _check_tall_shards("qr", a_shards)
+    if len(a_shards) == 1:  # one block: its QR is A's (the second stage would cost 2 m n²)
+        q, r = torch.linalg.qr(a_shards[0])
+        return QR([q], r)
     q_blocks, q_stacked, r = _blocks_factors(a_shards)
     return QR([q_block @ q_stacked[p * n:(p + 1) * n].to(q_block.device)
                for p, q_block in enumerate(q_blocks)], r)
@@ -693,6 +696,8 @@ def qr_shard(a: torch.Tensor, group=None) -> QR:
     block of Q and R (the same on every rank). Raises as :func:`qr` does, on every rank, and
     ``ValueError`` on every rank where the ranks' blocks differ in shape or dtype."""
     _, n = _agreed_tall_shard("qr_shard", a, None, group)
+    if dist.get_world_size(group) == 1:  # one block: its QR is A's
+        return QR(*torch.linalg.qr(a))
     q_block, q_stacked, r = _shard_factors(a, group)
     return QR(q_block @ _own_slice(q_stacked, group, n), r)
 
