@@ -185,10 +185,12 @@ class Checks:
         recipe = "rowwise" if rowwise else "tensorwise"
         self.run(f"scaled ops tp={tp} {recipe} {backend}", body)
 
-    def mlp_gradients(self, mesh, trans_b: bool, sequence_parallel: bool = True):
+    def mlp_gradients(self, mesh, trans_b: bool, sequence_parallel: bool = True,
+                      recompute: bool = False):
         """An MLP over a (data, tp) mesh: loss and every gradient. Sequence parallel, all-gather
-        then reduce-scatter; without, column_parallel_matmul (its input's gradient an
-        all-reduce) then matmul_all_reduce."""
+        then reduce-scatter (with ``recompute``, the all-gather's rows gathered again in the
+        backward); without, column_parallel_matmul (its input's gradient an all-reduce) then
+        matmul_all_reduce."""
         data, tp = mesh.shape["data"], mesh.shape["tp"]
         tokens, hidden, ffn = 256 * tp, 128, 256
         x = self.random((data, tokens, hidden), jnp.float32)
@@ -207,7 +209,7 @@ class Checks:
                 h = mj.column_parallel_matmul(x[0], w1, bias=b1, **options)
                 y = mj.matmul_all_reduce(jnp.tanh(h), w2, bias=b2, **options)
                 return jax.lax.psum(jnp.sum(jnp.tanh(y) ** 2), "data")
-            h = mj.all_gather_matmul(x[0], w1, bias=b1, **options)
+            h = mj.all_gather_matmul(x[0], w1, bias=b1, recompute_gathered=recompute, **options)
             y = mj.matmul_reduce_scatter(jnp.tanh(h), w2, bias=b2, **options)
             return jax.lax.psum(jnp.sum(jnp.tanh(y) ** 2), ("data", "tp"))
 
@@ -228,7 +230,8 @@ class Checks:
             errors += [error(g, np.asarray(e, np.float64)) for g, e in zip(grads, expected)]
             return max(errors) < 1e-4, f"loss and gradient errors {errors}"
 
-        form = "" if sequence_parallel else " column_parallel_matmul"
+        form = ("" if sequence_parallel else " column_parallel_matmul") + (
+            " recompute_gathered" if recompute else "")
         self.run(f"mlp gradients{form} data={data} tp={tp} trans_b={trans_b}", body)
 
     def fp8_gradients(self, mesh, recipe: str, sequence_parallel: bool = True):
@@ -382,6 +385,7 @@ def main():
         for rowwise in (False, True):
             for backend in (("nccl", "symmetric") if tp > 1 else ("auto",)):
                 run("ops", checks.scaled_ops, mesh, rowwise, backend)
+        run("gradients", checks.mlp_gradients, mesh, True, True, True)  # recompute_gathered
         for sequence_parallel in (True, False):
             run("gradients", checks.mlp_gradients, mesh, True, sequence_parallel)
             for recipe in ("tensorwise", "rowwise"):

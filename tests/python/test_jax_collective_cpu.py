@@ -291,6 +291,21 @@ def test_fp8_column_parallel_traces_meshla_calls_only(mesh, monkeypatch, recipe)
                 if e.primitive.name.startswith("psum") and "tp" in e.params["axes"]]
 
 
+def test_recompute_gathered_keeps_no_gathered_rows(mesh, monkeypatch):
+    """recompute_gathered=True on the GPU path: the forward's custom call returns no gathered
+    rows (a zero-size output) and the backward gathers a again (XLA's all-gather) for b's
+    gradient."""
+    def shard_loss(x, w1, w2, b2):
+        h = mj.all_gather_matmul(x[0], w1, axis_name="tp", mesh=mesh, trans_b=True,
+                                 recompute_gathered=True)
+        y = mj.matmul_reduce_scatter(h, w2, axis_name="tp", mesh=mesh, bias=b2, trans_b=True)
+        return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), ("data", "tp"))
+
+    inner, calls = traced_on_gpus(mesh, monkeypatch, shard_loss, P("data", "tp", None))
+    assert calls[0] == ("meshla_all_gather_matmul", [(16, 6), (0,)]), calls
+    assert [e for e in inner if e.primitive.name.startswith("all_gather")]
+
+
 def test_group_numbers_tell_meshes_apart(monkeypatch):
     """Each (mesh, axis) gets its own groups: also two meshes over the same devices in the same
     order whose shapes differ (a data=2 × tp=1 mesh beside a tp=2 one)."""
@@ -523,6 +538,53 @@ def test_scaled_ops_errors_are_named(mesh):
 
     with pytest.raises(NotImplementedError, match="the float8 ops have no backward yet"):
         sharded(mesh, jax.grad(loss), (P("tp", None),), P("tp", None))(a.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("return_gathered", [False, True])
+@pytest.mark.parametrize("a_varies", _VARYING[1:])
+@pytest.mark.parametrize("b_varies", _VARYING[:2])
+def test_recompute_gathered_gradients_match_jax(mesh, return_gathered, a_varies, b_varies):
+    """all_gather_matmul with recompute_gathered=True: the same gradients as JAX's
+    differentiation of the reference, for a and b replicated or varying over the axes."""
+    m, k, n = 8, 6, 4
+    a, b = random((m, k), jnp.float32, 23), random((n, k), jnp.float32, 24)
+
+    def varying(x, axes, scale):
+        if not axes:
+            return x
+        x = jax.lax.pcast(x, axes, to="varying")
+        for axis in axes:
+            x = x * (1 + scale * (1 + jax.lax.axis_index(axis)).astype(jnp.float32))
+        return x
+
+    def loss(product):
+        def of(a, b):
+            y = product(varying(a, a_varies, 0.1), varying(b, b_varies, 0.2))
+            y = jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape))
+            missing = tuple(sorted({"data", "tp"} - jax.typeof(y).mat.varying))
+            return jax.lax.psum(jax.lax.pcast(y, missing, to="varying") if missing else y,
+                                ("data", "tp"))
+        return of
+
+    def ours(a, b):
+        out = mj.all_gather_matmul(a, b, axis_name="tp", mesh=mesh, trans_b=True,
+                                   return_gathered=return_gathered, recompute_gathered=True)
+        return out[0] if return_gathered else out
+
+    def reference(a, b):
+        return all_gather_invariant(a, "tp", tiled=True) @ b.T
+
+    grads = [jax.jit(jax.shard_map(jax.grad(loss(product), argnums=(0, 1)), mesh=mesh,
+                                   in_specs=(P(),) * 2, out_specs=(P(),) * 2))(a, b)
+             for product in (ours, reference)]
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="all_gather_matmul: recompute_gathered=True applies to "
+                                         "16-bit calls"):
+        shard_call(mesh, lambda a, b: mj.all_gather_matmul(
+            a, b, axis_name="tp", mesh=mesh, trans_b=True, fp8="tensorwise",
+            recompute_gathered=True), a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+            specs=(P("tp", None), P()))
 
 
 def fp8_bound(*mantissa_bits: int) -> float:

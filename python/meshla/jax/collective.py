@@ -91,6 +91,8 @@ class _Call:
     scaling: str = "none"
     # fp8 training (a 16-bit call with fp8=...): the recipe its operands are cast with.
     fp8: str | None = None
+    # all_gather_matmul: b's gradient gathers a again instead of keeping the gathered rows.
+    recompute_gathered: bool = False
 
 
 def _check_array(op: str, name: str, x) -> None:
@@ -314,9 +316,13 @@ def _collective(call: _Call, a, b, bias):
 
 
 def _collective_fwd(call: _Call, a, b, bias):
+    if call.op == _Op.all_gather_matmul and call.recompute_gathered:
+        # Only this rank's rows kept (a is a residual anyway); the backward gathers them again.
+        out, rows = _forward(call, a, b, bias)
+        return (out, rows), (a, b, bias, None)
     if call.op == _Op.all_gather_matmul:
         # b's gradient needs the gathered rows: the forward always returns them, an [m, k]
-        # residual (meshla.torch's recompute_gathered has no counterpart here yet).
+        # residual (recompute_gathered, above, keeps a alone instead).
         out, rows = _forward(dataclasses.replace(call, return_gathered=True,
                                                  gathered_shape=(call.out_shape[0], a.shape[1])),
                              a, b, bias)
@@ -335,6 +341,8 @@ def _collective_bwd(call: _Call, residuals, cotangents):
             "without the varying-axes types, which cotangents to sum over the axis is unknown")
     a, b, bias, rows = residuals
     grad, gathered_grad = cotangents
+    if call.op == _Op.all_gather_matmul and call.recompute_gathered:
+        rows = all_gather_invariant(a, call.axis, tiled=True)  # XLA's all-gather
     if call.op == _Op.all_gather_matmul:
         if call.axis in varying_axes(grad):
             # Each rank's product used its own b: the gathered rows' gradient (grad bᵀ) is summed
@@ -371,11 +379,16 @@ _collective.defvjp(_collective_fwd, _collective_bwd)
 # The public functions.
 
 def _run(op, a, b, bias, axis_name, mesh, trans_b, return_gathered, tuning, timeout_s,
-         fp8=None):
+         fp8=None, recompute_gathered=False):
     call = _traced_call(op, a, b, bias, axis_name=axis_name, mesh=mesh, trans_b=trans_b,
                         return_gathered=return_gathered, tuning=tuning, timeout_s=timeout_s)
+    if recompute_gathered and fp8 is not None:  # meshla.torch's layer's words
+        raise ValueError(f"{op.name}: recompute_gathered=True applies to 16-bit calls; an fp8 "
+                         "call keeps its gathered fp8 rows (tensorwise) or gathers its input "
+                         "again (rowwise) anyway")
     if fp8 is None:
-        return _collective(call, a, b, bias)
+        return _collective(dataclasses.replace(call, recompute_gathered=recompute_gathered),
+                           a, b, bias)
     _check_fp8_call(call, a, b, bias, fp8)
     return _fp8_collective(dataclasses.replace(call, fp8=fp8), a, b, bias), None
 
@@ -383,7 +396,8 @@ def _run(op, a, b, bias, axis_name, mesh, trans_b, return_gathered, tuning, time
 def all_gather_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=None,
                       trans_b: bool = False, return_gathered: bool = False, algorithm="auto",
                       chunks: int = 0, comm_sms: int = -1, comm_ctas: int = 0, backend="auto",
-                      timeout_s: float = DEFAULT_TIMEOUT_S, fp8: str | None = None):
+                      timeout_s: float = DEFAULT_TIMEOUT_S, fp8: str | None = None,
+                      recompute_gathered: bool = False):
     """Inside ``jax.shard_map``: ``all_gather(a) @ b (+ bias)`` for this shard's rows ``a``
     ([m/tp, k]) over ``axis_name``. ``b`` is [k, n], or [n, k] with ``trans_b``; ``bias`` [n].
     Returns the [m, n] product, and with ``return_gathered`` also the gathered [m, k] ``a``.
@@ -403,7 +417,10 @@ def all_gather_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
     multiples of 4).
 
     A column-parallel layer with sequence parallelism: ``a``'s gradient is the reduce-scatter of
-    the product's gradient times ``b``ᵀ (a :func:`matmul_reduce_scatter`).
+    the product's gradient times ``b``ᵀ (a :func:`matmul_reduce_scatter`). ``b``'s gradient
+    needs the gathered ``a``: kept from the forward, or with ``recompute_gathered=True`` (16-bit
+    calls) gathered again in the backward (one more all-gather there, for tp times less memory
+    kept), as in meshla.torch.
 
     Errors are the module's: ``ValueError`` at trace time for bad shapes, dtypes or tuning, an
     ``axis_name`` that is not a mesh axis, no mesh, a call outside ``jax.shard_map`` over
@@ -416,7 +433,7 @@ def all_gather_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bias=No
     ``timeout_s`` included, surfaces as ``jax.errors.JaxRuntimeError``."""
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     out, gathered = _run(_Op.all_gather_matmul, a, b, bias, axis_name, mesh, trans_b,
-                         return_gathered, tuning, timeout_s, fp8)
+                         return_gathered, tuning, timeout_s, fp8, recompute_gathered)
     return (out, gathered) if return_gathered else out
 
 
@@ -966,7 +983,8 @@ def all_gather_matmul_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
     ``axis_name``, ``b``'s output columns (and ``bias``) sharded over it. Returns [m, n] sharded
     by columns (and the gathered [m, k], replicated). Arrays laid out otherwise are moved.
     ``mesh`` is required; ``tuning`` takes :func:`all_gather_matmul`'s other keywords
-    (``algorithm``, ``chunks``, ``comm_sms``, ``comm_ctas``, ``backend``, ``timeout_s``).
+    (``algorithm``, ``chunks``, ``comm_sms``, ``comm_ctas``, ``backend``, ``timeout_s``, ``fp8``,
+    ``recompute_gathered``).
 
     Raises ``ValueError`` for an array of the wrong rank or a dimension that the devices of
     ``axis_name`` do not divide, and otherwise as :func:`all_gather_matmul` does."""
