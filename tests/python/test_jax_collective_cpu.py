@@ -389,6 +389,40 @@ _REFERENCES = {
 _VARYING = ((), ("tp",), ("data", "tp"))
 
 
+def as_varying(x, axes, scale):
+    """``x`` as each rank's own copy over ``axes``, scaled by its index there (so that which
+    cotangents are summed over which axis shows); ``x`` itself where ``axes`` is empty."""
+    if not axes:
+        return x
+    x = jax.lax.pcast(x, axes, to="varying")
+    for axis in axes:
+        x = x * (1 + scale * (1 + jax.lax.axis_index(axis)).astype(jnp.float32))
+    return x
+
+
+def assert_same_gradients(mesh, ours, reference, arrays, varies):
+    """The gradients of a scalar loss of ``ours(*operands)`` and of ``reference(*operands)``
+    agree, operand i made varying over ``varies[i]`` (None: passed as None) inside shard_map."""
+    def loss(product):
+        def of(*operands):
+            operands = [None if axes is None else as_varying(x, axes, 0.1 * (i + 1))
+                        for i, (x, axes) in enumerate(zip(operands, varies))]
+            y = product(*operands)
+            y = jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape))
+            missing = tuple(sorted({"data", "tp"} - jax.typeof(y).mat.varying))
+            return jax.lax.psum(jax.lax.pcast(y, missing, to="varying") if missing else y,
+                                ("data", "tp"))
+        return of
+
+    count = len(arrays)
+    grads = [jax.jit(jax.shard_map(jax.grad(loss(product), argnums=tuple(range(count))),
+                                   mesh=mesh, in_specs=(P(),) * count,
+                                   out_specs=(P(),) * count))(*arrays)
+             for product in (ours, reference)]
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("op", list(_REFERENCES))
 @pytest.mark.parametrize("a_varies", _VARYING)
 @pytest.mark.parametrize("b_varies", _VARYING[:2])
@@ -403,36 +437,13 @@ def test_gradients_match_jax_for_every_varying_type(mesh, op, a_varies, b_varies
                                                       jnp.float32, 21),
               random((n,), jnp.float32, 22))
 
-    def varying(x, axes, scale):
-        if x is None or not axes:
-            return x
-        x = jax.lax.pcast(x, axes, to="varying")
-        for axis in axes:
-            x = x * (1 + scale * (1 + jax.lax.axis_index(axis)).astype(jnp.float32))
-        return x
-
-    def loss(product):
-        def of(a, b, bias):
-            a, b = varying(a, a_varies, 0.1), varying(b, b_varies, 0.2)
-            bias = None if bias_varies is None else varying(bias, bias_varies, 0.3)
-            y = product(a, b, bias)
-            y = jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape))
-            missing = tuple(sorted({"data", "tp"} - jax.typeof(y).mat.varying))
-            return jax.lax.psum(jax.lax.pcast(y, missing, to="varying") if missing else y,
-                                ("data", "tp"))
-        return of
-
     def ours(a, b, bias):
         return getattr(mj, op)(a, b, axis_name="tp", mesh=mesh, bias=bias, trans_b=trans_b)
 
     def reference(a, b, bias):
         return _REFERENCES[op](a, b.T if trans_b else b, bias)
 
-    grads = [jax.jit(jax.shard_map(jax.grad(loss(product), argnums=(0, 1, 2)), mesh=mesh,
-                                   in_specs=(P(),) * 3, out_specs=(P(),) * 3))(*arrays)
-             for product in (ours, reference)]
-    for got, want in zip(*grads):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert_same_gradients(mesh, ours, reference, arrays, (a_varies, b_varies, bias_varies))
 
 
 def test_global_forms_name_the_array_their_mesh_cannot_split(mesh):
@@ -549,23 +560,6 @@ def test_recompute_gathered_gradients_match_jax(mesh, return_gathered, a_varies,
     m, k, n = 8, 6, 4
     a, b = random((m, k), jnp.float32, 23), random((n, k), jnp.float32, 24)
 
-    def varying(x, axes, scale):
-        if not axes:
-            return x
-        x = jax.lax.pcast(x, axes, to="varying")
-        for axis in axes:
-            x = x * (1 + scale * (1 + jax.lax.axis_index(axis)).astype(jnp.float32))
-        return x
-
-    def loss(product):
-        def of(a, b):
-            y = product(varying(a, a_varies, 0.1), varying(b, b_varies, 0.2))
-            y = jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape))
-            missing = tuple(sorted({"data", "tp"} - jax.typeof(y).mat.varying))
-            return jax.lax.psum(jax.lax.pcast(y, missing, to="varying") if missing else y,
-                                ("data", "tp"))
-        return of
-
     def ours(a, b):
         out = mj.all_gather_matmul(a, b, axis_name="tp", mesh=mesh, trans_b=True,
                                    return_gathered=return_gathered, recompute_gathered=True)
@@ -574,11 +568,7 @@ def test_recompute_gathered_gradients_match_jax(mesh, return_gathered, a_varies,
     def reference(a, b):
         return all_gather_invariant(a, "tp", tiled=True) @ b.T
 
-    grads = [jax.jit(jax.shard_map(jax.grad(loss(product), argnums=(0, 1)), mesh=mesh,
-                                   in_specs=(P(),) * 2, out_specs=(P(),) * 2))(a, b)
-             for product in (ours, reference)]
-    for got, want in zip(*grads):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert_same_gradients(mesh, ours, reference, (a, b), (a_varies, b_varies))
     with pytest.raises(ValueError, match="all_gather_matmul: recompute_gathered=True applies to "
                                          "16-bit calls"):
         shard_call(mesh, lambda a, b: mj.all_gather_matmul(
