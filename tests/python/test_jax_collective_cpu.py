@@ -62,10 +62,20 @@ def test_global_forms_match_the_product(mesh, dtype, trans_b):
     assert out.dtype == dtype and out.sharding.spec == P(None, "tp")
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(a))
     for function, spec in ((mj.matmul_reduce_scatter_global, P("tp", None)),
-                           (mj.matmul_all_reduce_global, P(None, None))):
+                           (mj.matmul_all_reduce_global, P(None, None)),
+                           (mj.column_parallel_matmul_global, P(None, "tp"))):
         out = function(a, b, mesh=mesh, axis_name="tp", bias=bias, trans_b=trans_b)
         close(out, expected, dtype)
         assert out.sharding.spec == spec
+    # column_parallel_matmul_global's gradients: a's summed over the shards of b's columns
+    grads = jax.grad(lambda a, b, bias: jnp.sum(mj.column_parallel_matmul_global(
+        a, b, mesh=mesh, axis_name="tp", bias=bias, trans_b=trans_b).astype(jnp.float32) ** 2),
+        argnums=(0, 1, 2))(a, b, bias)
+    want = jax.grad(lambda a, b, bias: jnp.sum(
+        (jnp.matmul(a, b.T if trans_b else b, preferred_element_type=jnp.float32)
+         + bias.astype(jnp.float32)) ** 2), argnums=(0, 1, 2))(a, b, bias)
+    for got, expected_grad in zip(grads, want):
+        close(got, expected_grad, dtype)
 
 
 def sharded(mesh, function, in_specs, out_specs):
@@ -690,7 +700,9 @@ def test_column_parallel_errors_are_named(mesh):
     with pytest.raises(NotImplementedError, match=r"backend=cublasmp runs a's gradient"):
         call(a, w, trans_b=True, backend="cublasmp")
     with pytest.raises(ValueError, match=r"^column_parallel_matmul: call it inside "
-                                         r"jax.shard_map over axis 'tp' on per-shard arrays$"):
+                                         r"jax.shard_map over axis 'tp' on per-shard arrays "
+                                         r"\(or use column_parallel_matmul_global on global "
+                                         r"arrays\)$"):
         mj.column_parallel_matmul(a, w, axis_name="tp", mesh=mesh, trans_b=True)
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "all_gather_matmul_global",
     "all_gather_scaled_matmul",
     "column_parallel_matmul",
+    "column_parallel_matmul_global",
     "matmul_all_reduce",
     "matmul_all_reduce_global",
     "matmul_reduce_scatter",
@@ -161,13 +162,12 @@ def _mesh_of(op: str, mesh: Mesh | None, axis: str) -> Mesh:
     return mesh
 
 
-def _check_inside_shard_map(op: str, mesh: Mesh, axis: str, global_form: bool = True) -> None:
+def _check_inside_shard_map(op: str, mesh: Mesh, axis: str) -> None:
     abstract = jax.sharding.get_abstract_mesh()
     manual = dict(zip(abstract.axis_names, abstract.axis_types)).get(axis)
     if manual != jax.sharding.AxisType.Manual:
-        hint = f" (or use {op}_global on global arrays)" if global_form else ""
         raise ValueError(f"{op}: call it inside jax.shard_map over axis {axis!r} on per-shard "
-                         f"arrays{hint}")
+                         f"arrays (or use {op}_global on global arrays)")
     if abstract.shape[axis] != mesh.shape[axis]:
         raise ValueError(f"{op}: axis {axis!r} has {abstract.shape[axis]} devices in the "
                          f"enclosing shard_map but {mesh.shape[axis]} in mesh=")
@@ -748,8 +748,8 @@ def column_parallel_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bi
     tuning = Tuning.of(algorithm, chunks, comm_sms, comm_ctas, backend)
     if not isinstance(axis_name, str):
         raise ValueError(f"{name}: axis_name must be the name of a mesh axis, got {axis_name!r}")
-    # There is no global form: the shard_map check in this op's words.
-    _check_inside_shard_map(name, _mesh_of(name, mesh, axis_name), axis_name, global_form=False)
+    # The shard_map check in this op's words (the calls traced below are matmul_all_reduce's).
+    _check_inside_shard_map(name, _mesh_of(name, mesh, axis_name), axis_name)
     if tuning.backend == _meshla.Backend.cublasmp and trans_b:
         raise NotImplementedError(
             f"{name}: backend=cublasmp runs a's gradient, a GEMM+AllReduce by bᵀ, only for b "
@@ -996,6 +996,23 @@ def all_gather_matmul_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
     return _global("all_gather_matmul", shard, mesh, axis_name, (a, b, bias),
                    (P(axis_name, None), _weight_spec(axis_name, trans_b, True), P(axis_name)),
                    (out_spec, P(None, None)) if return_gathered else out_spec)
+
+
+def column_parallel_matmul_global(a, b, *, mesh: Mesh, axis_name: str, bias=None,
+                                  trans_b: bool = False, **tuning):
+    """:func:`column_parallel_matmul` on global arrays: ``a`` [m, k] replicated over
+    ``axis_name``, ``b``'s output columns (and ``bias``) sharded over it. Returns [m, n] sharded
+    by columns. Arrays laid out otherwise are moved. ``mesh`` is required; ``tuning`` takes
+    :func:`column_parallel_matmul`'s other keywords (``algorithm``, ``chunks``, ``comm_sms``,
+    ``comm_ctas``, ``backend``, ``timeout_s``, ``fp8``). Raises as
+    :func:`all_gather_matmul_global` does."""
+    def shard(a, b, bias):
+        return column_parallel_matmul(a, b, axis_name=axis_name, mesh=mesh, bias=bias,
+                                      trans_b=trans_b, **tuning)
+
+    return _global("column_parallel_matmul", shard, mesh, axis_name, (a, b, bias),
+                   (P(), _weight_spec(axis_name, trans_b, True), P(axis_name)),
+                   P(None, axis_name))
 
 
 def _reduction_global(function, a, b, bias, mesh: Mesh, axis_name: str, trans_b: bool,
