@@ -783,12 +783,11 @@ def column_parallel_matmul(a, b, *, axis_name: str, mesh: Mesh | None = None, bi
 def _column_product(column: _Column, a, b, bias):
     """The forward: a's local product with b, and what the backward keeps."""
     if column.fp8 is None:
+        # XLA's GEMM in a's dtype, as `a @ b` would run (a float32 output would add a pass over
+        # it); float32 at full precision, not TF32, as meshla's GEMMs.
         precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-        out = jnp.matmul(a, b.T if column.trans_b else b, precision=precision,
-                         preferred_element_type=jnp.float32)
-        if bias is not None:
-            out = out + bias.astype(jnp.float32)
-        return out.astype(a.dtype), (a, b, bias, None)
+        out = jnp.matmul(a, b.T if column.trans_b else b, precision=precision)
+        return (out if bias is None else out + bias), (a, b, bias, None)
     rowwise = column.fp8 == "rowwise"
     a_q, a_scale = _quantized(a, _E4M3, rowwise)
     b_q, b_scale = _quantized(b, _E4M3, rowwise)
@@ -828,7 +827,7 @@ def _column_parallel_bwd(column: _Column, residuals, grad):
             grad_a, _ = _forward(call, grad, b, None)
         else:
             grad_a = _dot(grad, b if column.trans_b else b.T)
-        rows = _dot(grad.T, a) if column.trans_b else _dot(a.T, grad)
+        b_grad = _dot(grad.T, a) if column.trans_b else _dot(a.T, grad)
     else:
         rowwise = column.fp8 == "rowwise"
         g_q, g_scale = _quantized(grad, _E5M2, rowwise)
@@ -846,9 +845,9 @@ def _column_parallel_bwd(column: _Column, residuals, grad):
                                         Tuning.of(backend=call.tuning.backend), dtype)
         else:
             grad_a = _local_scaled(call, g_q, g_scale, bt_q, bt_scale, rowwise, dtype)
-        rows = _local_scaled(call, gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32)
+        b_grad = _local_scaled(call, gt_q, gt_scale, at_q, at_scale, rowwise, jnp.float32)
     grad_a = _cotangent(grad_a, column.varying[0], dtype)
-    grad_b = _cotangent(rows, column.varying[1], b_dtype)
+    grad_b = _cotangent(b_grad, column.varying[1], b_dtype)
     grad_bias = None if bias is None else _cotangent(
         jnp.sum(grad.astype(jnp.float32), axis=0), column.varying[2], bias.dtype)
     return grad_a, grad_b, grad_bias
