@@ -562,29 +562,34 @@ def test_scaled_ops_errors_are_named(mesh):
 
 
 @pytest.mark.parametrize("return_gathered", [False, True])
-@pytest.mark.parametrize("a_varies", _VARYING[1:])
+@pytest.mark.parametrize("a_varies", _VARYING)
 @pytest.mark.parametrize("b_varies", _VARYING[:2])
 def test_recompute_gathered_gradients_match_jax(mesh, return_gathered, a_varies, b_varies):
     """all_gather_matmul with recompute_gathered=True: the same gradients as JAX's
-    differentiation of the reference, for a and b replicated or varying over the axes."""
+    differentiation of the reference, for a and b replicated or varying over the axes, both
+    layouts, with a bias, and the gathered rows used by the caller (return_gathered)."""
     m, k, n = 8, 6, 4
-    a, b = random((m, k), jnp.float32, 23), random((n, k), jnp.float32, 24)
+    trans_b = len(a_varies) % 2 == 1  # both layouts, over the cases
+    arrays = (random((m, k), jnp.float32, 23),
+              random((n, k) if trans_b else (k, n), jnp.float32, 24), random((n,), jnp.float32, 25))
 
-    def ours(a, b):
-        out = mj.all_gather_matmul(a, b, axis_name="tp", mesh=mesh, trans_b=True,
+    def ours(a, b, bias):
+        out = mj.all_gather_matmul(a, b, axis_name="tp", mesh=mesh, bias=bias, trans_b=trans_b,
                                    return_gathered=return_gathered, recompute_gathered=True)
-        return out[0] if return_gathered else out
+        return out[0] + jnp.sum(out[1] ** 2) if return_gathered else out
 
-    def reference(a, b):
-        return all_gather_invariant(a, "tp", tiled=True) @ b.T
+    def reference(a, b, bias):
+        rows = all_gather_invariant(a, "tp", tiled=True)
+        y = rows @ (b.T if trans_b else b) + bias
+        return y + jnp.sum(rows ** 2) if return_gathered else y
 
-    assert_same_gradients(mesh, ours, reference, (a, b), (a_varies, b_varies))
+    assert_same_gradients(mesh, ours, reference, arrays, (a_varies, b_varies, ()))
+    a, b = arrays[0].astype(jnp.bfloat16), random((n, k), jnp.bfloat16, 26)
     with pytest.raises(ValueError, match="all_gather_matmul: recompute_gathered=True applies to "
                                          "16-bit calls"):
         shard_call(mesh, lambda a, b: mj.all_gather_matmul(
             a, b, axis_name="tp", mesh=mesh, trans_b=True, fp8="tensorwise",
-            recompute_gathered=True), a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
-            specs=(P("tp", None), P()))
+            recompute_gathered=True), a, b, specs=(P("tp", None), P()))
 
 
 def fp8_bound(*mantissa_bits: int) -> float:

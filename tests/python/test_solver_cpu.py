@@ -234,6 +234,20 @@ def test_tall_qr_of_one_block_is_its_own(mesh):
     np.testing.assert_allclose(np.asarray(r), np.linalg.qr(a)[1], rtol=1e-12, atol=1e-12)
     factors = torch_linalg.qr([torch.from_numpy(a)])
     check_qr(a, factors.q[0].numpy(), factors.r.numpy(), 1e-13)
+    # qr_shard in a world of one process (gloo): the block's QR, no collective after the checks
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        alone = torch_linalg.qr_shard(torch.from_numpy(a))
+    finally:
+        dist.destroy_process_group()
+    check_qr(a, alone.q.numpy(), alone.r.numpy(), 1e-13)
 
 
 def numpy_polar(a):

@@ -21,7 +21,8 @@ which the watchdog does not see: there a missing peer leaves the GPUs waiting, a
 graph's replay.
 
 On CPU devices the same functions run a ``jax.numpy`` reference (lax collectives and matmuls in
-float32), so a program written for GPUs runs unchanged on a machine without them.
+float32; column_parallel_matmul's forward is XLA's local GEMM everywhere), so a program written
+for GPUs runs unchanged on a machine without them.
 
 Differentiable (``jax.grad``, ``jax.checkpoint``): each op's backward is its conjugate collective
 (all-gather→GEMM's input gradient is a GEMM→reduce-scatter and the other way round), run by
@@ -380,12 +381,13 @@ _collective.defvjp(_collective_fwd, _collective_bwd)
 
 def _run(op, a, b, bias, axis_name, mesh, trans_b, return_gathered, tuning, timeout_s,
          fp8=None, recompute_gathered=False):
-    call = _traced_call(op, a, b, bias, axis_name=axis_name, mesh=mesh, trans_b=trans_b,
-                        return_gathered=return_gathered, tuning=tuning, timeout_s=timeout_s)
-    if recompute_gathered and fp8 is not None:  # meshla.torch's layer's words
+    # Before the call is traced (on GPUs that makes the groups); a bad recipe is _check_fp8_call's.
+    if recompute_gathered and fp8 in _RECIPES:  # meshla.torch's layer's words
         raise ValueError(f"{op.name}: recompute_gathered=True applies to 16-bit calls; an fp8 "
                          "call keeps its gathered fp8 rows (tensorwise) or gathers its input "
                          "again (rowwise) anyway")
+    call = _traced_call(op, a, b, bias, axis_name=axis_name, mesh=mesh, trans_b=trans_b,
+                        return_gathered=return_gathered, tuning=tuning, timeout_s=timeout_s)
     if fp8 is None:
         return _collective(dataclasses.replace(call, recompute_gathered=recompute_gathered),
                            a, b, bias)

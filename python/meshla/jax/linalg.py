@@ -360,7 +360,8 @@ def qr_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> QR:
     Raises ``ValueError`` at trace time for an ``axis`` not in ``mesh``, an ``a_block`` that is
     not 2-D or an unsupported dtype, and ``NotImplementedError`` where a device's rows are fewer
     than A's columns (the tall-skinny QR; square and wide matrices are not supported yet). Runs
-    in every process model: it is jax.numpy's QR and one all-gather of R factors."""
+    in every process model: it is jax.numpy's QR and one all-gather of R factors (on one device,
+    the block's own QR alone)."""
     axis = _axis_of(mesh, axis)
     _check_tall("qr", a_block, mesh, axis)
     if mesh.shape[axis] == 1:  # one block: its QR is A's (the second stage would cost 2 m n²)
