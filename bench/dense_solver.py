@@ -14,7 +14,8 @@ the SPD inverse beside ``jnp.linalg.eigh`` / ``jnp.linalg.inv`` on one GPU, and 
 ``--largest`` the largest float64 n solved on all GPUs (input donated). Matrices are Hankel
 matrices h(i + j) plus n·I (diagonally dominant, so positive definite; for the LU solve
 h(i + 2j) + n·I, not symmetric), generated on the GPUs row block by row block.
-Prints a table last and writes JSON with device, date and commit.
+Prints a table last and writes JSON with device, date and commit, after each part (so a run cut
+short keeps the parts it finished; each row is also printed as it comes).
 """
 
 import os
@@ -389,15 +390,24 @@ def main():
                                 [int(g) for g in args.gpu_counts.split(",")]),
     }
     gpu_counts = [int(g) for g in args.gpu_counts.split(",")]
+
+    def save():  # after every part: a run cut short keeps the parts it finished
+        with open(args.out + ".part", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(args.out + ".part", args.out)
+
+    save()
     result["rows"] += bench_lu_solve(devices, [int(s) for s in args.lu_sizes.split(",") if s],
                                      dtypes, args.repeats, gpu_counts)
+    save()
     tall = [tuple(int(v) for v in shape.split(":")) for shape in args.tall.split(",") if shape]
     result["rows"] += bench_tall(devices, tall, dtypes, args.repeats, gpu_counts)
+    save()
     result["rows"] += bench_others(devices, args.eigh_n, args.inverse_n, args.repeats)
+    save()
     if args.largest:
         result["rows"] += largest(devices, [int(s) for s in args.largest.split(",")])
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        save()
     print(f"\n{result['device']} x{len(devices)}, {result['date']}, commit {args.commit}")
     print(f"{'op':<16}{'dtype':<9}{'n':>7}{'gpus':>5}{'tile':>6}{'meshla s':>10}"
           f"{'cuSolverMg s':>13}{'ratio':>7}{'1-GPU peer s':>13}{'speedup':>8}")
