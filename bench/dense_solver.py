@@ -124,6 +124,22 @@ def potrf_flops(n):
     return n ** 3 / 3.0
 
 
+def peer_seconds(what: str, measure):
+    """A one-GPU peer's time (``measure()``), or None where it fails (out of memory on one GPU),
+    said on stdout."""
+    try:
+        return measure()
+    except (jax.errors.JaxRuntimeError, torch.OutOfMemoryError) as error:
+        print(f"{what} failed: {str(error)[:200]}", flush=True)
+        return None
+
+
+def fits(devices, n, dtype, gpus) -> bool:
+    """Whether A's row blocks fit 3.2 times over on each GPU (A, a working copy, another
+    library's copy)."""
+    return 3.2 * n * n * np.dtype(dtype).itemsize / gpus <= devices[0].memory_stats()["bytes_limit"]
+
+
 def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles, gpu_counts):
     rows = []
     counts = [g for g in gpu_counts if g <= len(devices)]
@@ -134,20 +150,15 @@ def bench_cho_solve(devices, sizes, dtypes, repeats, extra_tiles, gpu_counts):
             for g in counts:
                 progress.start(f"{np.dtype(dtype).name} n={n} on {g} GPU(s)")
                 mesh = Mesh(np.array(devices[:g]), ("x",))
-                bytes_per_gpu = n * n * np.dtype(dtype).itemsize / g
-                # A, XLA's working copy, and torch's copy for the raw timing.
-                if 3.2 * bytes_per_gpu > devices[0].memory_stats()["bytes_limit"]:
+                if not fits(devices, n, dtype, g):  # XLA's working copy, torch's for raw timing
                     continue
                 a = make_matrix(mesh, n, dtype)
                 b = jax.device_put(jnp.ones((n, 1), dtype), NamedSharding(mesh, P("x", None)))
                 if g == 1:
                     single = jax.jit(lambda a, b: jax.scipy.linalg.cho_solve(
                         jax.scipy.linalg.cho_factor(a, lower=True), b))
-                    try:
-                        single_seconds = timed(lambda: single(a, b), repeats)
-                    except jax.errors.JaxRuntimeError as error:  # out of memory on one GPU
-                        print(f"n={n}: one-GPU jax cho_solve failed: {str(error)[:200]}",
-                              flush=True)
+                    single_seconds = peer_seconds(f"n={n}: one-GPU jax cho_solve",
+                                                  lambda: timed(lambda: single(a, b), repeats))
                 tiles = [0] + [t for t in extra_tiles if g == len(devices) and t <= n // g]
                 for tile in tiles:
                     solve = jax.jit(functools.partial(linalg.cho_solve, mesh=mesh, tile=tile))
@@ -186,19 +197,14 @@ def bench_lu_solve(devices, sizes, dtypes, repeats, gpu_counts):
             for g in counts:
                 progress.start(f"{np.dtype(dtype).name} n={n} on {g} GPU(s)")
                 mesh = Mesh(np.array(devices[:g]), ("x",))
-                # A, and the solver's working copy of it (on one GPU XLA's copy, aliased).
-                if 3.2 * n * n * np.dtype(dtype).itemsize / g > (
-                        devices[0].memory_stats()["bytes_limit"]):
+                if not fits(devices, n, dtype, g):  # the solver's working copy of A
                     continue
                 a = make_matrix(mesh, n, dtype, column_stride=2)
                 b = jax.device_put(jnp.ones((n, 1), dtype), NamedSharding(mesh, P("x", None)))
                 if g == 1:
                     single = jax.jit(jnp.linalg.solve)
-                    try:
-                        single_seconds = timed(lambda: single(a, b), repeats)
-                    except jax.errors.JaxRuntimeError as error:  # out of memory on one GPU
-                        print(f"n={n}: one-GPU jnp.linalg.solve failed: {str(error)[:200]}",
-                              flush=True)
+                    single_seconds = peer_seconds(f"n={n}: one-GPU jnp.linalg.solve",
+                                                  lambda: timed(lambda: single(a, b), repeats))
                 solve = jax.jit(functools.partial(linalg.lu_solve, mesh=mesh))
                 meshla_s = timed(lambda: solve(a, b), repeats)
                 row = {
@@ -271,11 +277,8 @@ def bench_tall(devices, shapes, dtypes, repeats, gpu_counts):
                 for op, make in ours.items():
                     if g == 1:
                         single = jax.jit(theirs[op])
-                        try:
-                            one_gpu[op] = timed(lambda: single(a, b), repeats)
-                        except jax.errors.JaxRuntimeError as error:
-                            print(f"[{m}, {n}] one-GPU jax {op} failed: {str(error)[:200]}",
-                                  flush=True)
+                        one_gpu[op] = peer_seconds(f"[{m}, {n}] one-GPU jax {op}",
+                                                   lambda: timed(lambda: single(a, b), repeats))
                     call = jax.jit(make(mesh))
                     row = {"op": op, "framework": "jax", "dtype": np.dtype(dtype).name, "n": n,
                            "m": m, "gpus": g, "meshla_s": timed(lambda: call(a, b), repeats),
@@ -284,19 +287,17 @@ def bench_tall(devices, shapes, dtypes, repeats, gpu_counts):
                     print(json.dumps(row), flush=True)
                 a = b = None  # lets go of their device memory
                 progress.start(f"torch {np.dtype(dtype).name} [{m}, {n}] on {g} GPU(s)")
-                ids = [d.id for d in devices[:g]]
+                ids = [d.local_hardware_id for d in devices[:g]]
                 generator = torch.Generator().manual_seed(m + n)
                 a = [torch.randn(m // g, n, dtype=tdtype, generator=generator).to(f"cuda:{d}")
                      for d in ids]
                 b = [torch.ones(m // g, 1, dtype=tdtype, device=f"cuda:{d}") for d in ids]
                 for op in ours_torch:
                     if g == 1:
-                        try:
-                            one_gpu_torch[op] = timed_torch(
-                                lambda: theirs_torch[op](a[0], b[0]), ids, repeats)
-                        except torch.OutOfMemoryError as error:
-                            print(f"[{m}, {n}] one-GPU torch {op} failed: {str(error)[:200]}",
-                                  flush=True)
+                        one_gpu_torch[op] = peer_seconds(
+                            f"[{m}, {n}] one-GPU torch {op}",
+                            lambda: timed_torch(lambda: theirs_torch[op](a[0], b[0]), ids,
+                                                repeats))
                     row = {"op": op, "framework": "torch", "dtype": np.dtype(dtype).name,
                            "n": n, "m": m, "gpus": g,
                            "meshla_s": timed_torch(lambda: ours_torch[op](a, b), ids, repeats),
