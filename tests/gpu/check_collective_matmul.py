@@ -345,12 +345,15 @@ def check_fp8_layers(group, reporter, label, seed_base):
                 if mode is not None:
                     torch._dynamo.reset()  # each case's closure would count as a recompile
                 step = mlp if mode is None else torch.compile(mlp, fullgraph=True, mode=mode)
-                for _ in range(2 if mode else 0):  # recorded, then replayed below
+                # Recorded, then replayed below. Each step drops the last one's gradients, as a
+                # training loop's zero_grad does: accumulating into a gradient that is a CUDA
+                # graph's output reads memory the next replay has overwritten (torch refuses).
+                for _ in range(2 if mode else 0):
                     torch.compiler.cudagraph_mark_step_begin()
                     other = torch.randn_like(x_mine).requires_grad_()
                     step(other).float().sum().backward()
-                for parameter in (*col.parameters(), *row.parameters()):
-                    parameter.grad = None
+                    for parameter in (*col.parameters(), *row.parameters()):
+                        parameter.grad = None
                 torch.compiler.cudagraph_mark_step_begin()
                 y = step(x_mine)
                 (y.double() * grad_y[rows]).sum().backward()
