@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from meshla import _meshla
+from meshla.torch import _square
 from meshla.torch._dtypes import DTYPES, dtype_of
 
 __all__ = [
@@ -369,22 +370,17 @@ def qr(a_shards: Sequence[torch.Tensor]) -> QR:
                for p, q_block in enumerate(q_blocks)], r)
 
 
-def _hermitian_factor(s: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
-    """V diag(s) Vᴴ."""
-    return (vh.mH * s.to(vh.dtype)) @ vh
-
-
 def svd(a_shards: Sequence[torch.Tensor], *, compute_uv: bool = True) -> SVD:
     """The thin SVD of a tall A given as in :func:`qr`, as ``torch.linalg.svd(a,
-    full_matrices=False)``: from the tall-skinny QR, A = Q R and R = U_R diag(s) Vᴴ, U = Q U_R.
-    ``compute_uv=False`` gives the values alone (no Q is formed). Returns an :class:`SVD`.
-    Raises as :func:`qr` does."""
+    full_matrices=False)``: from the tall-skinny QR, A = Q R and R = U_R diag(s) Vᴴ (R's SVD by
+    QDWH, see meshla.torch._square), U = Q U_R. ``compute_uv=False`` gives the values alone (no Q
+    is formed). Returns an :class:`SVD`. Raises as :func:`qr` does."""
     _, n, _ = _check_tall_shards("svd", a_shards)
     if not compute_uv:
         _, r = _stacked_qr([torch.linalg.qr(block, mode="r")[1] for block in a_shards])
-        return SVD(None, torch.linalg.svdvals(r), None)
+        return SVD(None, _square.svd(r, compute_uv=False), None)
     q_blocks, q_stacked, r = _blocks_factors(a_shards)
-    u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
+    u_r, s, vh = _square.svd(r)
     rotated = q_stacked @ u_r
     return SVD([q_block @ rotated[p * n:(p + 1) * n].to(q_block.device)
                 for p, q_block in enumerate(q_blocks)], s, vh)
@@ -392,14 +388,15 @@ def svd(a_shards: Sequence[torch.Tensor], *, compute_uv: bool = True) -> SVD:
 
 def polar(a_shards: Sequence[torch.Tensor]) -> Polar:
     """The polar decomposition A = U H of a tall A given as in :func:`qr` (as
-    ``scipy.linalg.polar``): U = Q U_R Vᴴ and H = V diag(s) Vᴴ from the tall-skinny QR and R's
-    SVD. Returns a :class:`Polar`. Raises as :func:`qr` does."""
+    ``scipy.linalg.polar``): U = Q U_R and H from the tall-skinny QR, A = Q R, and R's polar
+    decomposition R = U_R H (by QDWH, see meshla.torch._square). Returns a :class:`Polar`. Raises
+    as :func:`qr` does."""
     _, n, _ = _check_tall_shards("polar", a_shards)
     q_blocks, q_stacked, r = _blocks_factors(a_shards)
-    u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
-    rotated = q_stacked @ (u_r @ vh)
+    u_r, h = _square.polar(r)
+    rotated = q_stacked @ u_r
     return Polar([q_block @ rotated[p * n:(p + 1) * n].to(q_block.device)
-                  for p, q_block in enumerate(q_blocks)], _hermitian_factor(s, vh))
+                  for p, q_block in enumerate(q_blocks)], h)
 
 
 def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor], *,
@@ -709,9 +706,9 @@ def svd_shard(a: torch.Tensor, group=None, *, compute_uv: bool = True) -> SVD:
     _, n = _agreed_tall_shard("svd_shard", a, None, group)
     if not compute_uv:
         _, r = _stacked_qr(_all_gather_small(torch.linalg.qr(a, mode="r")[1], group))
-        return SVD(None, torch.linalg.svdvals(r), None)
+        return SVD(None, _square.svd(r, compute_uv=False), None)
     q_block, q_stacked, r = _shard_factors(a, group)
-    u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
+    u_r, s, vh = _square.svd(r)
     return SVD(q_block @ (_own_slice(q_stacked, group, n) @ u_r), s, vh)
 
 
@@ -721,9 +718,8 @@ def polar_shard(a: torch.Tensor, group=None) -> Polar:
     does."""
     _, n = _agreed_tall_shard("polar_shard", a, None, group)
     q_block, q_stacked, r = _shard_factors(a, group)
-    u_r, s, vh = torch.linalg.svd(r, full_matrices=False)
-    return Polar(q_block @ (_own_slice(q_stacked, group, n) @ (u_r @ vh)),
-                 _hermitian_factor(s, vh))
+    u_r, h = _square.polar(r)
+    return Polar(q_block @ (_own_slice(q_stacked, group, n) @ u_r), h)
 
 
 def least_squares_shard(a: torch.Tensor, b: torch.Tensor, group=None, *,
