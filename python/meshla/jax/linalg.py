@@ -347,6 +347,15 @@ def _tall_factors(a_block, axis: str):
     return q_block, q_stacked, r
 
 
+def _reflected(a, b):
+    """(R, the first n rows of Qᴴ B) of A's Householder QR, Q applied by its reflectors and never
+    formed: forming it (orgqr) costs about the QR's own time again (NOTES 97)."""
+    h, taus = jnp.linalg.qr(a, mode="raw")  # h: the reflectors, transposed
+    n = a.shape[1]
+    qtb = jax.lax.linalg.ormqr(h.mT, taus, b, left=True, transpose=True)
+    return jnp.triu(h.mT[:n]), qtb[:n]
+
+
 def _stacked_slice(q_stacked, axis: str, n: int):
     return jax.lax.dynamic_slice_in_dim(q_stacked, jax.lax.axis_index(axis) * n, n, axis=0)
 
@@ -439,17 +448,16 @@ def least_squares_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None
     ([m/P, nrhs]). Returns (X [n, nrhs], the same on every device; info, an int32 scalar: 0, or
     i > 0 where R's i-th diagonal element is exactly zero, A rank-deficient (a zero column, say,
     as LAPACK's gels reports; numerical rank deficiency is not detected), with X NaN), from the
-    tall-skinny QR: X = R⁻¹ Qᴴ B, Qᴴ B formed from the blocks' Qᴴ B without forming Q. Raises as
-    :func:`qr_shard` does, and ``ValueError`` for a ``b_block`` whose rows or dtype differ."""
+    tall-skinny QR: X = R⁻¹ Qᴴ B, Qᴴ B applied by Householder reflectors, no Q formed. Raises
+    as :func:`qr_shard` does, and ``ValueError`` for a ``b_block`` whose rows or dtype differ."""
     axis = _axis_of(mesh, axis)
     _check_tall("least_squares", a_block, mesh, axis)  # a's own rules before b's
     _check_rhs_block("least_squares", a_block, b_block)
     _check_tall("least_squares", a_block, mesh, axis, b_block.shape[1])
-    q_block, q_stacked, r = _tall_factors(a_block, axis)
     # Qᴴ B = (second Q)ᴴ [Q_pᴴ B_p stacked over the devices]
-    projected = jax.lax.all_gather(
-        jnp.matmul(q_block.conj().T, b_block, precision=_FULL), axis, tiled=True)
-    qtb = jnp.matmul(q_stacked.conj().T, projected, precision=_FULL)
+    r_block, qtb_block = _reflected(a_block, b_block)
+    r, qtb = _reflected(jax.lax.all_gather(r_block, axis, tiled=True),
+                        jax.lax.all_gather(qtb_block, axis, tiled=True))
     info = _first_zero_info(jnp.diagonal(r))
     x = jax.scipy.linalg.solve_triangular(r, qtb, lower=False)
     return jnp.where(info > 0, jnp.nan, x).astype(a_block.dtype), info

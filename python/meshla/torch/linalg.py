@@ -340,6 +340,15 @@ def _stacked_qr(r_blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return torch.linalg.qr(torch.cat([r.to(device) for r in r_blocks]))
 
 
+def _reflected(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, the first n rows of Qᴴ B) of A's Householder QR, Q applied by its reflectors and never
+    formed: forming it (orgqr) costs about the QR's own time again (NOTES 97)."""
+    reflectors, tau = torch.geqrf(a)
+    n = a.shape[1]
+    qtb = torch.ormqr(reflectors, tau, b, left=True, transpose=True)
+    return reflectors[:n].triu(), qtb[:n]
+
+
 def _solved_by_r(name: str, r: torch.Tensor, qtb: torch.Tensor,
                  check_errors: bool) -> LeastSquares:
     """X = R⁻¹ Qᴴ B; info names R's first zero diagonal element (NaN X)."""
@@ -403,15 +412,17 @@ def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Ten
                   check_errors: bool = True) -> LeastSquares:
     """X minimizing ||A X - B|| (as ``torch.linalg.lstsq``'s solution) for a tall A of full
     column rank given as in :func:`qr`, and B's row blocks ([m/P, nrhs], each on its A block's
-    device). X = R⁻¹ Qᴴ B from the tall-skinny QR, Qᴴ B formed without forming Q. Returns a
+    device). X = R⁻¹ Qᴴ B from the tall-skinny QR, Qᴴ B applied by Householder reflectors, no Q
+    formed. Returns a
     :class:`LeastSquares`. Raises as :func:`qr` does, ``ValueError`` for B blocks that do not
     match A's, and ``torch.linalg.LinAlgError`` where R has a zero diagonal element (A
     rank-deficient), unless ``check_errors=False`` (X NaN, info > 0)."""
     _check_tall_shards("least_squares", a_shards, b_shards)
-    q_blocks, q_stacked, r = _blocks_factors(a_shards)
-    projected = torch.cat([(q_block.mH @ b).to(r.device)
-                           for q_block, b in zip(q_blocks, b_shards)])
-    return _solved_by_r("least_squares", r, q_stacked.mH @ projected, check_errors)
+    blocks = [_reflected(a, b) for a, b in zip(a_shards, b_shards)]
+    device = a_shards[0].device
+    r, qtb = _reflected(*(torch.cat([part.to(device) for part in parts])
+                          for parts in zip(*blocks)))
+    return _solved_by_r("least_squares", r, qtb, check_errors)
 
 
 def cholesky_inverse(a_shards: Sequence[torch.Tensor], *, tile: int = 0,
@@ -729,9 +740,8 @@ def least_squares_shard(a: torch.Tensor, b: torch.Tensor, group=None, *,
     every rank. Raises as :func:`least_squares` does, on every rank (a rank whose B does not
     match its A included)."""
     _agreed_tall_shard("least_squares_shard", a, b, group)
-    q_block, q_stacked, r = _shard_factors(a, group)
-    projected = torch.cat(_all_gather_small(q_block.mH @ b, group))
-    return _solved_by_r("least_squares_shard", r, q_stacked.mH @ projected, check_errors)
+    r, qtb = _reflected(*(torch.cat(_all_gather_small(part, group)) for part in _reflected(a, b)))
+    return _solved_by_r("least_squares_shard", r, qtb, check_errors)
 
 
 def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
