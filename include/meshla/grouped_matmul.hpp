@@ -115,10 +115,11 @@ MESHLA_API void check_grouped_call(GroupedPass pass, const GroupedMatmulArgs& ar
 
 // The device-side check of the group sizes, for sizes the host holds (a reference path): throws
 // kInvalidArgument for the first negative size, or for sizes not summing to `rows`, in the words
-// in which run() reports what its device-side check found.
+// in which run() reports what its device-side check found for a call whose weights are laid out
+// as `layout` (grouped_linear's m_splits, grouped_matmul's group_sizes).
 // `sizes` holds `groups` sizes, in host memory.
-MESHLA_API void check_group_sizes(const std::int64_t* sizes, std::int64_t groups,
-                                  std::int64_t rows);
+MESHLA_API void check_group_sizes(const std::int64_t* sizes, std::int64_t groups, std::int64_t rows,
+                                  WeightLayout layout = WeightLayout::kOutIn);
 
 MESHLA_API std::string_view grouped_pass_name(GroupedPass pass);
 

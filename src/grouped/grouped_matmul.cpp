@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <iterator>
 
 #include "core/alignment.hpp"
 #include "core/cuda_checks.hpp"
@@ -16,6 +17,31 @@ namespace meshla {
 using grouped::CutlassWorkspace;
 
 namespace {
+
+// The weight layout of the call this thread is running, as its caller made it: run() runs a kInOut
+// call, and a padded one, by calling itself on other arguments (kOutIn, aligned), while the group
+// sizes' errors its device-side check finds must name the caller's function and arguments.
+thread_local const WeightLayout* t_caller_layout = nullptr;
+
+// Holds the outermost run()'s layout for the calls it makes.
+class CallerLayout {
+ public:
+  explicit CallerLayout(WeightLayout layout)
+      : layout_(t_caller_layout ? *t_caller_layout : layout), outermost_(!t_caller_layout) {
+    if (outermost_) t_caller_layout = &layout_;
+  }
+  ~CallerLayout() {
+    if (outermost_) t_caller_layout = nullptr;
+  }
+  CallerLayout(const CallerLayout&) = delete;
+  CallerLayout& operator=(const CallerLayout&) = delete;
+
+  WeightLayout layout() const { return layout_; }
+
+ private:
+  WeightLayout layout_;
+  bool outermost_;
+};
 
 // The pass that runs a WeightLayout::kInOut pass on the [G, out, in] kernels (see WeightLayout).
 GroupedPass pass_on_out_in_kernels(GroupedPass pass) {
@@ -215,26 +241,36 @@ struct GroupedMatmul::Impl {
   bool hopper = false;  // runs meshla's Hopper kernels (detail::runs_hopper_kernels)
   int sm_count = 0;
   int l2_bytes = 0;
-  grouped::DeviceStatus* status = nullptr;  // host-mapped, written by the device
+  // Host-mapped, written by the device: one record for the calls of each weight layout, so that
+  // an error is reported in the words of the function whose call it was.
+  static constexpr WeightLayout kLayouts[] = {WeightLayout::kOutIn, WeightLayout::kInOut};
+  grouped::DeviceStatus* statuses = nullptr;
 
   ~Impl() {
-    if (status) cudaFreeHost(status);
+    if (statuses) cudaFreeHost(statuses);
+  }
+
+  grouped::DeviceStatus* status(WeightLayout caller_layout) const {
+    return statuses + (caller_layout == WeightLayout::kInOut ? 1 : 0);
   }
 
   // The error an earlier call's device-side check left, thrown once and then cleared.
   void throw_recorded_error() {
-    volatile grouped::DeviceStatus* record = status;
-    const std::int32_t code = record->code;
-    if (code == grouped::kStatusOk) return;
-    const std::int32_t group = record->group;
-    const std::int64_t value = record->value;
-    const std::int64_t rows = record->rows;
-    record->code = grouped::kStatusOk;
-    const bool negative = code == grouped::kNegativeSize;
-    MESHLA_THROW(kInvalidArgument,
-                 grouped::group_sizes_error(group, negative ? value : 0, negative ? 0 : value, rows)
-                     << " (found on the device by an earlier call, whose outputs were filled with "
-                        "NaN)");
+    for (const WeightLayout layout : kLayouts) {
+      volatile grouped::DeviceStatus* record = status(layout);
+      const std::int32_t code = record->code;
+      if (code == grouped::kStatusOk) continue;
+      const std::int32_t group = record->group;
+      const std::int64_t value = record->value;
+      const std::int64_t rows = record->rows;
+      record->code = grouped::kStatusOk;
+      const bool negative = code == grouped::kNegativeSize;
+      MESHLA_THROW(kInvalidArgument,
+                   grouped::group_sizes_error(layout, group, negative ? value : 0,
+                                              negative ? 0 : value, rows)
+                       << " (found on the device by an earlier call, whose outputs were filled "
+                          "with NaN)");
+    }
   }
 
   // Whether `pass` runs on the CUTLASS kernels (bf16, fp16 on Hopper), or on the portable
@@ -299,14 +335,16 @@ GroupedMatmul::GroupedMatmul(int device) : impl_(std::make_unique<Impl>()) {
   MESHLA_CHECK_CUDA(cudaDeviceGetAttribute(&impl_->l2_bytes, cudaDevAttrL2CacheSize, device));
   // The engine is often made at its first call, which may come inside a CUDA graph capture
   // (torch.cuda.graph): there an allocation invalidates the capture unless this thread's capture
-  // mode is relaxed. The status word outlives every call and is not part of any graph.
+  // mode is relaxed. The status records outlive every call and are not part of any graph.
+  constexpr std::size_t records = std::size(Impl::kLayouts);
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   MESHLA_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
-  const cudaError_t allocated = cudaHostAlloc(reinterpret_cast<void**>(&impl_->status),
-                                              sizeof(grouped::DeviceStatus), cudaHostAllocMapped);
+  const cudaError_t allocated =
+      cudaHostAlloc(reinterpret_cast<void**>(&impl_->statuses),
+                    records * sizeof(grouped::DeviceStatus), cudaHostAllocMapped);
   MESHLA_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
   MESHLA_CHECK_CUDA(allocated);
-  *impl_->status = {};
+  std::fill(impl_->statuses, impl_->statuses + records, grouped::DeviceStatus{});
 }
 
 GroupedMatmul::~GroupedMatmul() = default;
@@ -334,6 +372,7 @@ void GroupedMatmul::check_device_errors(cudaStream_t stream) {
 
 void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStream_t stream) {
   impl_->throw_recorded_error();
+  const CallerLayout caller(args.weight_layout);
   const grouped::GroupedShape shape = grouped::validate_grouped_args(pass, args);
   if (args.weight_layout == WeightLayout::kInOut) {
     const GroupedPass executed = pass_on_out_in_kernels(pass);
@@ -393,7 +432,8 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
   }
   auto* base = static_cast<char*>(ws.data);
   const grouped::GroupIndex index = group_index_of(args, shape);
-  if (!cutlass_pass) grouped::launch_group_index(index, impl_->status, stream);
+  grouped::DeviceStatus* const status = impl_->status(caller.layout());
+  if (!cutlass_pass) grouped::launch_group_index(index, status, stream);
 
   if (pass == GroupedPass::kBiasGrad) {
     grouped::launch_bias_grad(index, args.dy.data, shape.dtype, shape.out_features,
@@ -450,7 +490,7 @@ void GroupedMatmul::run(GroupedPass pass, const GroupedMatmulArgs& args, cudaStr
   } else {
     char* tables = base + layout.pass;
     const grouped::CutlassCall call{index,
-                                    impl_->status,
+                                    status,
                                     operands,
                                     out_span,
                                     shape.dtype,

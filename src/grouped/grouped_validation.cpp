@@ -35,13 +35,14 @@ std::int64_t packed_group_stride(std::int64_t out_features, std::int64_t in_feat
   return (out_features * in_features + per_boundary - 1) / per_boundary * per_boundary;
 }
 
-void check_group_sizes(const std::int64_t* sizes, std::int64_t groups, std::int64_t rows) {
+void check_group_sizes(const std::int64_t* sizes, std::int64_t groups, std::int64_t rows,
+                       WeightLayout layout) {
   std::int64_t total = 0;
   for (std::int64_t g = 0; g < groups; ++g) {
-    MESHLA_CHECK_ARG(sizes[g] >= 0, grouped::group_sizes_error(g, sizes[g], 0, rows));
+    MESHLA_CHECK_ARG(sizes[g] >= 0, grouped::group_sizes_error(layout, g, sizes[g], 0, rows));
     total += sizes[g];
   }
-  MESHLA_CHECK_ARG(total == rows, grouped::group_sizes_error(-1, 0, total, rows));
+  MESHLA_CHECK_ARG(total == rows, grouped::group_sizes_error(layout, -1, 0, total, rows));
 }
 
 void check_grouped_call(GroupedPass pass, const GroupedMatmulArgs& args) {
@@ -68,13 +69,15 @@ constexpr Words kLinearWords{"grouped_linear", "m_splits", "x", "weight", "y",
 constexpr Words kRaggedWords{"grouped_matmul", "group_sizes", "lhs", "rhs", "out",
                              "[G, in, out]",   "[in, out]"};
 
+const Words& words_of(WeightLayout layout) {
+  return layout == WeightLayout::kInOut ? kRaggedWords : kLinearWords;
+}
+
 // The checks of one call, with its function's and pass's names in every message.
 class Checker {
  public:
   Checker(GroupedPass pass, const GroupedMatmulArgs& args)
-      : pass_(pass),
-        args_(args),
-        words_(args.weight_layout == WeightLayout::kInOut ? kRaggedWords : kLinearWords) {}
+      : pass_(pass), args_(args), words_(words_of(args.weight_layout)) {}
 
   const Words& words() const { return words_; }
 
@@ -313,14 +316,16 @@ PaddedFeatures padded_features(const GroupedShape& shape) {
           sixteen_bit && shape.out_features % kFeatureMultiple != 0};
 }
 
-std::string group_sizes_error(std::int64_t group, std::int64_t size, std::int64_t total,
-                              std::int64_t rows) {
+std::string group_sizes_error(WeightLayout layout, std::int64_t group, std::int64_t size,
+                              std::int64_t total, std::int64_t rows) {
+  const Words& words = words_of(layout);
   std::ostringstream message;
   if (size < 0) {
-    message << "grouped_linear: m_splits[" << group << "]=" << size << " is negative";
+    message << words.function << ": " << words.m_splits << "[" << group << "]=" << size
+            << " is negative";
   } else {
-    message << "grouped_linear: m_splits sums to " << total << " but the input has " << rows
-            << " rows";
+    message << words.function << ": " << words.m_splits << " sums to " << total
+            << " but the input has " << rows << " rows";
   }
   return message.str();
 }

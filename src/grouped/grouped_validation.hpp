@@ -38,11 +38,13 @@ struct PaddedFeatures {
 
 PaddedFeatures padded_features(const GroupedShape& shape);
 
-// What is wrong with the group sizes: group `group`'s `size` is negative, or (size >= 0) the
-// sizes sum to `total` where the input has `rows`. The device-side check records the same facts
-// and GroupedMatmul reports them in these words, check_group_sizes too.
-std::string group_sizes_error(std::int64_t group, std::int64_t size, std::int64_t total,
-                              std::int64_t rows);
+// What is wrong with the group sizes, in the words of the function that lays its weights out as
+// `layout` (grouped_linear's m_splits, grouped_matmul's group_sizes): group `group`'s `size` is
+// negative, or (size >= 0) the sizes sum to `total` where the input has `rows`. The device-side
+// check records the same facts and GroupedMatmul reports them in these words, check_group_sizes
+// too.
+std::string group_sizes_error(WeightLayout layout, std::int64_t group, std::int64_t size,
+                              std::int64_t total, std::int64_t rows);
 
 // The workspace of one call: the group index (offsets and the invalid flag), then the pass's own
 // part (CUTLASS tables and workspace, or the bias accumulator), each 256-byte aligned.

@@ -147,9 +147,10 @@ TEST(GroupedValidation, HostArraysFollowTheSameRules) {
   EXPECT_EQ(error_of(GroupedPass::kForward, on_host(unaligned)), "");
 }
 
-std::string group_sizes_error_of(std::vector<std::int64_t> sizes, std::int64_t rows) {
+std::string group_sizes_error_of(std::vector<std::int64_t> sizes, std::int64_t rows,
+                                 WeightLayout layout = WeightLayout::kOutIn) {
   try {
-    check_group_sizes(sizes.data(), static_cast<std::int64_t>(sizes.size()), rows);
+    check_group_sizes(sizes.data(), static_cast<std::int64_t>(sizes.size()), rows, layout);
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
     return error.what();
@@ -162,7 +163,19 @@ TEST(GroupedValidation, GroupSizesOnTheHostInTheDeviceChecksWords) {
   EXPECT_EQ(group_sizes_error_of({2, -1, 3, -2}, 4), "grouped_linear: m_splits[1]=-1 is negative");
   EXPECT_EQ(group_sizes_error_of({2, 3}, 6),
             "grouped_linear: m_splits sums to 5 but the input has 6 rows");
-  EXPECT_EQ(group_sizes_error(1, -1, 0, 4), group_sizes_error_of({2, -1, 3}, 4));
+  EXPECT_EQ(group_sizes_error(WeightLayout::kOutIn, 1, -1, 0, 4),
+            group_sizes_error_of({2, -1, 3}, 4));
+}
+
+// grouped_matmul's calls (ragged_dot's layout) are reported in its own words, on the host as the
+// device-side record of their layout is.
+TEST(GroupedValidation, GroupSizesOfGroupedMatmulInItsWords) {
+  EXPECT_EQ(group_sizes_error_of({2, -1, 3}, 4, WeightLayout::kInOut),
+            "grouped_matmul: group_sizes[1]=-1 is negative");
+  EXPECT_EQ(group_sizes_error_of({2, 3}, 6, WeightLayout::kInOut),
+            "grouped_matmul: group_sizes sums to 5 but the input has 6 rows");
+  EXPECT_EQ(group_sizes_error(WeightLayout::kInOut, -1, 0, 5, 6),
+            group_sizes_error_of({2, 3}, 6, WeightLayout::kInOut));
 }
 
 // 16-bit features that are not multiples of 8 run on padded copies: those operands need no

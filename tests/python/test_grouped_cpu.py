@@ -78,6 +78,12 @@ def test_grouped_matmul_errors_name_its_operands():
     with pytest.raises(ValueError, match=r"^grouped_matmul forward: rhs.shape=\[3, 8, 5\] must be "
                                          r"\[G, in, out\] = \[2, 8, 5\]"):
         mt.grouped_matmul(lhs, rhs, splits([4, 0]))
+    # Group sizes, in its words too, the bias gradient's included (the sums are layout-free)
+    with pytest.raises(ValueError, match=r"^grouped_matmul: group_sizes\[1\]=-1 is negative"):
+        mt.grouped_matmul(lhs, rhs, splits([4, -1, 7]))
+    with pytest.raises(ValueError, match="^grouped_matmul: group_sizes sums to 9 but the input "
+                                         "has 10 rows"):
+        torch.ops.meshla.grouped_bias_grad(torch.randn(10, 5), splits([4, 0, 5]), 3, True)
 
 
 def test_the_engine_binding_takes_every_argument_the_ops_pass():

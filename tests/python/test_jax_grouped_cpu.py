@@ -219,6 +219,8 @@ def test_grouped_matmul_with_transpose_rhs_is_grouped_linear():
     ("sizes dtype", "grouped_matmul forward: group_sizes is float32, expected int64 or int32"),
     ("bias shape", "grouped_matmul forward: bias.shape=[2, 4] must be [G, out] = [2, 3]"),
     ("dtypes", "grouped_matmul: lhs is float32 but rhs is bfloat16; they must match"),
+    ("negative size", "grouped_matmul: group_sizes[1]=-1 is negative"),
+    ("sizes sum", "grouped_matmul: group_sizes sums to 5 but the input has 6 rows"),
 ])
 def test_grouped_matmul_errors_name_its_arguments(case, words):
     lhs, group_sizes, rhs, b = ragged_operands([3, 3])
@@ -230,6 +232,9 @@ def test_grouped_matmul_errors_name_its_arguments(case, words):
         b = jnp.zeros((2, 4), jnp.float32)
     if case == "dtypes":
         rhs = rhs.astype(jnp.bfloat16)
+    if case in ("negative size", "sizes sum"):
+        sizes = [7, -1] if case == "negative size" else [2, 3]
+        group_sizes = jnp.asarray(sizes, group_sizes.dtype)
     from_jax = message(lambda: mj.grouped_matmul(lhs, rhs, group_sizes, b))
     assert from_jax.startswith(words)
     # meshla.torch's grouped_matmul, the same call: the same words (dtype names aside)

@@ -169,10 +169,10 @@ def _on_gpu(grouped_pass, m_splits, out_shape, lead, layout, named, operands):
         return typed(shape, dtype, varying) if varying else jax.ShapeDtypeStruct(shape, dtype)
 
     results = (result(out_shape, lead.dtype), result(((workspace + 3) // 4,), jnp.int32))
-    # The GEMM passes' weight_layout attribute is the core's WeightLayout.
-    attributes = ({} if grouped_pass == _PASS.bias_grad
-                  else {"weight_layout": np.int32(layout.value)})
-    out, _ = jax.ffi.ffi_call(_TARGETS[grouped_pass], results)(*arrays, **attributes)
+    # The weight_layout attribute is the core's WeightLayout (the bias gradient's names the
+    # function in its group-size errors).
+    out, _ = jax.ffi.ffi_call(_TARGETS[grouped_pass], results)(
+        *arrays, weight_layout=np.int32(layout.value))
     return out
 
 
@@ -230,7 +230,7 @@ def _check_concrete_sizes(x, m_splits, weight, bias, layout) -> None:
     _check_ranks(_PASS.forward, m_splits, device, layout, x=x, weight=weight)
     _check(_PASS.forward, m_splits, device, layout, x=x, weight=weight, bias=bias,
            y=jax.ShapeDtypeStruct((x.shape[0], _out_features(weight, layout)), x.dtype))
-    _meshla.check_group_sizes(np.asarray(m_splits).tolist(), x.shape[0])
+    _meshla.check_group_sizes(np.asarray(m_splits).tolist(), x.shape[0], weight_layout=layout)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

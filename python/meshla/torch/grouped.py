@@ -18,7 +18,7 @@ them):
   ``g * group_stride``
 - ``grouped_mm_wgrad_accumulate_(x, dy, m_splits, main_grads)``: ``main_grads[g] += dy_g.T @ x_g``
   for a list of G fp32 ``[out, in]`` tensors, each anywhere (a framework's gradient buffer)
-- ``grouped_bias_grad(dy, m_splits, num_groups)``: ``db_g`` = the sum of dy_g's rows
+- ``grouped_bias_grad(dy, m_splits, num_groups, in_out=False)``: ``db_g`` = the sum of dy_g's rows
 
 Errors that need ``m_splits`` (a negative size, sizes not summing to the rows of ``x``) are found
 on the device: the failing call fills its outputs with NaN and the next grouped call on that device
@@ -104,10 +104,11 @@ def _check_ranks(grouped_pass, m_splits, layout=_LAYOUT.out_in, **operands):
         _check_call(grouped_pass, m_splits, layout=layout, **operands)
 
 
-def _cpu_groups(m_splits, rows):
-    """(start, size) of each group, after the device-side check's rules on the sizes."""
+def _cpu_groups(m_splits, rows, layout):
+    """(start, size) of each group, after the device-side check's rules on the sizes (in the
+    words of ``layout``'s function)."""
     sizes = m_splits.tolist()
-    _meshla.check_group_sizes(sizes, rows)
+    _meshla.check_group_sizes(sizes, rows, weight_layout=layout)
     return list(zip(itertools.accumulate(sizes, initial=0), sizes))
 
 
@@ -173,7 +174,7 @@ def _grouped_mm(x, m_splits, weight, bias, in_out=False):
     y = x.new_empty(x.shape[0], _as_out_in(weight, in_out).shape[1])
     if x.device.type == "cpu":
         _check_call(_PASS.forward, m_splits, layout=layout, x=x, weight=weight, bias=bias, y=y)
-        for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0], layout)):
             rows = x[start:start + size] @ _as_out_in(weight, in_out)[g].T
             y[start:start + size] = rows if bias is None else rows + bias[g]
         return y
@@ -193,7 +194,7 @@ def _grouped_mm_dgrad(dy, m_splits, weight, in_out=False):
     dx = dy.new_empty(dy.shape[0], _as_out_in(weight, in_out).shape[2])
     if dy.device.type == "cpu":
         _check_call(_PASS.dgrad, m_splits, layout=layout, dy=dy, weight=weight, dx=dx)
-        for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0])):
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0], layout)):
             dx[start:start + size] = dy[start:start + size] @ _as_out_in(weight, in_out)[g]
         return dx
     _run(_PASS.dgrad, m_splits, dy, layout=layout, dy=dy, weight=weight, dx=dx)
@@ -221,7 +222,7 @@ def _grouped_mm_wgrad(x, dy, m_splits, group_stride, in_out=False):
                _packed(flat, num_groups, out_features, in_features, group_stride))
     if x.device.type == "cpu":
         _check_call(_PASS.wgrad, m_splits, layout=layout, x=x, dy=dy, dweight=dweight)
-        for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0], layout)):
             _as_out_in(dweight, in_out)[g] = dy[start:start + size].T @ x[start:start + size]
         return flat
     _run(_PASS.wgrad, m_splits, x, layout=layout, x=x, dy=dy, dweight=dweight)
@@ -290,7 +291,7 @@ def _grouped_mm_wgrad_accumulate(x, dy, m_splits, main_grads):
         addresses = _meshla.ArrayMeta([len(main_grads)], [1], _meshla.DType.int64, -1)
         _check_call(_PASS.wgrad, m_splits, accumulate=True, x=x, dy=dy,
                     dweight_addresses=addresses)
-        for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0])):
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, x.shape[0], _LAYOUT.out_in)):
             main_grads[g] += (dy[start:start + size].T @ x[start:start + size]).float()
         return
     _run(_PASS.wgrad, m_splits, x, x=x, dy=dy,
@@ -302,22 +303,25 @@ def _(x, dy, m_splits, main_grads):
     return None
 
 
-@op("grouped_bias_grad(Tensor dy, Tensor m_splits, SymInt num_groups) -> Tensor")
-def _grouped_bias_grad(dy, m_splits, num_groups):
-    _check_ranks(_PASS.bias_grad, m_splits, dy=dy)
+@op("grouped_bias_grad(Tensor dy, Tensor m_splits, SymInt num_groups, bool in_out=False) "
+    "-> Tensor")
+def _grouped_bias_grad(dy, m_splits, num_groups, in_out=False):
+    """``in_out``: for grouped_matmul's gradient (its words in errors); the sums are the same."""
+    layout = _layout(in_out)
+    _check_ranks(_PASS.bias_grad, m_splits, layout, dy=dy)
     dbias = dy.new_empty(num_groups, dy.shape[1])
     if dy.device.type == "cpu":
-        _check_call(_PASS.bias_grad, m_splits, dy=dy, dbias=dbias)
-        for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0])):
+        _check_call(_PASS.bias_grad, m_splits, layout=layout, dy=dy, dbias=dbias)
+        for g, (start, size) in enumerate(_cpu_groups(m_splits, dy.shape[0], layout)):
             dbias[g] = dy[start:start + size].sum(
                 0, dtype=torch.promote_types(dy.dtype, torch.float32))
         return dbias
-    _run(_PASS.bias_grad, m_splits, dy, dy=dy, dbias=dbias)
+    _run(_PASS.bias_grad, m_splits, dy, layout=layout, dy=dy, dbias=dbias)
     return dbias
 
 
 @torch.library.register_fake("meshla::grouped_bias_grad")
-def _(dy, m_splits, num_groups):
+def _(dy, m_splits, num_groups, in_out=False):
     return dy.new_empty(num_groups, dy.shape[1])
 
 
@@ -355,7 +359,7 @@ class _GroupedMatmulFunction(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             dweight = _weight_grad(x, dy, m_splits, weight.shape[0], weight.dtype, ctx.in_out)
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            dbias = _grouped_bias_grad(dy, m_splits, weight.shape[0])
+            dbias = _grouped_bias_grad(dy, m_splits, weight.shape[0], ctx.in_out)
         return dx, None, dweight, dbias, None
 
 

@@ -1,6 +1,7 @@
 #include "bindings/jax/grouped.hpp"
 
 #include <cstdint>
+#include <utility>
 
 #include "bindings/jax/ffi_common.hpp"
 #include "core/alignment.hpp"
@@ -87,54 +88,45 @@ ffi::Error wgrad(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_spli
 
 ffi::Error bias_grad(cudaStream_t stream, std::int32_t device, ffi::AnyBuffer m_splits,
                      ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dbias,
-                     ffi::Result<ffi::AnyBuffer> workspace) {
+                     ffi::Result<ffi::AnyBuffer> workspace, std::int32_t weight_layout) {
   return run(GroupedPass::kBiasGrad, stream, device,
              {.m_splits = view_of(m_splits, device, "m_splits"),
               .dy = view_of(dy, device, "dy"),
               .dbias = view_of(*dbias, device, "dbias")},
-             *workspace, static_cast<std::int32_t>(WeightLayout::kOutIn));
+             *workspace, weight_layout);
 }
 
-auto bound() {
-  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+// A pass's binding: m_splits and its `Arrays - 1` operands, then its output and the workspace,
+// and the weight_layout attribute, WeightLayout's value (the bias gradient's: the words of its
+// errors).
+template <int Arrays, typename Binding>
+auto pass_binding(Binding binding) {
+  if constexpr (Arrays == 0) {
+    return std::move(binding)
+        .template Ret<ffi::AnyBuffer>()
+        .template Ret<ffi::AnyBuffer>()
+        .template Attr<std::int32_t>("weight_layout");
+  } else {
+    return pass_binding<Arrays - 1>(std::move(binding).template Arg<ffi::AnyBuffer>());
+  }
+}
+
+template <int Arrays>
+auto pass_binding() {
+  return pass_binding<Arrays>(
+      ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>());
 }
 
 }  // namespace
 
-// Each pass: m_splits and its operands, then its output and the workspace; the GEMM passes'
-// weight_layout attribute is WeightLayout's value.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_forward, forward,
-                              bound()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::int32_t>("weight_layout"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_forward, forward, pass_binding<4>(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_dgrad, dgrad,
-                              bound()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::int32_t>("weight_layout"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_dgrad, dgrad, pass_binding<3>(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_wgrad, wgrad,
-                              bound()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::int32_t>("weight_layout"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_wgrad, wgrad, pass_binding<3>(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    meshla_grouped_bias_grad, bias_grad,
-    bound().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>(),
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_grouped_bias_grad, bias_grad, pass_binding<2>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 std::vector<std::pair<std::string, void*>> grouped_targets() {
   return {{"meshla_grouped_forward", reinterpret_cast<void*>(&meshla_grouped_forward)},

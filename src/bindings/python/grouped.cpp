@@ -74,12 +74,13 @@ void bind_grouped(nb::module_& m) {
 
   m.def(
       "check_group_sizes",
-      [](const std::vector<std::int64_t>& sizes, std::int64_t rows) {
-        check_group_sizes(sizes.data(), static_cast<std::int64_t>(sizes.size()), rows);
+      [](const std::vector<std::int64_t>& sizes, std::int64_t rows, WeightLayout weight_layout) {
+        check_group_sizes(sizes.data(), static_cast<std::int64_t>(sizes.size()), rows,
+                          weight_layout);
       },
-      "sizes"_a, "rows"_a,
+      "sizes"_a, "rows"_a, "weight_layout"_a = WeightLayout::kOutIn,
       "Raises ValueError for a negative size or sizes not summing to `rows`, in the words of the "
-      "device-side check.");
+      "device-side check for a call of `weight_layout`'s function.");
 
   nb::class_<GroupedMatmul>(m, "GroupedMatmul",
                             "Grouped GEMM of one device (see meshla/grouped_matmul.hpp).")
