@@ -326,6 +326,20 @@ def check_bad_splits(report):
     raised = _value_error_of(mt.check_device_errors)
     report.record("bad-splits/check_device_errors", 0, "sums to 6" in raised, raised)
 
+    # grouped_matmul's bad sizes, found on the device, in its own words (its forward runs as the
+    # [G, out, in] kernels' dgrad, padded here: 16 and 30 features are not multiples of 8 for
+    # bf16), then grouped_linear's in theirs: each report names the function whose call it was.
+    lhs = torch.randn(64, 30, device=dev, dtype=torch.bfloat16)
+    rhs = torch.randn(3, 30, 16, device=dev, dtype=torch.bfloat16)
+    for name, (call, expected) in {
+            "grouped_matmul": (lambda: mt.grouped_matmul(lhs, rhs, torch.tensor(
+                [30, -2, 36], device=dev)), "grouped_matmul: group_sizes[1]=-2 is negative"),
+            "grouped_linear": (lambda: mt.grouped_linear(x, torch.tensor(
+                [1, 2, 3], device=dev), w), "grouped_linear: m_splits sums to 6")}.items():
+        call()
+        raised = _value_error_of(mt.check_device_errors)
+        report.record(f"bad-splits/words/{name}", 0, expected in raised, raised)
+
     # A bad call on a side stream, still queued behind a wait there (a delayed weight gradient's
     # case): check_device_errors() from the current stream waits for it too.
     side = torch.cuda.Stream(dev)

@@ -148,6 +148,22 @@ def errors(report: Reporter, seed: int) -> None:
 
     report.check("bad sizes: NaN, then the next call raises", body)
 
+    def ragged_body():  # grouped_matmul's bad sizes, found on the device, in its own words
+        keys = jax.random.split(jax.random.key(seed + 1), 2)
+        lhs = jax.random.normal(keys[0], (96, 64), jnp.bfloat16)
+        rhs = jax.random.normal(keys[1], (2, 64, 32), jnp.bfloat16)
+        call = jax.jit(mj.grouped_matmul)
+        poisoned = np.asarray(call(lhs, rhs, jnp.asarray([100, -4], jnp.int32)), np.float32)
+        try:
+            np.asarray(call(lhs, rhs, jnp.asarray([48, 48], jnp.int32)))
+        except jax.errors.JaxRuntimeError as error:
+            named = "grouped_matmul: group_sizes[1]=-4 is negative" in str(error)
+            return (bool(np.all(np.isnan(poisoned))) and named,
+                    f"NaN output {np.all(np.isnan(poisoned))}; next call: {error}")
+        return False, "the next call did not raise"
+
+    report.check("bad sizes of grouped_matmul: NaN, then its words", ragged_body)
+
 
 def main():
     args = check_parser(__doc__, "jax-grouped", FAMILIES).parse_args()
