@@ -10,7 +10,10 @@ One process per GPU; the whole world is the tensor-parallel group:
    --compiled also bf16 and tensorwise under torch.compile(fullgraph=True) (inductor fuses the
    casts' passes). Its rows keep each variant's relative error against the eager bf16 step
    (output and gradients; fp8 rounding, not a pass/fail check: the CPU and GPU tests check the
-   layers against float64).
+   layers against float64). Where torchao is installed (its wheel carried), its Float8 training
+   on torch's tensor parallelism, compiled with inductor's async TP (as TorchTitan runs it), is
+   timed beside: torchao_tensorwise (its Float8 TP styles: the all-gather in fp8) and
+   torchao_rowwise (torch's plain TP styles, as TorchTitan pairs them with that recipe).
 2. Loss: --steps steps of AdamW (lr 1e-3) on a fixed-seed regression task (a smaller MLP, hidden
    1024, inner 4096, 8192 tokens, learning a random teacher MLP's outputs), once in bf16 and once
    per recipe from the same start; each row keeps the mean loss of the last 10 steps and its
@@ -33,7 +36,9 @@ from collective_matmul import (  # sets the multicast-off environment first
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from collective_matmul import agreed_error, enable_symm_mem
 from progress import Progress
+from tp_mlp import dtensor_mlp, local
 
 RECIPES = ("tensorwise", "rowwise")
 
@@ -60,6 +65,28 @@ def whole_mlp(hidden: int, inner: int, seed: int, device) -> torch.nn.Sequential
         torch.nn.Linear(inner, hidden, bias=False)).to(device=device, dtype=torch.bfloat16)
 
 
+def torchao_mlp(whole: torch.nn.Sequential, tp: int, recipe: str) -> torch.nn.Module:
+    """`whole` in torchao's Float8 training (its Linears made Float8Linear with the recipe's
+    dynamic scaling) under torch's tensor parallelism, compiled with async TP."""
+    from copy import deepcopy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+    model = convert_to_float8_training(deepcopy(whole),
+                                       config=Float8LinearConfig.from_recipe_name(recipe))
+    styles = (Float8ColwiseParallel, Float8RowwiseParallel) if recipe == "tensorwise" else ()
+    return torch.compile(dtensor_mlp(model, tp, *styles), options={"_micro_pipeline_tp": True})
+
+
+def torchao_unavailable() -> str | None:
+    """Why torchao's variants cannot run here, or None."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as e:
+        return f"torchao is not installed ({e})"
+    return enable_symm_mem()
+
+
 def step_times(m: int, tp: int, rank: int, group, args, device) -> list[dict]:
     whole = whole_mlp(HIDDEN, INTERMEDIATE, 1234, device)
     torch.manual_seed(1234 + rank)
@@ -71,6 +98,14 @@ def step_times(m: int, tp: int, rank: int, group, args, device) -> list[dict]:
         models["bf16_compiled"] = torch.compile(models["bf16"], fullgraph=True)
         models["fp8_tensorwise_compiled"] = torch.compile(models["fp8_tensorwise"],
                                                           fullgraph=True)
+    unavailable = {}
+    torchao_error = torchao_unavailable()
+    for recipe in RECIPES:
+        name = f"torchao_{recipe}"
+        if torchao_error:
+            unavailable[name] = torchao_error
+        else:
+            models[name] = torchao_mlp(whole, tp, recipe)
     del whole
 
     def step(model, keep=None):
@@ -80,21 +115,26 @@ def step_times(m: int, tp: int, rank: int, group, args, device) -> list[dict]:
         y = model(x)
         y.backward(dy)
         if keep is not None:
-            keep[:] = [y.detach(), x.grad, *(p.grad for p in model.parameters())]
+            keep[:] = [y.detach(), x.grad, *(local(p.grad) for p in model.parameters())]
 
     results = {}
     for name, model in models.items():
-        results[name] = []
-        step(model, results[name])  # builds the plans (and compiles)
+        results[name] = kept = []
+        # builds the plans (and compiles); a peer that fails is recorded, not fatal
+        error = agreed_error(lambda model=model, kept=kept: step(model, kept))
+        if error:
+            unavailable[name] = error
     errors = {name: slowest_rank(max(relative_error(g, w) for g, w in
                                      zip(got, results["bf16"])))
-              for name, got in results.items()}
+              for name, got in results.items() if name not in unavailable}
     del results
     times = {name: time_ms(lambda model=model: step(model), args.iters, args.warmup_ms, args.reps)
-             for name, model in models.items()}
+             for name, model in models.items() if name not in unavailable}
     return [{"part": "step", "m": m, "tp": tp, "variant": name, "time_ms": t,
              "speedup_vs_bf16": times["bf16"] / t, "error_vs_bf16": errors[name]}
-            for name, t in times.items()]
+            for name, t in times.items()] + [
+        {"part": "step", "m": m, "tp": tp, "variant": name, "time_ms": None,
+         "unavailable": why} for name, why in unavailable.items()]
 
 
 def losses(steps: int, tp: int, rank: int, group, device) -> list[dict]:
@@ -151,7 +191,9 @@ def main():
         append_run(args.out, run_record(device, args, rows, bench="fp8_mlp",
                                         dtype="bfloat16 and float8_e4m3fn/e5m2"))
         for r in rows:
-            if r["part"] == "step":
+            if r["part"] == "step" and r["time_ms"] is None:
+                print(f"step M={r['m']:<6} {r['variant']:<15} unavailable: {r['unavailable']}")
+            elif r["part"] == "step":
                 print(f"step M={r['m']:<6} {r['variant']:<15} {r['time_ms']:8.3f} ms  "
                       f"{r['speedup_vs_bf16']:5.2f}x bf16  error vs bf16 {r['error_vs_bf16']:.2e}")
             else:

@@ -74,7 +74,11 @@ class MeshlaMLP(torch.nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def dtensor_mlp(whole: torch.nn.Sequential, tp: int) -> torch.nn.Sequential:
+def dtensor_mlp(whole: torch.nn.Sequential, tp: int, colwise=None,
+                rowwise=None) -> torch.nn.Sequential:
+    """`whole` (copied) under torch's tensor parallelism, sequence parallel: the first Linear
+    column-parallel, the second row-parallel, by torch's ColwiseParallel and RowwiseParallel or
+    the given styles of the same signature (torchao's Float8 ones, say)."""
     from copy import deepcopy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -85,9 +89,10 @@ def dtensor_mlp(whole: torch.nn.Sequential, tp: int) -> torch.nn.Sequential:
         parallelize_module,
     )
     mesh = init_device_mesh("cuda", (tp,))
+    colwise, rowwise = colwise or ColwiseParallel, rowwise or RowwiseParallel
     return parallelize_module(deepcopy(whole), mesh, {
-        "0": ColwiseParallel(input_layouts=Shard(0)),
-        "2": RowwiseParallel(output_layouts=Shard(0))})
+        "0": colwise(input_layouts=Shard(0)),
+        "2": rowwise(output_layouts=Shard(0))})
 
 
 def local(t) -> torch.Tensor:
