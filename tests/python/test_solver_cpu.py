@@ -224,16 +224,40 @@ def test_jax_tall_qr_and_least_squares_match_numpy(mesh, dtype):
             < 100 * tolerance)
 
 
+def check_svd_and_polar(a, u, s, vh, unitary, hermitian, tolerance):
+    """U diag(s) Vᴴ = A with U's columns orthonormal and numpy's s; numpy's polar factors."""
+    n = a.shape[1]
+    assert np.abs(s - np.linalg.svd(a, compute_uv=False)).max() < tolerance * s[0]
+    assert np.linalg.norm((u * s) @ vh - a) < tolerance * np.linalg.norm(a)
+    assert np.linalg.norm(u.conj().T @ u - np.eye(n)) < tolerance * n
+    want_u, want_h = numpy_polar(a)
+    assert np.linalg.norm(unitary - want_u) < tolerance * np.linalg.norm(want_u)
+    assert np.linalg.norm(hermitian - want_h) < tolerance * np.linalg.norm(want_h)
+
+
 def test_tall_qr_of_one_block_is_its_own(mesh):
-    """On one device the QR is the block's (no second stage), in both frameworks."""
+    """On one device the QR is the block's (no second stage), in both frameworks, and svd and
+    polar build on it."""
     a = tall(48, 12, np.float64, 27)
     one = Mesh(np.array(jax.devices("cpu")[:1]), ("x",))
-    assert str(jax.make_jaxpr(lambda a: linalg.qr(a, one))(a)).count(" qr[") == 1
+    for routine in (linalg.qr, linalg.svd, linalg.polar):
+        qrs = [line.split("=")[0].split()[0] for line in
+               str(jax.make_jaxpr(lambda a: routine(a, one))(a)).splitlines() if " qr[" in line]
+        # the block's QR, and no QR of the stacked R factors ([12, 12]; QDWH's are [24, 12])
+        assert sum(q.endswith("f64[48,12]") for q in qrs) == 1, qrs
+        assert not any(q.endswith("f64[12,12]") for q in qrs), qrs
     q, r = jax.jit(lambda a: linalg.qr(a, one))(put(a, one))
     check_qr(a, np.asarray(q), np.asarray(r), 1e-13)
     np.testing.assert_allclose(np.asarray(r), np.linalg.qr(a)[1], rtol=1e-12, atol=1e-12)
+    u, s, vh = jax.jit(lambda a: linalg.svd(a, one))(put(a, one))
+    unitary, hermitian = jax.jit(lambda a: linalg.polar(a, one))(put(a, one))
+    check_svd_and_polar(a, *map(np.asarray, (u, s, vh, unitary, hermitian)), 1e-12)
     factors = torch_linalg.qr([torch.from_numpy(a)])
     check_qr(a, factors.q[0].numpy(), factors.r.numpy(), 1e-13)
+    decomposed = torch_linalg.svd([torch.from_numpy(a)])
+    polar = torch_linalg.polar([torch.from_numpy(a)])
+    check_svd_and_polar(a, decomposed.u[0].numpy(), decomposed.s.numpy(), decomposed.vh.numpy(),
+                        polar.u[0].numpy(), polar.h.numpy(), 1e-12)
     # qr_shard in a world of one process (gloo): the block's QR, no collective after the checks
     import socket
 
@@ -245,9 +269,13 @@ def test_tall_qr_of_one_block_is_its_own(mesh):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         alone = torch_linalg.qr_shard(torch.from_numpy(a))
+        decomposed = torch_linalg.svd_shard(torch.from_numpy(a))
+        polar = torch_linalg.polar_shard(torch.from_numpy(a))
     finally:
         dist.destroy_process_group()
     check_qr(a, alone.q.numpy(), alone.r.numpy(), 1e-13)
+    check_svd_and_polar(a, decomposed.u.numpy(), decomposed.s.numpy(), decomposed.vh.numpy(),
+                        polar.u.numpy(), polar.h.numpy(), 1e-12)
 
 
 def numpy_polar(a):

@@ -340,11 +340,25 @@ def _check_tall(name: str, a_block, mesh: Mesh, axis: str, nrhs: int = 0) -> Non
                          dtype_of(f"{name}: a", a_block), parts, nrhs)
 
 
-def _tall_factors(a_block, axis: str):
-    """(this block's Q [rows, n], the stacked factors' Q [P n, n], R [n, n])."""
+def _tall_factors(a_block, axis: str, parts: int):
+    """(this block's Q [rows, n], this device's n rows of the stacked R factors' Q, R [n, n]).
+    Where one device holds all of A its block's QR is A's, and the second factor is None: the
+    second stage would cost 2 m n² for nothing (NOTES 87)."""
     q_block, r_block = jnp.linalg.qr(a_block)
+    if parts == 1:
+        return q_block, None, r_block
     q_stacked, r = jnp.linalg.qr(jax.lax.all_gather(r_block, axis, tiled=True))
-    return q_block, q_stacked, r
+    n = a_block.shape[1]
+    mine = jax.lax.dynamic_slice_in_dim(q_stacked, jax.lax.axis_index(axis) * n, n, axis=0)
+    return q_block, mine, r
+
+
+def _q_times(q_block, second, right=None):
+    """This device's rows of Q (times ``right``, n x n): Q_block (second (right)), the factors
+    that are None left out."""
+    if second is not None:
+        right = second if right is None else jnp.matmul(second, right, precision=_FULL)
+    return q_block if right is None else jnp.matmul(q_block, right, precision=_FULL)
 
 
 def _reflected(a, b):
@@ -354,10 +368,6 @@ def _reflected(a, b):
     n = a.shape[1]
     qtb = jax.lax.linalg.ormqr(h.mT, taus, b, left=True, transpose=True)
     return jnp.triu(h.mT[:n]), qtb[:n]
-
-
-def _stacked_slice(q_stacked, axis: str, n: int):
-    return jax.lax.dynamic_slice_in_dim(q_stacked, jax.lax.axis_index(axis) * n, n, axis=0)
 
 
 def qr_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> QR:
@@ -373,11 +383,8 @@ def qr_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> QR:
     the block's own QR alone)."""
     axis = _axis_of(mesh, axis)
     _check_tall("qr", a_block, mesh, axis)
-    if mesh.shape[axis] == 1:  # one block: its QR is A's (the second stage would cost 2 m n²)
-        return QR(*jnp.linalg.qr(a_block))
-    q_block, q_stacked, r = _tall_factors(a_block, axis)
-    n = a_block.shape[1]
-    return QR(jnp.matmul(q_block, _stacked_slice(q_stacked, axis, n), precision=_FULL), r)
+    q_block, second, r = _tall_factors(a_block, axis, mesh.shape[axis])
+    return QR(_q_times(q_block, second), r)
 
 
 def _square_polar(r):
@@ -422,10 +429,9 @@ def svd_shard(a_block, *, mesh: Mesh, axis: str | None = None, compute_uv: bool 
         r_block = jnp.linalg.qr(a_block, mode="r")
         r = jnp.linalg.qr(jax.lax.all_gather(r_block, axis, tiled=True), mode="r")
         return SVD(None, _square_svd(r, compute_uv=False), None)
-    q_block, q_stacked, r = _tall_factors(a_block, axis)
+    q_block, second, r = _tall_factors(a_block, axis, mesh.shape[axis])
     u_r, s, vh = _square_svd(r)
-    mine = jnp.matmul(_stacked_slice(q_stacked, axis, a_block.shape[1]), u_r, precision=_FULL)
-    return SVD(jnp.matmul(q_block, mine, precision=_FULL), s, vh)
+    return SVD(_q_times(q_block, second, u_r), s, vh)
 
 
 def polar_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> Polar:
@@ -435,10 +441,9 @@ def polar_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> Polar:
     R = U_R H by QDWH. Returns a :class:`Polar`. Raises as :func:`qr_shard` does."""
     axis = _axis_of(mesh, axis)
     _check_tall("polar", a_block, mesh, axis)
-    q_block, q_stacked, r = _tall_factors(a_block, axis)
+    q_block, second, r = _tall_factors(a_block, axis, mesh.shape[axis])
     u_r, h = _square_polar(r)
-    mine = jnp.matmul(_stacked_slice(q_stacked, axis, a_block.shape[1]), u_r, precision=_FULL)
-    return Polar(jnp.matmul(q_block, mine, precision=_FULL), h)
+    return Polar(_q_times(q_block, second, u_r), h)
 
 
 def least_squares_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None

@@ -328,10 +328,28 @@ def _check_tall_shards(name: str, a_shards: Sequence[torch.Tensor],
 
 
 def _blocks_factors(a_shards: Sequence[torch.Tensor]):
-    """(each block's Q, the stacked R factors' Q on the first device, R) of the row blocks."""
+    """(each block's Q, each block's n rows of the stacked R factors' Q on its device, R) of
+    the row blocks. One block's QR is A's, and its second factor None: the second stage would
+    cost 2 m n² for nothing (NOTES 87)."""
     local = [torch.linalg.qr(block) for block in a_shards]
+    q_blocks = [q_block for q_block, _ in local]
+    if len(local) == 1:
+        return q_blocks, [None], local[0][1]
     q_stacked, r = _stacked_qr([r_block for _, r_block in local])
-    return [q_block for q_block, _ in local], q_stacked, r
+    n = r.shape[0]
+    return q_blocks, [q_stacked[p * n:(p + 1) * n].to(q_block.device)
+                      for p, q_block in enumerate(q_blocks)], r
+
+
+def _q_times(q_block: torch.Tensor, second: torch.Tensor | None,
+             right: torch.Tensor | None = None) -> torch.Tensor:
+    """A block's rows of Q (times ``right``, n x n, moved to the block's device): Q_block
+    (second (right)), the factors that are None left out."""
+    if right is not None:
+        right = right.to(q_block.device)
+    if second is not None:
+        right = second if right is None else second @ right
+    return q_block if right is None else q_block @ right
 
 
 def _stacked_qr(r_blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -370,13 +388,9 @@ def qr(a_shards: Sequence[torch.Tensor]) -> QR:
     shape or dtype, or an unsupported dtype, and ``NotImplementedError`` where a block's rows are
     fewer than A's columns (the tall-skinny QR; square and wide matrices are not supported
     yet)."""
-    _, n, _ = _check_tall_shards("qr", a_shards)
-    if len(a_shards) == 1:  # one block: its QR is A's (the second stage would cost 2 m n²)
-        q, r = torch.linalg.qr(a_shards[0])
-        return QR([q], r)
-    q_blocks, q_stacked, r = _blocks_factors(a_shards)
-    return QR([q_block @ q_stacked[p * n:(p + 1) * n].to(q_block.device)
-               for p, q_block in enumerate(q_blocks)], r)
+    _check_tall_shards("qr", a_shards)
+    q_blocks, seconds, r = _blocks_factors(a_shards)
+    return QR([_q_times(q, second) for q, second in zip(q_blocks, seconds)], r)
 
 
 def svd(a_shards: Sequence[torch.Tensor], *, compute_uv: bool = True) -> SVD:
@@ -384,15 +398,13 @@ def svd(a_shards: Sequence[torch.Tensor], *, compute_uv: bool = True) -> SVD:
     full_matrices=False)``: from the tall-skinny QR, A = Q R and R = U_R diag(s) Vᴴ (R's SVD by
     QDWH, see meshla.torch._square), U = Q U_R. ``compute_uv=False`` gives the values alone (no Q
     is formed). Returns an :class:`SVD`. Raises as :func:`qr` does."""
-    _, n, _ = _check_tall_shards("svd", a_shards)
+    _check_tall_shards("svd", a_shards)
     if not compute_uv:
         _, r = _stacked_qr([torch.linalg.qr(block, mode="r")[1] for block in a_shards])
         return SVD(None, _square.svd(r, compute_uv=False), None)
-    q_blocks, q_stacked, r = _blocks_factors(a_shards)
+    q_blocks, seconds, r = _blocks_factors(a_shards)
     u_r, s, vh = _square.svd(r)
-    rotated = q_stacked @ u_r
-    return SVD([q_block @ rotated[p * n:(p + 1) * n].to(q_block.device)
-                for p, q_block in enumerate(q_blocks)], s, vh)
+    return SVD([_q_times(q, second, u_r) for q, second in zip(q_blocks, seconds)], s, vh)
 
 
 def polar(a_shards: Sequence[torch.Tensor]) -> Polar:
@@ -400,12 +412,10 @@ def polar(a_shards: Sequence[torch.Tensor]) -> Polar:
     ``scipy.linalg.polar``): U = Q U_R and H from the tall-skinny QR, A = Q R, and R's polar
     decomposition R = U_R H (by QDWH, see meshla.torch._square). Returns a :class:`Polar`. Raises
     as :func:`qr` does."""
-    _, n, _ = _check_tall_shards("polar", a_shards)
-    q_blocks, q_stacked, r = _blocks_factors(a_shards)
+    _check_tall_shards("polar", a_shards)
+    q_blocks, seconds, r = _blocks_factors(a_shards)
     u_r, h = _square.polar(r)
-    rotated = q_stacked @ u_r
-    return Polar([q_block @ rotated[p * n:(p + 1) * n].to(q_block.device)
-                  for p, q_block in enumerate(q_blocks)], h)
+    return Polar([_q_times(q, second, u_r) for q, second in zip(q_blocks, seconds)], h)
 
 
 def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Tensor], *,
@@ -685,16 +695,14 @@ def _all_gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def _shard_factors(a: torch.Tensor, group):
-    """(this rank's block's Q, the stacked R factors' Q, R), the same R on every rank."""
+    """(this rank's block's Q, its n rows of the stacked R factors' Q (ranks in the group's
+    order), R), the same R on every rank; with one rank, as :func:`_blocks_factors`'s one block."""
     q_block, r_block = torch.linalg.qr(a)
+    if dist.get_world_size(group) == 1:
+        return q_block, None, r_block
     q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
-    return q_block, q_stacked, r
-
-
-def _own_slice(q_stacked: torch.Tensor, group, n: int) -> torch.Tensor:
-    """This rank's n rows of the stacked factors' Q (ranks in the group's order)."""
-    rank = dist.get_rank(group)
-    return q_stacked[rank * n:(rank + 1) * n]
+    n, rank = r.shape[0], dist.get_rank(group)
+    return q_block, q_stacked[rank * n:(rank + 1) * n], r
 
 
 def qr_shard(a: torch.Tensor, group=None) -> QR:
@@ -703,34 +711,32 @@ def qr_shard(a: torch.Tensor, group=None) -> QR:
     default the world), on one host or several. Collective. Returns a :class:`QR` of this rank's
     block of Q and R (the same on every rank). Raises as :func:`qr` does, on every rank, and
     ``ValueError`` on every rank where the ranks' blocks differ in shape or dtype."""
-    _, n = _agreed_tall_shard("qr_shard", a, None, group)
-    if dist.get_world_size(group) == 1:  # one block: its QR is A's
-        return QR(*torch.linalg.qr(a))
-    q_block, q_stacked, r = _shard_factors(a, group)
-    return QR(q_block @ _own_slice(q_stacked, group, n), r)
+    _agreed_tall_shard("qr_shard", a, None, group)
+    q_block, second, r = _shard_factors(a, group)
+    return QR(_q_times(q_block, second), r)
 
 
 def svd_shard(a: torch.Tensor, group=None, *, compute_uv: bool = True) -> SVD:
     """:func:`svd` with one process per device, as :func:`qr_shard` runs :func:`qr`: returns an
     :class:`SVD` of this rank's block of U, and s and Vᴴ on every rank. Raises as
     :func:`qr_shard` does."""
-    _, n = _agreed_tall_shard("svd_shard", a, None, group)
+    _agreed_tall_shard("svd_shard", a, None, group)
     if not compute_uv:
         _, r = _stacked_qr(_all_gather_small(torch.linalg.qr(a, mode="r")[1], group))
         return SVD(None, _square.svd(r, compute_uv=False), None)
-    q_block, q_stacked, r = _shard_factors(a, group)
+    q_block, second, r = _shard_factors(a, group)
     u_r, s, vh = _square.svd(r)
-    return SVD(q_block @ (_own_slice(q_stacked, group, n) @ u_r), s, vh)
+    return SVD(_q_times(q_block, second, u_r), s, vh)
 
 
 def polar_shard(a: torch.Tensor, group=None) -> Polar:
     """:func:`polar` with one process per device, as :func:`qr_shard` runs :func:`qr`: returns a
     :class:`Polar` of this rank's block of U, and H on every rank. Raises as :func:`qr_shard`
     does."""
-    _, n = _agreed_tall_shard("polar_shard", a, None, group)
-    q_block, q_stacked, r = _shard_factors(a, group)
+    _agreed_tall_shard("polar_shard", a, None, group)
+    q_block, second, r = _shard_factors(a, group)
     u_r, h = _square.polar(r)
-    return Polar(q_block @ (_own_slice(q_stacked, group, n) @ u_r), h)
+    return Polar(_q_times(q_block, second, u_r), h)
 
 
 def least_squares_shard(a: torch.Tensor, b: torch.Tensor, group=None, *,
