@@ -370,6 +370,26 @@ def _reflected(a, b):
     return jnp.triu(h.mT[:n]), qtb[:n]
 
 
+def _factors_and_projection(a_block, b_block, axis: str, parts: int):
+    """(R, Qᴴ B) of the tall-skinny QR, Q never formed (differentiated through the blocks' formed
+    Q, as least_squares was before: geqrf has no derivative in jax)."""
+    def formed(a_block, b_block):
+        q_block, second, r = _tall_factors(a_block, axis, parts)
+        part = jnp.matmul(q_block.conj().T, b_block, precision=_FULL)
+        if second is not None:
+            part = jax.lax.psum(jnp.matmul(second.conj().T, part, precision=_FULL), axis)
+        return r, part
+
+    @_differentiated_as(formed)
+    def reflected(a_block, b_block):
+        # Qᴴ B = (second Q)ᴴ [Q_pᴴ B_p stacked over the devices]
+        r_block, qtb_block = _reflected(a_block, b_block)
+        return _reflected(jax.lax.all_gather(r_block, axis, tiled=True),
+                          jax.lax.all_gather(qtb_block, axis, tiled=True))
+
+    return reflected(a_block, b_block)
+
+
 def qr_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> QR:
     """Inside ``shard_map``: the reduced QR of a tall A sharded by rows over ``axis``: this
     device's rows of Q and R (the same on every device), A = Q R.
@@ -387,6 +407,26 @@ def qr_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> QR:
     return QR(_q_times(q_block, second), r)
 
 
+def _differentiated_as(differentiable):
+    """Makes a fast function's derivative that of ``differentiable`` (the same values, computed
+    the way jax can differentiate): QDWH's while loop and geqrf have no reverse-mode rule, while
+    the routines they replace were differentiable. Under differentiation the values are
+    ``differentiable``'s too, so they match their derivative."""
+    def wrap(fast):
+        fast = jax.custom_jvp(fast)
+        fast.defjvp(lambda primals, tangents: jax.jvp(differentiable, primals, tangents))
+        return fast
+    return wrap
+
+
+def _polar_by_svd(r):
+    """R = U H from R's SVD by gesvd."""
+    u_r, s, vh = jnp.linalg.svd(r, full_matrices=False)
+    return (jnp.matmul(u_r, vh, precision=_FULL),
+            jnp.matmul(vh.conj().T * s.astype(vh.dtype), vh, precision=_FULL))
+
+
+@_differentiated_as(_polar_by_svd)
 def _square_polar(r):
     """(U, H), R = U H for the tall routines' n x n R, by jax's QDWH: GEMM, QR and Cholesky
     iterations, 150 ms at n = 4096 in float64 on an H200 against 2.4 s for the SVD's gesvd
@@ -400,24 +440,26 @@ def _square_polar(r):
     product = jnp.matmul(u.conj().T, r, precision=_FULL)
     skew = jnp.linalg.norm(product - product.conj().T) / 2
     converged = (miss <= tolerance) & (skew <= tolerance * jnp.linalg.norm(r))  # NaN: False
-
-    def by_svd():
-        u_r, s, vh = jnp.linalg.svd(r, full_matrices=False)
-        return (jnp.matmul(u_r, vh, precision=_FULL),
-                jnp.matmul(vh.conj().T * s.astype(vh.dtype), vh, precision=_FULL))
-
-    return jax.lax.cond(converged, lambda: (u, h), by_svd)
+    return jax.lax.cond(converged, lambda: (u, h), lambda: _polar_by_svd(r))
 
 
 def _square_svd(r, compute_uv: bool = True):
     """R's SVD (U, s descending, Vᴴ), or s alone, from its polar decomposition: H = V diag(s) Vᴴ
-    and U = U_p V."""
+    and U = U_p V (differentiated as gesvd's)."""
+    return (_square_svd_vectors if compute_uv else _square_singular_values)(r)
+
+
+@_differentiated_as(lambda r: tuple(jnp.linalg.svd(r, full_matrices=False)))
+def _square_svd_vectors(r):
     u_p, h = _square_polar(r)
-    if not compute_uv:
-        return jnp.maximum(jnp.linalg.eigvalsh(h)[::-1], 0)
     values, v = jnp.linalg.eigh(h)
     v = v[:, ::-1]
     return jnp.matmul(u_p, v, precision=_FULL), jnp.maximum(values[::-1], 0), v.conj().T
+
+
+@_differentiated_as(lambda r: jnp.linalg.svd(r, compute_uv=False))
+def _square_singular_values(r):
+    return jnp.maximum(jnp.linalg.eigvalsh(_square_polar(r)[1])[::-1], 0)
 
 
 def svd_shard(a_block, *, mesh: Mesh, axis: str | None = None, compute_uv: bool = True) -> SVD:
@@ -462,10 +504,7 @@ def least_squares_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None
     _check_tall("least_squares", a_block, mesh, axis)  # a's own rules before b's
     _check_rhs_block("least_squares", a_block, b_block)
     _check_tall("least_squares", a_block, mesh, axis, b_block.shape[1])
-    # Qᴴ B = (second Q)ᴴ [Q_pᴴ B_p stacked over the devices]
-    r_block, qtb_block = _reflected(a_block, b_block)
-    r, qtb = _reflected(jax.lax.all_gather(r_block, axis, tiled=True),
-                        jax.lax.all_gather(qtb_block, axis, tiled=True))
+    r, qtb = _factors_and_projection(a_block, b_block, axis, mesh.shape[axis])
     info = _first_zero_info(jnp.diagonal(r))
     x = jax.scipy.linalg.solve_triangular(r, qtb, lower=False)
     return jnp.where(info > 0, jnp.nan, x).astype(a_block.dtype), info

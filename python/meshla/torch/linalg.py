@@ -428,8 +428,15 @@ def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Ten
     match A's, and ``torch.linalg.LinAlgError`` where R has a zero diagonal element (A
     rank-deficient), unless ``check_errors=False`` (X NaN, info > 0)."""
     _check_tall_shards("least_squares", a_shards, b_shards)
-    blocks = [_reflected(a, b) for a, b in zip(a_shards, b_shards)]
     device = a_shards[0].device
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*a_shards, *b_shards)):
+        # torch has no derivative for geqrf: under autograd each block's Q is formed
+        q_blocks, seconds, r = _blocks_factors(a_shards)
+        parts = [q.mH @ b if second is None else second.mH @ (q.mH @ b)
+                 for q, second, b in zip(q_blocks, seconds, b_shards)]
+        qtb = sum(part.to(device) for part in parts)  # (Q_p second_p)ᴴ B_p summed
+        return _solved_by_r("least_squares", r, qtb, check_errors)
+    blocks = [_reflected(a, b) for a, b in zip(a_shards, b_shards)]
     r, qtb = _reflected(*(torch.cat([part.to(device) for part in parts])
                           for parts in zip(*blocks)))
     return _solved_by_r("least_squares", r, qtb, check_errors)
