@@ -423,9 +423,9 @@ def least_squares(a_shards: Sequence[torch.Tensor], b_shards: Sequence[torch.Ten
     """X minimizing ||A X - B|| (as ``torch.linalg.lstsq``'s solution) for a tall A of full
     column rank given as in :func:`qr`, and B's row blocks ([m/P, nrhs], each on its A block's
     device). X = R⁻¹ Qᴴ B from the tall-skinny QR, Qᴴ B applied by Householder reflectors, no Q
-    formed. Returns a
-    :class:`LeastSquares`. Raises as :func:`qr` does, ``ValueError`` for B blocks that do not
-    match A's, and ``torch.linalg.LinAlgError`` where R has a zero diagonal element (A
+    formed (under autograd each block's Q is formed: torch does not differentiate geqrf).
+    Returns a :class:`LeastSquares`. Raises as :func:`qr` does, ``ValueError`` for B blocks that
+    do not match A's, and ``torch.linalg.LinAlgError`` where R has a zero diagonal element (A
     rank-deficient), unless ``check_errors=False`` (X NaN, info > 0)."""
     _check_tall_shards("least_squares", a_shards, b_shards)
     device = a_shards[0].device
