@@ -132,37 +132,30 @@ def shard_map(report: Reporter, seed: int) -> None:
 
 
 def errors(report: Reporter, seed: int) -> None:
-    def body():
-        keys = jax.random.split(jax.random.key(seed), 2)
-        x = jax.random.normal(keys[0], (96, 64), jnp.bfloat16)
-        w = jax.random.normal(keys[1], (2, 32, 64), jnp.bfloat16)
-        call = jax.jit(mj.grouped_linear)
-        poisoned = np.asarray(call(x, jnp.asarray([100, -4], jnp.int32), w), np.float32)
-        try:
-            np.asarray(call(x, jnp.asarray([48, 48], jnp.int32), w))
-        except jax.errors.JaxRuntimeError as error:
-            named = "m_splits[1]=-4 is negative" in str(error)
-            return (bool(np.all(np.isnan(poisoned))) and named,
-                    f"NaN output {np.all(np.isnan(poisoned))}; next call: {error}")
-        return False, "the next call did not raise"
+    """Bad group sizes found on the device: the call's output is NaN and the next call raises,
+    naming the function whose call it was (grouped_linear's m_splits, grouped_matmul's
+    group_sizes)."""
+    def bad_sizes_then_next_call(call, words, seed):
+        def body():
+            keys = jax.random.split(jax.random.key(seed), 2)
+            x = jax.random.normal(keys[0], (96, 64), jnp.bfloat16)
+            w = jax.random.normal(keys[1], (2, 32, 64), jnp.bfloat16)
+            poisoned = np.asarray(call(x, jnp.asarray([100, -4], jnp.int32), w), np.float32)
+            try:
+                np.asarray(call(x, jnp.asarray([48, 48], jnp.int32), w))
+            except jax.errors.JaxRuntimeError as error:
+                named = words in str(error)
+                return (bool(np.all(np.isnan(poisoned))) and named,
+                        f"NaN output {np.all(np.isnan(poisoned))}; next call: {error}")
+            return False, "the next call did not raise"
+        return body
 
-    report.check("bad sizes: NaN, then the next call raises", body)
-
-    def ragged_body():  # grouped_matmul's bad sizes, found on the device, in its own words
-        keys = jax.random.split(jax.random.key(seed + 1), 2)
-        lhs = jax.random.normal(keys[0], (96, 64), jnp.bfloat16)
-        rhs = jax.random.normal(keys[1], (2, 64, 32), jnp.bfloat16)
-        call = jax.jit(mj.grouped_matmul)
-        poisoned = np.asarray(call(lhs, rhs, jnp.asarray([100, -4], jnp.int32)), np.float32)
-        try:
-            np.asarray(call(lhs, rhs, jnp.asarray([48, 48], jnp.int32)))
-        except jax.errors.JaxRuntimeError as error:
-            named = "grouped_matmul: group_sizes[1]=-4 is negative" in str(error)
-            return (bool(np.all(np.isnan(poisoned))) and named,
-                    f"NaN output {np.all(np.isnan(poisoned))}; next call: {error}")
-        return False, "the next call did not raise"
-
-    report.check("bad sizes of grouped_matmul: NaN, then its words", ragged_body)
+    report.check("bad sizes: NaN, then the next call raises", bad_sizes_then_next_call(
+        jax.jit(mj.grouped_linear), "m_splits[1]=-4 is negative", seed))
+    # grouped_matmul with rhs [G, k, n]: the same weights transposed
+    ragged = jax.jit(lambda x, sizes, w: mj.grouped_matmul(x, jnp.swapaxes(w, 1, 2), sizes))
+    report.check("bad sizes of grouped_matmul: NaN, then its words", bad_sizes_then_next_call(
+        ragged, "grouped_matmul: group_sizes[1]=-4 is negative", seed + 1))
 
 
 def main():
