@@ -7,10 +7,10 @@ One process per GPU; the whole world is the tensor-parallel group:
 1. Step time: bench/tp_mlp.py's step (Llama-70B's MLP, x [M/tp, 8192] -> column-parallel
    8192 -> 28672 -> gelu -> row-parallel 28672 -> 8192, sequence parallel, no biases, forward
    and backward), each recipe against bf16 on the same weights and inputs, eager, and with
-   --compiled also bf16 and tensorwise under torch.compile(fullgraph=True) (inductor fuses the
-   casts' passes). Its rows keep each variant's relative error against the eager bf16 step
-   (output and gradients; fp8 rounding, not a pass/fail check: the CPU and GPU tests check the
-   layers against float64). Where torchao is installed (its wheel carried), its Float8 training
+   --compiled also each under torch.compile(fullgraph=True) (inductor fuses the casts' passes).
+   Its rows keep each variant's relative error against the eager bf16 step (output and
+   gradients; fp8 rounding, not a pass/fail check: the CPU and GPU tests check the layers against
+   float64). Where torchao is installed (its wheel carried), its Float8 training
    on torch's tensor parallelism, compiled with inductor's async TP (as TorchTitan runs it), is
    timed beside: torchao_tensorwise (its Float8 TP styles: the all-gather in fp8) and
    torchao_rowwise (torch's plain TP styles, as TorchTitan pairs them with that recipe).
@@ -95,9 +95,8 @@ def step_times(m: int, tp: int, rank: int, group, args, device) -> list[dict]:
     models = {"bf16": MLP(whole, group, None),
               **{f"fp8_{recipe}": MLP(whole, group, recipe) for recipe in RECIPES}}
     if args.compiled:
-        models["bf16_compiled"] = torch.compile(models["bf16"], fullgraph=True)
-        models["fp8_tensorwise_compiled"] = torch.compile(models["fp8_tensorwise"],
-                                                          fullgraph=True)
+        for name in ("bf16", *(f"fp8_{recipe}" for recipe in RECIPES)):
+            models[f"{name}_compiled"] = torch.compile(models[name], fullgraph=True)
     unavailable = {}
     torchao_error = torchao_unavailable()
     for recipe in RECIPES:
@@ -171,7 +170,7 @@ def main():
     parser = bench_parser(__doc__, tokens=[8192, 16384], iters=10)
     parser.add_argument("--steps", type=int, default=200, help="training steps of the loss part")
     parser.add_argument("--compiled", action="store_true",
-                        help="also time bf16 and tensorwise steps under torch.compile")
+                        help="also time each variant's step under torch.compile")
     args = parser.parse_args()
     check_launch(parser, args)
     import meshla.torch as mt

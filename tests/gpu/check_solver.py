@@ -429,10 +429,25 @@ class Checks:
             u_polar = double(torch.cat([x.cpu() for x in unitary.u]))
             polar_error = float(torch.linalg.norm(u_polar @ double(unitary.h.cpu()) - a64)
                                 / torch.linalg.norm(a64))
-            worst = max(factor_error, normal, svd_error, polar_error)
-            return fit.info == 0 and worst < tall_tol, (
+            values = double(torch_linalg.svd(blocks, compute_uv=False).s.cpu()).real
+            value_error = float(torch.linalg.norm(values - s64) / torch.linalg.norm(s64))
+            # Under autograd each block's Q is formed (threads per GPU, as without): the
+            # gradient of <X, W> against float64 autograd through the normal equations.
+            weights = torch.from_numpy(self.rng.standard_normal((k, 2)).astype(dtype))
+            grads = [block.clone().requires_grad_() for block in blocks]
+            (torch_linalg.least_squares(grads, rhs_blocks).x * weights.to(devices[0])).real \
+                .sum().backward()
+            a_ref = a64.clone().requires_grad_()
+            x_ref = torch.linalg.solve(a_ref.conj().T @ a_ref, a_ref.conj().T @ double(rhs))
+            (x_ref * double(weights)).real.sum().backward()
+            grad = double(torch.cat([x.grad.cpu() for x in grads]))
+            grad_error = float(torch.linalg.norm(grad - a_ref.grad) / torch.linalg.norm(a_ref.grad))
+            worst = max(factor_error, normal, svd_error, polar_error, value_error)
+            return fit.info == 0 and worst < tall_tol and grad_error < 10 * tall_tol, (
                 f"[{m}, {k}]: A - QR {factor_error:.2e}, normal equations {normal:.2e}, "
-                f"A - USVᴴ {svd_error:.2e}, A - UH {polar_error:.2e} (tol {tall_tol:.1e})")
+                f"A - USVᴴ {svd_error:.2e}, A - UH {polar_error:.2e}, values alone "
+                f"{value_error:.2e} (tol {tall_tol:.1e}); least_squares' gradient "
+                f"{grad_error:.2e} (tol {10 * tall_tol:.1e}, the normal equations' condition)")
 
         def overwrite_padded():
             # A padded layout works in a workspace of its own: overwrite_a cannot be honoured.
