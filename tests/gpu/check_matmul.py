@@ -122,6 +122,70 @@ class Checks:
                 out=torch.float16, scaling="rowwise")
 
 
+    def casts(self):
+        """meshla's float8 casts (meshla/float8.hpp) against torch's ops on the same values: each
+        group's amax exactly (NaN where a value is), q the float32 product rounded to the float8
+        dtype (saturated at its largest, past which torch's cast gives NaN), the transpose
+        bitwise q's, alone or with q; 16- and 32-bit t whose rows take the 16-byte loads or not
+        (ragged, pitched, off a 16-byte boundary), zero and NaN values; and the layers' cast
+        (meshla.torch._float8.quantized) on the GPU bitwise its CPU form, on t and tᵀ."""
+        from meshla.torch._float8 import quantized as layers_cast
+
+        counts = {"tensor": lambda t: 1, "rows": lambda t: t.shape[0],
+                  "columns": lambda t: t.shape[1]}
+        dims = {"tensor": None, "rows": 1, "columns": 0}
+        # (rows, cols, row pitch, first column): t = parent[:rows, first:first + cols]
+        layouts = [(193, 77, 77, 0), (193, 77, 80, 0), (256, 4096, 4096, 0), (4100, 72, 80, 0),
+                   (64, 1000, 1024, 1)]
+        for (rows, cols, pitch, first), dtype, fp8, scales in itertools.product(
+                layouts, (torch.bfloat16, torch.float16, torch.float32), (E4M3, E5M2),
+                ("tensor", "rows", "columns")):
+            def body():
+                parent = (torch.randn(rows, pitch + first, device="cuda") * 5).to(dtype)
+                t = parent[:, first:first + cols]
+                t[1] = 0
+                magnitude = t.float().abs()
+                finite = magnitude.amax() if dims[scales] is None else magnitude.amax(
+                    dim=dims[scales])
+                t[2, 3] = float("nan")
+                amax = torch.full((counts[scales](t),), -1.0, device="cuda")
+                _meshla.float8_amax(t, scales, amax, stream())
+                magnitude = t.float().abs()
+                want = magnitude.amax() if dims[scales] is None else magnitude.amax(
+                    dim=dims[scales])
+                amax_ok = torch.equal(amax.nan_to_num(-2.0), want.reshape(-1).nan_to_num(-2.0))
+                # Multipliers that take each group's largest finite value to 1.5x the dtype's
+                # largest: the top of the range saturates, the rest rounds.
+                multiplier = 1.5 * FP8_MAX[fp8] / finite.reshape(-1).clamp(min=1e-3)
+                poison = torch.full((rows, cols), 0x7F, dtype=torch.uint8, device="cuda")
+                q, q_t = poison.clone().view(fp8), poison.t().contiguous().view(fp8)
+                _meshla.float8_cast(t, scales, multiplier, q, q_t, stream())
+                only_t = poison.t().contiguous().view(fp8)
+                _meshla.float8_cast(t, scales, multiplier, None, only_t, stream())
+                shaped = multiplier.reshape(-1, 1) if scales == "rows" else multiplier
+                want_q = (t.float() * shaped).clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
+                # As values (NaN's bytes may differ between the two casts; poison is NaN too).
+                same = torch.equal(q.float().nan_to_num(7.0), want_q.float().nan_to_num(7.0))
+                transposed = (torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
+                              and torch.equal(only_t.view(torch.uint8), q_t.view(torch.uint8)))
+                # The layers' cast on t without its NaN, and on tᵀ (a view whose rows are not
+                # unit-stride): the GPU's bytes and scales are the CPU's.
+                t[2, 3] = 0
+                layers = True
+                for view in (t, t.t()):
+                    gpu = layers_cast(view, fp8, scales, transposed=True)
+                    cpu = layers_cast(view.cpu(), fp8, scales, transposed=True)
+                    layers = layers and all(
+                        torch.equal(g.cpu().view(torch.uint8), c.view(torch.uint8))
+                        if g.dtype == fp8 else torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu))
+                return amax_ok and same and transposed and layers, (
+                    f"amax exact {amax_ok}, q {same}, transposes bitwise {transposed}, "
+                    f"layers' cast as on the CPU {layers}")
+
+            self.run(f"float8 cast {rows}x{cols} (pitch {pitch}, from column {first}) "
+                     f"{str(dtype)[6:]} -> {str(fp8)[6:]} scales={scales}", body)
+
+
 def quantized(x: torch.Tensor, dtype, scaling: str):
     """x in fp8 with float32 scales (x ≈ q * scale): one scale, or one per row ([rows])."""
     amax = (x.abs().amax() if scaling == "tensorwise" else x.abs().amax(dim=1)).clamp(min=1e-12)
@@ -142,6 +206,7 @@ def main():
     checks = Checks(report)
     report.family("products", checks.products)
     report.family("fp8", checks.fp8)
+    report.family("fp8", checks.casts)
 
 
 if __name__ == "__main__":

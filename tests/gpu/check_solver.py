@@ -407,7 +407,7 @@ class Checks:
             m, k = 4 * n, max(n // 4, 1)
             tall_tol = tolerance(dtype, m)
             a = random_general(m, dtype, self.rng, columns=k)
-            rhs = self.rng.standard_normal((m, 2)).astype(dtype)
+            rhs = random_general(m, dtype, self.rng, columns=2)
             blocks = [torch.from_numpy(a[p * (m // g):(p + 1) * (m // g)]).to(f"cuda:{d}")
                       for p, d in enumerate(devices)]
             rhs_blocks = [torch.from_numpy(rhs[p * (m // g):(p + 1) * (m // g)]).to(f"cuda:{d}")
@@ -430,10 +430,12 @@ class Checks:
             polar_error = float(torch.linalg.norm(u_polar @ double(unitary.h.cpu()) - a64)
                                 / torch.linalg.norm(a64))
             values = double(torch_linalg.svd(blocks, compute_uv=False).s.cpu()).real
-            value_error = float(torch.linalg.norm(values - s64) / torch.linalg.norm(s64))
+            reference = torch.linalg.svdvals(a64)
+            value_error = float(torch.linalg.norm(values - reference)
+                                / torch.linalg.norm(reference))
             # Under autograd each block's Q is formed (threads per GPU, as without): the
-            # gradient of <X, W> against float64 autograd through the normal equations.
-            weights = torch.from_numpy(self.rng.standard_normal((k, 2)).astype(dtype))
+            # gradient of Re <X, W> against float64 autograd through the normal equations.
+            weights = torch.from_numpy(random_general(k, dtype, self.rng, columns=2))
             grads = [block.clone().requires_grad_() for block in blocks]
             (torch_linalg.least_squares(grads, rhs_blocks).x * weights.to(devices[0])).real \
                 .sum().backward()
@@ -442,12 +444,12 @@ class Checks:
             (x_ref * double(weights)).real.sum().backward()
             grad = double(torch.cat([x.grad.cpu() for x in grads]))
             grad_error = float(torch.linalg.norm(grad - a_ref.grad) / torch.linalg.norm(a_ref.grad))
-            worst = max(factor_error, normal, svd_error, polar_error, value_error)
-            return fit.info == 0 and worst < tall_tol and grad_error < 10 * tall_tol, (
+            worst = max(factor_error, normal, svd_error, polar_error, value_error, grad_error)
+            return fit.info == 0 and worst < tall_tol, (
                 f"[{m}, {k}]: A - QR {factor_error:.2e}, normal equations {normal:.2e}, "
-                f"A - USVᴴ {svd_error:.2e}, A - UH {polar_error:.2e}, values alone "
-                f"{value_error:.2e} (tol {tall_tol:.1e}); least_squares' gradient "
-                f"{grad_error:.2e} (tol {10 * tall_tol:.1e}, the normal equations' condition)")
+                f"A - USVᴴ {svd_error:.2e}, A - UH {polar_error:.2e}, values alone against "
+                f"svdvals {value_error:.2e}, least_squares' gradient {grad_error:.2e} "
+                f"(tol {tall_tol:.1e})")
 
         def overwrite_padded():
             # A padded layout works in a workspace of its own: overwrite_a cannot be honoured.

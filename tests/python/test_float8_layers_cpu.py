@@ -125,28 +125,39 @@ def test_fp8_layers_compile_whole(world1, recipe):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("scales", ["tensor", "rows", "columns"])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_quantized_rounds_within_fp8_and_keeps_zero_rows(dtype, rowwise, fp8):
+def test_quantized_rounds_within_fp8_and_keeps_zero_groups(dtype, scales, fp8):
     """The layers' cast: every value within the float8 dtype's rounding of its scale, nothing
-    past its largest, an all-zero row (and a tiny float16 tensor) as exact as any other."""
+    past its largest, an all-zero row or column (and a tiny float16 tensor) as exact as any
+    other; the transposed bytes are q's transpose."""
     from meshla.torch._float8 import quantized
 
     t = (torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
     t[3] = 0
-    q, scale = quantized(t, fp8, rowwise)
-    assert q.dtype == fp8 and q.is_contiguous() and scale.shape == ((64,) if rowwise else (1,))
-    back = q.float() * (scale.reshape(-1, 1) if rowwise else scale)
+    t[:, 5] = 0
+    q, q_t, scale = quantized(t, fp8, scales, transposed=True)
+    count = {"tensor": 1, "rows": 64, "columns": 128}[scales]
+    assert q.dtype == q_t.dtype == fp8 and q.is_contiguous() and q_t.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (count,)
+    assert torch.equal(q_t.float(), q.float().t())
+    shaped = scale.reshape(-1, 1) if scales == "rows" else scale
+    back = q.float() * shaped
     mantissa = 3 if fp8 == torch.float8_e4m3fn else 2
-    # half an ulp of the largest binade relative to each row's (or the tensor's) amax, and the
-    # product's rounding in t's dtype before the cast (bfloat16's 2^-8 at most)
-    amax = t.float().abs().amax(dim=1, keepdim=True) if rowwise else t.float().abs().amax()
-    assert ((back - t.float()).abs() <= amax * (2.0 ** -(mantissa + 1) + 2.0 ** -8)).all()
-    assert torch.equal(back[3], torch.zeros(128))
+    # half an ulp of the largest binade relative to each group's amax (the product is rounded
+    # once to float32, then to the float8 dtype)
+    magnitude = t.float().abs()
+    amax = (magnitude.amax() if scales == "tensor" else
+            magnitude.amax(dim=1, keepdim=True) if scales == "rows" else magnitude.amax(dim=0))
+    assert ((back - t.float()).abs() <= amax * 2.0 ** -(mantissa + 1)).all()
+    assert torch.equal(back[3], torch.zeros(128)) and torch.equal(back[:, 5], torch.zeros(64))
     assert q.float().abs().max() <= torch.finfo(fp8).max
+    only_t = quantized(t, fp8, scales, q=False, transposed=True)
+    assert only_t[0] is None and torch.equal(only_t[1].float(), q_t.float())
     tiny = torch.full((4, 8), 1e-5, dtype=dtype)
-    q, scale = quantized(tiny, fp8, rowwise)
-    assert torch.allclose(q.float() * scale.reshape(-1, 1), tiny.float(), rtol=2.0 ** -mantissa)
+    q, _, scale = quantized(tiny, fp8, scales)
+    back = q.float() * (scale.reshape(-1, 1) if scales == "rows" else scale)
+    assert torch.allclose(back, tiny.float(), rtol=2.0 ** -mantissa)
 
 
 def _frozen_input_worker(rank: int, size: int):

@@ -42,24 +42,46 @@ CONJUGATE = {
 _matmuls: dict[int, _meshla.Matmul] = {}  # one per device, made on first use
 
 
-def quantized(t, dtype, rowwise: bool, group=None):
-    """``t`` [rows, cols] as ``(q, scale)``, ``t ≈ q * scale``: q contiguous in the float8
-    ``dtype``, its largest magnitude just below the dtype's largest; ``scale`` float32, one per
-    row ([rows]) or one ([1]; the largest amax of ``group``'s ranks where given)."""
-    # Three passes over t: its extremes, its product with the multiplier, the cast.
-    low, high = t.aminmax(dim=1, keepdim=True) if rowwise else t.aminmax()
-    amax = torch.maximum(high.abs(), low.abs()).float().reshape(-1, 1)
-    if not rowwise and group is not None and group.size > 1:
-        amax = ops.all_gather(amax, group).amax().reshape(1, 1)
-    # The multiplier in t's dtype (float16's range is too narrow for small tensors: float32
-    # there), rounded to below largest / amax so that no product rounds past the float8 dtype's
-    # largest; the scale is its reciprocal (in float32). An all-zero row gets the dtype's largest
-    # multiplier, which keeps its zeros zero.
-    work = t.float() if t.dtype == torch.float16 else t
+def quantized(t, dtype, scales: str, group=None, *, q: bool = True, transposed: bool = False):
+    """``t`` [rows, cols] cast to the float8 ``dtype``: ``(q, q_transposed, scale)``, ``t ≈ q *
+    scale``. ``scales``: "tensor" (one float32 scale, [1]; the largest amax of ``group``'s ranks
+    where given), "rows" (one per row, [rows]) or "columns" (one per column, [cols]: tᵀ's rowwise
+    scales). q is t's layout ([rows, cols]) unless ``q=False`` (None), q_transposed tᵀ's ([cols,
+    rows]) where ``transposed``, else None; both contiguous, the largest magnitude of each group
+    of values just below the dtype's largest.
+
+    On plain CUDA tensors, eager, meshla's kernels: two passes over t (its amax, then the cast,
+    both layouts written at once). Elsewhere (CPU, and traced by torch.compile, which fuses them
+    with their neighbours) the same in torch's ops: the product t * multiplier is rounded once to
+    float32, then to the float8 dtype, in both."""
+    kernels = t.numel() > 0 and not _library.needs_the_op((t,))
+    stream = _library.current_stream(t.get_device()) if kernels else None
+    if kernels and (t.stride(1) != 1 or t.stride(0) < t.shape[1]):
+        t = t.contiguous()  # the kernels read rows of unit stride (a view's transpose is not)
+    if kernels:
+        amax = torch.empty(t.shape[0] if scales == "rows" else t.shape[1] if scales == "columns"
+                           else 1, dtype=torch.float32, device=t.device)
+        _meshla.float8_amax(t, scales, amax, stream)
+    else:
+        low, high = (t.aminmax() if scales == "tensor"
+                     else t.aminmax(dim=1 if scales == "rows" else 0))
+        amax = torch.maximum(high.abs(), low.abs()).float().reshape(-1)
+    if scales == "tensor" and group is not None and group.size > 1:
+        amax = ops.all_gather(amax.reshape(1, 1), group).amax().reshape(1)
+    # Rounded to below largest / amax, so that no product rounds past the dtype's largest; an
+    # all-zero group gets float32's largest multiplier, which keeps its zeros zero.
     largest = torch.finfo(dtype).max * (1 - 2.0 ** -8)
-    multiplier = (largest / amax).clamp(max=torch.finfo(work.dtype).max).to(work.dtype)
-    q = (work * multiplier).to(dtype).contiguous()
-    return q, multiplier.float().reciprocal().reshape(-1)
+    multiplier = (largest / amax).clamp(max=torch.finfo(torch.float32).max)
+    if kernels:
+        out = t.new_empty(t.shape, dtype=dtype) if q else None
+        out_transposed = t.new_empty((t.shape[1], t.shape[0]), dtype=dtype) if transposed else None
+        _meshla.float8_cast(t, scales, multiplier, out, out_transposed, stream)
+    else:
+        cast = (t.float() * (multiplier.reshape(-1, 1) if scales == "rows" else multiplier)
+                ).to(dtype)
+        out = cast.contiguous() if q else None
+        out_transposed = cast.t().contiguous() if transposed else None
+    return out, out_transposed, multiplier.reciprocal()
 
 
 @_library.op("scaled_mm(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool rowwise, "
@@ -93,14 +115,23 @@ class Float8Linear(torch.autograd.Function):
     forward's collective (None: a local GEMM), the input gradient runs its CONJUGATE."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, forward_op, recipe, tuning, name, fused_wgrad):
+    def forward(ctx, x, weight, bias, group, forward_op, recipe, tuning, name, fused_wgrad,
+                grad_enabled):
         rowwise = recipe == "rowwise"
+        scales = "rows" if rowwise else "tensor"
         gathers = forward_op == ops.OPS.all_gather_matmul
-        x_q, x_scale = quantized(x, FORWARD_DTYPE, rowwise, group if gathers else None)
-        w_q, w_scale = quantized(weight, FORWARD_DTYPE, rowwise)
+        # What the backward will need: nothing where the caller's grad mode is off (inside
+        # forward it always is; needs_input_grad says only what requires grad).
+        needs_x, needs_w = (ctx.needs_input_grad[:2] if grad_enabled else (False, False))
+        # Tensorwise, the backward's GEMMs take these bytes transposed (the input's where this
+        # rank's rows are all of them), written in the same pass as the forward's.
+        x_q, x_t, x_scale = quantized(x, FORWARD_DTYPE, scales, group if gathers else None,
+                                      transposed=needs_w and not rowwise and not gathers)
+        w_q, w_t, w_scale = quantized(weight, FORWARD_DTYPE, scales,
+                                      transposed=needs_x and not rowwise)
         # A float32 product takes no bias in its GEMM (fp8 GEMMs into float32 have none).
         fused_bias = bias if x.dtype != torch.float32 else None
-        keep_gathered = gathers and ctx.needs_input_grad[1] and not rowwise
+        keep_gathered = gathers and needs_w and not rowwise
         gathered = None
         if forward_op is None:
             y = local_scaled_mm(x_q, x_scale, w_q, w_scale, rowwise, x.dtype)
@@ -110,12 +141,13 @@ class Float8Linear(torch.autograd.Function):
                                      x.dtype, keep_gathered, tuning)
         if bias is not None and fused_bias is None:
             y.add_(bias)
-        # The backward's operands: tensorwise the fp8 bytes (the gathered ones where the forward
-        # gathered them), rowwise the 16-bit tensors, quantized again along other rows.
+        # The backward's operands: tensorwise the fp8 bytes (transposed, or the gathered ones
+        # where the forward gathered them), rowwise the 16-bit tensors, cast again along the
+        # backward's contractions.
         if rowwise:
             ctx.save_for_backward(x, weight, None, None, None, None)
         else:
-            ctx.save_for_backward(None, None, gathered if keep_gathered else x_q, x_scale, w_q,
+            ctx.save_for_backward(None, None, gathered if keep_gathered else x_t, x_scale, w_t,
                                   w_scale)
         ctx.group, ctx.forward_op, ctx.rowwise, ctx.tuning = group, forward_op, rowwise, tuning
         ctx.name, ctx.dtype = name, x.dtype
@@ -125,53 +157,65 @@ class Float8Linear(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        x, weight, x_q, x_scale, w_q, w_scale = ctx.saved_tensors
+        x, weight, x_fp8, x_scale, w_t, w_scale = ctx.saved_tensors
         group, rowwise, dtype = ctx.group, ctx.rowwise, ctx.dtype
+        scales = "rows" if rowwise else "tensor"
         grad_op = CONJUGATE[ctx.forward_op]
         gathers_grad = grad_op == ops.OPS.all_gather_matmul
         needs_x, needs_w, needs_bias = ctx.needs_input_grad[:3]
         grad = grad.contiguous()
-        g_q = g_scale = grad_x = grad_w = grad_bias = g_gathered = None
-        # The input's gradient multiplies grad as it is; the weight's, tensorwise, reuses it
-        # where grad is not gathered (rowwise, it casts grad along its other axis).
-        if needs_x or (not rowwise and not gathers_grad):
-            g_q, g_scale = quantized(grad, GRADIENT_DTYPE, rowwise,
-                                     group if gathers_grad else None)
+        g_q = g_t = g_scale = grad_x = grad_w = grad_bias = g_gathered = None
+        # The input's gradient multiplies grad as it is; tensorwise, the weight's takes grad's
+        # transpose from the same pass where grad is not gathered (rowwise, it casts grad along
+        # its other axis).
+        g_transposed = needs_w and not rowwise and not gathers_grad
+        if needs_x or g_transposed:
+            g_q, g_t, g_scale = quantized(grad, GRADIENT_DTYPE, scales,
+                                          group if gathers_grad else None, q=needs_x,
+                                          transposed=g_transposed)
         if needs_x:  # grad @ weight: the weight transposed as b
-            wt_q, wt_scale = (quantized(weight.t(), FORWARD_DTYPE, True) if rowwise
-                              else (w_q.t().contiguous(), w_scale))
+            if rowwise:
+                _, w_t, w_scale = quantized(weight, FORWARD_DTYPE, "columns", q=False,
+                                            transposed=True)
             if grad_op is None:
-                grad_x = local_scaled_mm(g_q, g_scale, wt_q, wt_scale, rowwise, dtype)
+                grad_x = local_scaled_mm(g_q, g_scale, w_t, w_scale, rowwise, dtype)
             else:
                 keep = gathers_grad and needs_w and not rowwise
-                grad_x, g_gathered = ops.scaled(grad_op, g_q, wt_q, g_scale, wt_scale, None,
+                grad_x, g_gathered = ops.scaled(grad_op, g_q, w_t, g_scale, w_scale, None,
                                                 group, dtype, keep, ctx.tuning)
         if needs_w:  # gradᵀ @ x over every row of the product
-            grad_w = _weight_grad(ctx, grad, g_q, g_scale, g_gathered, x, x_q, x_scale)
+            grad_w = _weight_grad(ctx, grad, g_t, g_scale, g_gathered, x, x_fp8, x_scale)
         if needs_bias:
             # A reduce-scatter's product has this rank's rows only: the sum over every rank's.
             grad_bias = (ops.all_gather(grad.float().sum(0, keepdim=True), group).sum(0)
                          .to(dtype) if gathers_grad else grad.sum(0))
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
 
 
-def _weight_grad(ctx, grad, g_q, g_scale, g_gathered, x, x_q, x_scale):
+def _weight_grad(ctx, grad, g_t, g_scale, g_gathered, x, x_fp8, x_scale):
     """The weight's gradient ``Gᵀ @ X`` over the product's rows (G the gradient, gathered where the
     forward reduce-scattered; X the input, gathered where the forward all-gathered), or with
-    fuse_wgrad_accumulation its addition to weight.main_grad and what autograd gets instead."""
+    fuse_wgrad_accumulation its addition to weight.main_grad and what autograd gets instead.
+    Tensorwise, g_t is Gᵀ's bytes where G was not gathered, and x_fp8 Xᵀ's bytes, or X's as
+    gathered by the forward's all-gather."""
     group, rowwise = ctx.group, ctx.rowwise
     gathers_x = ctx.forward_op == ops.OPS.all_gather_matmul
     gathers_grad = ctx.forward_op == ops.OPS.matmul_reduce_scatter
     if rowwise:
         full_grad = ops.all_gather(grad, group) if gathers_grad else grad
-        gt_q, gt_scale = quantized(full_grad.t(), GRADIENT_DTYPE, True)
+        _, gt_q, gt_scale = quantized(full_grad, GRADIENT_DTYPE, "columns", q=False,
+                                      transposed=True)
         full_x = ops.all_gather(x, group) if gathers_x else x
-        xt_q, xt_scale = quantized(full_x.t(), FORWARD_DTYPE, True)
+        _, xt_q, xt_scale = quantized(full_x, FORWARD_DTYPE, "columns", q=False, transposed=True)
     else:
-        if gathers_grad and g_gathered is None:  # no input gradient was asked for
-            g_q, g_scale = quantized(ops.all_gather(grad, group), GRADIENT_DTYPE, False)
-        gt_q, gt_scale = (g_gathered if g_gathered is not None else g_q).t().contiguous(), g_scale
-        xt_q, xt_scale = x_q.t().contiguous(), x_scale
+        if g_gathered is not None:
+            gt_q, gt_scale = g_gathered.t().contiguous(), g_scale
+        elif gathers_grad:  # no input gradient was asked for: grad is gathered here
+            _, gt_q, gt_scale = quantized(ops.all_gather(grad, group), GRADIENT_DTYPE, "tensor",
+                                          q=False, transposed=True)
+        else:
+            gt_q, gt_scale = g_t, g_scale
+        xt_q, xt_scale = (x_fp8.t().contiguous() if gathers_x else x_fp8), x_scale
     if ctx.fused_weight is None:
         return local_scaled_mm(gt_q, gt_scale, xt_q, xt_scale, rowwise, ctx.dtype)
     main_grad = main_grad_of(ctx.name, ctx.fused_weight)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
 from meshla import _meshla
-from meshla.torch import _square
+from meshla.torch import _library, _square
 from meshla.torch._dtypes import DTYPES, dtype_of
 
 __all__ = [
@@ -335,7 +335,11 @@ def _per_block(work, *blocks: Sequence[torch.Tensor]) -> list:
     [262144, 4096] float64, NOTES 100), so from one thread the GPUs would take turns."""
     calls = list(zip(*blocks))
     devices = [args[0].device for args in calls]
-    if devices[0].type != "cuda" or len(set(devices)) == 1:
+    # Threads do not inherit functorch transforms, torch function and dispatch modes or saved
+    # tensor hooks (thread-local): where any is on, or a block is not a plain CUDA tensor, one
+    # thread runs them all.
+    if (len(set(devices)) == 1 or _library.needs_the_op([t for args in calls for t in args])
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None):
         return [work(*args) for args in calls]
     grad_enabled = torch.is_grad_enabled()  # thread-local, as the current device and stream
     streams = [torch.cuda.current_stream(device) for device in devices]

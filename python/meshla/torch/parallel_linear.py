@@ -165,7 +165,7 @@ class _ParallelLinear(torch.nn.Module):
                              f"{self.weight.dtype}; the fp8 GEMMs give the product in that dtype")
         fused = fused_wgrad(name, self.weight, self.weight, self.fuse_wgrad_accumulation)
         return Float8Linear.apply(rows, self.weight, self.bias, self.group, forward_op, self.fp8,
-                                  self.tuning, name, fused)
+                                  self.tuning, name, fused, torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

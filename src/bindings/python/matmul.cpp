@@ -6,6 +6,7 @@
 
 #include "bindings/python/bindings.hpp"
 #include "core/checks.hpp"
+#include "meshla/float8.hpp"
 #include "meshla/matmul.hpp"
 
 using namespace nanobind::literals;
@@ -46,6 +47,14 @@ MatmulScaling scaling_of(const std::string& name) {
   MESHLA_CHECK_ARG(name == "rowwise",
                    "matmul: scaling=" << name << " is not one of none, tensorwise, rowwise");
   return MatmulScaling::kRowwise;
+}
+
+Float8Scales float8_scales_of(const std::string& name, const char* function) {
+  if (name == "tensor") return Float8Scales::kTensor;
+  if (name == "rows") return Float8Scales::kRows;
+  MESHLA_CHECK_ARG(name == "columns",
+                   function << ": scales=" << name << " is not one of tensor, rows, columns");
+  return Float8Scales::kColumns;
 }
 
 }  // namespace
@@ -143,6 +152,29 @@ void bind_matmul(nb::module_& m) {
       "Raises ValueError (NotImplementedError) where the GEMM's rules refuse a [m, k] @ b [n, k]ᵀ "
       "of float8 operands into `out` with tensorwise or rowwise scales: the checks Matmul.run "
       "makes, on the shape alone.");
+  m.def(
+      "float8_amax",
+      [](const Array& t, const std::string& scales, const Array& amax, std::uintptr_t stream) {
+        float8_amax(view_of(t, "t"), float8_scales_of(scales, "float8_amax"), view_of(amax, "amax"),
+                    to_stream(stream));
+      },
+      "t"_a, "scales"_a, "amax"_a, "stream"_a,
+      "Enqueues amax = the largest magnitude of t [rows, cols] (16- or 32-bit, on a GPU) over "
+      "each group of values that shares a scale (scales: 'tensor', 'rows' or 'columns'), float32, "
+      "NaN where a value is (meshla/float8.hpp).");
+  m.def(
+      "float8_cast",
+      [](const Array& t, const std::string& scales, const Array& multiplier,
+         const std::optional<Array>& q, const std::optional<Array>& q_transposed,
+         std::uintptr_t stream) {
+        float8_cast(view_of(t, "t"), float8_scales_of(scales, "float8_cast"),
+                    view_of(multiplier, "multiplier"), view_of(q, "q"),
+                    view_of(q_transposed, "q_transposed"), to_stream(stream));
+      },
+      "t"_a, "scales"_a, "multiplier"_a, "q"_a.none(), "q_transposed"_a.none(), "stream"_a,
+      "Enqueues q = float8(t * multiplier) ([rows, cols]) and/or its transpose ([cols, rows]), "
+      "float8 arrays given, the product rounded once to float32 and saturated to the float8 "
+      "dtype's largest finite value; multiplier as float8_amax's amax (meshla/float8.hpp).");
 }
 
 }  // namespace meshla::bindings
