@@ -43,11 +43,9 @@ void check_tall_qr_call(std::string_view name, std::int64_t m, std::int64_t n, D
                                           << "and columns");
   MESHLA_CHECK_ARG(parts >= 1 && m % parts == 0, name << ": a's " << m << " rows do not split "
                                                       << "evenly over " << parts << " devices");
-  MESHLA_CHECK(kNotImplemented, m / parts >= n,
-               name << ": a is [" << m << ", " << n << "] over " << parts << " devices: each "
-                    << "device's " << m / parts << " rows are fewer than its " << n
-                    << " columns; the tall-skinny QR needs m/devices >= n (square and wide "
-                       "matrices are not supported yet)");
+  MESHLA_CHECK(kNotImplemented, m >= n,
+               name << ": a is [" << m << ", " << n << "], wider than tall; the QR-based "
+                    << "routines take m >= n (wide matrices are not supported yet)");
   MESHLA_CHECK_ARG(nrhs >= 0, name << ": nrhs=" << nrhs << " right-hand sides");
 }
 

@@ -20,10 +20,10 @@ bool is_complex(DType dtype);
 // The dtype is one the solvers take; nrhs is 1 to 256 for kCholeskySolve and kLuSolve.
 void check_solver_problem(SolverOp op, const SolverProblem& problem);
 
-// A call of the tall-skinny QR (qr, least_squares: meshla.torch and meshla.jax run it in the
-// frameworks' own ops, a QR of each device's row block, then one of the stacked R factors): the
-// dtype as the solvers take, m rows split evenly over `parts` devices, each device's block at
-// least as tall as a is wide (kNotImplemented otherwise), nrhs >= 0 (0: no right-hand side).
+// A call of the tall-skinny QR (qr, least_squares, svd, polar: meshla.torch and meshla.jax run
+// it in the frameworks' own ops, a QR of each device's row block, then one of the stacked R
+// factors): the dtype as the solvers take, m rows split evenly over `parts` devices, a at least
+// as tall as it is wide (kNotImplemented otherwise), nrhs >= 0 (0: no right-hand side).
 // Exported for the bindings (MESHLA_API), which check every call with it, on CPU arrays too.
 MESHLA_API void check_tall_qr_call(std::string_view name, std::int64_t m, std::int64_t n,
                                    DType dtype, std::int64_t parts, std::int64_t nrhs);

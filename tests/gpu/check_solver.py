@@ -15,6 +15,7 @@ and info > 0), two solves inside one jit, a donated input solved in its own buff
 2-GPU meshes solving at the same time from two threads.
 """
 
+import functools
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPUs
@@ -34,8 +35,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from meshla import _meshla  # noqa: E402
 from meshla.jax import linalg  # noqa: E402
-from matrices import (DTYPES, TORCH_DTYPES, random_general, random_spd,  # noqa: E402
-                      random_symmetric, tolerance)
+from matrices import (DTYPES, TORCH_DTYPES, random_conditioned, random_general,  # noqa: E402
+                      random_spd, random_symmetric, tolerance)
 from meshla.torch import linalg as torch_linalg  # noqa: E402
 from meshla.torch._dtypes import DTYPES as MESHLA_DTYPES  # noqa: E402
 from reporting import Reporter, check_parser  # noqa: E402
@@ -147,11 +148,13 @@ class Checks:
             residual = solve_residual(general, x, b)
             return int(info) == 0 and residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
 
-        def tall_qr():
-            # A [4n, n/4]: each device's rows at least the columns.
-            m, k = 4 * n, max(n // 4, 1)
+        def tall_qr(square: bool):
+            # A [4n, n/4] (each device's rows at least the columns) or a square A [n, n] (each
+            # device's rows fewer: the stacked factors are as large as A).
+            m, k = (n, n) if square else (4 * n, max(n // 4, 1))
             tall_tol = tolerance(dtype, m)
-            a = random_general(m, dtype, self.rng, columns=k)
+            a = (random_conditioned(n, dtype, self.rng) if square
+                 else random_general(m, dtype, self.rng, columns=k))
             rhs = self.rng.standard_normal((m, 2)).astype(dtype)
             q, r = jax.jit(lambda a: linalg.qr(a, mesh))(jax.device_put(a, rows))
             x, info = jax.jit(lambda a, b: linalg.least_squares(a, b, mesh, return_info=True))(
@@ -193,7 +196,10 @@ class Checks:
         self.run(f"{label} cholesky_inverse", inverse)
         self.run(f"{label} eigh", eigh)
         self.run(f"{label} lu_solve", lu)
-        self.run(f"{label} qr, least_squares, svd and polar (tall)", tall_qr)
+        self.run(f"{label} qr, least_squares, svd and polar (tall)",
+                 functools.partial(tall_qr, False))
+        self.run(f"{label} qr, least_squares, svd and polar (square)",
+                 functools.partial(tall_qr, True))
 
     def jax_special(self, mesh):
         g = mesh.shape["x"]
@@ -402,11 +408,13 @@ class Checks:
                 details.append(f"overwrite_a={overwrite_a}: residual {residual:.2e}")
             return ok, ", ".join(details) + f" (tol {tol:.1e})"
 
-        def tall_blocks():
-            # The one-process torch forms: each block's QR on its GPU, R's gathered on the first.
-            m, k = 4 * n, max(n // 4, 1)
+        def tall_blocks(square: bool):
+            # The one-process torch forms: each block's QR on its GPU, R's gathered on the first;
+            # A [4n, n/4], or square [n, n] (blocks with fewer rows than columns).
+            m, k = (n, n) if square else (4 * n, max(n // 4, 1))
             tall_tol = tolerance(dtype, m)
-            a = random_general(m, dtype, self.rng, columns=k)
+            a = (random_conditioned(n, dtype, self.rng) if square
+                 else random_general(m, dtype, self.rng, columns=k))
             rhs = random_general(m, dtype, self.rng, columns=2)
             blocks = [torch.from_numpy(a[p * (m // g):(p + 1) * (m // g)]).to(f"cuda:{d}")
                       for p, d in enumerate(devices)]
@@ -468,7 +476,10 @@ class Checks:
         self.run(f"{label} overwrite_a refused where the layout pads", overwrite_padded)
         self.run(f"{label} cholesky_inverse over a", inverse_in_place)
         self.run(f"{label} lu_solve on poisoned outputs", lu_poisoned)
-        self.run(f"{label} qr, least_squares, svd and polar of row blocks (tall)", tall_blocks)
+        self.run(f"{label} qr, least_squares, svd and polar of row blocks (tall)",
+                 functools.partial(tall_blocks, False))
+        self.run(f"{label} qr, least_squares, svd and polar of row blocks (square)",
+                 functools.partial(tall_blocks, True))
         self.run(f"{label} eigh and inverse on poisoned outputs", poisoned_outputs)
 
     def torch_large_inverse(self, devices):

@@ -44,3 +44,16 @@ def random_general(n, dtype, rng, singular_column=None, columns=None):
     if singular_column is not None:
         m[:, singular_column] = 0
     return m.astype(dtype)
+
+
+def random_conditioned(n, dtype, rng):
+    """U diag(s) Vᴴ, n x n, U and V from QRs of Gaussian matrices and s in [0.5, 2]: a square
+    general matrix of condition at most 4 (a Gaussian one's grows with n), for checks whose error
+    bounds carry the condition number (gradients through the normal equations)."""
+    def orthonormal():
+        m = rng.standard_normal((n, n))
+        if np.issubdtype(dtype, np.complexfloating):
+            m = m + 1j * rng.standard_normal((n, n))
+        return np.linalg.qr(m)[0]
+
+    return ((orthonormal() * rng.uniform(0.5, 2.0, n)) @ orthonormal().conj().T).astype(dtype)

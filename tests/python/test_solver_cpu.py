@@ -301,8 +301,8 @@ def test_jax_tall_svd_and_polar_match_numpy(mesh, dtype):
     want_u, want_h = numpy_polar(a.astype(np.complex128))
     assert np.linalg.norm(np.asarray(unitary) - want_u) / np.linalg.norm(want_u) < 10 * tolerance
     assert np.linalg.norm(np.asarray(hermitian) - want_h) / np.linalg.norm(want_h) < 10 * tolerance
-    with pytest.raises(NotImplementedError, match="polar: a is \\[64, 20\\] over 4 devices"):
-        linalg.polar(put(tall(64, 20, dtype, 32), mesh), mesh)
+    with pytest.raises(NotImplementedError, match="polar: a is \\[64, 80\\], wider than tall"):
+        linalg.polar(put(tall(64, 80, dtype, 32), mesh), mesh)
 
 
 _TALL_ACROSS_PROCESSES = """
@@ -357,12 +357,38 @@ def test_jax_tall_routines_run_with_one_process_per_device_group():
         assert max(errors) < 1e-12, errors
 
 
+@pytest.mark.parametrize("shape", [(64, 20), (64, 64)])
+def test_jax_qr_family_where_each_device_has_fewer_rows_than_a_has_columns(mesh, shape):
+    """A square A (or blocks of 16 rows for 20 columns) over 4 devices: every routine against
+    numpy, and least_squares' gradient against jax.numpy's solve of the normal equations."""
+    a = tall(*shape, np.complex128, 31)
+    b = tall(shape[0], 2, np.complex128, 32)
+    q, r = linalg.qr(put(a, mesh), mesh)
+    check_qr(a, np.asarray(q), np.asarray(r), 1e-12)
+    u, s, vh = linalg.svd(put(a, mesh), mesh)
+    reference = np.linalg.svd(a, compute_uv=False)
+    assert np.linalg.norm(np.asarray(u) * np.asarray(s) @ np.asarray(vh) - a) < 1e-11
+    assert np.allclose(np.asarray(linalg.svd(put(a, mesh), mesh, compute_uv=False)), reference)
+    unitary, hermitian = linalg.polar(put(a, mesh), mesh)
+    assert np.linalg.norm(np.asarray(unitary) @ np.asarray(hermitian) - a) < 1e-11
+    x = linalg.least_squares(put(a, mesh), put(b, mesh), mesh)
+    assert np.allclose(np.asarray(x), np.linalg.lstsq(a, b, rcond=None)[0], atol=1e-10)
+
+    def loss(solve, a):
+        return jnp.real(jnp.sum(solve(a) * jnp.asarray(b[:shape[1]])))
+
+    got = jax.grad(loss, argnums=1)(lambda a: linalg.least_squares(a, put(b, mesh), mesh),
+                                    put(a, mesh))
+    want = jax.grad(loss, argnums=1)(
+        lambda a: jnp.linalg.solve(a.conj().T @ a, a.conj().T @ jnp.asarray(b)), jnp.asarray(a))
+    assert np.allclose(np.asarray(got), np.asarray(want), atol=1e-9)
+
+
 def test_jax_tall_qr_refusals_and_rank_deficiency(mesh):
     a = tall(64, 12, np.float64, 23)
-    with pytest.raises(NotImplementedError, match=r"qr: a is \[64, 20\] over 4 devices: each "
-                                                  "device's 16 rows are fewer than its 20 "
-                                                  "columns"):
-        linalg.qr(put(tall(64, 20, np.float64, 24), mesh), mesh)
+    with pytest.raises(NotImplementedError, match=r"qr: a is \[64, 80\], wider than tall; the "
+                                                  "QR-based routines take m >= n"):
+        linalg.qr(put(tall(64, 80, np.float64, 24), mesh), mesh)
     with pytest.raises(ValueError, match="least_squares: dtype int32 is not float32"):
         linalg.least_squares(put(np.ones((64, 4), np.int32), mesh),
                              put(np.ones((64, 1), np.int32), mesh), mesh)
@@ -389,9 +415,22 @@ def test_torch_tall_qr_and_least_squares_on_cpu_row_blocks(dtype):
     assert solved.info == 0
     assert (torch.linalg.norm(solved.x.to(torch.complex128) - expected)
             / torch.linalg.norm(expected) < 10 * tolerance)
-    with pytest.raises(NotImplementedError, match=r"qr: a is \[60, 10\] over 10 devices: each "
-                                                  "device's 6 rows are fewer than its 10"):
-        torch_linalg.qr(list(a.split(6)))
+    # Blocks of 6 rows for 10 columns (and a square A in 4 blocks): the stacked factors are as
+    # large as A, the answers the same.
+    for matrix, rows in ((a, 6), (torch.from_numpy(tall(40, 40, dtype, 27)), 10)):
+        factors = torch_linalg.qr(list(matrix.split(rows)))
+        check_qr(matrix.numpy(), torch.cat(factors.q).numpy(), factors.r.numpy(), tolerance)
+        rhs = torch.from_numpy(tall(matrix.shape[0], 2, dtype, 28))
+        solved = torch_linalg.least_squares(list(matrix.split(rows)), list(rhs.split(rows)))
+        expected = torch.linalg.lstsq(matrix.to(torch.complex128),
+                                      rhs.to(torch.complex128)).solution
+        assert (torch.linalg.norm(solved.x.to(torch.complex128) - expected)
+                / torch.linalg.norm(expected) < 100 * tolerance)
+        decomposed = torch_linalg.svd(list(matrix.split(rows)))
+        product = torch.cat(decomposed.u) * decomposed.s.to(dtype=matrix.dtype) @ decomposed.vh
+        assert torch.linalg.norm(product - matrix) / torch.linalg.norm(matrix) < 10 * tolerance
+    with pytest.raises(NotImplementedError, match=r"qr: a is \[8, 10\], wider than tall"):
+        torch_linalg.qr(list(a[:8].split(4)))
     with pytest.raises(ValueError, match=r"qr: a_shards\[2\] has shape \(10, 10\)"):
         torch_linalg.qr(list(a.split(25)))
     with pytest.raises(ValueError, match="least_squares: a_shards is empty"):

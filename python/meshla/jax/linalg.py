@@ -341,15 +341,17 @@ def _check_tall(name: str, a_block, mesh: Mesh, axis: str, nrhs: int = 0) -> Non
 
 
 def _tall_factors(a_block, axis: str, parts: int):
-    """(this block's Q [rows, n], this device's n rows of the stacked R factors' Q, R [n, n]).
-    Where one device holds all of A its block's QR is A's, and the second factor is None: the
-    second stage would cost 2 m n² for nothing (NOTES 87)."""
+    """(this block's Q [rows, k], this device's k rows of the stacked R factors' Q, R [n, n]),
+    k = min(rows, n): each block's R is [k, n]. Where one device holds all of A its block's QR is
+    A's, and the second factor is None: the second stage would cost 2 m n² for nothing (NOTES
+    87). Where a device's rows are fewer than A's columns (a square A over several devices) the
+    stacked factors are as large as A, and their QR is one device's QR of A."""
     q_block, r_block = jnp.linalg.qr(a_block)
     if parts == 1:
         return q_block, None, r_block
     q_stacked, r = jnp.linalg.qr(jax.lax.all_gather(r_block, axis, tiled=True))
-    n = a_block.shape[1]
-    mine = jax.lax.dynamic_slice_in_dim(q_stacked, jax.lax.axis_index(axis) * n, n, axis=0)
+    k = r_block.shape[0]
+    mine = jax.lax.dynamic_slice_in_dim(q_stacked, jax.lax.axis_index(axis) * k, k, axis=0)
     return q_block, mine, r
 
 
@@ -394,13 +396,13 @@ def qr_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> QR:
     """Inside ``shard_map``: the reduced QR of a tall A sharded by rows over ``axis``: this
     device's rows of Q and R (the same on every device), A = Q R.
 
-    ``a_block`` is this device's [m/P, n] rows, m/P >= n, float32, float64, complex64 or
+    ``a_block`` is this device's [m/P, n] rows, m >= n, float32, float64, complex64 or
     complex128; ``mesh`` and ``axis`` as in :func:`cho_solve_shard`. Returns a :class:`QR`.
     Raises ``ValueError`` at trace time for an ``axis`` not in ``mesh``, an ``a_block`` that is
-    not 2-D or an unsupported dtype, and ``NotImplementedError`` where a device's rows are fewer
-    than A's columns (the tall-skinny QR; square and wide matrices are not supported yet). Runs
-    in every process model: it is jax.numpy's QR and one all-gather of R factors (on one device,
-    the block's own QR alone)."""
+    not 2-D or an unsupported dtype, and ``NotImplementedError`` for a wide A (m < n). Runs in
+    every process model: it is jax.numpy's QR and one all-gather of R factors (on one device,
+    the block's own QR alone). Where a device's rows are fewer than A's columns (a square A,
+    say) the gathered factors are as large as A and every device runs one QR of that size."""
     axis = _axis_of(mesh, axis)
     _check_tall("qr", a_block, mesh, axis)
     q_block, second, r = _tall_factors(a_block, axis, mesh.shape[axis])
@@ -464,7 +466,7 @@ def _square_singular_values(r):
 
 def svd_shard(a_block, *, mesh: Mesh, axis: str | None = None, compute_uv: bool = True) -> SVD:
     """Inside ``shard_map``: the thin SVD of a tall A sharded by rows over ``axis`` (this
-    device's [m/P, n] rows, m/P >= n), from the tall-skinny QR: A = Q R, R = U_R diag(s) Vᴴ on
+    device's [m/P, n] rows, m >= n), from the tall-skinny QR: A = Q R, R = U_R diag(s) Vᴴ on
     every device (R's SVD from its polar decomposition by QDWH), U = Q U_R (this device's rows).
     ``compute_uv=False`` gives the values alone (no Q is formed). Returns an :class:`SVD`.
     Raises as :func:`qr_shard` does."""
@@ -481,7 +483,7 @@ def svd_shard(a_block, *, mesh: Mesh, axis: str | None = None, compute_uv: bool 
 
 def polar_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> Polar:
     """Inside ``shard_map``: the polar decomposition A = U H of a tall A sharded by rows over
-    ``axis`` (this device's [m/P, n] rows, m/P >= n): U = Q U_R (this device's rows) and H (the
+    ``axis`` (this device's [m/P, n] rows, m >= n): U = Q U_R (this device's rows) and H (the
     same on every device) from the tall-skinny QR, A = Q R, and R's polar decomposition
     R = U_R H by QDWH. Returns a :class:`Polar`. Raises as :func:`qr_shard` does."""
     axis = _axis_of(mesh, axis)
@@ -494,7 +496,7 @@ def polar_shard(a_block, *, mesh: Mesh, axis: str | None = None) -> Polar:
 def least_squares_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None
                         ) -> tuple[jax.Array, jax.Array]:
     """Inside ``shard_map``: X minimizing ||A X - B|| for a tall A of full column rank sharded by
-    rows over ``axis`` (this device's [m/P, n] rows, m/P >= n) and B sharded the same way
+    rows over ``axis`` (this device's [m/P, n] rows, m >= n) and B sharded the same way
     ([m/P, nrhs]). Returns (X [n, nrhs], the same on every device; info, an int32 scalar: 0, or
     i > 0 where R's i-th diagonal element is exactly zero, A rank-deficient (a zero column, say,
     as LAPACK's gels reports; numerical rank deficiency is not detected), with X NaN), from the
@@ -667,7 +669,7 @@ def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
 
 
 def qr(a, mesh: Mesh, axis: str | None = None):
-    """The reduced QR of a tall A ([m, n], m/devices >= n) sharded by rows over ``axis`` of
+    """The reduced QR of a tall A ([m, n], m >= n) sharded by rows over ``axis`` of
     ``mesh``: returns (Q, sharded like A; R [n, n], replicated), A = Q R, as
     ``jnp.linalg.qr(a)``'s (signs may differ). Jittable. Raises as :func:`qr_shard` does."""
     axis = _axis_of(mesh, axis)
@@ -677,7 +679,7 @@ def qr(a, mesh: Mesh, axis: str | None = None):
 
 
 def svd(a, mesh: Mesh, axis: str | None = None, *, compute_uv: bool = True):
-    """The thin SVD of a tall A ([m, n], m/devices >= n) sharded by rows over ``axis`` of
+    """The thin SVD of a tall A ([m, n], m >= n) sharded by rows over ``axis`` of
     ``mesh``, as ``jnp.linalg.svd(a, full_matrices=False)``: returns (U, sharded like A; s;
     Vᴴ, both replicated), or s alone with ``compute_uv=False``. Jittable. Raises as
     :func:`qr_shard` does."""
@@ -690,7 +692,7 @@ def svd(a, mesh: Mesh, axis: str | None = None, *, compute_uv: bool = True):
 
 
 def polar(a, mesh: Mesh, axis: str | None = None):
-    """The polar decomposition A = U H of a tall A ([m, n], m/devices >= n) sharded by rows over
+    """The polar decomposition A = U H of a tall A ([m, n], m >= n) sharded by rows over
     ``axis`` of ``mesh``: returns (U, orthonormal columns, sharded like A; H [n, n], Hermitian
     positive semi-definite, replicated), as ``scipy.linalg.polar(a)``. Jittable. Raises as
     :func:`qr_shard` does."""
@@ -702,7 +704,7 @@ def polar(a, mesh: Mesh, axis: str | None = None):
 
 def least_squares(a, b, mesh: Mesh, axis: str | None = None, *, return_info: bool = False):
     """X minimizing ||A X - B|| (as ``jnp.linalg.lstsq``'s solution) for a tall A of full column
-    rank ([m, n], m/devices >= n) sharded by rows over ``axis`` of ``mesh``; B is [m] or
+    rank ([m, n], m >= n) sharded by rows over ``axis`` of ``mesh``; B is [m] or
     [m, nrhs], sharded the same way. Returns X ([n] or [n, nrhs], replicated), or with
     ``return_info`` the tuple (X, info) as :func:`least_squares_shard`'s. Jittable. Raises as
     :func:`least_squares_shard` does, and ``ValueError`` for an ``a`` that is not 2-D."""

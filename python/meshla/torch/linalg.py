@@ -362,8 +362,8 @@ def _blocks_factors(a_shards: Sequence[torch.Tensor]):
     if len(local) == 1:
         return q_blocks, [None], local[0][1]
     q_stacked, r = _stacked_qr([r_block for _, r_block in local])
-    n = r.shape[0]
-    return q_blocks, [q_stacked[p * n:(p + 1) * n].to(q_block.device)
+    k = local[0][1].shape[0]  # each block's R is [min(rows, n), n]
+    return q_blocks, [q_stacked[p * k:(p + 1) * k].to(q_block.device)
                       for p, q_block in enumerate(q_blocks)], r
 
 
@@ -407,13 +407,13 @@ def _solved_by_r(name: str, r: torch.Tensor, qtb: torch.Tensor,
 
 
 def qr(a_shards: Sequence[torch.Tensor]) -> QR:
-    """The reduced QR of a tall A given as equal row blocks ([m/P, n] each, m/P >= n, one per
-    device or all on the CPU), as ``torch.linalg.qr``'s (signs may differ): A = Q R.
+    """The reduced QR of a tall or square A (m >= n) given as equal row blocks ([m/P, n] each,
+    one per device or all on the CPU), as ``torch.linalg.qr``'s (signs may differ): A = Q R.
+    Where a block's rows are fewer than A's columns the stacked R factors are as large as A and
+    the first device runs one QR of that size.
 
     Returns a :class:`QR`. Raises ``ValueError`` for an empty ``a_shards``, blocks that differ in
-    shape or dtype, or an unsupported dtype, and ``NotImplementedError`` where a block's rows are
-    fewer than A's columns (the tall-skinny QR; square and wide matrices are not supported
-    yet)."""
+    shape or dtype, or an unsupported dtype, and ``NotImplementedError`` for a wide A (m < n)."""
     _check_tall_shards("qr", a_shards)
     q_blocks, seconds, r = _blocks_factors(a_shards)
     return QR([_q_times(q, second) for q, second in zip(q_blocks, seconds)], r)
@@ -735,13 +735,13 @@ def _shard_factors(a: torch.Tensor, group):
     if dist.get_world_size(group) == 1:
         return q_block, None, r_block
     q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
-    n, rank = r.shape[0], dist.get_rank(group)
-    return q_block, q_stacked[rank * n:(rank + 1) * n], r
+    k, rank = r_block.shape[0], dist.get_rank(group)  # each rank's R is [min(rows, n), n]
+    return q_block, q_stacked[rank * k:(rank + 1) * k], r
 
 
 def qr_shard(a: torch.Tensor, group=None) -> QR:
     """:func:`qr` with one process per device: ``a`` is this rank's row block ([m/P, n],
-    m/P >= n), ranks in the order of ``group`` (a torch.distributed process group of any backend;
+    m >= n), ranks in the order of ``group`` (a torch.distributed process group of any backend;
     default the world), on one host or several. Collective. Returns a :class:`QR` of this rank's
     block of Q and R (the same on every rank). Raises as :func:`qr` does, on every rank, and
     ``ValueError`` on every rank where the ranks' blocks differ in shape or dtype."""
