@@ -594,9 +594,16 @@ def _shard_forms(rank, size, results):
             disagreement = None
         except ValueError as error:
             disagreement = str(error)
+        # A square A: each rank's 6 rows fewer than its 12 columns.
+        square = torch.from_numpy(tall(n, n, np.float64, 29))
+        square_factors = torch_linalg.qr_shard(square[rows])
+        square_fit = torch_linalg.least_squares_shard(square[rows], b[rows])
+        square_polar = torch_linalg.polar_shard(square[rows])
         results[rank] = (solved.x, solved.logdet, inverse, info, eig.eigenvalues, eig.eigenvectors,
                          lu.x, factors.q, factors.r, fit.x, misfit, decomposed.u, decomposed.s,
-                         decomposed.vh, values, unitary.u, unitary.h, disagreement)
+                         decomposed.vh, values, unitary.u, unitary.h, disagreement,
+                         square_factors.q, square_factors.r, square_fit.x, square_polar.u,
+                         square_polar.h)
     finally:
         dist.destroy_process_group()
 
@@ -624,6 +631,13 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
                            + torch.triu(a[r * n // size:(r + 1) * n // size]) for r in range(size)])
     lu_x = torch.cat([results[r][6] for r in range(size)])
     assert torch.linalg.norm(general_a @ lu_x - b) / torch.linalg.norm(b) < 1e-12
+    square = torch.from_numpy(tall(n, n, np.float64, 29))
+    check_qr(square.numpy(), torch.cat([results[r][18] for r in range(size)]).numpy(),
+             results[0][19].numpy(), 1e-13)
+    assert all(torch.linalg.norm(results[r][20] - torch.linalg.solve(square, b))
+               / torch.linalg.norm(results[r][20]) < 1e-12 for r in range(size))
+    polar_u = torch.cat([results[r][21] for r in range(size)])
+    assert torch.linalg.norm(polar_u @ results[0][22] - square) / torch.linalg.norm(square) < 1e-13
     tall_a = torch.from_numpy(tall(4 * n, 5, np.float64, 27))
     q = torch.cat([results[r][7] for r in range(size)])
     check_qr(tall_a.numpy(), q.numpy(), results[0][8].numpy(), 1e-13)
