@@ -12,12 +12,11 @@ group's NCCL id goes through jax.distributed's key-value store). --command-buffe
 --xla_gpu_enable_command_buffer before jax starts: "" turns them off, "+COLLECTIVES" adds the
 collectives to the default kinds."""
 
-import argparse
 import os
-import socket
-import subprocess
 import sys
 
+from processes import add_arguments as add_process_arguments
+from processes import launch as launch_processes
 from reporting import Reporter, check_parser
 
 # The families of checks (``--families``): what tests/gpu/test_gpu_suite.py selects with -k.
@@ -25,36 +24,10 @@ FAMILIES = ("ops", "gradients", "loop", "donation")
 parser = check_parser(__doc__, "jax-collective", FAMILIES)
 parser.add_argument("--command-buffers", default=None,
                     help="XLA's --xla_gpu_enable_command_buffer (default: XLA's own)")
-parser.add_argument("--processes", type=int, default=0,
-                    help="launch this many processes, one GPU each (0: one process, every GPU)")
-parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
-parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
-parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+add_process_arguments(parser)
 args = parser.parse_args()
-
-
-def launch_processes() -> int:
-    """Runs one copy of this script per GPU with the same seed; a copy that fails or outlives
-    the time limit fails the launch."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    seed = int.from_bytes(os.urandom(4), "little")
-    children = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--process-id", str(i),
-                                  "--coordinator", coordinator, "--seed", str(seed)])
-                for i in range(args.processes)]
-    statuses = []
-    for child in children:
-        try:
-            statuses.append(child.wait(timeout=240))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            statuses.append(-9)
-    return max(abs(status) for status in statuses)
-
-
 if args.processes and args.process_id is None:
-    sys.exit(launch_processes())
+    sys.exit(launch_processes(__file__, args.processes))
 if args.command_buffers is not None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
                                + args.command_buffers).strip()

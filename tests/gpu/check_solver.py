@@ -153,7 +153,7 @@ class Checks:
             # device's rows fewer: the stacked factors are as large as A).
             m, k = (n, n) if square else (4 * n, max(n // 4, 1))
             tall_tol = tolerance(dtype, m)
-            a = (random_conditioned(n, dtype, self.rng) if square
+            a = (random_conditioned(n, dtype, self.rng, device=REFERENCE) if square
                  else random_general(m, dtype, self.rng, columns=k))
             rhs = self.rng.standard_normal((m, 2)).astype(dtype)
             q, r = jax.jit(lambda a: linalg.qr(a, mesh))(jax.device_put(a, rows))
@@ -413,7 +413,7 @@ class Checks:
             # A [4n, n/4], or square [n, n] (blocks with fewer rows than columns).
             m, k = (n, n) if square else (4 * n, max(n // 4, 1))
             tall_tol = tolerance(dtype, m)
-            a = (random_conditioned(n, dtype, self.rng) if square
+            a = (random_conditioned(n, dtype, self.rng, device=REFERENCE) if square
                  else random_general(m, dtype, self.rng, columns=k))
             rhs = random_general(m, dtype, self.rng, columns=2)
             blocks = [torch.from_numpy(a[p * (m // g):(p + 1) * (m // g)]).to(f"cuda:{d}")

@@ -46,14 +46,17 @@ def random_general(n, dtype, rng, singular_column=None, columns=None):
     return m.astype(dtype)
 
 
-def random_conditioned(n, dtype, rng):
-    """U diag(s) Vᴴ, n x n, U and V from QRs of Gaussian matrices and s in [0.5, 2]: a square
-    general matrix of condition at most 4 (a Gaussian one's grows with n), for checks whose error
-    bounds carry the condition number (gradients through the normal equations)."""
+def random_conditioned(n, dtype, rng, device="cpu"):
+    """U diag(s) Vᴴ, n x n, U and V from QRs of Gaussian matrices (in double precision on
+    `device`, as random_spd's) and s in [0.5, 2]: a square general matrix of condition at most 4
+    (a Gaussian one's grows with n), for checks whose error bounds carry the condition number
+    (gradients through the normal equations)."""
     def orthonormal():
         m = rng.standard_normal((n, n))
         if np.issubdtype(dtype, np.complexfloating):
             m = m + 1j * rng.standard_normal((n, n))
-        return np.linalg.qr(m)[0]
+        return torch.linalg.qr(torch.from_numpy(m).to(device))[0]
 
-    return ((orthonormal() * rng.uniform(0.5, 2.0, n)) @ orthonormal().conj().T).astype(dtype)
+    u, v = orthonormal(), orthonormal()
+    s = torch.from_numpy(rng.uniform(0.5, 2.0, n)).to(device)
+    return ((u * s) @ v.conj().T).cpu().numpy().astype(dtype)

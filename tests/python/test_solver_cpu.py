@@ -323,6 +323,15 @@ ga, gb = (jax.make_array_from_callback(x.shape, rows, lambda index, x=x: x[index
 q, r = jax.jit(lambda a: linalg.qr(a, mesh))(ga)
 x = jax.jit(lambda a, b: linalg.least_squares(a, b, mesh))(ga, gb)
 s = jax.jit(lambda a: linalg.svd(a, mesh, compute_uv=False))(ga)
+spd = a[:8].T @ a[:8] + np.eye(6)
+spd = np.kron(np.eye(2), spd)[:8, :8] + np.eye(8)  # 8 x 8, positive definite
+gs, gr = (jax.make_array_from_callback(x.shape, rows, lambda index, x=x: x[index])
+          for x in (spd, b[:8]))
+solved = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh))(gs, gr)
+solved_rows = sorted(solved.addressable_shards, key=lambda shard: shard.index[0].start)
+start = solved_rows[0].index[0].start
+solved_rows = np.concatenate([np.asarray(shard.data) for shard in solved_rows])
+want = np.linalg.solve(spd, b[:8])[start:start + len(solved_rows)]
 mine = sorted(q.addressable_shards, key=lambda shard: shard.index[0].start)
 first = mine[0].index[0].start
 q_rows = np.concatenate([np.asarray(shard.data) for shard in mine])
@@ -330,15 +339,16 @@ r = np.asarray(r.addressable_shards[0].data)
 print(np.abs(q_rows @ r - a[first:first + len(q_rows)]).max(),
       np.abs(np.asarray(x.addressable_shards[0].data)
              - np.linalg.lstsq(a, b, rcond=None)[0]).max(),
-      np.abs(np.asarray(s.addressable_shards[0].data) - np.linalg.svd(a, compute_uv=False)).max())
+      np.abs(np.asarray(s.addressable_shards[0].data) - np.linalg.svd(a, compute_uv=False)).max(),
+      np.abs(solved_rows - want).max())
 jax.distributed.shutdown()
 """
 
 
 def test_jax_tall_routines_run_with_one_process_per_device_group():
-    """The tall-skinny routines under jax.distributed: two processes of two host devices each
-    (gloo's CPU collectives), each process's rows of Q, X and the singular values against numpy;
-    the same code runs one process per GPU."""
+    """The tall-skinny routines and cho_solve under jax.distributed: two processes of two host
+    devices each (gloo's CPU collectives), each process's rows of Q, X, the singular values and
+    cho_solve's X against numpy; the same code runs one process per GPU."""
     import socket
     import subprocess
     import sys
@@ -382,6 +392,24 @@ def test_jax_qr_family_where_each_device_has_fewer_rows_than_a_has_columns(mesh,
     want = jax.grad(loss, argnums=1)(
         lambda a: jnp.linalg.solve(a.conj().T @ a, a.conj().T @ jnp.asarray(b)), jnp.asarray(a))
     assert np.allclose(np.asarray(got), np.asarray(want), atol=1e-9)
+
+
+def test_jax_cusolvermg_runs_only_on_the_gpus_of_one_process():
+    """cuSolverMg drives the GPUs of one process: on a mesh with another process's GPU (or on
+    CPU devices) every device solves the gathered A instead."""
+    from types import SimpleNamespace
+
+    here = jax.process_index()
+
+    def mesh_of(*devices):
+        return SimpleNamespace(devices=np.array(devices, dtype=object))
+
+    def device(platform, process):
+        return SimpleNamespace(platform=platform, process_index=process)
+
+    assert linalg._cusolvermg_runs(mesh_of(device("gpu", here), device("gpu", here)))
+    assert not linalg._cusolvermg_runs(mesh_of(device("gpu", here), device("gpu", here + 1)))
+    assert not linalg._cusolvermg_runs(mesh_of(device("cpu", here)))
 
 
 def test_jax_tall_qr_refusals_and_rank_deficiency(mesh):

@@ -30,7 +30,10 @@ stderr once ``timeout_s`` has passed).
 
 Every function also has a ``*_shard`` form for use inside ``jax.shard_map`` over the same mesh.
 On CPU devices the same functions run a reference (gather the rows, solve with ``jax.numpy``), so
-code written for GPUs runs unchanged on a development machine.
+code written for GPUs runs unchanged on a development machine. So do meshes whose devices span
+processes (jax.distributed, one process per GPU, one host or several): each device gathers A's
+rows and solves alone, at one GPU's speed and with A whole in each GPU's memory, since
+cuSolverMg drives the GPUs of one process.
 """
 
 from __future__ import annotations
@@ -157,20 +160,19 @@ def _axis_of(mesh: Mesh, axis: str | None) -> str:
     return axis
 
 
-def _on_gpu(mesh: Mesh) -> bool:
-    return mesh.devices.flat[0].platform == "gpu"
+def _cusolvermg_runs(mesh: Mesh) -> bool:
+    """Whether cuSolverMg solves the call: the mesh's devices are GPUs of this one process. On
+    CPU devices, and on a mesh whose devices span processes (jax.distributed, one process per
+    GPU), every device gathers A's rows and solves it alone with jax.numpy: a device's own speed
+    and memory for the whole of A (cuSolverMg drives the GPUs of one process)."""
+    return all(d.platform == "gpu" and d.process_index == jax.process_index()
+               for d in mesh.devices.flat)
 
 
 def _mesh_groups(mesh: Mesh, axis: str) -> tuple[np.ndarray, int]:
     """CUDA ordinals of every group of GPUs that solves together (see axis_groups), group after
     group."""
     devices = axis_groups(mesh, axis).reshape(-1)
-    for device in devices:
-        if device.process_index != jax.process_index():
-            raise NotImplementedError(
-                "meshla.jax.linalg's cuSolverMg routines drive the GPUs of one process; this "
-                "mesh spans processes (qr, least_squares, svd and polar run on such meshes)"
-            )
     return np.array([d.local_hardware_id for d in devices], np.int64), mesh.shape[axis]
 
 
@@ -251,8 +253,9 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
     Raises ``ValueError`` at trace time for an ``axis`` not in ``mesh`` (or none named on a mesh
     of several axes), an ``a_block`` that is not 2-D, a ``b_block`` whose rows or dtype differ,
     an unsupported dtype, nrhs outside 1 to 256, an n that the axis's devices do not divide or a
-    negative ``tile``; on GPUs, ``NotImplementedError`` for a mesh whose devices span processes
-    or a meshla built without XLA's FFI headers. A matrix that is not positive definite raises
+    negative ``tile``; on GPUs, ``NotImplementedError`` for a meshla built without XLA's FFI
+    headers. A mesh whose devices span processes runs everywhere (see the module's notes). A
+    matrix that is not positive definite raises
     nothing: NaN outputs and info > 0. Failures inside the custom call (a device whose handler
     never arrives within ``timeout_s`` included; see the module's notes) surface as
     ``jax.errors.JaxRuntimeError``."""
@@ -262,7 +265,7 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
     _check_rhs_block("cho_solve", a_block, b_block)
     tile, padded = _layout(_meshla.SolverOp.cholesky_solve, a_block, mesh, axis, tile,
                            nrhs=b_block.shape[1])
-    if not _on_gpu(mesh):
+    if not _cusolvermg_runs(mesh):
         factor, info = _reference_cholesky(_gather_rows(a_block, axis))
         x = jax.scipy.linalg.cho_solve((factor, True), _gather_rows(b_block, axis))
         logdet = 2.0 * jnp.sum(jnp.log(jnp.real(jnp.diagonal(factor))))
@@ -302,7 +305,7 @@ def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, til
     _check_rhs_block("lu_solve", a_block, b_block)
     tile, padded = _layout(_meshla.SolverOp.lu_solve, a_block, mesh, axis, tile,
                            nrhs=b_block.shape[1])
-    if not _on_gpu(mesh):
+    if not _cusolvermg_runs(mesh):
         lu, pivots = jax.scipy.linalg.lu_factor(_gather_rows(a_block, axis))
         info = _first_zero_info(jnp.diagonal(lu))
         x = jax.scipy.linalg.lu_solve((lu, pivots), _gather_rows(b_block, axis))
@@ -526,7 +529,7 @@ def cholesky_inverse_shard(a_block, *, mesh: Mesh, axis: str | None = None, tile
     _check_matrix(a_block, "cholesky_inverse")
     rows, n = a_block.shape
     tile, padded = _layout(_meshla.SolverOp.cholesky_inverse, a_block, mesh, axis, tile)
-    if not _on_gpu(mesh):
+    if not _cusolvermg_runs(mesh):
         factor, info = _reference_cholesky(_gather_rows(a_block, axis))
         inverse = jax.scipy.linalg.cho_solve((factor, True), jnp.eye(n, dtype=a_block.dtype))
         return _own_rows(inverse, axis, rows), info
@@ -555,7 +558,7 @@ def eigh_shard(a_block, *, mesh: Mesh, axis: str | None = None, eigvals_only: bo
     rows, n = a_block.shape
     op = _meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh
     tile, padded = _layout(op, a_block, mesh, axis, tile)
-    if not _on_gpu(mesh):
+    if not _cusolvermg_runs(mesh):
         a_full = _gather_rows(a_block, axis)
         if eigvals_only:
             values = jnp.linalg.eigvalsh(a_full)
@@ -606,8 +609,8 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
 
     Raises ``ValueError`` at trace time for an ``a`` that is not 2-D, ``overwrite_a`` where the
     solver would pad, and the checks of :func:`cho_solve_shard` (axis, shapes, dtype, nrhs, n,
-    tile); ``NotImplementedError`` on GPUs for a mesh whose devices span processes or a meshla
-    built without XLA's FFI headers. A matrix that is not positive definite raises nothing: X
+    tile); ``NotImplementedError`` on GPUs for a meshla built without XLA's FFI headers. A
+    matrix that is not positive definite raises nothing: X
     and log det A are NaN and info > 0. Failures inside the custom call, a device whose handler
     never arrives within ``timeout_s`` included, surface as ``jax.errors.JaxRuntimeError``."""
     axis = _axis_of(mesh, axis)
@@ -645,8 +648,8 @@ def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     (A twice in memory).
 
     Raises ``ValueError`` at trace time for an ``a`` that is not 2-D and the checks of
-    :func:`lu_solve_shard`; ``NotImplementedError`` for ``overwrite_a`` on several GPUs, for a
-    mesh whose devices span processes or a meshla built without XLA's FFI headers;
+    :func:`lu_solve_shard`; ``NotImplementedError`` for ``overwrite_a`` on several GPUs or a
+    meshla built without XLA's FFI headers;
     ``jax.errors.JaxRuntimeError`` from the custom call."""
     axis = _axis_of(mesh, axis)
     if a.ndim != 2:
@@ -728,8 +731,8 @@ def cholesky_inverse(a, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     ``axis``, ``tile`` and ``timeout_s`` as in :func:`cho_solve`. Returns A⁻¹, or with
     ``return_info`` the tuple (A⁻¹, info), info an int32 scalar, 0 on success and > 0 where A is
     not positive definite (A⁻¹ is NaN then). Raises as :func:`cholesky_inverse_shard` does
-    (``ValueError`` at trace time; ``NotImplementedError`` for n above 46340, for a mesh whose
-    devices span processes or a meshla built without XLA's FFI headers;
+    (``ValueError`` at trace time; ``NotImplementedError`` for n above 46340 or a meshla built
+    without XLA's FFI headers;
     ``jax.errors.JaxRuntimeError`` from the custom call)."""
     axis = _axis_of(mesh, axis)
     invert = functools.partial(cholesky_inverse_shard, mesh=mesh, axis=axis, tile=tile,

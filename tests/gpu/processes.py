@@ -1,0 +1,37 @@
+"""One copy of a JAX check script per GPU under jax.distributed: the launcher the scripts share.
+The parent runs each copy with --process-id, --coordinator (a free local port) and --seed (one
+fresh seed for all, so that every process draws the same inputs)."""
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--processes", type=int, default=0,
+                        help="launch this many processes, one GPU each (0: one process, every GPU)")
+    parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def launch(script: str, processes: int, timeout_s: float = 240.0) -> int:
+    """Runs `processes` copies of `script` with this process's arguments; the worst exit status
+    (a copy that outlives `timeout_s` is killed and counts as failed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    seed = int.from_bytes(os.urandom(4), "little")
+    children = [subprocess.Popen([sys.executable, script, *sys.argv[1:], "--process-id", str(i),
+                                  "--coordinator", coordinator, "--seed", str(seed)])
+                for i in range(processes)]
+    statuses = []
+    for child in children:
+        try:
+            statuses.append(child.wait(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            statuses.append(-9)
+    return max(abs(status) for status in statuses)
