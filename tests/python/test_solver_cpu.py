@@ -379,8 +379,10 @@ def test_jax_qr_family_where_each_device_has_fewer_rows_than_a_has_columns(mesh,
     reference = np.linalg.svd(a, compute_uv=False)
     assert np.linalg.norm(np.asarray(u) * np.asarray(s) @ np.asarray(vh) - a) < 1e-11
     assert np.allclose(np.asarray(linalg.svd(put(a, mesh), mesh, compute_uv=False)), reference)
-    unitary, hermitian = linalg.polar(put(a, mesh), mesh)
-    assert np.linalg.norm(np.asarray(unitary) @ np.asarray(hermitian) - a) < 1e-11
+    unitary, hermitian = (np.asarray(f) for f in linalg.polar(put(a, mesh), mesh))
+    assert np.linalg.norm(unitary @ hermitian - a) < 1e-11
+    assert np.linalg.norm(unitary.conj().T @ unitary - np.eye(shape[1])) < 1e-11
+    assert np.linalg.norm(hermitian - hermitian.conj().T) < 1e-11
     x = linalg.least_squares(put(a, mesh), put(b, mesh), mesh)
     assert np.allclose(np.asarray(x), np.linalg.lstsq(a, b, rcond=None)[0], atol=1e-10)
 
@@ -457,6 +459,14 @@ def test_torch_tall_qr_and_least_squares_on_cpu_row_blocks(dtype):
         decomposed = torch_linalg.svd(list(matrix.split(rows)))
         product = torch.cat(decomposed.u) * decomposed.s.to(dtype=matrix.dtype) @ decomposed.vh
         assert torch.linalg.norm(product - matrix) / torch.linalg.norm(matrix) < 10 * tolerance
+        values = torch_linalg.svd(list(matrix.split(rows)), compute_uv=False).s
+        assert torch.allclose(values.double(), torch.linalg.svdvals(matrix.to(torch.complex128)),
+                              rtol=10 * tolerance, atol=0)
+        unitary = torch_linalg.polar(list(matrix.split(rows)))
+        u = torch.cat(unitary.u)
+        scale = torch.linalg.norm(matrix)
+        assert torch.linalg.norm(u @ unitary.h - matrix) / scale < 10 * tolerance
+        assert torch.linalg.norm(u.mH @ u - torch.eye(matrix.shape[1])) < 100 * tolerance
     with pytest.raises(NotImplementedError, match=r"qr: a is \[8, 10\], wider than tall"):
         torch_linalg.qr(list(a[:8].split(4)))
     with pytest.raises(ValueError, match=r"qr: a_shards\[2\] has shape \(10, 10\)"):

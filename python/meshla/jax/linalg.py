@@ -323,19 +323,19 @@ def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, til
     return LuSolve(x, info, working)
 
 
-# The tall-skinny QR (qr, least_squares): a QR of each device's row block, then one of their
-# stacked R factors (P n x n, on every device); Q's rows are each block's Q times its slice of
-# the second Q. Householder QRs throughout (as stable as one QR of A), one all-gather of n x n
-# factors, no custom call: XLA's own QR and collectives, so it runs wherever the mesh's devices
-# are (one process or jax.distributed, one host or several). Products in full precision: XLA's
-# default lets float32 GEMMs round through TF32.
+# The tall-skinny QR (qr, least_squares, svd, polar): a QR of each device's row block, then one
+# of their stacked R factors (P of [k, n], k = min(rows, n), on every device); Q's rows are each
+# block's Q times its k rows of the second Q. Householder QRs throughout (as stable as one QR of
+# A), one all-gather of the R factors, no custom call: XLA's own QR and collectives, so it runs
+# wherever the mesh's devices are (one process or jax.distributed, one host or several).
+# Products in full precision: XLA's default lets float32 GEMMs round through TF32.
 
 _FULL = jax.lax.Precision.HIGHEST
 
 
 def _check_tall(name: str, a_block, mesh: Mesh, axis: str, nrhs: int = 0) -> None:
-    """The extension's rules of a tall-skinny QR call (dtype, rows split evenly, each device's
-    block at least as tall as A is wide), the same words in meshla.torch."""
+    """The extension's rules of a tall-skinny QR call (dtype, rows split evenly, A at least as
+    tall as it is wide), the same words in meshla.torch."""
     if a_block.ndim != 2:
         raise ValueError(f"{name}: a has shape {a_block.shape}; expected a row block [m/P, n]")
     parts = mesh.shape[axis]

@@ -354,9 +354,9 @@ def _per_block(work, *blocks: Sequence[torch.Tensor]) -> list:
 
 
 def _blocks_factors(a_shards: Sequence[torch.Tensor]):
-    """(each block's Q, each block's n rows of the stacked R factors' Q on its device, R) of
-    the row blocks. One block's QR is A's, and its second factor None: the second stage would
-    cost 2 m n² for nothing (NOTES 87)."""
+    """(each block's Q, each block's k = min(rows, n) rows of the stacked R factors' Q on its
+    device, R) of the row blocks. One block's QR is A's, and its second factor None: the second
+    stage would cost 2 m n² for nothing (NOTES 87)."""
     local = _per_block(torch.linalg.qr, a_shards)
     q_blocks = [q_block for q_block, _ in local]
     if len(local) == 1:
@@ -729,8 +729,9 @@ def _all_gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def _shard_factors(a: torch.Tensor, group):
-    """(this rank's block's Q, its n rows of the stacked R factors' Q (ranks in the group's
-    order), R), the same R on every rank; with one rank, as :func:`_blocks_factors`'s one block."""
+    """(this rank's block's Q, its k = min(rows, n) rows of the stacked R factors' Q (ranks in
+    the group's order), R), the same R on every rank; with one rank, as
+    :func:`_blocks_factors`'s one block."""
     q_block, r_block = torch.linalg.qr(a)
     if dist.get_world_size(group) == 1:
         return q_block, None, r_block

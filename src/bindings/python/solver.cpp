@@ -64,9 +64,9 @@ void bind_solver(nb::module_& m) {
       [](const std::string& name, std::int64_t m, std::int64_t n, DType dtype, std::int64_t parts,
          std::int64_t nrhs) { solver::check_tall_qr_call(name, m, n, dtype, parts, nrhs); },
       "name"_a, "m"_a, "n"_a, "dtype"_a, "parts"_a, "nrhs"_a = 0,
-      "Checks a tall-skinny QR call (qr, least_squares) of an [m, n] a over `parts` devices: the "
-      "dtype, an even split of the rows, each device's rows at least n (NotImplementedError "
-      "otherwise); raises in `name`'s words.");
+      "Checks a tall-skinny QR call (qr, least_squares, svd, polar) of an [m, n] a over `parts` "
+      "devices: the dtype, an even split of the rows, m >= n (NotImplementedError otherwise); "
+      "raises in `name`'s words.");
 
   m.def(
       "rhs_block",
