@@ -12,19 +12,31 @@ residual, A - USVᴴ and the singular values, A - UH). Also a
 non-positive-definite matrix and a singular one (LinAlgError on every rank; NaN and info > 0
 without the check), an inverse written over a's own buffers, and a rank whose outputs were
 poisoned before the call in the memory the solver's outputs reuse.
+
+With --own-gpu each rank sees only its own GPU (a CUDA_VISIBLE_DEVICES of its own, as some
+launchers set it): the first rank cannot reach the others' GPUs, and every rank solves the
+gathered A alone.
 """
 
 import faulthandler
 import os
 import random
+import sys
 
-import numpy as np
-import torch
-import torch.distributed as dist
+# Before CUDA starts (torch starts it on first use): this rank's GPU alone.
+if "--own-gpu" in sys.argv:
+    _visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    _local = int(os.environ["LOCAL_RANK"])
+    os.environ["CUDA_VISIBLE_DEVICES"] = _visible.split(",")[_local] if _visible else str(_local)
 
-from matrices import TORCH_DTYPES, random_general, random_spd, random_symmetric, tolerance
-from meshla.torch import linalg as torch_linalg
-from reporting import Reporter, check_parser
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from matrices import (TORCH_DTYPES, random_general, random_spd,  # noqa: E402
+                      random_symmetric, tolerance)
+from meshla.torch import linalg as torch_linalg  # noqa: E402
+from reporting import Reporter, check_parser  # noqa: E402
 
 
 def gathered(block):
@@ -58,9 +70,12 @@ def check(reporter, family, name, rank, fn):
 
 
 def main():
-    args = check_parser(__doc__, "solver-processes", FAMILIES).parse_args()
+    parser = check_parser(__doc__, "solver-processes", FAMILIES)
+    parser.add_argument("--own-gpu", action="store_true",
+                        help="each rank sees only its own GPU (read before CUDA starts)")
+    args = parser.parse_args()
     faulthandler.enable()
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank = 0 if args.own_gpu else int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("gloo")  # the IPC handles travel over gloo
     rank, size = dist.get_rank(), dist.get_world_size()

@@ -113,6 +113,9 @@ MODELS = (
     *(Model(f"solver-processes-tp{tp}", _torchrun("check_solver_processes.py"),
             ("routines", "special"), gpus=tp,
             log_must_not_contain=("shared CUDA tensors released",)) for tp in (2, 4)),
+    # The same where each rank sees only its GPU: every rank solves the gathered A alone.
+    Model("solver-processes-own-gpu-tp2", _torchrun("check_solver_processes.py", "--own-gpu"),
+          ("routines", "special"), gpus=2),
     # A collective matmul that never finishes ends its process at the timeout.
     Model("watchdog", _python("check_watchdog.py"), WATCHDOG_CASES[:4], gpus=1),
     Model("watchdog-two-gpus", _python("check_watchdog.py"), WATCHDOG_CASES[4:], gpus=2),

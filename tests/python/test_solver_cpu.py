@@ -632,6 +632,11 @@ def _shard_forms(rank, size, results):
             disagreement = None
         except ValueError as error:
             disagreement = str(error)
+        try:  # ranks whose blocks differ: the error on every rank, no wait
+            torch_linalg.cho_solve_shard(a[rows, :8] if rank else a[rows], b[rows])
+            shape_error = None
+        except ValueError as error:
+            shape_error = str(error)
         # A square A: each rank's 6 rows fewer than its 12 columns.
         square = torch.from_numpy(tall(n, n, np.float64, 29))
         square_factors = torch_linalg.qr_shard(square[rows])
@@ -641,7 +646,7 @@ def _shard_forms(rank, size, results):
                          lu.x, factors.q, factors.r, fit.x, misfit, decomposed.u, decomposed.s,
                          decomposed.vh, values, unitary.u, unitary.h, disagreement,
                          square_factors.q, square_factors.r, square_fit.x, square_polar.u,
-                         square_polar.h)
+                         square_polar.h, shape_error)
     finally:
         dist.destroy_process_group()
 
@@ -669,6 +674,8 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
                            + torch.triu(a[r * n // size:(r + 1) * n // size]) for r in range(size)])
     lu_x = torch.cat([results[r][6] for r in range(size)])
     assert torch.linalg.norm(general_a @ lu_x - b) / torch.linalg.norm(b) < 1e-12
+    assert all("cho_solve_shard: rank 1 of the group has a (6, 8)" in results[r][23]
+               for r in range(size))
     square = torch.from_numpy(tall(n, n, np.float64, 29))
     check_qr(square.numpy(), torch.cat([results[r][18] for r in range(size)]).numpy(),
              results[0][19].numpy(), 1e-13)

@@ -580,23 +580,14 @@ def _on_first_rank(name, group, tensors, work):
     # The first rank uses its own tensors as they are: a handle it made for them would never be
     # opened, and torch warns at exit of shared tensors never released.
     first = dist.get_rank(group) == 0
-    mine = (device.index, str(torch.cuda.get_device_properties(device).uuid),
-            None if first else [None if t is None else reduce_tensor(t) for t in tensors])
+    mine = None if first else [None if t is None else reduce_tensor(t) for t in tensors]
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     outcome = None
     if first:
         try:
-            for rank, (index, uuid, _) in enumerate(everyone[1:], start=1):
-                visible = index < torch.cuda.device_count() and str(
-                    torch.cuda.get_device_properties(index).uuid) == uuid
-                if not visible:
-                    raise ValueError(
-                        f"{name}: rank {rank}'s cuda:{index} is not cuda:{index} of the group's "
-                        "first rank; one process per GPU needs every process to see every GPU "
-                        "with the same numbering (no per-process CUDA_VISIBLE_DEVICES)")
             imported = [[None if r is None else r[0](*r[1]) for r in reduced]
-                        for _, _, reduced in everyone[1:]]
+                        for reduced in everyone[1:]]
             # The solver's layout kernels read their peers' memory, and memory opened through
             # CUDA IPC is not readable from the other GPUs (a kernel on GPU 0 reading GPU 1's
             # imported rows faulted, with peer access on). So the solver works on copies this
@@ -619,15 +610,45 @@ def _on_first_rank(name, group, tensors, work):
     return box[0][1]
 
 
-def _gather_rows(group, block):
-    """Every rank's CPU row block, in rank order (the CPU reference of the shard forms)."""
-    blocks = [None] * dist.get_world_size(group)
-    dist.all_gather_object(blocks, block, group=group)
-    return blocks
+def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, tile: int,
+                  overwrite_a: bool):
+    """(A, B) whole on this rank's device where every rank solves A alone, else None (the
+    group's first rank solves over every GPU through CUDA IPC). Alone: CPU blocks, or GPUs the
+    first rank cannot reach under their numbers (ranks on several hosts, or a CUDA_VISIBLE_DEVICES
+    of their own), at one GPU's speed with A whole on each. One exchange of every rank's shapes
+    and GPU decides it alike on every rank; blocks that do not fit raise ValueError on every rank
+    before any wait, and alone the first rank's checks run on every rank."""
+    group = group if group is not None else dist.group.WORLD
+    first = dist.get_rank(group) == 0
+    cuda = a.device.type == "cuda"
+    uuid = str(torch.cuda.get_device_properties(a.device).uuid) if cuda else None
+    seen = ([str(torch.cuda.get_device_properties(d).uuid)
+             for d in range(torch.cuda.device_count())] if cuda and first else None)
+    mine = (tuple(a.shape), None if b is None else tuple(b.shape), str(a.dtype),
+            a.device.index, uuid, seen)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone):
+        if theirs[:3] != everyone[0][:3]:
+            raise ValueError(f"{name}: rank {rank} of the group has a {theirs[0]} and b "
+                             f"{theirs[1]} {theirs[2]} where rank 0 has {everyone[0][0]} and "
+                             f"{everyone[0][1]} {everyone[0][2]}")
+    visible = everyone[0][5] or []
+    if cuda and all(index < len(visible) and visible[index] == uuid
+                    for _, _, _, index, uuid, _ in everyone):
+        return None
+    a_blocks = _all_gather_small(a, group)
+    b_blocks = None if b is None else _all_gather_small(b, group)
+    n, _ = _check_shards(name, a_blocks)
+    nrhs = 0 if b is None else _check_rhs(name, a_blocks, b_blocks)
+    _check_call(op, a_blocks, nrhs, tile, overwrite_a)
+    return torch.cat(a_blocks), None if b is None else torch.cat(b_blocks)
 
 
-def _own_rows(group, blocks):
-    return blocks[dist.get_rank(group)]
+def _own_rows(group, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's row block of a whole [n, ...] result."""
+    rows = whole.shape[0] // dist.get_world_size(group)
+    return whole[dist.get_rank(group) * rows:(dist.get_rank(group) + 1) * rows]
 
 
 def _solve_on_first_rank(name, op, a, b, group, tile, overwrite_a):
@@ -650,22 +671,27 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
                     overwrite_a: bool = False, check_errors: bool = True) -> CholeskySolve:
     """:func:`cho_solve` with one process per GPU: ``a`` is this rank's row block of A and ``b``
     its row block of B, ranks in the order of ``group`` (a torch.distributed process group of any
-    backend; default the world). Collective; every process must see every GPU with the same
-    numbering (torchrun's default). Returns a :class:`CholeskySolve` whose ``x`` is this rank's
-    row block of X. ``tile``, ``overwrite_a`` and ``check_errors`` as in :func:`cho_solve`.
+    backend; default the world). Collective. Returns a :class:`CholeskySolve` whose ``x`` is
+    this rank's row block of X. ``tile``, ``overwrite_a`` and ``check_errors`` as in
+    :func:`cho_solve`. Where every process sees every GPU under the same number (one host,
+    torchrun's default) the group's first rank solves over all of them through CUDA IPC;
+    otherwise (ranks on several hosts, or each with a CUDA_VISIBLE_DEVICES of its own) every
+    rank gathers A and solves it alone on its GPU (one GPU's speed, A whole on each).
 
-    The checks of :func:`cho_solve` run on the group's first rank, and its error
-    (``ValueError``, ``NotImplementedError``, ``RuntimeError`` or ``torch.linalg.LinAlgError``;
-    any other as ``RuntimeError``) is raised on every rank; so is a ``ValueError`` where a rank's
-    GPU is not the GPU of the same number on the first rank. A matrix that is not positive
-    definite raises ``torch.linalg.LinAlgError`` on every rank unless ``check_errors=False``.
-    The waits are torch.distributed's, bounded by the group's own timeout."""
-    if a.device.type == "cpu":
-        result = cho_solve(_gather_rows(group, a), _gather_rows(group, b), tile=tile,
-                           overwrite_a=overwrite_a, check_errors=check_errors)
-        return CholeskySolve(_own_rows(group, result.x), result.logdet, result.info)
-    x, (info, logdet) = _solve_on_first_rank("cho_solve_shard", _meshla.SolverOp.cholesky_solve,
-                                             a, b, group, tile, overwrite_a)
+    The checks of :func:`cho_solve` run on the group's first rank (alone: on every rank), and its
+    error (``ValueError``, ``NotImplementedError``, ``RuntimeError`` or
+    ``torch.linalg.LinAlgError``; any other as ``RuntimeError``) is raised on every rank; so is
+    a ``ValueError`` where the ranks' blocks differ in shape or dtype. A matrix that is not
+    positive definite raises ``torch.linalg.LinAlgError`` on every rank unless
+    ``check_errors=False``. The waits are torch.distributed's, bounded by the group's own
+    timeout."""
+    op = _meshla.SolverOp.cholesky_solve
+    whole = _solved_whole("cho_solve_shard", op, group, a, b, tile, overwrite_a)
+    if whole is not None:
+        result = cho_solve([whole[0]], [whole[1]], check_errors=check_errors)
+        return CholeskySolve(_own_rows(group, result.x[0]), result.logdet, result.info)
+    x, (info, logdet) = _solve_on_first_rank("cho_solve_shard", op, a, b, group, tile,
+                                             overwrite_a)
     _raise_if_failed("cho_solve_shard", info, check_errors, "a is not positive definite")
     return CholeskySolve(x, logdet, info)
 
@@ -677,12 +703,12 @@ def lu_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 
     whose ``x`` is this rank's row block of X. Raises as :func:`cho_solve_shard` does, and
     ``torch.linalg.LinAlgError`` on every rank where A is singular unless
     ``check_errors=False``."""
-    if a.device.type == "cpu":
-        result = lu_solve(_gather_rows(group, a), _gather_rows(group, b), tile=tile,
-                          overwrite_a=overwrite_a, check_errors=check_errors)
-        return LuSolve(_own_rows(group, result.x), result.info)
-    x, (info, _) = _solve_on_first_rank("lu_solve_shard", _meshla.SolverOp.lu_solve, a, b, group,
-                                        tile, overwrite_a)
+    op = _meshla.SolverOp.lu_solve
+    whole = _solved_whole("lu_solve_shard", op, group, a, b, tile, overwrite_a)
+    if whole is not None:
+        result = lu_solve([whole[0]], [whole[1]], check_errors=check_errors)
+        return LuSolve(_own_rows(group, result.x[0]), result.info)
+    x, (info, _) = _solve_on_first_rank("lu_solve_shard", op, a, b, group, tile, overwrite_a)
     _raise_if_failed("lu_solve_shard", info, check_errors, "a is singular")
     return LuSolve(x, info)
 
@@ -794,10 +820,11 @@ def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
     block, info). Raises as :func:`cho_solve_shard` does, with :func:`cholesky_inverse`'s
     checks; ``overwrite_a`` with a non-contiguous CUDA ``a`` raises ``ValueError`` on that rank
     before the call meets the others."""
-    if a.device.type == "cpu":
-        inverse, info = cholesky_inverse(_gather_rows(group, a), tile=tile,
-                                         overwrite_a=overwrite_a, check_errors=check_errors)
-        mine = _own_rows(group, inverse)
+    whole = _solved_whole("cholesky_inverse_shard", _meshla.SolverOp.cholesky_inverse, group,
+                          a, None, tile, overwrite_a)
+    if whole is not None:
+        inverse, info = cholesky_inverse([whole[0]], check_errors=check_errors)
+        mine = _own_rows(group, inverse[0])
         return (a.copy_(mine) if overwrite_a else mine), info
     if overwrite_a and not a.is_contiguous():
         raise ValueError("cholesky_inverse_shard: overwrite_a needs a contiguous a")
@@ -823,10 +850,11 @@ def eigh_shard(a: torch.Tensor, group=None, *, eigvals_only: bool = False, tile:
     :func:`cho_solve_shard`. Returns an :class:`Eigh`. Raises as :func:`cho_solve_shard` does,
     with :func:`eigh`'s checks, and ``torch.linalg.LinAlgError`` on every rank where the
     eigensolver does not converge, unless ``check_errors=False``."""
-    if a.device.type == "cpu":
-        result = eigh(_gather_rows(group, a), eigvals_only=eigvals_only, tile=tile,
-                      overwrite_a=overwrite_a, check_errors=check_errors)
-        vectors = None if eigvals_only else _own_rows(group, result.eigenvectors)
+    op = _meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh
+    whole = _solved_whole("eigh_shard", op, group, a, None, tile, overwrite_a)
+    if whole is not None:
+        result = eigh([whole[0]], eigvals_only=eigvals_only, check_errors=check_errors)
+        vectors = None if eigvals_only else _own_rows(group, result.eigenvectors[0])
         return Eigh(result.eigenvalues, vectors, result.info)
     vectors = None if eigvals_only else torch.empty_like(
         a, memory_format=torch.contiguous_format)
