@@ -86,36 +86,34 @@ class Checks:
         a64, b64 = a.astype(np.complex128), b.astype(np.complex128)
 
         def cho_solve():
-            x, logdet, info = jax.jit(lambda a, b: linalg.cho_solve(
-                a, b, mesh, return_logdet=True, return_info=True))(self.rows(a), self.rows(b))
-            x = fetch(x)
+            x, logdet, info = (fetch(v) for v in jax.jit(lambda a, b: linalg.cho_solve(
+                a, b, mesh, return_logdet=True, return_info=True))(self.rows(a), self.rows(b)))
             residual = relative(a64 @ x - b64, np.linalg.norm(a64, 2) * np.linalg.norm(x))
-            logdet_error = abs(float(fetch(logdet)) - np.linalg.slogdet(a64)[1])
-            return int(fetch(info)) == 0 and residual < tol and logdet_error < tol * n, (
+            logdet_error = abs(float(logdet.real) - np.linalg.slogdet(a64)[1])
+            return int(info) == 0 and residual < tol and logdet_error < tol * n, (
                 f"residual {residual:.2e}, log det error {logdet_error:.2e} (tol {tol:.1e})")
 
         def lu_solve():
             general = random_general(n, dtype, self.rng)
-            x, info = jax.jit(lambda a, b: linalg.lu_solve(a, b, mesh, return_info=True))(
-                self.rows(general), self.rows(b))
-            x, g64 = fetch(x), general.astype(np.complex128)
+            x, info = (fetch(v) for v in jax.jit(lambda a, b: linalg.lu_solve(
+                a, b, mesh, return_info=True))(self.rows(general), self.rows(b)))
+            g64 = general.astype(np.complex128)
             residual = relative(g64 @ x - b64, np.linalg.norm(g64, 2) * np.linalg.norm(x))
-            return int(fetch(info)) == 0 and residual < tol, f"residual {residual:.2e}"
+            return int(info) == 0 and residual < tol, f"residual {residual:.2e}"
 
         def inverse_and_eigh():
-            inverse, info = jax.jit(lambda a: linalg.cholesky_inverse(
-                a, mesh, return_info=True))(self.rows(a))
-            inverse = fetch(inverse)
+            inverse, info = (fetch(v) for v in jax.jit(lambda a: linalg.cholesky_inverse(
+                a, mesh, return_info=True))(self.rows(a)))
             residual = relative(a64 @ inverse - np.eye(n),
                                 np.linalg.norm(a64, 2) * np.linalg.norm(inverse, 2))
-            values, vectors, eig_info = jax.jit(lambda a: linalg.eigh(
-                a, mesh, return_info=True))(self.rows(a))
-            values, vectors = fetch(values).real, fetch(vectors)
+            values, vectors, eig_info = (fetch(v) for v in jax.jit(lambda a: linalg.eigh(
+                a, mesh, return_info=True))(self.rows(a)))
+            values = values.real
             eig_residual = relative(a64 @ vectors - vectors * values, np.linalg.norm(a64, 2))
             orthogonality = relative(vectors.conj().T @ vectors - np.eye(n), 1.0)
             value_error = float(np.abs(values - np.linalg.eigvalsh(a64)).max()
                                 / np.abs(values).max())
-            ok = (int(fetch(info)) == 0 and int(fetch(eig_info)) == 0 and residual < tol
+            ok = (int(info) == 0 and int(eig_info) == 0 and residual < tol
                   and eig_residual < tol and orthogonality < tol * n ** 0.5 and value_error < tol)
             return ok, (f"inverse residual {residual:.2e}, eigh residual {eig_residual:.2e}, "
                         f"orthogonality {orthogonality:.2e}, eigenvalues {value_error:.2e}")
@@ -127,9 +125,10 @@ class Checks:
             singular = random_general(n, dtype, self.rng, singular_column=n // 3)
             y, lu_info = jax.jit(lambda a, b: linalg.lu_solve(a, b, mesh, return_info=True))(
                 self.rows(singular), self.rows(b))
-            ok = (int(fetch(info)) > 0 and np.isnan(fetch(x)).all()
-                  and int(fetch(lu_info)) > 0 and np.isnan(fetch(y)).all())
-            return ok, f"cho_solve info {int(fetch(info))}, lu_solve info {int(fetch(lu_info))}"
+            # Every fetch is a collective: all of them on every process, then the comparisons.
+            info, x, lu_info, y = (fetch(v) for v in (info, x, lu_info, y))
+            ok = int(info) > 0 and np.isnan(x).all() and int(lu_info) > 0 and np.isnan(y).all()
+            return ok, f"cho_solve info {int(info)}, lu_solve info {int(lu_info)}"
 
         def qr_family(square: bool):
             m, k = (n, n) if square else (4 * n, n // 4)

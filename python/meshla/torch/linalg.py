@@ -611,44 +611,75 @@ def _on_first_rank(name, group, tensors, work):
 
 
 def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, tile: int,
-                  overwrite_a: bool):
+                  overwrite_a: bool, misfit: str | None = None):
     """(A, B) whole on this rank's device where every rank solves A alone, else None (the
     group's first rank solves over every GPU through CUDA IPC). Alone: CPU blocks, or GPUs the
     first rank cannot reach under their numbers (ranks on several hosts, or a CUDA_VISIBLE_DEVICES
-    of their own), at one GPU's speed with A whole on each. One exchange of every rank's shapes
-    and GPU decides it alike on every rank; blocks that do not fit raise ValueError on every rank
-    before any wait, and alone the first rank's checks run on every rank."""
+    of their own), at one GPU's speed with A whole on each. One exchange of every rank's blocks'
+    shapes, dtypes and places, its GPU and any ``misfit`` (a rank's own error) decides it alike
+    on every rank; blocks that do not fit, and the first rank's checks of the call, raise on
+    every rank before anything is copied or waited for."""
     group = group if group is not None else dist.group.WORLD
-    first = dist.get_rank(group) == 0
+    if misfit is None and b is not None:
+        try:
+            _check_rhs_block(name, "b", a, b)
+        except ValueError as error:
+            misfit = str(error)
     cuda = a.device.type == "cuda"
     uuid = str(torch.cuda.get_device_properties(a.device).uuid) if cuda else None
     seen = ([str(torch.cuda.get_device_properties(d).uuid)
-             for d in range(torch.cuda.device_count())] if cuda and first else None)
-    mine = (tuple(a.shape), None if b is None else tuple(b.shape), str(a.dtype),
-            a.device.index, uuid, seen)
+             for d in range(torch.cuda.device_count())] if cuda and dist.get_rank(group) == 0
+            else None)
+    rhs = None if b is None else (tuple(b.shape), str(b.dtype))
+    mine = (tuple(a.shape), str(a.dtype), a.device.type, rhs, misfit, a.device.index, uuid, seen)
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     for rank, theirs in enumerate(everyone):
-        if theirs[:3] != everyone[0][:3]:
-            raise ValueError(f"{name}: rank {rank} of the group has a {theirs[0]} and b "
-                             f"{theirs[1]} {theirs[2]} where rank 0 has {everyone[0][0]} and "
-                             f"{everyone[0][1]} {everyone[0][2]}")
-    visible = everyone[0][5] or []
-    if cuda and all(index < len(visible) and visible[index] == uuid
-                    for _, _, _, index, uuid, _ in everyone):
-        return None
-    a_blocks = _all_gather_small(a, group)
-    b_blocks = None if b is None else _all_gather_small(b, group)
-    n, _ = _check_shards(name, a_blocks)
-    nrhs = 0 if b is None else _check_rhs(name, a_blocks, b_blocks)
+        if theirs[4] is not None:
+            raise ValueError(f"{theirs[4]} (rank {rank} of the group)")
+        if theirs[:4] != everyone[0][:4]:
+            raise ValueError(f"{name}: rank {rank} of the group has a {theirs[0]} {theirs[1]} on "
+                             f"{theirs[2]} (b {theirs[3]}) where rank 0 has {everyone[0][0]} "
+                             f"{everyone[0][1]} on {everyone[0][2]} (b {everyone[0][3]})")
+    # Every rank's blocks are alike: the call's checks on stand-ins for them, on every rank.
+    parts = len(everyone)
+    a_blocks = [torch.empty(a.shape, dtype=a.dtype, device="meta")] * parts
+    _check_shards(name, a_blocks)
+    nrhs = 0 if b is None else _check_rhs(
+        name, a_blocks, [torch.empty(b.shape, dtype=b.dtype, device="meta")] * parts)
     _check_call(op, a_blocks, nrhs, tile, overwrite_a)
-    return torch.cat(a_blocks), None if b is None else torch.cat(b_blocks)
+    visible = everyone[0][7] or []
+    if cuda and all(index < len(visible) and visible[index] == uuid
+                    for *_, index, uuid, _ in everyone):
+        return None
+    return _gathered(a, group), None if b is None else _gathered(b, group)
+
+
+def _gathered(block: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's block (one shape on every rank) stacked in rank order on this block's
+    device: NCCL's all-gather into one tensor; through the host where the group's backend takes
+    no CUDA tensors (gloo); CPU blocks as objects (any backend)."""
+    group = group if group is not None else dist.group.WORLD
+    size = dist.get_world_size(group)
+    if block.device.type == "cpu":
+        blocks = [None] * size
+        dist.all_gather_object(blocks, block.contiguous(), group=group)
+        return torch.cat(blocks)
+    if "nccl" in dist.get_backend(group):
+        whole = block.new_empty((size * block.shape[0], *block.shape[1:]))
+        dist.all_gather_into_tensor(whole, block.contiguous(), group=group)
+        return whole
+    host = block.cpu().contiguous()
+    blocks = [torch.empty_like(host) for _ in range(size)]
+    dist.all_gather(blocks, host, group=group)
+    return torch.cat(blocks).to(block.device)
 
 
 def _own_rows(group, whole: torch.Tensor) -> torch.Tensor:
-    """This rank's row block of a whole [n, ...] result."""
+    """This rank's row block of a whole [n, ...] result, a tensor of its own (a view would keep
+    the whole alive)."""
     rows = whole.shape[0] // dist.get_world_size(group)
-    return whole[dist.get_rank(group) * rows:(dist.get_rank(group) + 1) * rows]
+    return whole[dist.get_rank(group) * rows:(dist.get_rank(group) + 1) * rows].clone()
 
 
 def _solve_on_first_rank(name, op, a, b, group, tile, overwrite_a):
@@ -683,8 +714,9 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     ``torch.linalg.LinAlgError``; any other as ``RuntimeError``) is raised on every rank; so is
     a ``ValueError`` where the ranks' blocks differ in shape or dtype. A matrix that is not
     positive definite raises ``torch.linalg.LinAlgError`` on every rank unless
-    ``check_errors=False``. The waits are torch.distributed's, bounded by the group's own
-    timeout."""
+    ``check_errors=False``. Where every rank solves alone, a failure of one rank's own solve (out
+    of memory, say) raises on that rank only. The waits are torch.distributed's, bounded by the
+    group's own timeout."""
     op = _meshla.SolverOp.cholesky_solve
     whole = _solved_whole("cho_solve_shard", op, group, a, b, tile, overwrite_a)
     if whole is not None:
@@ -743,17 +775,6 @@ def _agreed_tall_shard(name: str, a: torch.Tensor, b: torch.Tensor | None,
     return m, n
 
 
-def _all_gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    """Every rank's (small) tensor, in rank order, on this tensor's device; through the host
-    where the group's backend takes no CUDA tensors (gloo)."""
-    group = group if group is not None else dist.group.WORLD
-    through_host = tensor.is_cuda and "nccl" not in dist.get_backend(group)
-    sent = (tensor.cpu() if through_host else tensor).contiguous()
-    received = [torch.empty_like(sent) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(received, sent, group=group)
-    return [t.to(tensor.device) for t in received]
-
-
 def _shard_factors(a: torch.Tensor, group):
     """(this rank's block's Q, its k = min(rows, n) rows of the stacked R factors' Q (ranks in
     the group's order), R), the same R on every rank; with one rank, as
@@ -761,7 +782,7 @@ def _shard_factors(a: torch.Tensor, group):
     q_block, r_block = torch.linalg.qr(a)
     if dist.get_world_size(group) == 1:
         return q_block, None, r_block
-    q_stacked, r = _stacked_qr(_all_gather_small(r_block, group))
+    q_stacked, r = _stacked_qr(_gathered(r_block, group).split(r_block.shape[0]))
     k, rank = r_block.shape[0], dist.get_rank(group)  # each rank's R is [min(rows, n), n]
     return q_block, q_stacked[rank * k:(rank + 1) * k], r
 
@@ -783,7 +804,8 @@ def svd_shard(a: torch.Tensor, group=None, *, compute_uv: bool = True) -> SVD:
     :func:`qr_shard` does."""
     _agreed_tall_shard("svd_shard", a, None, group)
     if not compute_uv:
-        _, r = _stacked_qr(_all_gather_small(torch.linalg.qr(a, mode="r")[1], group))
+        r_block = torch.linalg.qr(a, mode="r")[1]
+        _, r = _stacked_qr(_gathered(r_block, group).split(r_block.shape[0]))
         return SVD(None, _square.svd(r, compute_uv=False), None)
     q_block, second, r = _shard_factors(a, group)
     u_r, s, vh = _square.svd(r)
@@ -807,7 +829,7 @@ def least_squares_shard(a: torch.Tensor, b: torch.Tensor, group=None, *,
     every rank. Raises as :func:`least_squares` does, on every rank (a rank whose B does not
     match its A included)."""
     _agreed_tall_shard("least_squares_shard", a, b, group)
-    r, qtb = _reflected(*(torch.cat(_all_gather_small(part, group)) for part in _reflected(a, b)))
+    r, qtb = _reflected(*(_gathered(part, group) for part in _reflected(a, b)))
     return _solved_by_r("least_squares_shard", r, qtb, check_errors)
 
 
@@ -818,16 +840,16 @@ def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
     rank's row block of A⁻¹, and info. ``a`` is this rank's row block of A, ``group``, ``tile``,
     ``overwrite_a`` and ``check_errors`` as in :func:`cho_solve_shard`. Returns the tuple (row
     block, info). Raises as :func:`cho_solve_shard` does, with :func:`cholesky_inverse`'s
-    checks; ``overwrite_a`` with a non-contiguous CUDA ``a`` raises ``ValueError`` on that rank
-    before the call meets the others."""
+    checks; ``overwrite_a`` with a non-contiguous CUDA ``a`` on any rank raises ``ValueError`` on
+    every rank."""
+    misfit = ("cholesky_inverse_shard: overwrite_a needs a contiguous a"
+              if overwrite_a and a.is_cuda and not a.is_contiguous() else None)
     whole = _solved_whole("cholesky_inverse_shard", _meshla.SolverOp.cholesky_inverse, group,
-                          a, None, tile, overwrite_a)
+                          a, None, tile, overwrite_a, misfit)
     if whole is not None:
         inverse, info = cholesky_inverse([whole[0]], check_errors=check_errors)
         mine = _own_rows(group, inverse[0])
         return (a.copy_(mine) if overwrite_a else mine), info
-    if overwrite_a and not a.is_contiguous():
-        raise ValueError("cholesky_inverse_shard: overwrite_a needs a contiguous a")
     out = a if overwrite_a else torch.empty_like(a, memory_format=torch.contiguous_format)
 
     def work(parts):
