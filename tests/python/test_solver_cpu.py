@@ -637,6 +637,11 @@ def _shard_forms(rank, size, results):
             shape_error = None
         except ValueError as error:
             shape_error = str(error)
+        try:  # a rank whose b has another dtype: the same
+            torch_linalg.cho_solve_shard(a[rows], b[rows].float() if rank else b[rows])
+            dtype_error = None
+        except ValueError as error:
+            dtype_error = str(error)
         # A square A: each rank's 6 rows fewer than its 12 columns.
         square = torch.from_numpy(tall(n, n, np.float64, 29))
         square_factors = torch_linalg.qr_shard(square[rows])
@@ -646,7 +651,7 @@ def _shard_forms(rank, size, results):
                          lu.x, factors.q, factors.r, fit.x, misfit, decomposed.u, decomposed.s,
                          decomposed.vh, values, unitary.u, unitary.h, disagreement,
                          square_factors.q, square_factors.r, square_fit.x, square_polar.u,
-                         square_polar.h, shape_error)
+                         square_polar.h, shape_error, dtype_error)
     finally:
         dist.destroy_process_group()
 
@@ -676,6 +681,8 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
     assert torch.linalg.norm(general_a @ lu_x - b) / torch.linalg.norm(b) < 1e-12
     assert all("cho_solve_shard: rank 1 of the group has a (6, 8)" in results[r][23]
                for r in range(size))
+    assert all("cho_solve_shard: b is [6, 2] float32" in results[r][24]
+               and "(rank 1 of the group)" in results[r][24] for r in range(size))
     square = torch.from_numpy(tall(n, n, np.float64, 29))
     check_qr(square.numpy(), torch.cat([results[r][18] for r in range(size)]).numpy(),
              results[0][19].numpy(), 1e-13)
