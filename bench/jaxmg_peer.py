@@ -6,10 +6,12 @@ JAXMg runs (issue 39's peer):
 The parent starts --processes ranks (rank r sees GPU r: local_device_ids), each a jax.distributed
 process of one GPU; every rank runs every case, rank 0 writes the rows. JAXMg: potrs, lu_solve,
 syevd, least_squares, qr, gesvd and polar of an n x n matrix (--sizes) row-sharded over the ranks
-(P("x", None)), tile --tile, inputs kept (donate=False), one right-hand side. meshla in the same
-processes: qr, least_squares, svd and polar of the tall shapes (--tall m:n: its tall-skinny
-routines run in every process model); JAXMg at the same shapes. meshla's one-process solvers
-(cho_solve, lu_solve, eigh) are timed by bench/dense_solver.py in the same job. Matrices are
+(P("x", None)), tile --tile, inputs kept (donate=False), one right-hand side; meshla's routine
+for each in the same processes beside it (cho_solve, lu_solve and eigh gather A on every device
+and solve it there, cuSolverMg driving one process's GPUs; qr, least_squares, svd and polar run
+the tall-skinny QR, whose stacked factors are as large as A when square). Also qr,
+least_squares, svd and polar of the tall shapes (--tall m:n) in both. meshla's one-process
+solvers are timed by bench/dense_solver.py in the same job. Matrices are
 bench/dense_solver.py's: h(i + j) + n·I (SPD; symmetric for syevd), h(i + 2j) + n·I for the
 general routines, generated on the GPUs. A time is the median of --repeats jitted calls after a
 warm-up, each blocked on; a row notes a case that raised (out of memory, say) instead of ending
@@ -139,17 +141,25 @@ def run(args):
         "gesvd": lambda a, b: linalg.svd(a, mesh),
         "polar": lambda a, b: linalg.polar(a, mesh),
     }
-    cases = []  # meshla's first, then JAXMg's from the smallest: a short run still says much
+    square_meshla = {
+        "potrs": lambda a, b: linalg.cho_solve(a, b, mesh),
+        "lu_solve": lambda a, b: linalg.lu_solve(a, b, mesh),
+        "syevd": lambda a, b: linalg.eigh(a, mesh),
+        **tall_meshla,
+    }
+    cases = []  # the tall shapes, then the square ones from the smallest: a short run says much
     for shape in (s for s in args.tall.split(",") if s):
         m, n = (int(v) for v in shape.split(":"))
         if "meshla" in engines:
             cases += [(op, call, "meshla", m, n, 2) for op, call in tall_meshla.items()]
         if jaxmg is not None:
             cases += [(op, square[op][1], "jaxmg", m, n, 2) for op in tall_meshla]
-    if jaxmg is not None:
-        cases += [(op, engine_call, "jaxmg", n, n, stride)
-                  for n in sorted(int(v) for v in args.sizes.split(",") if v)
-                  for op, (stride, engine_call) in square.items()]
+    for n in sorted(int(v) for v in args.sizes.split(",") if v):
+        for op, (stride, engine_call) in square.items():
+            if "meshla" in engines:
+                cases.append((op, square_meshla[op], "meshla", n, n, stride))
+            if jaxmg is not None:
+                cases.append((op, engine_call, "jaxmg", n, n, stride))
     record = {"device": jax.devices()[0].device_kind, "processes": args.processes,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": args.commit, "jax": jax.__version__,
