@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def launch(script: str, processes: int, timeout_s: float = 240.0) -> int:
     """Runs `processes` copies of `script` with this process's arguments; the worst exit status
-    (a copy that outlives `timeout_s` is killed and counts as failed)."""
+    (a copy still running `timeout_s` after the launch is killed and counts as failed)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
@@ -27,10 +28,11 @@ def launch(script: str, processes: int, timeout_s: float = 240.0) -> int:
     children = [subprocess.Popen([sys.executable, script, *sys.argv[1:], "--process-id", str(i),
                                   "--coordinator", coordinator, "--seed", str(seed)])
                 for i in range(processes)]
+    deadline = time.monotonic() + timeout_s  # one limit for all: a hang costs it once
     statuses = []
     for child in children:
         try:
-            statuses.append(child.wait(timeout=timeout_s))
+            statuses.append(child.wait(timeout=max(deadline - time.monotonic(), 0)))
         except subprocess.TimeoutExpired:
             child.kill()
             statuses.append(-9)
