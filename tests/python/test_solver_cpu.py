@@ -642,6 +642,16 @@ def _shard_forms(rank, size, results):
             dtype_error = None
         except ValueError as error:
             dtype_error = str(error)
+        routine_errors = []
+        for routines, args in (((torch_linalg.cho_solve_shard, torch_linalg.lu_solve_shard),
+                                (a[rows], b[rows])),
+                               ((torch_linalg.qr_shard, torch_linalg.polar_shard),
+                                (tall_a[tall_rows],))):
+            try:  # ranks that call different routines: the same
+                routines[rank](*args)
+                routine_errors.append(None)
+            except ValueError as error:
+                routine_errors.append(str(error))
         # A square A: each rank's 6 rows fewer than its 12 columns.
         square = torch.from_numpy(tall(n, n, np.float64, 29))
         square_factors = torch_linalg.qr_shard(square[rows])
@@ -651,7 +661,7 @@ def _shard_forms(rank, size, results):
                          lu.x, factors.q, factors.r, fit.x, misfit, decomposed.u, decomposed.s,
                          decomposed.vh, values, unitary.u, unitary.h, disagreement,
                          square_factors.q, square_factors.r, square_fit.x, square_polar.u,
-                         square_polar.h, shape_error, dtype_error)
+                         square_polar.h, shape_error, dtype_error, routine_errors)
     finally:
         dist.destroy_process_group()
 
@@ -683,6 +693,10 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
                for r in range(size))
     assert all("cho_solve_shard: b is [6, 2] float32" in results[r][24]
                and "(rank 1 of the group)" in results[r][24] for r in range(size))
+    assert all("rank 1 of the group called lu_solve_shard (lu_solve) where rank 0 called "
+               "cho_solve_shard (cholesky_solve)" in results[r][25][0] for r in range(size))
+    assert all("rank 1 of the group called polar_shard where rank 0 called qr_shard"
+               in results[r][25][1] for r in range(size))
     square = torch.from_numpy(tall(n, n, np.float64, 29))
     check_qr(square.numpy(), torch.cat([results[r][18] for r in range(size)]).numpy(),
              results[0][19].numpy(), 1e-13)

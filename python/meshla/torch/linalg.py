@@ -631,28 +631,42 @@ def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None,
              for d in range(torch.cuda.device_count())] if cuda and dist.get_rank(group) == 0
             else None)
     rhs = None if b is None else (tuple(b.shape), str(b.dtype))
-    mine = (tuple(a.shape), str(a.dtype), a.device.type, rhs, misfit, a.device.index, uuid, seen)
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    for rank, theirs in enumerate(everyone):
-        if theirs[4] is not None:
-            raise ValueError(f"{theirs[4]} (rank {rank} of the group)")
-        if theirs[:4] != everyone[0][:4]:
-            raise ValueError(f"{name}: rank {rank} of the group has a {theirs[0]} {theirs[1]} on "
-                             f"{theirs[2]} (b {theirs[3]}) where rank 0 has {everyone[0][0]} "
-                             f"{everyone[0][1]} on {everyone[0][2]} (b {everyone[0][3]})")
+    places = _exchanged(name, group, f"{name} ({op.name})", misfit,
+                        f"a {tuple(a.shape)} {a.dtype} on {a.device.type} (b {rhs})",
+                        (a.device.index, uuid, seen))
     # Every rank's blocks are alike: the call's checks on stand-ins for them, on every rank.
-    parts = len(everyone)
+    parts = len(places)
     a_blocks = [torch.empty(a.shape, dtype=a.dtype, device="meta")] * parts
     _check_shards(name, a_blocks)
     nrhs = 0 if b is None else _check_rhs(
         name, a_blocks, [torch.empty(b.shape, dtype=b.dtype, device="meta")] * parts)
     _check_call(op, a_blocks, nrhs, tile, overwrite_a)
-    visible = everyone[0][7] or []
+    visible = places[0][2] or []
     if cuda and all(index < len(visible) and visible[index] == uuid
-                    for *_, index, uuid, _ in everyone):
+                    for index, uuid, _ in places):
         return None
     return _gathered(a, group), None if b is None else _gathered(b, group)
+
+
+def _exchanged(name: str, group, routine: str, misfit: str | None, blocks: str, extra) -> list:
+    """Every rank's ``extra``, from one exchange in which every rank also says which routine it
+    called, its own error (``misfit``) and its blocks (``blocks``, described): a rank that
+    called another routine, has an error of its own, or blocks unlike rank 0's raises
+    ValueError on every rank, before any collective that would wait for it."""
+    group = group if group is not None else dist.group.WORLD
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (routine, misfit, blocks, extra), group=group)
+    first = everyone[0]
+    for rank, (their_routine, their_misfit, their_blocks, _) in enumerate(everyone):
+        if their_routine != first[0]:
+            raise ValueError(f"{name}: rank {rank} of the group called {their_routine} where "
+                             f"rank 0 called {first[0]}")
+        if their_misfit is not None:
+            raise ValueError(f"{their_misfit} (rank {rank} of the group)")
+        if their_blocks != first[2]:
+            raise ValueError(f"{name}: rank {rank} of the group has {their_blocks} where rank 0 "
+                             f"has {first[2]}")
+    return [extra for *_, extra in everyone]
 
 
 def _gathered(block: torch.Tensor, group) -> torch.Tensor:
@@ -747,9 +761,9 @@ def lu_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 
 
 def _agreed_tall_shard(name: str, a: torch.Tensor, b: torch.Tensor | None,
                        group) -> tuple[int, int]:
-    """Every rank's block shape and dtype and its B's fit (so that a rank that disagrees, or
-    whose B does not match its A, raises ValueError on every rank, before any collective that
-    would wait for it), then the tall QR's rules."""
+    """Every rank's routine, block shape and dtype and its B's fit (so that a rank that calls
+    another routine, disagrees, or whose B does not match its A, raises ValueError on every
+    rank, before any collective that would wait for it), then the tall QR's rules."""
     group = group if group is not None else dist.group.WORLD
     misfit = None
     if a.ndim != 2:
@@ -760,18 +774,11 @@ def _agreed_tall_shard(name: str, a: torch.Tensor, b: torch.Tensor | None,
         except ValueError as error:
             misfit = str(error)
     nrhs = b.shape[-1] if b is not None and misfit is None else 0
-    mine = (tuple(a.shape), str(a.dtype), a.device.type, nrhs, misfit)
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    for rank, (shape, dtype, device, rhs, error) in enumerate(everyone):
-        if error is not None:
-            raise ValueError(f"{error} (rank {rank} of the group)")
-        if (shape, dtype, device, rhs) != everyone[0][:4]:
-            raise ValueError(f"{name}: rank {rank} of the group has a {shape} {dtype} on {device} "
-                             f"with {rhs} right-hand sides where rank 0 has {everyone[0][0]} "
-                             f"{everyone[0][1]} on {everyone[0][2]} with {everyone[0][3]}")
-    m, n = a.shape[0] * len(everyone), a.shape[1]
-    _meshla.tall_qr_call(name, m, n, dtype_of(f"{name}: a", a), len(everyone), nrhs)
+    parts = len(_exchanged(name, group, name, misfit,
+                           f"a {tuple(a.shape)} {a.dtype} on {a.device.type} with {nrhs} "
+                           "right-hand sides", None))
+    m, n = a.shape[0] * parts, a.shape[1]
+    _meshla.tall_qr_call(name, m, n, dtype_of(f"{name}: a", a), parts, nrhs)
     return m, n
 
 
