@@ -353,9 +353,7 @@ def _tall_factors(a_block, axis: str, parts: int):
     if parts == 1:
         return q_block, None, r_block
     q_stacked, r = jnp.linalg.qr(jax.lax.all_gather(r_block, axis, tiled=True))
-    k = r_block.shape[0]
-    mine = jax.lax.dynamic_slice_in_dim(q_stacked, jax.lax.axis_index(axis) * k, k, axis=0)
-    return q_block, mine, r
+    return q_block, _own_rows(q_stacked, axis, r_block.shape[0]), r
 
 
 def _q_times(q_block, second, right=None):

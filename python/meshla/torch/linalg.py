@@ -620,11 +620,7 @@ def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None,
     on every rank; blocks that do not fit, and the first rank's checks of the call, raise on
     every rank before anything is copied or waited for."""
     group = group if group is not None else dist.group.WORLD
-    if misfit is None and b is not None:
-        try:
-            _check_rhs_block(name, "b", a, b)
-        except ValueError as error:
-            misfit = str(error)
+    misfit = misfit or _rhs_misfit(name, a, b)
     cuda = a.device.type == "cuda"
     uuid = str(torch.cuda.get_device_properties(a.device).uuid) if cuda else None
     seen = ([str(torch.cuda.get_device_properties(d).uuid)
@@ -646,6 +642,18 @@ def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None,
                     for index, uuid, _ in places):
         return None
     return _gathered(a, group), None if b is None else _gathered(b, group)
+
+
+def _rhs_misfit(name: str, a: torch.Tensor, b: torch.Tensor | None) -> str | None:
+    """This rank's error where its B does not fit its A (the words of _check_rhs_block), to be
+    raised on every rank by _exchanged; None where it fits or there is no B."""
+    if b is None:
+        return None
+    try:
+        _check_rhs_block(name, "b", a, b)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _exchanged(name: str, group, routine: str, misfit: str | None, blocks: str, extra) -> list:
@@ -765,14 +773,8 @@ def _agreed_tall_shard(name: str, a: torch.Tensor, b: torch.Tensor | None,
     another routine, disagrees, or whose B does not match its A, raises ValueError on every
     rank, before any collective that would wait for it), then the tall QR's rules."""
     group = group if group is not None else dist.group.WORLD
-    misfit = None
-    if a.ndim != 2:
-        misfit = f"{name}: a has shape {tuple(a.shape)}; expected a row block [m/P, n]"
-    elif b is not None:
-        try:
-            _check_rhs_block(name, "b", a, b)
-        except ValueError as error:
-            misfit = str(error)
+    misfit = (f"{name}: a has shape {tuple(a.shape)}; expected a row block [m/P, n]"
+              if a.ndim != 2 else _rhs_misfit(name, a, b))
     nrhs = b.shape[-1] if b is not None and misfit is None else 0
     parts = len(_exchanged(name, group, name, misfit,
                            f"a {tuple(a.shape)} {a.dtype} on {a.device.type} with {nrhs} "
