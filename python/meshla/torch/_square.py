@@ -75,17 +75,20 @@ def polar(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     u = _qdwh(r)
     h = u.mH @ r
     if not _accepted(u, h, r):
-        u_r, s, vh = torch.linalg.svd(r)
+        # gesvd: CUDA's default, gesvdj, misses float64 values by 1e-13 relative (NOTES 106)
+        u_r, s, vh = torch.linalg.svd(r, driver="gesvd" if r.is_cuda else None)
         return u_r @ vh, (vh.mH * s.to(vh.dtype)) @ vh
     return u, (h + h.mH) / 2
 
 
 def svd(r: torch.Tensor, compute_uv: bool = True):
     """R's SVD, as torch.linalg.svd(r) (U, s descending, Vᴴ), or s alone: from the polar
-    decomposition, H = V diag(s) Vᴴ and U = U_p V."""
+    decomposition, H = V diag(s) Vᴴ and U = U_p V. H's eigensolver runs in double precision:
+    torch's on CUDA misses float32 eigenvalues by 500 eps (NOTES 106)."""
     u_p, h = polar(r)
+    wide = h.to(torch.promote_types(h.dtype, torch.float64))
     if not compute_uv:
-        return torch.linalg.eigvalsh(h).flip(-1).clamp(min=0)
-    values, v = torch.linalg.eigh(h)
-    v = v.flip(-1)
-    return u_p @ v, values.flip(-1).clamp(min=0), v.mH.resolve_conj()
+        return torch.linalg.eigvalsh(wide).flip(-1).clamp(min=0).to(r.real.dtype)
+    values, v = torch.linalg.eigh(wide)
+    v = v.flip(-1).to(r.dtype)
+    return u_p @ v, values.flip(-1).clamp(min=0).to(r.real.dtype), v.mH.resolve_conj()
