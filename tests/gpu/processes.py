@@ -18,9 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
 
 
-def launch(script: str, processes: int, timeout_s: float = 240.0) -> int:
+def launch(script: str, processes: int) -> int:
     """Runs `processes` copies of `script` with this process's arguments; the worst exit status
-    (a copy still running `timeout_s` after the launch is killed and counts as failed)."""
+    (a copy still running 20 s before the model's limit, MESHLA_LAUNCH_TIMEOUT, is killed and
+    counts as failed)."""
+    timeout_s = float(os.environ.get("MESHLA_LAUNCH_TIMEOUT", "300")) - 20
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
