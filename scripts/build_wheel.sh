@@ -26,10 +26,13 @@ built_jax=$("$python" -c "import jaxlib; print(jaxlib.__version__)")
 # configured without it turns it on.
 "$python" -c "import nvidia.cublasmp.cu13" 2>/dev/null ||
   { echo "$python cannot import nvidia.cublasmp.cu13: pip install --no-deps 'nvidia-cublasmp-cu13==0.7.*' for it first"; exit 1; }
+# The same for cuSOLVERMp's header (the process solver's engine; its wheel puts it in nvidia/cu13).
+"$python" -c "import nvidia, os, sys; sys.exit(not os.path.exists(os.path.join(list(nvidia.__path__)[0], 'cu13/include/cusolverMp.h')))" 2>/dev/null ||
+  { echo "$python lacks cuSOLVERMp's header: pip install --no-deps 'nvidia-cusolvermp-cu13==0.8.*' for it first"; exit 1; }
 export CUTLASS_INCLUDE_DIR=${CUTLASS_INCLUDE_DIR:-$PWD/.deps/cutlass/include}
 # A pip-installed CMake may not look in the toolkit's lib/ for cusolverMg.
 cusolvermg=$(ls "${CUDA_HOME:-/usr/local/cuda}"/lib*/libcusolverMg.so 2>/dev/null | head -1)
-export CMAKE_ARGS="${CMAKE_ARGS:-} -DMESHLA_WITH_CUBLASMP=ON ${cusolvermg:+-DCUSOLVERMG_LIBRARY=$cusolvermg}"
+export CMAKE_ARGS="${CMAKE_ARGS:-} -DMESHLA_WITH_CUBLASMP=ON -DMESHLA_WITH_CUSOLVERMP=ON ${cusolvermg:+-DCUSOLVERMG_LIBRARY=$cusolvermg}"
 rm -rf .whl/meshla-*.whl
 # An object whose entry in ninja's log lists no headers is never rebuilt when they change (one
 # such entry kept a stale forward pass in the wheels of a whole session: bench/NOTES.md 54):

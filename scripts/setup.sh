@@ -29,6 +29,8 @@ python3 -m pip install -q --disable-pip-version-check \
 # cuBLASMp's header builds the optional cuBLASMp backend; 0.7 is the last release that runs on
 # NCCL 2.28. --no-deps: its NCCL, cuBLAS and NVSHMEM come with PyTorch or the CUDA toolkit.
 python3 -m pip install -q --disable-pip-version-check --no-deps "nvidia-cublasmp-cu13==0.7.*"
+# cuSOLVERMp's header builds the process solver's engine; 0.8 is the last release on NCCL 2.28.
+python3 -m pip install -q --disable-pip-version-check --no-deps "nvidia-cusolvermp-cu13==0.8.*"
 # One build for the package and the C++ unit tests (scripts/test.sh runs them from it), in
 # build/<wheel tag>. Its steps are shown as they go ([done/total] what), the whole log kept.
 echo "setup: building meshla (the CUDA kernels take several minutes on a few cores)"

@@ -8,4 +8,5 @@
 #include "meshla/float8.hpp"
 #include "meshla/grouped_matmul.hpp"
 #include "meshla/matmul.hpp"
+#include "meshla/process_solver.hpp"
 #include "meshla/tensor.hpp"

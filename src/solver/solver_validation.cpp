@@ -117,21 +117,16 @@ BlockCyclicLayout check_solver_call(SolverOp op, const SolverProblem& problem, s
   return layout;
 }
 
-void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,
-                         const std::vector<int>& devices, const std::vector<SolverShard>& shards,
-                         const std::vector<std::size_t>& workspace_bytes) {
+void check_solver_shard(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,
+                        int parts, int part, int device, const SolverShard& shard,
+                        std::size_t workspace_bytes) {
   const std::string_view name = solver_op_name(op);
-  const int parts = static_cast<int>(devices.size());
-  MESHLA_CHECK_ARG(static_cast<int>(shards.size()) == parts, name << ": " << shards.size()
-                                                                  << " shards for a solver over "
-                                                                  << parts << " GPUs");
   const std::int64_t rows = layout.rows_per_part;
-  auto check = [&](const TensorView& view, const char* what, int part, DType dtype,
+  auto check = [&](const TensorView& view, const char* what, DType dtype,
                    std::initializer_list<std::int64_t> shape) {
     MESHLA_CHECK_ARG(view.data != nullptr, name << ": shard " << part << " has no " << what);
-    MESHLA_CHECK_ARG(
-        view.device_kind == DeviceKind::kCuda && view.device == devices[part],
-        name << ": " << what << " of shard " << part << " is not on cuda:" << devices[part]);
+    MESHLA_CHECK_ARG(view.device_kind == DeviceKind::kCuda && view.device == device,
+                     name << ": " << what << " of shard " << part << " is not on cuda:" << device);
     MESHLA_CHECK_ARG(view.dtype == dtype, name << ": " << what << " of shard " << part << " is "
                                                << dtype_name(view.dtype) << ", expected "
                                                << dtype_name(dtype));
@@ -152,47 +147,56 @@ void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockC
     MESHLA_CHECK_ARG(view.is_row_major_contiguous(),
                      name << ": " << what << " of shard " << part << " is not contiguous");
   };
+  check(shard.a, "a", problem.dtype, {rows, layout.n});
+  switch (op) {
+    case SolverOp::kLuSolve:
+    case SolverOp::kCholeskySolve:
+      check(shard.b, "b", problem.dtype, {rows, problem.nrhs});
+      check(shard.out, "out", problem.dtype, {rows, problem.nrhs});
+      if (op == SolverOp::kCholeskySolve && shard.logdet.data != nullptr) {
+        check(shard.logdet, "logdet", real_dtype(problem.dtype), {});
+      }
+      break;
+    case SolverOp::kCholeskyInverse:
+      check(shard.out, "out", problem.dtype, {rows, layout.n});
+      MESHLA_CHECK_ARG(shard.out.data != shard.a.data || problem.overwrite_a,
+                       name << ": out of shard " << part << " is a; that needs overwrite_a=true");
+      break;
+    case SolverOp::kEigen:
+      check(shard.out, "out", problem.dtype, {rows, layout.n});
+      MESHLA_CHECK_ARG(shard.out.data != shard.a.data, name << ": the eigenvectors (out) of shard "
+                                                            << part << " cannot be written over a");
+      [[fallthrough]];
+    case SolverOp::kEigenvalues:
+      if (shard.eigenvalues.data != nullptr) {
+        check(shard.eigenvalues, "eigenvalues", real_dtype(problem.dtype), {layout.n});
+      }
+      break;
+  }
+  if (shard.info.data != nullptr) check(shard.info, "info", DType::kInt32, {});
+  MESHLA_CHECK_ARG(shard.workspace.data != nullptr &&
+                       shard.workspace.device_kind == DeviceKind::kCuda &&
+                       shard.workspace.device == device,
+                   name << ": shard " << part << " has no workspace on cuda:" << device);
+  const std::size_t bytes =
+      static_cast<std::size_t>(shard.workspace.numel()) * dtype_size(shard.workspace.dtype);
+  MESHLA_CHECK_ARG(bytes >= workspace_bytes, name << ": workspace of shard " << part << " has "
+                                                  << bytes << " bytes, workspace_bytes() asks "
+                                                  << workspace_bytes);
+  MESHLA_CHECK_ARG(reinterpret_cast<std::uintptr_t>(shard.workspace.data) % 256 == 0,
+                   name << ": workspace of shard " << part << " is not 256-byte aligned");
+}
+
+void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,
+                         const std::vector<int>& devices, const std::vector<SolverShard>& shards,
+                         const std::vector<std::size_t>& workspace_bytes) {
+  const int parts = static_cast<int>(devices.size());
+  MESHLA_CHECK_ARG(static_cast<int>(shards.size()) == parts,
+                   solver_op_name(op) << ": " << shards.size() << " shards for a solver over "
+                                      << parts << " GPUs");
   for (int part = 0; part < parts; ++part) {
-    const SolverShard& shard = shards[part];
-    check(shard.a, "a", part, problem.dtype, {rows, layout.n});
-    switch (op) {
-      case SolverOp::kLuSolve:
-      case SolverOp::kCholeskySolve:
-        check(shard.b, "b", part, problem.dtype, {rows, problem.nrhs});
-        check(shard.out, "out", part, problem.dtype, {rows, problem.nrhs});
-        if (op == SolverOp::kCholeskySolve && shard.logdet.data != nullptr) {
-          check(shard.logdet, "logdet", part, real_dtype(problem.dtype), {});
-        }
-        break;
-      case SolverOp::kCholeskyInverse:
-        check(shard.out, "out", part, problem.dtype, {rows, layout.n});
-        MESHLA_CHECK_ARG(shard.out.data != shard.a.data || problem.overwrite_a,
-                         name << ": out of shard " << part << " is a; that needs overwrite_a=true");
-        break;
-      case SolverOp::kEigen:
-        check(shard.out, "out", part, problem.dtype, {rows, layout.n});
-        MESHLA_CHECK_ARG(
-            shard.out.data != shard.a.data,
-            name << ": the eigenvectors (out) of shard " << part << " cannot be written over a");
-        [[fallthrough]];
-      case SolverOp::kEigenvalues:
-        if (shard.eigenvalues.data != nullptr) {
-          check(shard.eigenvalues, "eigenvalues", part, real_dtype(problem.dtype), {layout.n});
-        }
-        break;
-    }
-    if (shard.info.data != nullptr) check(shard.info, "info", part, DType::kInt32, {});
-    MESHLA_CHECK_ARG(shard.workspace.data != nullptr &&
-                         shard.workspace.device_kind == DeviceKind::kCuda &&
-                         shard.workspace.device == devices[part],
-                     name << ": shard " << part << " has no workspace on cuda:" << devices[part]);
-    const std::size_t bytes =
-        static_cast<std::size_t>(shard.workspace.numel()) * dtype_size(shard.workspace.dtype);
-    MESHLA_CHECK_ARG(bytes >= workspace_bytes[part],
-                     name << ": workspace of shard " << part << " has " << bytes
-                          << " bytes, workspace_bytes() asks " << workspace_bytes[part]);
-    MESHLA_CHECK_ARG(reinterpret_cast<std::uintptr_t>(shard.workspace.data) % 256 == 0,
-                     name << ": workspace of shard " << part << " is not 256-byte aligned");
+    check_solver_shard(op, problem, layout, parts, part, devices[part], shards[part],
+                       workspace_bytes[part]);
   }
 }
 

@@ -54,6 +54,12 @@ BlockCyclicLayout solver_layout(SolverOp op, std::int64_t n, std::int64_t parts,
 MESHLA_API BlockCyclicLayout check_solver_call(SolverOp op, const SolverProblem& problem,
                                                std::int64_t parts);
 
+// Shard `part` of `parts` (a GPU of a DenseSolver, or a rank of a ProcessSolver) on `device`: the
+// shapes, dtypes and outputs `op` needs (see SolverShard), and a 256-byte aligned workspace of at
+// least `workspace_bytes`.
+void check_solver_shard(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,
+                        int parts, int part, int device, const SolverShard& shard,
+                        std::size_t workspace_bytes);
 // One shard per part, each on devices[part], with the shapes, dtypes and outputs `op` needs (see
 // SolverShard), and a 256-byte aligned workspace of at least workspace_bytes[part].
 void check_solver_shards(SolverOp op, const SolverProblem& problem, const BlockCyclicLayout& layout,

@@ -15,7 +15,8 @@ if [ -z "${CUTLASS_INCLUDE_DIR:-}" ] && [ -f .deps/cutlass/include/cutlass/cutla
 fi
 # cuBLASMp 0.7 carried as its wheel (.deps/nvidia_cublasmp_cu13-*.whl); its NCCL and NVSHMEM
 # are the ones PyTorch brings. Without it the build leaves the cuBLASMp backend out. cuSOLVERMp
-# 0.8 (.deps/nvidia_cusolvermp_cu13-*.whl) is for bench/cusolvermp_potrf only. NVML's header
+# 0.8 (.deps/nvidia_cusolvermp_cu13-*.whl): the process solver's engine (cho_solve_shard's
+# engine="cusolvermp") and bench/cusolvermp_potrf. NVML's header
 # (.deps/nvidia_nvml_dev-*.whl) is for a build here, where the toolkit lacks nvml.h.
 for wheel in .deps/nvidia_cublasmp_cu13-*.whl .deps/nvidia_cusolvermp_cu13-*.whl \
   .deps/nvidia_nvml_dev-*.whl; do

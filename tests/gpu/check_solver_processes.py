@@ -13,6 +13,10 @@ non-positive-definite matrix and a singular one (LinAlgError on every rank; NaN 
 without the check), an inverse written over a's own buffers, and a rank whose outputs were
 poisoned before the call in the memory the solver's outputs reuse.
 
+cho_solve_shard also runs with engine="cusolvermp" (cuSOLVERMp over the ranks' GPUs, the
+nvidia-cusolvermp-cu13 0.8 wheel installed beside meshla; without it those checks fail with the
+reason): padded and unpadded tiles, overwrite_a, and a non-positive-definite matrix.
+
 With --own-gpu each rank sees only its own GPU (a CUDA_VISIBLE_DEVICES of its own, as some
 launchers set it): the first rank cannot reach the others' GPUs, and every rank solves the
 gathered A alone.
@@ -177,7 +181,27 @@ def main():
                         f"{svd_error:.2e}, values {value_error:.2e}, polar (A - UH, UᴴU - I, "
                         f"H - Hᴴ) {polar_error:.2e} (tol {tall_tol:.1e})")
 
-        for routine, fn in (("cho_solve_shard", solve), ("cholesky_inverse_shard", inverse),
+        def solve_on_cusolvermp():
+            # cuSOLVERMp over the ranks' GPUs: meshla's tile, one that pads n/P (768 or 500 rows
+            # a rank against 120-column tiles), and overwrite_a with two tiles a rank (no pad).
+            details, ok = [], True
+            for tile, overwrite_a in ((0, False), (120, False), (n // size // 2, True)):
+                poison_cache(n // size, 3, torch_dtype, device)
+                own = a_block.clone()
+                solved = torch_linalg.cho_solve_shard(own, b_block, tile=tile,
+                                                      overwrite_a=overwrite_a,
+                                                      engine="cusolvermp")
+                x = gathered(solved.x)
+                residual = np.linalg.norm(a64 @ x - b) / (np.linalg.norm(a64) * np.linalg.norm(x))
+                logdet_error = abs(solved.logdet - np.linalg.slogdet(a64)[1]) / n
+                ok = ok and solved.info == 0 and residual < tol and logdet_error < 100 * tol
+                details.append(f"tile={tile} overwrite_a={overwrite_a}: residual {residual:.2e}, "
+                               f"logdet error {logdet_error:.2e}")
+            return ok, "; ".join(details) + f" (tol {tol:.1e})"
+
+        for routine, fn in (("cho_solve_shard", solve),
+                            ("cho_solve_shard engine=cusolvermp", solve_on_cusolvermp),
+                            ("cholesky_inverse_shard", inverse),
                             ("eigh_shard", eigen), ("lu_solve_shard", lu),
                             ("qr, least_squares, svd and polar _shard", tall_qr)):
             check(reporter, "routines", f"{label}/{routine}/{dtype_name}/n={n}", rank, fn)
@@ -193,6 +217,21 @@ def main():
             return False, "no error for a non-positive-definite matrix"
         except torch.linalg.LinAlgError as e:
             return "not positive definite" in str(e), f"raised: {e}"
+
+    def not_spd_on_cusolvermp():
+        n = 512
+        a = random_spd(n, np.float64, np.random.default_rng(seed[0] + 10))
+        a[n - 3, n - 3] = -5.0
+        block = torch.from_numpy(a[rank * n // size:(rank + 1) * n // size]).to(device)
+        ones = torch.ones(n // size, 1, dtype=torch.float64, device=device)
+        try:
+            torch_linalg.cho_solve_shard(block, ones, engine="cusolvermp")
+            return False, "no error for a non-positive-definite matrix"
+        except torch.linalg.LinAlgError as e:
+            raised = "not positive definite" in str(e)
+        failed = torch_linalg.cho_solve_shard(block, ones, check_errors=False, engine="cusolvermp")
+        nan = bool(torch.isnan(failed.x).all()) and np.isnan(failed.logdet)
+        return raised and failed.info > 0 and nan, f"raised; info {failed.info}, NaN: {nan}"
 
     def inverse_in_place():
         n = 1024
@@ -222,6 +261,8 @@ def main():
         return raised and failed.info > 0 and nan, f"raised; info {failed.info}, NaN: {nan}"
 
     check(reporter, "special", f"{label}/cho_solve_shard/not_spd", rank, not_spd)
+    check(reporter, "special", f"{label}/cho_solve_shard/not_spd/cusolvermp", rank,
+          not_spd_on_cusolvermp)
     check(reporter, "special", f"{label}/lu_solve_shard/singular", rank, singular)
     check(reporter, "special", f"{label}/cholesky_inverse_shard/overwrite_a", rank,
           inverse_in_place)

@@ -652,6 +652,13 @@ def _shard_forms(rank, size, results):
                 routine_errors.append(None)
             except ValueError as error:
                 routine_errors.append(str(error))
+        engine_errors = []
+        for engines in (("cusolvermp", "cusolvermp"), ("auto", "cusolvermp")):
+            try:  # cuSOLVERMp on CPU blocks, ranks asking for different engines: on every rank
+                torch_linalg.cho_solve_shard(a[rows], b[rows], engine=engines[rank])
+                engine_errors.append(None)
+            except ValueError as error:
+                engine_errors.append(str(error))
         # A square A: each rank's 6 rows fewer than its 12 columns.
         square = torch.from_numpy(tall(n, n, np.float64, 29))
         square_factors = torch_linalg.qr_shard(square[rows])
@@ -661,7 +668,8 @@ def _shard_forms(rank, size, results):
                          lu.x, factors.q, factors.r, fit.x, misfit, decomposed.u, decomposed.s,
                          decomposed.vh, values, unitary.u, unitary.h, disagreement,
                          square_factors.q, square_factors.r, square_fit.x, square_polar.u,
-                         square_polar.h, shape_error, dtype_error, routine_errors)
+                         square_polar.h, shape_error, dtype_error, routine_errors,
+                         engine_errors)
     finally:
         dist.destroy_process_group()
 
@@ -697,6 +705,11 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
                "cho_solve_shard (cholesky_solve)" in results[r][25][0] for r in range(size))
     assert all("rank 1 of the group called polar_shard where rank 0 called qr_shard"
                in results[r][25][1] for r in range(size))
+    assert all("cho_solve_shard: engine='cusolvermp' runs on CUDA tensors; a is on cpu (rank 0 "
+               "of the group)" in results[r][26][0] for r in range(size))
+    assert all("rank 1 of the group called cho_solve_shard (cholesky_solve, engine='cusolvermp') "
+               "where rank 0 called cho_solve_shard (cholesky_solve)" in results[r][26][1]
+               for r in range(size))
     square = torch.from_numpy(tall(n, n, np.float64, 29))
     check_qr(square.numpy(), torch.cat([results[r][18] for r in range(size)]).numpy(),
              results[0][19].numpy(), 1e-13)

@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
 
+import meshla
 from meshla import _meshla
 from meshla.torch import _library, _square
 from meshla.torch._dtypes import DTYPES, dtype_of
+from meshla.torch._group import _exchange_unique_id
 
 __all__ = [
     "CholeskySolve",
@@ -610,15 +612,12 @@ def _on_first_rank(name, group, tensors, work):
     return box[0][1]
 
 
-def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, tile: int,
-                  overwrite_a: bool, misfit: str | None = None):
-    """(A, B) whole on this rank's device where every rank solves A alone, else None (the
-    group's first rank solves over every GPU through CUDA IPC). Alone: CPU blocks, or GPUs the
-    first rank cannot reach under their numbers (ranks on several hosts, or a CUDA_VISIBLE_DEVICES
-    of their own), at one GPU's speed with A whole on each. One exchange of every rank's blocks'
-    shapes, dtypes and places, its GPU and any ``misfit`` (a rank's own error) decides it alike
-    on every rank; blocks that do not fit, and the first rank's checks of the call, raise on
-    every rank before anything is copied or waited for."""
+def _agreed_call(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, tile: int,
+                 overwrite_a: bool, misfit: str | None = None, engine: str = "auto") -> list:
+    """Every rank's (device index, GPU uuid, the first rank's visible GPUs' uuids), from one
+    exchange of every rank's routine and ``engine``, blocks' shapes, dtypes and places, its GPU
+    and any ``misfit`` (a rank's own error): blocks that do not fit, ranks that disagree, and the
+    call's checks raise on every rank before anything is copied or waited for."""
     group = group if group is not None else dist.group.WORLD
     misfit = misfit or _rhs_misfit(name, a, b)
     cuda = a.device.type == "cuda"
@@ -627,7 +626,8 @@ def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None,
              for d in range(torch.cuda.device_count())] if cuda and dist.get_rank(group) == 0
             else None)
     rhs = None if b is None else (tuple(b.shape), str(b.dtype))
-    places = _exchanged(name, group, f"{name} ({op.name})", misfit,
+    routine = f"{name} ({op.name})" if engine == "auto" else f"{name} ({op.name}, {engine=})"
+    places = _exchanged(name, group, routine, misfit,
                         f"a {tuple(a.shape)} {a.dtype} on {a.device.type} (b {rhs})",
                         (a.device.index, uuid, seen))
     # Every rank's blocks are alike: the call's checks on stand-ins for them, on every rank.
@@ -637,9 +637,20 @@ def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None,
     nrhs = 0 if b is None else _check_rhs(
         name, a_blocks, [torch.empty(b.shape, dtype=b.dtype, device="meta")] * parts)
     _check_call(op, a_blocks, nrhs, tile, overwrite_a)
+    return places
+
+
+def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, tile: int,
+                  overwrite_a: bool, misfit: str | None = None):
+    """(A, B) whole on this rank's device where every rank solves A alone, else None (the
+    group's first rank solves over every GPU through CUDA IPC). Alone: CPU blocks, or GPUs the
+    first rank cannot reach under their numbers (ranks on several hosts, or a CUDA_VISIBLE_DEVICES
+    of their own), at one GPU's speed with A whole on each. Decided alike on every rank from
+    _agreed_call's exchange, which raises first where the call cannot run."""
+    places = _agreed_call(name, op, group, a, b, tile, overwrite_a, misfit)
     visible = places[0][2] or []
-    if cuda and all(index < len(visible) and visible[index] == uuid
-                    for index, uuid, _ in places):
+    if a.device.type == "cuda" and all(index < len(visible) and visible[index] == uuid
+                                       for index, uuid, _ in places):
         return None
     return _gathered(a, group), None if b is None else _gathered(b, group)
 
@@ -720,8 +731,69 @@ def _solve_on_first_rank(name, op, a, b, group, tile, overwrite_a):
     return x, _on_first_rank(name, group, [a.contiguous(), b.contiguous(), x], work)
 
 
+# The shard forms' engines: "auto" (the first rank over every GPU through CUDA IPC where it can
+# reach them, else every rank alone) and "cusolvermp" (cuSOLVERMp over the ranks' GPUs).
+_ENGINES = ("auto", "cusolvermp")
+# Each (process group, GPU)'s cuSOLVERMp solver, with a communicator of its own.
+_PROCESS_SOLVERS: dict = {}
+
+
+def _engine_misfit(name: str, engine: str, a: torch.Tensor) -> str | None:
+    """This rank's reason it cannot run ``engine`` (to be raised on every rank), or None."""
+    if engine not in _ENGINES:
+        return f"{name}: engine={engine!r}; expected one of {_ENGINES}"
+    if engine == "cusolvermp":
+        if a.device.type != "cuda":
+            return f"{name}: engine='cusolvermp' runs on CUDA tensors; a is on {a.device.type}"
+        why = _meshla.ProcessSolver.unavailable_reason()
+        if why:
+            return f"{name}: engine='cusolvermp' cannot run: {why}"
+    return None
+
+
+def _process_solver(group, device: torch.device) -> _meshla.ProcessSolver:
+    """The group's cuSOLVERMp solver on this rank's GPU, made on the group's first such call
+    (collective: a communicator of its own, its unique id broadcast over the group)."""
+    key = (group, device.index)
+    solver = _PROCESS_SOLVERS.get(key)
+    if solver is None:
+        unique = _exchange_unique_id(group)
+        comm = _meshla.Communicator(unique, dist.get_rank(group), dist.get_world_size(group),
+                                    device.index)
+        meshla._release_communicators_no_more_at_exit()
+        solver = _PROCESS_SOLVERS[key] = _meshla.ProcessSolver(comm)
+    return solver
+
+
+def _solve_by_processes(name, op, a, b, group, tile, overwrite_a):
+    """A right-hand-side solve on cuSOLVERMp, this rank's part: (X block, info, logdet). The
+    ranks agree that each has its solver and memory before any enters the solve's collectives:
+    an error on one rank (out of memory, say) is raised on every rank instead of leaving the
+    others waiting."""
+    n, nrhs = a.shape[1], b.shape[1]
+    try:
+        solver = _process_solver(group, a.device)
+        x = torch.empty_like(b, memory_format=torch.contiguous_format)
+        workspace = torch.empty(solver.workspace_bytes(op, n, DTYPES[a.dtype], nrhs, tile,
+                                                       overwrite_a),
+                                dtype=torch.uint8, device=a.device)
+        ready = None
+    except Exception as error:  # reaches every rank below
+        ready = (type(error).__name__, str(error))
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, ready, group=group)
+    for rank, failure in enumerate(everyone):
+        if failure is not None:
+            raise _ERRORS.get(failure[0], RuntimeError)(f"{failure[1]} (rank {rank} of the group)")
+    info, logdet = solver.run(op, n, DTYPES[a.dtype], nrhs, tile, overwrite_a, a.contiguous(),
+                              b.contiguous(), x, None, workspace,
+                              torch.cuda.current_stream(a.device).cuda_stream)
+    return x, info, logdet
+
+
 def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 0,
-                    overwrite_a: bool = False, check_errors: bool = True) -> CholeskySolve:
+                    overwrite_a: bool = False, check_errors: bool = True,
+                    engine: str = "auto") -> CholeskySolve:
     """:func:`cho_solve` with one process per GPU: ``a`` is this rank's row block of A and ``b``
     its row block of B, ranks in the order of ``group`` (a torch.distributed process group of any
     backend; default the world). Collective. Returns a :class:`CholeskySolve` whose ``x`` is
@@ -738,9 +810,25 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     positive definite raises ``torch.linalg.LinAlgError`` on every rank unless
     ``check_errors=False``. Where every rank solves alone, a failure of one rank's own solve (out
     of memory, say) raises on that rank only. The waits are torch.distributed's, bounded by the
-    group's own timeout."""
+    group's own timeout.
+
+    ``engine="cusolvermp"`` solves on cuSOLVERMp over every rank's GPU instead, in any process
+    model, one host or several (nvidia-cusolvermp-cu13 0.8 installed beside meshla): A stays in
+    each rank's GPU, B and X travel whole through the group's communicator (one of meshla's,
+    made on the first such call over ``group``, collectively). CUDA tensors only; a
+    ``ValueError`` on every rank where any rank lacks cuSOLVERMp or passes CPU blocks, or where
+    ranks ask for different engines. Not yet measured against "auto" (issue 39)."""
     op = _meshla.SolverOp.cholesky_solve
-    whole = _solved_whole("cho_solve_shard", op, group, a, b, tile, overwrite_a)
+    name = "cho_solve_shard"
+    group = group if group is not None else dist.group.WORLD
+    if engine == "cusolvermp":
+        _agreed_call(name, op, group, a, b, tile, overwrite_a,
+                     _engine_misfit(name, engine, a), engine)
+        x, info, logdet = _solve_by_processes(name, op, a, b, group, tile, overwrite_a)
+        _raise_if_failed(name, info, check_errors, "a is not positive definite")
+        return CholeskySolve(x, logdet, info)
+    whole = _solved_whole(name, op, group, a, b, tile, overwrite_a,
+                          _engine_misfit(name, engine, a))
     if whole is not None:
         result = cho_solve([whole[0]], [whole[1]], check_errors=check_errors)
         return CholeskySolve(_own_rows(group, result.x[0]), result.logdet, result.info)

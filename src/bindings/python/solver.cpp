@@ -9,6 +9,7 @@
 #include "bindings/python/bindings.hpp"
 #include "core/checks.hpp"
 #include "meshla/dense_solver.hpp"
+#include "meshla/process_solver.hpp"
 #include "solver/block_cyclic.hpp"
 #include "solver/solver_validation.hpp"
 
@@ -141,6 +142,50 @@ void bind_solver(nb::module_& m) {
           "(info, logdet, eigenvalues, seconds in the factorization and the cuSOLVER routines). "
           "cholesky: "
           "who factors A, 'meshla' or 'cusolvermg' (the reference).");
+
+  nb::class_<ProcessSolver>(m, "ProcessSolver",
+                            "cuSOLVERMp over one GPU in each process of a communicator's group "
+                            "(see meshla/process_solver.hpp).")
+      .def(
+          "__init__",
+          [](ProcessSolver* self, Communicator comm) {
+            nb::gil_scoped_release release;
+            new (self) ProcessSolver(std::move(comm));
+          },
+          "comm"_a, "Collective over the communicator's ranks.")
+      .def_static("unavailable_reason", &ProcessSolver::unavailable_reason,
+                  "Why cuSOLVERMp cannot run in this process; '' where it can.")
+      .def_prop_ro("rank", &ProcessSolver::rank)
+      .def_prop_ro("size", &ProcessSolver::size)
+      .def(
+          "workspace_bytes",
+          [](const ProcessSolver& self, SolverOp op, std::int64_t n, DType dtype, std::int64_t nrhs,
+             std::int64_t tile, bool overwrite_a) {
+            const SolverProblem problem = problem_of(n, dtype, nrhs, tile, overwrite_a, "meshla");
+            nb::gil_scoped_release release;
+            return self.workspace_bytes(op, problem);
+          },
+          "op"_a, "n"_a, "dtype"_a, "nrhs"_a, "tile"_a, "overwrite_a"_a)
+      .def(
+          "run",
+          [](ProcessSolver& self, SolverOp op, std::int64_t n, DType dtype, std::int64_t nrhs,
+             std::int64_t tile, bool overwrite_a, const Array& a, const Array& b, const Array& out,
+             const std::optional<Array>& logdet, const Array& workspace, std::uintptr_t stream) {
+            const SolverShard shard{.a = view_of(a, "a"),
+                                    .b = view_of(b, "b"),
+                                    .out = view_of(out, "out"),
+                                    .logdet = view_of(logdet, "logdet"),
+                                    .workspace = view_of(workspace, "workspace"),
+                                    .stream = to_stream(stream)};
+            const SolverProblem problem = problem_of(n, dtype, nrhs, tile, overwrite_a, "meshla");
+            nb::gil_scoped_release release;
+            const SolverResult result = self.run(op, problem, shard);
+            return std::make_tuple(result.info, result.logdet);
+          },
+          "op"_a, "n"_a, "dtype"_a, "nrhs"_a, "tile"_a, "overwrite_a"_a, "a"_a, "b"_a, "out"_a,
+          "logdet"_a, "workspace"_a, "stream"_a,
+          "This rank's part of a collective call: its row blocks of a, b and out (logdet None or "
+          "a scalar); returns (info, logdet), the same on every rank.");
 }
 
 }  // namespace meshla::bindings

@@ -1,8 +1,5 @@
 #include "collective/cublasmp/cublasmp_library.hpp"
 
-#include <dlfcn.h>
-
-#include <cstdlib>
 #include <mutex>
 #include <sstream>
 
@@ -28,16 +25,10 @@ struct Loaded {
 
 Loaded load() {
   Loaded loaded;
-  const char* override_path = std::getenv("MESHLA_CUBLASMP_LIBRARY");
-  const char* path = override_path != nullptr ? override_path : "libcublasmp.so.0";
   // Never closed: NVSHMEM, which cuBLASMp starts, must stay mapped until the process ends.
-  void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* error = dlerror();
-    loaded.why = std::string("cannot load ") + path + ": " + (error ? error : "unknown error") +
-                 " (pip install nvidia-cublasmp-cu13==0.7.*, or set MESHLA_CUBLASMP_LIBRARY)";
-    return loaded;
-  }
+  void* handle = detail::open_library("MESHLA_CUBLASMP_LIBRARY", "libcublasmp.so.0",
+                                      "pip install nvidia-cublasmp-cu13==0.7.*", &loaded.why);
+  if (handle == nullptr) return loaded;
   CublasMpLibrary& l = loaded.library;
   std::string& why = loaded.why;
   decltype(&cublasMpGetVersion) get_version = nullptr;

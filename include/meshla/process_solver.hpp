@@ -1,0 +1,60 @@
+// Dense solves over one GPU in each of several processes (one host or several), on cuSOLVERMp
+// over the group's NCCL communicator: the engine for the process models in which no process
+// drives every GPU, where cuSolverMg (DenseSolver) cannot reach.
+//
+// The matrix arrives as DenseSolver's does: rank p of P holds rows [p*n/P, (p+1)*n/P) of A,
+// row-major. The same renumbering (solver/block_cyclic.hpp) makes those rows cuSOLVERMp's 1-D
+// column block-cyclic layout on a 1 x P process grid, so A moves only inside each GPU. B, n x
+// nrhs and small, is all-gathered, solved on the grid, and X all-gathered back.
+//
+// Calls are collective and synchronous: every rank calls run() with the same problem, and it
+// returns when this rank's outputs are written. A rank that never calls leaves the others waiting
+// in NCCL, as any NCCL communicator does; the front ends agree on the call before they enter.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "meshla/communicator.hpp"
+#include "meshla/dense_solver.hpp"
+#include "meshla/export.hpp"
+
+namespace meshla {
+
+class MESHLA_API ProcessSolver {
+ public:
+  // Collective over `comm`'s ranks: this process's cuSOLVERMp handle on the communicator's device
+  // (cuSOLVERMp allows one per process and GPU; every ProcessSolver on the device shares it) and
+  // the group's 1 x P grid. Give it a communicator of its own: cuSOLVERMp's collectives must not
+  // interleave with other work on the same NCCL communicator. Raises kNotImplemented where
+  // cuSOLVERMp cannot run (see unavailable_reason), or for more than 16 ranks.
+  explicit ProcessSolver(Communicator comm);
+  ~ProcessSolver();
+  ProcessSolver(ProcessSolver&&) noexcept;
+  ProcessSolver& operator=(ProcessSolver&&) noexcept;
+  ProcessSolver(const ProcessSolver&) = delete;
+  ProcessSolver& operator=(const ProcessSolver&) = delete;
+
+  // Why cuSOLVERMp cannot be opened in this process ("" where it can): not installed, or lacking
+  // a function meshla calls. The version is checked when the handle is made.
+  static std::string unavailable_reason();
+
+  int rank() const;
+  int size() const;
+  // The tile run() uses for `op` on `problem` (its own, or the automatic choice).
+  std::int64_t tile(SolverOp op, const SolverProblem& problem) const;
+  // Bytes of workspace this rank needs for one call of `op` on `problem`.
+  std::size_t workspace_bytes(SolverOp op, const SolverProblem& problem) const;
+  // This rank's part of the call: `shard` as one part of SolverShard's description, the rank's
+  // rows. kCholeskySolve only so far; other ops raise kNotImplemented. overwrite_a as in
+  // SolverProblem. SolverResult::info and logdet are the whole matrix's, the same on every rank.
+  SolverResult run(SolverOp op, const SolverProblem& problem, const SolverShard& shard);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace meshla

@@ -1,0 +1,447 @@
+#include "meshla/process_solver.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "comm/comm_state.hpp"
+#include "core/checks.hpp"
+#include "core/cuda_checks.hpp"
+#include "core/cuda_handles.hpp"
+#include "core/cuda_types.hpp"
+#include "runtime/releases.hpp"
+#include "solver/block_cyclic.hpp"
+#include "solver/cusolver_checks.hpp"
+#include "solver/solver_kernels.hpp"
+#include "solver/solver_validation.hpp"
+
+#ifdef MESHLA_WITH_CUSOLVERMP
+#include "solver/cusolvermp/cusolvermp_library.hpp"
+#endif
+
+namespace meshla {
+
+#ifdef MESHLA_WITH_CUSOLVERMP
+namespace {
+
+using solver::BlockCyclicLayout;
+using solver::CusolverMpLibrary;
+
+const CusolverMpLibrary& library() {
+  std::string why;
+  const CusolverMpLibrary* loaded = solver::cusolvermp_library(&why);
+  MESHLA_CHECK(kNotImplemented, loaded != nullptr,
+               "ProcessSolver: cuSOLVERMp is not available: " << why);
+  return *loaded;
+}
+
+// cuSOLVERMp allows one handle per process and GPU: every ProcessSolver on a device shares it,
+// and the mutex makes their calls take turns. Its stream is one of its own (cuSOLVERMp refuses
+// the default stream), ordered after the caller's by an event in each run.
+struct Handle {
+  Handle(const CusolverMpLibrary& l, int device) : lib(l) {
+    detail::DeviceGuard guard(device);
+    MESHLA_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const cusolverStatus_t created = lib.create(&handle, device, stream);
+    if (created != CUSOLVER_STATUS_SUCCESS) {
+      cudaStreamDestroy(stream);
+      MESHLA_CHECK_CUSOLVER(created);
+    }
+    int version = 0;
+    const cusolverStatus_t status = lib.get_version(handle, &version);
+    if (status != CUSOLVER_STATUS_SUCCESS || version / 100 != CUSOLVERMP_VERSION / 100) {
+      lib.destroy(handle);
+      cudaStreamDestroy(stream);
+      std::ostringstream message;
+      message << "ProcessSolver: loaded cuSOLVERMp " << version / 1000 << "." << version / 100 % 10
+              << " but meshla was built against " << CUSOLVERMP_VER_MAJOR << "."
+              << CUSOLVERMP_VER_MINOR
+              << " (pip install nvidia-cusolvermp-cu13==" << CUSOLVERMP_VER_MAJOR << "."
+              << CUSOLVERMP_VER_MINOR << ".*)";
+      throw Error(ErrorCode::kNotImplemented, message.str());
+    }
+  }
+  ~Handle() {
+    lib.destroy(handle);
+    cudaStreamDestroy(stream);
+  }
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  const CusolverMpLibrary& lib;
+  cudaStream_t stream = nullptr;
+  cusolverMpHandle_t handle = nullptr;
+  std::mutex calls;
+};
+
+std::shared_ptr<Handle> handle_on(int device) {
+  static std::mutex mutex;
+  static std::map<int, std::weak_ptr<Handle>> handles;
+  std::lock_guard<std::mutex> lock(mutex);
+  std::shared_ptr<Handle> handle = handles[device].lock();
+  if (handle == nullptr) {
+    handle = std::make_shared<Handle>(library(), device);
+    handles[device] = handle;
+  }
+  return handle;
+}
+
+// The largest tile the automatic choice gives cuSOLVERMp.
+constexpr std::int64_t kLargestTile = 1024;
+
+std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// A descriptor that ends with the scope that made it.
+class MatrixDescriptor {
+ public:
+  MatrixDescriptor(const CusolverMpLibrary& lib, cusolverMpGrid_t grid, DType dtype,
+                   std::int64_t rows, std::int64_t cols, std::int64_t row_block,
+                   std::int64_t col_block, std::int64_t ld)
+      : lib_(lib) {
+    MESHLA_CHECK_CUSOLVER(lib_.create_matrix(&desc_, grid, detail::cuda_data_type(dtype), rows,
+                                             cols, row_block, col_block, 0, 0, ld));
+  }
+  ~MatrixDescriptor() { lib_.destroy_matrix(desc_); }
+  MatrixDescriptor(const MatrixDescriptor&) = delete;
+  MatrixDescriptor& operator=(const MatrixDescriptor&) = delete;
+  cusolverMpMatrixDescriptor_t get() const { return desc_; }
+
+ private:
+  const CusolverMpLibrary& lib_;
+  cusolverMpMatrixDescriptor_t desc_ = nullptr;
+};
+
+// cuSOLVERMp's device workspace, stream-ordered: its size is known only from queries that need
+// the matrices' own pointers (0.8 refuses null ones).
+class StreamAllocation {
+ public:
+  StreamAllocation(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
+    if (bytes > 0) MESHLA_CHECK_CUDA(cudaMallocAsync(&data_, bytes, stream));
+  }
+  ~StreamAllocation() {
+    if (data_ != nullptr) cudaFreeAsync(data_, stream_);
+  }
+  StreamAllocation(const StreamAllocation&) = delete;
+  StreamAllocation& operator=(const StreamAllocation&) = delete;
+  void* get() const { return data_; }
+
+ private:
+  cudaStream_t stream_;
+  void* data_ = nullptr;
+};
+
+// Device scalars of a run: what every rank agrees on after the solve. The first three are
+// all-reduced by max, the last two (copies of the first two) by min, so that a parameter error
+// (a negative info) reported by any rank reaches every rank.
+struct Scalars {
+  int factor_info;
+  int solve_info;
+  int failed_call;  // a cuSOLVERMp call returned an error status on this rank
+  int factor_info_min;
+  int solve_info_min;
+  int unused;
+  double log_sum;  // this rank's Σ log diag L, then the group's
+};
+
+}  // namespace
+
+struct ProcessSolver::Impl {
+  explicit Impl(Communicator c) : comm(std::move(c)) {}
+  // The grid's destruction is collective (every rank of the grid takes part): off the thread
+  // that lets go (release_on_own_thread), so that a peer that is late, or gone, blocks no caller.
+  ~Impl() {
+    if (grid == nullptr) return;
+    detail::release_on_own_thread(comm.device(), [handle = handle, grid = grid] {
+      std::lock_guard<std::mutex> lock(handle->calls);
+      handle->lib.destroy_grid(grid);
+    });
+  }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  Communicator comm;
+  std::shared_ptr<Handle> handle;
+  cusolverMpGrid_t grid = nullptr;
+
+  // One call's shapes: the layout, B padded to whole column blocks of the grid (one block of
+  // rhs_block columns a rank), and where meshla's buffers sit in the caller's workspace.
+  struct Plan {
+    BlockCyclicLayout layout;
+    std::int64_t ld = 0;           // padded order: rows of A' and B'
+    std::int64_t rhs_columns = 0;  // nrhs rounded up to a multiple of the ranks
+    std::int64_t rhs_block = 0;    // B's columns per rank
+    bool in_place = false;         // A's own memory is the working matrix (overwrite_a)
+    std::size_t working = 0;       // A' (absent in place)
+    std::size_t panel = 0;         // one tile of columns, for renumbering in place
+    std::size_t gathered = 0;      // every rank's B rows, row-major
+    std::size_t rhs = 0;           // B' = X', column-major, every rank's columns
+    std::size_t scalars = 0;       // Scalars
+    std::size_t total = 0;
+  };
+
+  Plan plan(SolverOp op, const SolverProblem& problem) const {
+    MESHLA_CHECK(kNotImplemented, op == SolverOp::kCholeskySolve,
+                 solver_op_name(op) << ": across processes only cholesky_solve runs on "
+                                       "cuSOLVERMp so far");
+    const int ranks = comm.size();
+    Plan p;
+    p.layout = solver::check_solver_call(op, problem, ranks);
+    if (problem.tile == 0) {
+      // cuSolverMg's tiles (up to 2048) leave cuSOLVERMp one or two a rank; JAXMg measured its
+      // cuSOLVERMp solves fastest with 1024 (issue 39). Not yet measured here.
+      SolverProblem chosen = problem;
+      chosen.tile = solver::choose_tile(problem.n, ranks, kLargestTile);
+      p.layout = solver::check_solver_call(op, chosen, ranks);
+    }
+    p.ld = p.layout.padded_n();
+    p.rhs_block = (problem.nrhs + ranks - 1) / ranks;
+    p.rhs_columns = p.rhs_block * ranks;
+    p.in_place = problem.overwrite_a;  // check_solver_call allows it only where nothing pads
+    const std::size_t element = dtype_size(problem.dtype);
+    std::size_t offset = 0;
+    auto take = [&](std::size_t bytes) {
+      const std::size_t at = offset;
+      offset += aligned(bytes);
+      return at;
+    };
+    if (p.in_place) {
+      p.panel = take(static_cast<std::size_t>(p.layout.n * p.layout.tile) * element);
+    } else {
+      p.working = take(static_cast<std::size_t>(p.ld * p.layout.local_columns()) * element);
+    }
+    p.gathered = take(static_cast<std::size_t>(p.layout.n * problem.nrhs) * element);
+    p.rhs = take(static_cast<std::size_t>(p.ld * p.rhs_columns) * element);
+    p.scalars = take(sizeof(Scalars));
+    p.total = offset;
+    return p;
+  }
+};
+
+ProcessSolver::ProcessSolver(Communicator comm) {
+  MESHLA_CHECK(kNotImplemented, comm.size() <= solver::kMaxParts,
+               "ProcessSolver: " << comm.size() << " ranks; at most " << solver::kMaxParts
+                                 << " so far (B's gather)");
+  impl_ = std::make_unique<Impl>(std::move(comm));
+  Impl& self = *impl_;
+  self.handle = handle_on(self.comm.device());
+  detail::DeviceGuard guard(self.comm.device());
+  std::lock_guard<std::mutex> lock(self.handle->calls);
+  MESHLA_CHECK_CUSOLVER(self.handle->lib.create_grid(self.handle->handle, &self.grid,
+                                                     self.comm.state()->comm, 1, self.comm.size(),
+                                                     CUSOLVERMP_GRID_MAPPING_COL_MAJOR));
+}
+
+ProcessSolver::~ProcessSolver() = default;
+ProcessSolver::ProcessSolver(ProcessSolver&&) noexcept = default;
+ProcessSolver& ProcessSolver::operator=(ProcessSolver&&) noexcept = default;
+
+std::string ProcessSolver::unavailable_reason() {
+  std::string why;
+  return solver::cusolvermp_library(&why) == nullptr ? why : std::string();
+}
+
+int ProcessSolver::rank() const { return impl_->comm.rank(); }
+int ProcessSolver::size() const { return impl_->comm.size(); }
+
+std::int64_t ProcessSolver::tile(SolverOp op, const SolverProblem& problem) const {
+  return impl_->plan(op, problem).layout.tile;
+}
+
+std::size_t ProcessSolver::workspace_bytes(SolverOp op, const SolverProblem& problem) const {
+  return impl_->plan(op, problem).total;
+}
+
+SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
+                                const SolverShard& shard) {
+  Impl& self = *impl_;
+  const int rank = self.comm.rank();
+  const int ranks = self.comm.size();
+  const int device = self.comm.device();
+  detail::DeviceGuard guard(device);
+  std::lock_guard<std::mutex> lock(self.handle->calls);
+  const Impl::Plan p = self.plan(op, problem);
+  solver::check_solver_shard(op, problem, p.layout, ranks, rank, device, shard, p.total);
+  const BlockCyclicLayout& layout = p.layout;
+  const CusolverMpLibrary& lib = self.handle->lib;
+  const DType dtype = problem.dtype;
+  const std::size_t element = dtype_size(dtype);
+  const std::int64_t n = layout.n;
+  const std::int64_t nrhs = problem.nrhs;
+  ncclComm_t nccl = self.comm.state()->comm;
+  char* base = static_cast<char*>(shard.workspace.data);
+
+  // The handle's stream, after the caller's (its inputs); run() returns once it is done.
+  cudaStream_t stream = self.handle->stream;
+  cudaEvent_t inputs_ready = nullptr;
+  MESHLA_CHECK_CUDA(cudaEventCreateWithFlags(&inputs_ready, cudaEventDisableTiming));
+  MESHLA_CHECK_CUDA(cudaEventRecord(inputs_ready, shard.stream));
+  MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, inputs_ready, 0));
+  MESHLA_CHECK_CUDA(cudaEventDestroy(inputs_ready));
+
+  // A's rows into the solver's order (a row shuffle inside this GPU: block_cyclic.hpp).
+  void* working = p.in_place ? shard.a.data : base + p.working;
+  if (!p.in_place) {
+    solver::rows_to_solver_order(dtype, shard.a.data, n, working, p.ld, layout, rank, 0,
+                                 layout.local_columns(), 1.0, stream);
+  } else if (layout.renumbers()) {
+    for (std::int64_t first = 0; first < layout.local_columns(); first += layout.tile) {
+      char* columns = static_cast<char*>(shard.a.data) + first * n * element;
+      MESHLA_CHECK_CUDA(cudaMemcpyAsync(base + p.panel, columns, n * layout.tile * element,
+                                        cudaMemcpyDeviceToDevice, stream));
+      solver::rows_to_solver_order(dtype, base + p.panel, n, columns, p.ld, layout, rank, first,
+                                   layout.tile, 1.0, stream);
+    }
+  }
+
+  // B' on every rank in the solver's order (conj(B) for a complex A: the rows of A read as
+  // columns are conj(A)), its padding rows and columns zero.
+  const bool conjugates = solver::is_complex(dtype);
+  char* gathered = base + p.gathered;
+  char* rhs = base + p.rhs;
+  const std::size_t block_bytes = static_cast<std::size_t>(layout.rows_per_part * nrhs) * element;
+  MESHLA_CHECK_NCCL(ncclAllGather(shard.b.data, gathered, block_bytes, ncclInt8, nccl, stream));
+  MESHLA_CHECK_CUDA(
+      cudaMemsetAsync(rhs, 0, static_cast<std::size_t>(p.ld * p.rhs_columns) * element, stream));
+  solver::PartPointers blocks;
+  for (int part = 0; part < ranks; ++part) blocks.data[part] = gathered + part * block_bytes;
+  solver::gather_rhs(dtype, blocks, rhs, p.ld, layout, nrhs, conjugates, stream);
+
+  // Factor, then solve one right-hand side at a time (cuSOLVERMp 0.8's potrs takes one: its
+  // documentation), each column JB of B' on the rank whose block holds it. Every rank makes every
+  // call, and a call's error status is kept until every rank knows of it (below): thrown here,
+  // it would leave the other ranks waiting in the next collective.
+  auto* scalars = reinterpret_cast<Scalars*>(base + p.scalars);
+  MESHLA_CHECK_CUDA(cudaMemsetAsync(scalars, 0, sizeof(Scalars), stream));
+  MatrixDescriptor a_desc(lib, self.grid, dtype, p.ld, p.ld, layout.tile, layout.tile, p.ld);
+  MatrixDescriptor b_desc(lib, self.grid, dtype, p.ld, p.rhs_columns, layout.tile, p.rhs_block,
+                          p.ld);
+  const cudaDataType_t type = detail::cuda_data_type(dtype);
+  char* my_columns = rhs + static_cast<std::size_t>(rank * p.rhs_block * p.ld) * element;
+  cusolverStatus_t failed_status = CUSOLVER_STATUS_SUCCESS;
+  auto keep = [&](cusolverStatus_t status) {
+    if (failed_status == CUSOLVER_STATUS_SUCCESS) failed_status = status;
+  };
+  std::size_t factor_device = 0, factor_host = 0, solve_device = 0, solve_host = 0;
+  keep(lib.potrf_buffer_size(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1,
+                             a_desc.get(), type, &factor_device, &factor_host));
+  keep(lib.potrs_buffer_size(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1,
+                             a_desc.get(), my_columns, 1, 1, b_desc.get(), type, &solve_device,
+                             &solve_host));
+  const std::size_t device_bytes = std::max(factor_device, solve_device);
+  StreamAllocation device_work(device_bytes, stream);
+  std::vector<std::byte> factor_work(factor_host), solve_work(solve_host);
+  if (failed_status == CUSOLVER_STATUS_SUCCESS) {
+    keep(lib.potrf(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(),
+                   type, device_work.get(), device_bytes, factor_work.data(), factor_host,
+                   &scalars->factor_info));
+    for (std::int64_t column = 0; column < nrhs; ++column) {
+      keep(lib.potrs(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1,
+                     a_desc.get(), my_columns, 1, column + 1, b_desc.get(), type, device_work.get(),
+                     device_bytes, solve_work.data(), solve_host, &scalars->solve_info));
+    }
+  }
+  // X' whole on every rank: each rank's solved block of columns, gathered in place.
+  const std::size_t column_block_bytes = static_cast<std::size_t>(p.rhs_block * p.ld) * element;
+  MESHLA_CHECK_NCCL(ncclAllGather(my_columns, rhs, column_block_bytes, ncclInt8, nccl, stream));
+  // What every rank must agree on: infos (the factorization's is the whole matrix's), failed
+  // calls, and the parameter errors (negative infos) any rank saw.
+  const int failed_call = failed_status == CUSOLVER_STATUS_SUCCESS ? 0 : 1;
+  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&scalars->failed_call, &failed_call, sizeof(int),
+                                    cudaMemcpyHostToDevice, stream));
+  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&scalars->factor_info_min, &scalars->factor_info,
+                                    2 * sizeof(int), cudaMemcpyDeviceToDevice, stream));
+  MESHLA_CHECK_NCCL(ncclAllReduce(&scalars->factor_info, &scalars->factor_info, 3, ncclInt32,
+                                  ncclMax, nccl, stream));
+  MESHLA_CHECK_NCCL(ncclAllReduce(&scalars->factor_info_min, &scalars->factor_info_min, 2,
+                                  ncclInt32, ncclMin, nccl, stream));
+  Scalars agreed{};
+  MESHLA_CHECK_CUDA(
+      cudaMemcpyAsync(&agreed, scalars, sizeof(Scalars), cudaMemcpyDeviceToHost, stream));
+  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+  MESHLA_CHECK(
+      kCusolver, agreed.failed_call == 0,
+      "cholesky_solve: a cuSOLVERMp call failed on a rank of the group"
+          << (failed_call ? std::string(" (this one: ") +
+                                std::string(solver::cusolver_status_name(failed_status)) + ")"
+                          : std::string())
+          << " (n=" << n << ", tile=" << layout.tile << ")");
+  MESHLA_CHECK(kCusolver, agreed.factor_info_min >= 0 && agreed.solve_info_min >= 0,
+               "cholesky_solve: cuSOLVERMp reports parameter "
+                   << -std::min(agreed.factor_info_min, agreed.solve_info_min)
+                   << " as wrong (n=" << n << ", tile=" << layout.tile << ")");
+  SolverResult result;
+  result.info = agreed.factor_info;
+  const bool failed = result.info > 0;
+
+  // Outputs: this rank's rows of X, log det A = Σ log L_jj² over every rank's diagonal.
+  if (failed) {
+    solver::fill_nan(dtype, shard.out.data, shard.out.numel(), stream);
+    result.logdet = std::nan("");
+  } else {
+    solver::scatter_solution(dtype, rhs, p.ld, shard.out.data, layout, rank, nrhs, conjugates,
+                             stream);
+    solver::sum_log_diagonal(dtype, working, p.ld, layout, rank, &scalars->log_sum, stream);
+    MESHLA_CHECK_NCCL(
+        ncclAllReduce(&scalars->log_sum, &scalars->log_sum, 1, ncclFloat64, ncclSum, nccl, stream));
+    double sum = 0.0;
+    MESHLA_CHECK_CUDA(
+        cudaMemcpyAsync(&sum, &scalars->log_sum, sizeof(double), cudaMemcpyDeviceToHost, stream));
+    MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+    result.logdet = 2.0 * sum;
+  }
+  if (shard.info.data != nullptr) {
+    MESHLA_CHECK_CUDA(cudaMemcpyAsync(shard.info.data, &result.info, sizeof(int),
+                                      cudaMemcpyHostToDevice, stream));
+  }
+  if (shard.logdet.data != nullptr) {
+    const float logdet32 = static_cast<float>(result.logdet);
+    const bool wide = shard.logdet.dtype == DType::kFloat64;
+    MESHLA_CHECK_CUDA(cudaMemcpyAsync(
+        shard.logdet.data, wide ? static_cast<const void*>(&result.logdet) : &logdet32,
+        wide ? sizeof(double) : sizeof(float), cudaMemcpyHostToDevice, stream));
+  }
+  // The outputs are written, and the host values' copies read pageable memory that ends here.
+  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+  return result;
+}
+
+#else  // built without cuSOLVERMp's header: every use says so
+
+namespace {
+
+constexpr const char* kBuiltWithout =
+    "meshla was built without cuSOLVERMp (MESHLA_WITH_CUSOLVERMP=OFF: pip install "
+    "nvidia-cusolvermp-cu13==0.8.* before building meshla)";
+
+[[noreturn]] void built_without() {
+  MESHLA_THROW(kNotImplemented, "ProcessSolver: " << kBuiltWithout);
+}
+
+}  // namespace
+
+struct ProcessSolver::Impl {};
+
+ProcessSolver::ProcessSolver(Communicator) { built_without(); }
+ProcessSolver::~ProcessSolver() = default;
+ProcessSolver::ProcessSolver(ProcessSolver&&) noexcept = default;
+ProcessSolver& ProcessSolver::operator=(ProcessSolver&&) noexcept = default;
+std::string ProcessSolver::unavailable_reason() { return kBuiltWithout; }
+int ProcessSolver::rank() const { built_without(); }
+int ProcessSolver::size() const { built_without(); }
+std::int64_t ProcessSolver::tile(SolverOp, const SolverProblem&) const { built_without(); }
+std::size_t ProcessSolver::workspace_bytes(SolverOp, const SolverProblem&) const {
+  built_without();
+}
+SolverResult ProcessSolver::run(SolverOp, const SolverProblem&, const SolverShard&) {
+  built_without();
+}
+
+#endif
+
+}  // namespace meshla
