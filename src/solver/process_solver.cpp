@@ -118,11 +118,12 @@ class MatrixDescriptor {
 };
 
 // cuSOLVERMp's device workspace, stream-ordered: its size is known only from queries that need
-// the matrices' own pointers (0.8 refuses null ones).
+// the matrices' own pointers (0.8 refuses null ones). A failed allocation is kept, not thrown:
+// the ranks agree on it before the collective calls (ProcessSolver::run).
 class StreamAllocation {
  public:
   StreamAllocation(std::size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes > 0) MESHLA_CHECK_CUDA(cudaMallocAsync(&data_, bytes, stream));
+    if (bytes > 0) status_ = cudaMallocAsync(&data_, bytes, stream);
   }
   ~StreamAllocation() {
     if (data_ != nullptr) cudaFreeAsync(data_, stream_);
@@ -130,10 +131,12 @@ class StreamAllocation {
   StreamAllocation(const StreamAllocation&) = delete;
   StreamAllocation& operator=(const StreamAllocation&) = delete;
   void* get() const { return data_; }
+  cudaError_t status() const { return status_; }
 
  private:
   cudaStream_t stream_;
   void* data_ = nullptr;
+  cudaError_t status_ = cudaSuccess;
 };
 
 // Device scalars of a run: what every rank agrees on after the solve. The first three are
@@ -155,12 +158,12 @@ struct ProcessSolver::Impl {
   explicit Impl(Communicator c) : comm(std::move(c)) {}
   // The grid's destruction is collective (every rank of the grid takes part): off the thread
   // that lets go (release_on_own_thread), so that a peer that is late, or gone, blocks no caller.
+  // It deregisters memory from the NCCL communicator, which must outlive it; it takes no handle
+  // lock (a run on another grid of the handle may be waiting for this rank's peers).
   ~Impl() {
     if (grid == nullptr) return;
-    detail::release_on_own_thread(comm.device(), [handle = handle, grid = grid] {
-      std::lock_guard<std::mutex> lock(handle->calls);
-      handle->lib.destroy_grid(grid);
-    });
+    detail::release_on_own_thread(comm.device(), [handle = handle, state = comm.state(),
+                                                  grid = grid] { handle->lib.destroy_grid(grid); });
   }
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -336,15 +339,36 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   const std::size_t device_bytes = std::max(factor_device, solve_device);
   StreamAllocation device_work(device_bytes, stream);
   std::vector<std::byte> factor_work(factor_host), solve_work(solve_host);
-  if (failed_status == CUSOLVER_STATUS_SUCCESS) {
-    keep(lib.potrf(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(),
-                   type, device_work.get(), device_bytes, factor_work.data(), factor_host,
-                   &scalars->factor_info));
-    for (std::int64_t column = 0; column < nrhs; ++column) {
-      keep(lib.potrs(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1,
-                     a_desc.get(), my_columns, 1, column + 1, b_desc.get(), type, device_work.get(),
-                     device_bytes, solve_work.data(), solve_host, &scalars->solve_info));
-    }
+  // The queries and the allocation are this rank's alone: every rank learns of any failure
+  // before the collective calls, so that all make them or none does.
+  const int failed_here =
+      failed_status != CUSOLVER_STATUS_SUCCESS || device_work.status() != cudaSuccess;
+  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&scalars->failed_call, &failed_here, sizeof(int),
+                                    cudaMemcpyHostToDevice, stream));
+  MESHLA_CHECK_NCCL(ncclAllReduce(&scalars->failed_call, &scalars->failed_call, 1, ncclInt32,
+                                  ncclMax, nccl, stream));
+  int failed_anywhere = 0;
+  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&failed_anywhere, &scalars->failed_call, sizeof(int),
+                                    cudaMemcpyDeviceToHost, stream));
+  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+  MESHLA_CHECK(
+      kCusolver, failed_anywhere == 0,
+      "cholesky_solve: cuSOLVERMp's workspace could not be sized or allocated on a rank "
+      "of the group"
+          << (failed_here ? std::string(" (this one: ") +
+                                (device_work.status() != cudaSuccess
+                                     ? cudaGetErrorString(device_work.status())
+                                     : std::string(solver::cusolver_status_name(failed_status))) +
+                                ")"
+                          : std::string())
+          << " (n=" << n << ", tile=" << layout.tile << ")");
+  keep(lib.potrf(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(),
+                 type, device_work.get(), device_bytes, factor_work.data(), factor_host,
+                 &scalars->factor_info));
+  for (std::int64_t column = 0; column < nrhs; ++column) {
+    keep(lib.potrs(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1,
+                   a_desc.get(), my_columns, 1, column + 1, b_desc.get(), type, device_work.get(),
+                   device_bytes, solve_work.data(), solve_host, &scalars->solve_info));
   }
   // X' whole on every rank: each rank's solved block of columns, gathered in place.
   const std::size_t column_block_bytes = static_cast<std::size_t>(p.rhs_block * p.ld) * element;

@@ -784,6 +784,9 @@ def _solve_by_processes(name, op, a, b, group, tile, overwrite_a):
     dist.all_gather_object(everyone, ready, group=group)
     for rank, failure in enumerate(everyone):
         if failure is not None:
+            # Made on some ranks only, the solver is let go of on all: the next call makes it
+            # again on every rank alike.
+            _PROCESS_SOLVERS.pop((group, a.device.index), None)
             raise _ERRORS.get(failure[0], RuntimeError)(f"{failure[1]} (rank {rank} of the group)")
     info, logdet = solver.run(op, n, DTYPES[a.dtype], nrhs, tile, overwrite_a, a.contiguous(),
                               b.contiguous(), x, None, workspace,
