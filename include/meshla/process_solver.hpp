@@ -5,7 +5,8 @@
 // The matrix arrives as DenseSolver's does: rank p of P holds rows [p*n/P, (p+1)*n/P) of A,
 // row-major. The same renumbering (solver/block_cyclic.hpp) makes those rows cuSOLVERMp's 1-D
 // column block-cyclic layout on a 1 x P process grid, so A moves only inside each GPU. B, n x
-// nrhs and small, is all-gathered, solved on the grid, and X all-gathered back.
+// nrhs and small, is all-gathered, solved on the grid, and X broadcast back from the ranks that
+// hold its column blocks.
 //
 // Calls are collective and synchronous: every rank calls run() with the same problem, and it
 // returns when this rank's outputs are written. A rank that never calls leaves the others waiting

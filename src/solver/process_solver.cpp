@@ -173,18 +173,21 @@ struct ProcessSolver::Impl {
   cusolverMpGrid_t grid = nullptr;
 
   // One call's shapes: the layout, B padded to whole column blocks of the grid (one block of
-  // rhs_block columns a rank), and where meshla's buffers sit in the caller's workspace.
+  // One call's shapes and where meshla's buffers sit in the caller's workspace. B' has square
+  // tiles like A' (cuSOLVERMp's blocks are square): its column blocks of `tile` columns are dealt
+  // round-robin to the ranks, so with nrhs <= tile (the usual case) the first rank holds all of B'.
   struct Plan {
     BlockCyclicLayout layout;
-    std::int64_t ld = 0;           // padded order: rows of A' and B'
-    std::int64_t rhs_columns = 0;  // nrhs rounded up to a multiple of the ranks
-    std::int64_t rhs_block = 0;    // B's columns per rank
-    bool in_place = false;         // A's own memory is the working matrix (overwrite_a)
-    std::size_t working = 0;       // A' (absent in place)
-    std::size_t panel = 0;         // one tile of columns, for renumbering in place
-    std::size_t gathered = 0;      // every rank's B rows, row-major
-    std::size_t rhs = 0;           // B' = X', column-major, every rank's columns
-    std::size_t scalars = 0;       // Scalars
+    std::int64_t ld = 0;              // padded order: rows of A' and B'
+    std::int64_t rhs_blocks = 0;      // B's column blocks
+    std::int64_t my_rhs_columns = 0;  // this rank's columns of B' (NUMROC)
+    bool in_place = false;            // A's own memory is the working matrix (overwrite_a)
+    std::size_t working = 0;          // A' (absent in place)
+    std::size_t panel = 0;            // one tile of columns, for renumbering in place
+    std::size_t gathered = 0;         // every rank's B rows, row-major
+    std::size_t rhs = 0;              // B' = X' whole, column-major (ld x nrhs)
+    std::size_t my_rhs = 0;           // this rank's column blocks of B', its local array
+    std::size_t scalars = 0;          // Scalars
     std::size_t total = 0;
   };
 
@@ -203,8 +206,10 @@ struct ProcessSolver::Impl {
       p.layout = solver::check_solver_call(op, chosen, ranks);
     }
     p.ld = p.layout.padded_n();
-    p.rhs_block = (problem.nrhs + ranks - 1) / ranks;
-    p.rhs_columns = p.rhs_block * ranks;
+    p.rhs_blocks = (problem.nrhs + p.layout.tile - 1) / p.layout.tile;
+    for (std::int64_t block = comm.rank(); block < p.rhs_blocks; block += ranks) {
+      p.my_rhs_columns += std::min(p.layout.tile, problem.nrhs - block * p.layout.tile);
+    }
     p.in_place = problem.overwrite_a;  // check_solver_call allows it only where nothing pads
     const std::size_t element = dtype_size(problem.dtype);
     std::size_t offset = 0;
@@ -219,7 +224,10 @@ struct ProcessSolver::Impl {
       p.working = take(static_cast<std::size_t>(p.ld * p.layout.local_columns()) * element);
     }
     p.gathered = take(static_cast<std::size_t>(p.layout.n * problem.nrhs) * element);
-    p.rhs = take(static_cast<std::size_t>(p.ld * p.rhs_columns) * element);
+    p.rhs = take(static_cast<std::size_t>(p.ld * problem.nrhs) * element);
+    // At least a column: cuSOLVERMp refuses a null local array even where a rank holds none.
+    p.my_rhs = take(static_cast<std::size_t>(p.ld * std::max<std::int64_t>(p.my_rhs_columns, 1)) *
+                    element);
     p.scalars = take(sizeof(Scalars));
     p.total = offset;
     return p;
@@ -310,7 +318,7 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   const std::size_t block_bytes = static_cast<std::size_t>(layout.rows_per_part * nrhs) * element;
   MESHLA_CHECK_NCCL(ncclAllGather(shard.b.data, gathered, block_bytes, ncclInt8, nccl, stream));
   MESHLA_CHECK_CUDA(
-      cudaMemsetAsync(rhs, 0, static_cast<std::size_t>(p.ld * p.rhs_columns) * element, stream));
+      cudaMemsetAsync(rhs, 0, static_cast<std::size_t>(p.ld * nrhs) * element, stream));
   solver::PartPointers blocks;
   for (int part = 0; part < ranks; ++part) blocks.data[part] = gathered + part * block_bytes;
   solver::gather_rhs(dtype, blocks, rhs, p.ld, layout, nrhs, conjugates, stream);
@@ -322,10 +330,21 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   auto* scalars = reinterpret_cast<Scalars*>(base + p.scalars);
   MESHLA_CHECK_CUDA(cudaMemsetAsync(scalars, 0, sizeof(Scalars), stream));
   MatrixDescriptor a_desc(lib, self.grid, dtype, p.ld, p.ld, layout.tile, layout.tile, p.ld);
-  MatrixDescriptor b_desc(lib, self.grid, dtype, p.ld, p.rhs_columns, layout.tile, p.rhs_block,
-                          p.ld);
+  MatrixDescriptor b_desc(lib, self.grid, dtype, p.ld, nrhs, layout.tile, layout.tile, p.ld);
   const cudaDataType_t type = detail::cuda_data_type(dtype);
-  char* my_columns = rhs + static_cast<std::size_t>(rank * p.rhs_block * p.ld) * element;
+  // This rank's column blocks of B' (block c is on rank c % P, at c / P in its local array), and
+  // where each block is in B' whole and in its owner's local array.
+  char* my_columns = base + p.my_rhs;
+  const std::size_t tile_bytes = static_cast<std::size_t>(layout.tile * p.ld) * element;
+  auto block_bytes_of = [&](std::int64_t block) {
+    return static_cast<std::size_t>(std::min(layout.tile, nrhs - block * layout.tile) * p.ld) *
+           element;
+  };
+  for (std::int64_t block = rank; block < p.rhs_blocks; block += ranks) {
+    MESHLA_CHECK_CUDA(cudaMemcpyAsync(my_columns + block / ranks * tile_bytes,
+                                      rhs + block * tile_bytes, block_bytes_of(block),
+                                      cudaMemcpyDeviceToDevice, stream));
+  }
   cusolverStatus_t failed_status = CUSOLVER_STATUS_SUCCESS;
   auto keep = [&](cusolverStatus_t status) {
     if (failed_status == CUSOLVER_STATUS_SUCCESS) failed_status = status;
@@ -370,9 +389,17 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
                    a_desc.get(), my_columns, 1, column + 1, b_desc.get(), type, device_work.get(),
                    device_bytes, solve_work.data(), solve_host, &scalars->solve_info));
   }
-  // X' whole on every rank: each rank's solved block of columns, gathered in place.
-  const std::size_t column_block_bytes = static_cast<std::size_t>(p.rhs_block * p.ld) * element;
-  MESHLA_CHECK_NCCL(ncclAllGather(my_columns, rhs, column_block_bytes, ncclInt8, nccl, stream));
+  // X' whole on every rank: each solved column block from its owner.
+  {
+    detail::NcclGroup group;
+    for (std::int64_t block = 0; block < p.rhs_blocks; ++block) {
+      const int owner = static_cast<int>(block % ranks);
+      MESHLA_CHECK_NCCL(ncclBroadcast(my_columns + block / ranks * tile_bytes,
+                                      rhs + block * tile_bytes, block_bytes_of(block), ncclInt8,
+                                      owner, nccl, stream));
+    }
+    MESHLA_CHECK_NCCL(group.end());
+  }
   // What every rank must agree on: infos (the factorization's is the whole matrix's), failed
   // calls, and the parameter errors (negative infos) any rank saw.
   const int failed_call = failed_status == CUSOLVER_STATUS_SUCCESS ? 0 : 1;
