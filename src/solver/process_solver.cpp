@@ -172,10 +172,10 @@ struct ProcessSolver::Impl {
   std::shared_ptr<Handle> handle;
   cusolverMpGrid_t grid = nullptr;
 
-  // One call's shapes: the layout, B padded to whole column blocks of the grid (one block of
   // One call's shapes and where meshla's buffers sit in the caller's workspace. B' has square
-  // tiles like A' (cuSOLVERMp's blocks are square): its column blocks of `tile` columns are dealt
-  // round-robin to the ranks, so with nrhs <= tile (the usual case) the first rank holds all of B'.
+  // tiles like A' (cuSOLVERMp wants square ones for A; B alike): its column blocks of `tile`
+  // columns are dealt round-robin to the ranks, so with nrhs <= tile (the usual case) the first
+  // rank holds all of B'.
   struct Plan {
     BlockCyclicLayout layout;
     std::int64_t ld = 0;              // padded order: rows of A' and B'
@@ -225,9 +225,7 @@ struct ProcessSolver::Impl {
     }
     p.gathered = take(static_cast<std::size_t>(p.layout.n * problem.nrhs) * element);
     p.rhs = take(static_cast<std::size_t>(p.ld * problem.nrhs) * element);
-    // At least a column: cuSOLVERMp refuses a null local array even where a rank holds none.
-    p.my_rhs = take(static_cast<std::size_t>(p.ld * std::max<std::int64_t>(p.my_rhs_columns, 1)) *
-                    element);
+    p.my_rhs = take(static_cast<std::size_t>(p.ld * p.my_rhs_columns) * element);
     p.scalars = take(sizeof(Scalars));
     p.total = offset;
     return p;
@@ -394,9 +392,11 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
     detail::NcclGroup group;
     for (std::int64_t block = 0; block < p.rhs_blocks; ++block) {
       const int owner = static_cast<int>(block % ranks);
-      MESHLA_CHECK_NCCL(ncclBroadcast(my_columns + block / ranks * tile_bytes,
-                                      rhs + block * tile_bytes, block_bytes_of(block), ncclInt8,
-                                      owner, nccl, stream));
+      // Only the owner's send buffer is read; the others name the block's place in X'.
+      char* send =
+          owner == rank ? my_columns + block / ranks * tile_bytes : rhs + block * tile_bytes;
+      MESHLA_CHECK_NCCL(ncclBroadcast(send, rhs + block * tile_bytes, block_bytes_of(block),
+                                      ncclInt8, owner, nccl, stream));
     }
     MESHLA_CHECK_NCCL(group.end());
   }

@@ -1,9 +1,9 @@
 """GPU checks of meshla.jax.linalg with one process per GPU under jax.distributed (the script
 launches them), one JSON line per check and process: every routine on a mesh whose devices span
-processes (cho_solve and log det, lu_solve, cholesky_inverse, eigh, and the QR family on a tall
-and on a square A), in float32, float64, complex64 and complex128, against numpy in float64 on
-every process, from inputs every process draws alike; a non-positive-definite and a singular
-matrix give NaN and info > 0.
+processes (cho_solve and log det, also on cuSOLVERMp with engine="cusolvermp", lu_solve,
+cholesky_inverse, eigh, and the QR family on a tall and on a square A), in float32, float64,
+complex64 and complex128, against numpy in float64 on every process, from inputs every process
+draws alike; a non-positive-definite and a singular matrix give NaN and info > 0.
 
   python tests/gpu/check_solver_jax_processes.py --processes 2 --results FILE
 """
@@ -85,9 +85,10 @@ class Checks:
         b = random_general(n, dtype, self.rng, columns=3)
         a64, b64 = a.astype(np.complex128), b.astype(np.complex128)
 
-        def cho_solve():
+        def cho_solve(engine="auto", tile=0):
             x, logdet, info = (fetch(v) for v in jax.jit(lambda a, b: linalg.cho_solve(
-                a, b, mesh, return_logdet=True, return_info=True))(self.rows(a), self.rows(b)))
+                a, b, mesh, tile=tile, return_logdet=True, return_info=True, engine=engine))(
+                    self.rows(a), self.rows(b)))
             residual = relative(a64 @ x - b64, np.linalg.norm(a64, 2) * np.linalg.norm(x))
             logdet_error = abs(float(logdet.real) - np.linalg.slogdet(a64)[1])
             return int(info) == 0 and residual < tol and logdet_error < tol * n, (
@@ -162,6 +163,11 @@ class Checks:
                 + f" (tol {tall_tol:.1e})")
 
         self.run(f"{label} cho_solve and log det", cho_solve)
+        if not args.cpu:  # cuSOLVERMp over the processes' GPUs: its own tile, and 48 (padded)
+            self.run(f"{label} cho_solve and log det, engine=cusolvermp",
+                     lambda: cho_solve("cusolvermp"))
+            self.run(f"{label} cho_solve and log det, engine=cusolvermp, tile=48",
+                     lambda: cho_solve("cusolvermp", 48))
         self.run(f"{label} lu_solve", lu_solve)
         self.run(f"{label} cholesky_inverse and eigh", inverse_and_eigh)
         self.run(f"{label} not positive definite, singular: NaN and info > 0", failures)

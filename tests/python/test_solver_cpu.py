@@ -122,6 +122,15 @@ def test_jax_argument_errors(mesh):
     with pytest.raises(ValueError, match=r"cho_solve: b is \[8, 1\] float64; expected \[16\] or "
                                          r"\[16, nrhs\] float64: a's rows and dtype"):
         linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((8, 1)), mesh), mesh)
+    # The engines, in meshla.torch's words: cuSOLVERMp runs on GPUs, one in each process.
+    with pytest.raises(ValueError, match=r"cho_solve: engine='lapack'; expected one of "
+                                         r"\('auto', 'cusolvermp'\)"):
+        linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((16, 1)), mesh), mesh,
+                         engine="lapack")
+    with pytest.raises(ValueError, match="cho_solve: engine='cusolvermp' runs on GPU devices; "
+                                         "the mesh has cpu devices"):
+        linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((16, 1)), mesh), mesh,
+                         engine="cusolvermp")
 
 
 def general(n, dtype, seed):

@@ -38,11 +38,14 @@ def axis_groups(mesh: Mesh, axis: str) -> np.ndarray:
     return np.transpose(mesh.devices, order).reshape(-1, mesh.shape[axis])
 
 
-def group_number(mesh: Mesh, axis: str, timeout_s: float) -> int:
+def group_number(mesh: Mesh, axis: str, timeout_s: float, kind: str = "group") -> int:
     """The number under which the groups of ``axis`` of ``mesh`` are registered, making them on
-    first use (every process of the mesh traces the same calls, so each makes its part)."""
+    first use (every process of the mesh traces the same calls, so each makes its part).
+    ``kind`` "group": the collective matmuls' communicators (register_jax_group); "solver": a
+    cuSOLVERMp solver per GPU of groups with one GPU in each process (register_jax_process_solver,
+    on a communicator of its own)."""
     key = (mesh.devices.shape, tuple(int(d.id) for d in mesh.devices.flat),
-           tuple(mesh.axis_names), axis)
+           tuple(mesh.axis_names), axis, kind)
     with _lock:
         number = _numbers.get(key)
         if number is None:
@@ -52,15 +55,27 @@ def group_number(mesh: Mesh, axis: str, timeout_s: float) -> int:
             _attempts[key] = attempt + 1
             number = next(_next_number)
             for devices in axis_groups(mesh, axis):
-                _make_group(number, devices, f"{key!r}, attempt {attempt}", timeout_s)
+                _make_group(number, devices, f"{key!r}, attempt {attempt}", timeout_s, kind)
             _numbers[key] = number
     return number
 
 
-def _make_group(number: int, devices: np.ndarray, mesh_key: str, timeout_s: float) -> None:
+def _make_group(number: int, devices: np.ndarray, mesh_key: str, timeout_s: float,
+                kind: str) -> None:
     here = jax.process_index()
     local = [d for d in devices if d.process_index == here]
     if not local:
+        return
+    if kind == "solver":
+        if len(local) > 1:
+            raise ValueError(
+                f"meshla.jax: engine='cusolvermp' runs one GPU in each process; the group of "
+                f"devices {[int(d.id) for d in devices]} has {len(local)} in this one")
+        rank = list(devices).index(local[0])
+        unique_id = _shared_unique_id(f"{mesh_key}/{[int(d.id) for d in devices]}", rank,
+                                      timeout_s)
+        _meshla.register_jax_process_solver(number, _meshla.Communicator(
+            unique_id, rank, len(devices), local[0].local_hardware_id, timeout_s))
         return
     if len(local) == len(devices):
         comms = _meshla.Communicator.create_local([d.local_hardware_id for d in devices],

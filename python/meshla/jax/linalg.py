@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from meshla import _meshla
 from meshla.jax._dtypes import dtype_of
 from meshla.jax._ffi import register_targets
-from meshla.jax._groups import axis_groups
+from meshla.jax._groups import axis_groups, group_number
 
 __all__ = [
     "cho_solve",
@@ -239,8 +239,27 @@ def _reference_cholesky(a_full: jax.Array) -> tuple[jax.Array, jax.Array]:
     return factor, info
 
 
+# The engines of cho_solve: "auto" (cuSolverMg over one process's GPUs; elsewhere each device
+# solves the gathered A) and "cusolvermp" (cuSOLVERMp over one GPU in each process).
+_ENGINES = ("auto", "cusolvermp")
+
+
+def _check_engine(name: str, engine: str, mesh: Mesh, overwrite_a: bool = False) -> None:
+    """Trace-time checks of ``engine`` in the words of meshla.torch's (the one-GPU-a-process
+    rule is checked where the solvers are made: meshla.jax._groups)."""
+    if engine not in _ENGINES:
+        raise ValueError(f"{name}: engine={engine!r}; expected one of {_ENGINES}")
+    if engine == "cusolvermp":
+        if any(d.platform != "gpu" for d in mesh.devices.flat):
+            raise ValueError(f"{name}: engine='cusolvermp' runs on GPU devices; the mesh has "
+                             f"{mesh.devices.flat[0].platform} devices")
+        if overwrite_a:
+            raise NotImplementedError(f"{name}: overwrite_a with engine='cusolvermp' is not "
+                                      "supported in meshla.jax yet")
+
+
 def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
-                    timeout_s: float = DEFAULT_TIMEOUT_S) -> CholeskySolve:
+                    timeout_s: float = DEFAULT_TIMEOUT_S, engine: str = "auto") -> CholeskySolve:
     """Inside ``shard_map``: this device's rows of A ([n/P, n]) and of B ([n/P, nrhs]) give its
     rows of X = A⁻¹ B, log det A (the same on every device) and info.
 
@@ -258,11 +277,32 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
     matrix that is not positive definite raises
     nothing: NaN outputs and info > 0. Failures inside the custom call (a device whose handler
     never arrives within ``timeout_s`` included; see the module's notes) surface as
-    ``jax.errors.JaxRuntimeError``."""
+    ``jax.errors.JaxRuntimeError``.
+
+    ``engine="cusolvermp"`` solves on cuSOLVERMp over the axis's GPUs, one in each process
+    (jax.distributed, one host or several; nvidia-cusolvermp-cu13 0.8 installed beside meshla):
+    A stays in each GPU. Its solvers are made when the call is first traced, collectively over
+    the processes (the NCCL id through jax.distributed's key-value store, within ``timeout_s``).
+    ``ValueError`` for other devices or a process holding several of a group's GPUs. Not yet
+    run on a GPU nor measured (issue 39)."""
     axis = _axis_of(mesh, axis)
+    _check_engine("cho_solve", engine, mesh)
     _check_matrix(a_block, "cho_solve")
     rows, n = a_block.shape
     _check_rhs_block("cho_solve", a_block, b_block)
+    if engine == "cusolvermp":
+        # The engine's tile is its own (cuSolverMg's layout rules are checked in its run).
+        _layout(_meshla.SolverOp.cholesky_solve, a_block, mesh, axis, tile, nrhs=b_block.shape[1])
+        register_targets()
+        call = jax.ffi.ffi_call(
+            "meshla_process_cholesky_solve",
+            (jax.ShapeDtypeStruct(b_block.shape, b_block.dtype),
+             jax.ShapeDtypeStruct((), _real_dtype(a_block.dtype)),
+             jax.ShapeDtypeStruct((), jnp.int32)))
+        x, logdet, info = call(a_block, b_block,
+                               group=np.int64(group_number(mesh, axis, timeout_s, "solver")),
+                               tile=np.int64(tile))
+        return CholeskySolve(x, logdet, info, a_block)
     tile, padded = _layout(_meshla.SolverOp.cholesky_solve, a_block, mesh, axis, tile,
                            nrhs=b_block.shape[1])
     if not _cusolvermg_runs(mesh):
@@ -590,7 +630,8 @@ def _sharded(function, mesh: Mesh, in_specs, out_specs):
 
 def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
               return_logdet: bool = False, return_info: bool = False,
-              overwrite_a: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+              overwrite_a: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S,
+              engine: str = "auto"):
     """X = A⁻¹ B for a symmetric (Hermitian) positive-definite A sharded by rows over ``axis``
     of ``mesh``; B is [n] or [n, nrhs] (nrhs <= 256) sharded the same way. Returns X (sharded
     like B), plus log det A and/or info when asked. Jittable; ``tile`` is the block-cyclic tile
@@ -612,8 +653,11 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     tile); ``NotImplementedError`` on GPUs for a meshla built without XLA's FFI headers. A
     matrix that is not positive definite raises nothing: X
     and log det A are NaN and info > 0. Failures inside the custom call, a device whose handler
-    never arrives within ``timeout_s`` included, surface as ``jax.errors.JaxRuntimeError``."""
+    never arrives within ``timeout_s`` included, surface as ``jax.errors.JaxRuntimeError``.
+    ``engine`` as in :func:`cho_solve_shard`; ``overwrite_a`` with ``engine="cusolvermp"``
+    raises ``NotImplementedError``."""
     axis = _axis_of(mesh, axis)
+    _check_engine("cho_solve", engine, mesh, overwrite_a)
     if a.ndim != 2:
         raise ValueError(f"cho_solve: a has shape {a.shape}; expected [n, n]")
     _check_rhs_block("cho_solve", a, b, vector_ok=True)
@@ -622,7 +666,7 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     _, padded = _layout(_meshla.SolverOp.cholesky_solve, a, mesh, axis, tile,
                         nrhs=1 if vector else b.shape[-1], overwrite_a=overwrite_a)
     solve = functools.partial(cho_solve_shard, mesh=mesh, axis=axis, tile=tile,
-                              timeout_s=timeout_s)
+                              timeout_s=timeout_s, engine=engine)
     x, logdet, info, working = _sharded(
         lambda a_block, b_block: tuple(solve(a_block, b_block)), mesh,
         (P(axis, None), P(axis, None)), (P(axis, None), P(), P(), P(axis) if padded else

@@ -14,6 +14,7 @@
 #include "core/checks.hpp"
 #include "core/timeout.hpp"
 #include "meshla/dense_solver.hpp"
+#include "meshla/process_solver.hpp"
 #include "solver/rendezvous.hpp"
 #include "xla/ffi/api/ffi.h"
 
@@ -48,10 +49,58 @@ SolverRegistry& solvers() {
   return registry;
 }
 
+// The ProcessSolvers of this process by (group, CUDA ordinal): a mesh axis's groups with one GPU
+// in each process, registered by meshla.jax when it traces a call with engine="cusolvermp"
+// (making each is collective over its group's processes).
+class ProcessSolverRegistry {
+ public:
+  void add(std::int64_t group, std::shared_ptr<ProcessSolver> solver, int device) {
+    std::lock_guard lock(mutex_);
+    MESHLA_CHECK_ARG(
+        solvers_.try_emplace({group, device}, std::move(solver)).second,
+        "meshla.jax: solver group " << group << " already has cuda:" << device << " registered");
+  }
+  std::shared_ptr<ProcessSolver> find(std::int64_t group, int device) {
+    std::lock_guard lock(mutex_);
+    const auto found = solvers_.find({group, device});
+    MESHLA_CHECK_ARG(found != solvers_.end(), "cholesky_solve: no solver group "
+                                                  << group << " holds cuda:" << device
+                                                  << " in this process (meshla.jax makes "
+                                                     "it when it traces the call)");
+    return found->second;
+  }
+  void clear() {
+    std::lock_guard lock(mutex_);
+    solvers_.clear();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::pair<std::int64_t, int>, std::shared_ptr<ProcessSolver>> solvers_;
+};
+
+ProcessSolverRegistry& process_solvers() {
+  static ProcessSolverRegistry registry;
+  return registry;
+}
+
 // Call numbers of this process's solver handlers (see solver::CallNumbering).
 solver::CallNumbering& call_numbering() {
   static solver::CallNumbering numbering;
   return numbering;
+}
+
+// `bytes` of XLA's scratch on `ordinal`, aligned to 256 bytes as the solvers want (XLA aligns
+// scratch to at most 16).
+TensorView workspace_from(ffi::ScratchAllocator& scratch, std::size_t bytes, int ordinal,
+                          const char* name) {
+  const std::optional<void*> memory = scratch.Allocate(bytes + detail::kWorkspaceAlignment, 16);
+  MESHLA_CHECK(
+      kCuda, memory.has_value(),
+      name << ": XLA could not allocate " << bytes << " bytes of workspace on cuda:" << ordinal);
+  void* aligned =
+      reinterpret_cast<void*>(detail::align_up(reinterpret_cast<std::uintptr_t>(*memory)));
+  return make_tensor_view(aligned, DType::kInt32, {static_cast<std::int64_t>(bytes / 4)}, ordinal);
 }
 
 // One GPU's part of a call: allocate its workspace from XLA, meet the other GPUs of its group;
@@ -74,16 +123,8 @@ void participate(SolverOp op, const SolverProblem& problem, SolverShard shard, i
   std::shared_ptr<DenseSolver> solver;
   try {
     solver = solvers().get(group.devices);
-    const std::size_t bytes = solver->workspace_bytes(op, problem, group.index);
-    // XLA aligns scratch to at most 16 bytes; the solver wants 256.
-    const std::optional<void*> memory = scratch.Allocate(bytes + detail::kWorkspaceAlignment, 16);
-    MESHLA_CHECK(
-        kCuda, memory.has_value(),
-        name << ": XLA could not allocate " << bytes << " bytes of workspace on cuda:" << ordinal);
-    const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(*memory);
-    void* aligned = reinterpret_cast<void*>(detail::align_up(address));
     shard.workspace =
-        make_tensor_view(aligned, DType::kInt32, {static_cast<std::int64_t>(bytes / 4)}, ordinal);
+        workspace_from(scratch, solver->workspace_bytes(op, problem, group.index), ordinal, name);
   } catch (const Error& error) {
     solver::abandon(id, group.index, count, error);
     throw;
@@ -110,6 +151,23 @@ SolverShard shard_on(cudaStream_t stream, int ordinal, const ffi::AnyBuffer& a,
   return shard;
 }
 
+// A Cholesky solve's shard and problem (either engine); overwrite_a as the caller decides.
+std::pair<SolverShard, SolverProblem> cholesky_solve_call(
+    cudaStream_t stream, int ordinal, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+    ffi::Result<ffi::AnyBuffer>& x, ffi::Result<ffi::AnyBuffer>& logdet,
+    ffi::Result<ffi::Buffer<ffi::S32>>& info, std::int64_t tile, bool overwrite_a) {
+  SolverShard shard = shard_on(stream, ordinal, a, info);
+  shard.b = view_of(b, ordinal, "b");
+  shard.out = view_of(*x, ordinal, "x");
+  shard.logdet = view_of(*logdet, ordinal, "logdet");
+  const SolverProblem problem{.n = a.dimensions().back(),
+                              .dtype = shard.a.dtype,
+                              .nrhs = b.dimensions().back(),
+                              .tile = tile,
+                              .overwrite_a = overwrite_a};
+  return {shard, problem};
+}
+
 // `working` is the output XLA aliases to `a` when the caller lets the solver work in A's buffer
 // (a zero-size placeholder otherwise: then n/P needs padding and the solver works in scratch).
 bool works_in_a(const ffi::AnyBuffer& a, const ffi::AnyBuffer& working) {
@@ -126,17 +184,28 @@ ffi::Error cholesky_solve(cudaStream_t stream, std::int32_t ordinal, ffi::Scratc
                           ffi::Span<const std::int64_t> devices, std::int64_t group_size,
                           std::int64_t tile, double timeout_s) {
   return guarded([&] {
-    SolverShard shard = shard_on(stream, ordinal, a, info);
-    shard.b = view_of(b, ordinal, "b");
-    shard.out = view_of(*x, ordinal, "x");
-    shard.logdet = view_of(*logdet, ordinal, "logdet");
-    const SolverProblem problem{.n = a.dimensions().back(),
-                                .dtype = shard.a.dtype,
-                                .nrhs = b.dimensions().back(),
-                                .tile = tile,
-                                .overwrite_a = works_in_a(a, *working)};
+    const auto [shard, problem] =
+        cholesky_solve_call(stream, ordinal, a, b, x, logdet, info, tile, works_in_a(a, *working));
     participate(SolverOp::kCholeskySolve, problem, shard, ordinal, scratch, run_id.run_id, devices,
                 group_size, timeout_s);
+  });
+}
+
+// The Cholesky solve on cuSOLVERMp, this process's GPU's part (engine="cusolvermp"): every
+// process's handler runs its rank of the collective call; no rendezvous (one GPU a process).
+ffi::Error process_cholesky_solve(cudaStream_t stream, std::int32_t ordinal,
+                                  ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                                  ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::AnyBuffer> logdet,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> info, std::int64_t group,
+                                  std::int64_t tile) {
+  return guarded([&] {
+    auto [shard, problem] =
+        cholesky_solve_call(stream, ordinal, a, b, x, logdet, info, tile, /*overwrite_a=*/false);
+    const std::shared_ptr<ProcessSolver> solver = process_solvers().find(group, ordinal);
+    shard.workspace =
+        workspace_from(scratch, solver->workspace_bytes(SolverOp::kCholeskySolve, problem), ordinal,
+                       "cholesky_solve");
+    solver->run(SolverOp::kCholeskySolve, problem, shard);
   });
 }
 
@@ -264,14 +333,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_eigvalsh, eigvalsh,
                                                            .Ret<ffi::Buffer<ffi::S32>>()
                                                            .Ret<ffi::AnyBuffer>()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_process_cholesky_solve, process_cholesky_solve,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<std::int64_t>("group")
+                                  .Attr<std::int64_t>("tile"));
+
 std::vector<std::pair<std::string, void*>> targets() {
-  return {{"meshla_cholesky_solve", reinterpret_cast<void*>(&meshla_cholesky_solve)},
-          {"meshla_lu_solve", reinterpret_cast<void*>(&meshla_lu_solve)},
-          {"meshla_cholesky_inverse", reinterpret_cast<void*>(&meshla_cholesky_inverse)},
-          {"meshla_eigh", reinterpret_cast<void*>(&meshla_eigh)},
-          {"meshla_eigvalsh", reinterpret_cast<void*>(&meshla_eigvalsh)}};
+  return {
+      {"meshla_cholesky_solve", reinterpret_cast<void*>(&meshla_cholesky_solve)},
+      {"meshla_lu_solve", reinterpret_cast<void*>(&meshla_lu_solve)},
+      {"meshla_cholesky_inverse", reinterpret_cast<void*>(&meshla_cholesky_inverse)},
+      {"meshla_eigh", reinterpret_cast<void*>(&meshla_eigh)},
+      {"meshla_eigvalsh", reinterpret_cast<void*>(&meshla_eigvalsh)},
+      {"meshla_process_cholesky_solve", reinterpret_cast<void*>(&meshla_process_cholesky_solve)}};
 }
 
-void release_solvers() { solvers().clear(); }
+void register_process_solver(std::int64_t group, const Communicator& comm) {
+  process_solvers().add(group, std::make_shared<ProcessSolver>(comm), comm.device());
+}
+
+void release_solvers() {
+  solvers().clear();
+  process_solvers().clear();
+}
 
 }  // namespace meshla::jax_ffi

@@ -7,17 +7,24 @@
 // over all of them while the others wait, and every handler returns the call's status.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "meshla/communicator.hpp"
 
 namespace meshla::jax_ffi {
 
 // (target name, XLA_FFI_Handler*) for every handler, to register for the CUDA platform.
 std::vector<std::pair<std::string, void*>> targets();
 
-// Destroys the DenseSolvers the handlers created (one per GPU list); called at interpreter exit,
-// before the CUDA runtime tears down.
+// Makes the ProcessSolver (cuSOLVERMp) of `comm`'s GPU in the mesh's solver group `group`, for
+// the handler meshla_process_cholesky_solve. Collective over the communicator's ranks.
+void register_process_solver(std::int64_t group, const Communicator& comm);
+
+// Destroys the DenseSolvers (one per GPU list) and ProcessSolvers the handlers used; called at
+// interpreter exit, before the CUDA runtime tears down.
 void release_solvers();
 
 }  // namespace meshla::jax_ffi

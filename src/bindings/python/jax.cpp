@@ -45,6 +45,15 @@ void bind_jax(nb::module_& m) {
   m.def("register_jax_group", &jax_ffi::register_group, "group"_a, "comm"_a,
         "Registers `comm` as its GPU's part of meshla.jax's tensor-parallel group `group`.");
   m.def(
+      "register_jax_process_solver",
+      [](std::int64_t group, const Communicator& comm) {
+        nb::gil_scoped_release release;
+        jax_ffi::register_process_solver(group, comm);
+      },
+      "group"_a, "comm"_a,
+      "Makes `comm`'s GPU's cuSOLVERMp solver in meshla.jax's solver group `group` (collective "
+      "over the communicator's ranks).");
+  m.def(
       "release_jax",
       [] {
         nb::gil_scoped_release release;
@@ -53,8 +62,8 @@ void bind_jax(nb::module_& m) {
         jax_ffi::release_grouped();
         jax_ffi::release_matmuls();
       },
-      "Lets go of the JAX handlers' groups, plans, DenseSolvers, GroupedMatmuls and Matmuls (at "
-      "interpreter exit).");
+      "Lets go of the JAX handlers' groups, plans, DenseSolvers, ProcessSolvers, GroupedMatmuls "
+      "and Matmuls (at interpreter exit).");
   m.attr("with_jax") = true;
 #else
   m.attr("with_jax") = false;
