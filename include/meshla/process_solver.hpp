@@ -6,7 +6,9 @@
 // row-major. The same renumbering (solver/block_cyclic.hpp) makes those rows cuSOLVERMp's 1-D
 // column block-cyclic layout on a 1 x P process grid, so A moves only inside each GPU. B, n x
 // nrhs and small, is all-gathered, solved on the grid, and X broadcast back from the ranks that
-// hold its column blocks.
+// hold its column blocks. The LU solve needs A's columns, not its rows (cuSOLVERMp 0.8 solves
+// with A untransposed only): every rank sends every other the block of its rows in their columns
+// first (an all-to-all of A; two more copies of a rank's block in its workspace).
 //
 // Calls are collective and synchronous: every rank calls run() with the same problem, and it
 // returns when this rank's outputs are written. A rank that never calls leaves the others waiting
@@ -49,7 +51,7 @@ class MESHLA_API ProcessSolver {
   // Bytes of workspace this rank needs for one call of `op` on `problem`.
   std::size_t workspace_bytes(SolverOp op, const SolverProblem& problem) const;
   // This rank's part of the call: `shard` as one part of SolverShard's description, the rank's
-  // rows. kCholeskySolve only so far; other ops raise kNotImplemented. overwrite_a as in
+  // rows. kCholeskySolve and kLuSolve so far; other ops raise kNotImplemented. overwrite_a as in
   // SolverProblem. SolverResult::info and logdet are the whole matrix's, the same on every rank.
   SolverResult run(SolverOp op, const SolverProblem& problem, const SolverShard& shard);
 

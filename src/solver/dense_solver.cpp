@@ -505,8 +505,8 @@ SolverResult DenseSolver::run(SolverOp op, const SolverProblem& problem,
   for_each_part([&](int part, cudaStream_t stream) {
     const SolverShard& shard = shards[part];
     if (general_columns) {
-      solver::columns_to_solver_order(dtype, a_parts, working.data[part], ld, layout, part,
-                                      pad_diagonal, stream);
+      solver::columns_to_solver_order(dtype, a_parts, n, part * layout.rows_per_part,
+                                      working.data[part], ld, layout, part, pad_diagonal, stream);
     } else if (where == Working::kA) {
       if (!layout.renumbers()) return;
       void* panel = workspace(part, workspaces[part].panel);

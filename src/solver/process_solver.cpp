@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <vector>
 
@@ -162,8 +164,11 @@ struct ProcessSolver::Impl {
   // lock (a run on another grid of the handle may be waiting for this rank's peers).
   ~Impl() {
     if (grid == nullptr) return;
-    detail::release_on_own_thread(comm.device(), [handle = handle, state = comm.state(),
-                                                  grid = grid] { handle->lib.destroy_grid(grid); });
+    detail::release_on_own_thread(
+        comm.device(), [handle = handle, state = comm.state(), grid = grid, flag = ready_flag] {
+          handle->lib.destroy_grid(grid);
+          cudaFree(flag);
+        });
   }
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -171,6 +176,9 @@ struct ProcessSolver::Impl {
   Communicator comm;
   std::shared_ptr<Handle> handle;
   cusolverMpGrid_t grid = nullptr;
+  // Where the ranks agree that each can start a run (its own memory: a rank's workspace may be
+  // what is missing).
+  int* ready_flag = nullptr;
 
   // One call's shapes and where meshla's buffers sit in the caller's workspace. B' has square
   // tiles like A' (cuSOLVERMp wants square ones for A; B alike): its column blocks of `tile`
@@ -182,8 +190,12 @@ struct ProcessSolver::Impl {
     std::int64_t rhs_blocks = 0;      // B's column blocks
     std::int64_t my_rhs_columns = 0;  // this rank's columns of B' (NUMROC)
     bool in_place = false;            // A's own memory is the working matrix (overwrite_a)
+    bool general = false;             // the LU solve: A' from every rank's rows of A
     std::size_t working = 0;          // A' (absent in place)
     std::size_t panel = 0;            // one tile of columns, for renumbering in place
+    std::size_t outgoing = 0;         // LU: this rank's rows of A, cut by the ranks' columns
+    std::size_t incoming = 0;         // LU: every rank's rows of A in this rank's columns
+    std::size_t pivots = 0;           // LU: getrf's pivots, one per local column (int64)
     std::size_t gathered = 0;         // every rank's B rows, row-major
     std::size_t rhs = 0;              // B' = X' whole, column-major (ld x nrhs)
     std::size_t my_rhs = 0;           // this rank's column blocks of B', its local array
@@ -192,17 +204,20 @@ struct ProcessSolver::Impl {
   };
 
   Plan plan(SolverOp op, const SolverProblem& problem) const {
-    MESHLA_CHECK(kNotImplemented, op == SolverOp::kCholeskySolve,
-                 solver_op_name(op) << ": across processes only cholesky_solve runs on "
-                                       "cuSOLVERMp so far");
+    MESHLA_CHECK(kNotImplemented, op == SolverOp::kCholeskySolve || op == SolverOp::kLuSolve,
+                 solver_op_name(op) << ": across processes only cholesky_solve and lu_solve run "
+                                       "on cuSOLVERMp so far");
     const int ranks = comm.size();
     Plan p;
     p.layout = solver::check_solver_call(op, problem, ranks);
     if (problem.tile == 0) {
       // cuSolverMg's tiles (up to 2048) leave cuSOLVERMp one or two a rank; JAXMg measured its
       // cuSOLVERMp solves fastest with 1024 (issue 39). Not yet measured here.
+      // The LU solve keeps cuSolverMg's limit, so that a tile means the same to either engine.
       SolverProblem chosen = problem;
-      chosen.tile = solver::choose_tile(problem.n, ranks, kLargestTile);
+      chosen.tile = solver::choose_tile(
+          problem.n, ranks,
+          op == SolverOp::kLuSolve ? std::min(kLargestTile, solver::kLargestLuTile) : kLargestTile);
       p.layout = solver::check_solver_call(op, chosen, ranks);
     }
     p.ld = p.layout.padded_n();
@@ -210,7 +225,10 @@ struct ProcessSolver::Impl {
     for (std::int64_t block = comm.rank(); block < p.rhs_blocks; block += ranks) {
       p.my_rhs_columns += std::min(p.layout.tile, problem.nrhs - block * p.layout.tile);
     }
-    p.in_place = problem.overwrite_a;  // check_solver_call allows it only where nothing pads
+    // A's own memory is the working matrix only for the Cholesky solve (check_solver_call allows
+    // it only where nothing pads); the LU solve's columns come from every rank.
+    p.in_place = problem.overwrite_a && op == SolverOp::kCholeskySolve;
+    p.general = op == SolverOp::kLuSolve;
     const std::size_t element = dtype_size(problem.dtype);
     std::size_t offset = 0;
     auto take = [&](std::size_t bytes) {
@@ -223,9 +241,18 @@ struct ProcessSolver::Impl {
     } else {
       p.working = take(static_cast<std::size_t>(p.ld * p.layout.local_columns()) * element);
     }
+    if (p.general) {
+      const std::size_t block =
+          static_cast<std::size_t>(p.layout.rows_per_part * p.layout.rows_per_part) * element;
+      p.outgoing = take(ranks * block);
+      p.incoming = take(ranks * block);
+      p.pivots = take(static_cast<std::size_t>(p.layout.local_columns()) * sizeof(std::int64_t));
+    }
     p.gathered = take(static_cast<std::size_t>(p.layout.n * problem.nrhs) * element);
     p.rhs = take(static_cast<std::size_t>(p.ld * problem.nrhs) * element);
-    p.my_rhs = take(static_cast<std::size_t>(p.ld * p.my_rhs_columns) * element);
+    // At least a column, so that a rank holding none of B' still names memory of its own.
+    p.my_rhs = take(static_cast<std::size_t>(p.ld * std::max<std::int64_t>(p.my_rhs_columns, 1)) *
+                    element);
     p.scalars = take(sizeof(Scalars));
     p.total = offset;
     return p;
@@ -241,6 +268,7 @@ ProcessSolver::ProcessSolver(Communicator comm) {
   self.handle = handle_on(self.comm.device());
   detail::DeviceGuard guard(self.comm.device());
   std::lock_guard<std::mutex> lock(self.handle->calls);
+  MESHLA_CHECK_CUDA(cudaMalloc(&self.ready_flag, sizeof(int)));
   MESHLA_CHECK_CUSOLVER(self.handle->lib.create_grid(self.handle->handle, &self.grid,
                                                      self.comm.state()->comm, 1, self.comm.size(),
                                                      CUSOLVERMP_GRID_MAPPING_COL_MAJOR));
@@ -275,7 +303,39 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   detail::DeviceGuard guard(device);
   std::lock_guard<std::mutex> lock(self.handle->calls);
   const Impl::Plan p = self.plan(op, problem);
-  solver::check_solver_shard(op, problem, p.layout, ranks, rank, device, shard, p.total);
+  const std::string_view name = solver_op_name(op);
+  cudaStream_t stream = self.handle->stream;
+  // Every rank's shard checked, then agreed on, before any collective: a rank whose part is
+  // wrong or missing (a workspace its caller could not allocate, say) would otherwise leave the
+  // others waiting in the first one.
+  std::optional<Error> not_ready;
+  try {
+    solver::check_solver_shard(op, problem, p.layout, ranks, rank, device, shard, p.total);
+  } catch (const Error& error) {
+    not_ready = error;
+  }
+  const int failed_here_at_start = not_ready.has_value();
+  MESHLA_CHECK_CUDA(cudaMemcpyAsync(self.ready_flag, &failed_here_at_start, sizeof(int),
+                                    cudaMemcpyHostToDevice, stream));
+  MESHLA_CHECK_NCCL(ncclAllReduce(self.ready_flag, self.ready_flag, 1, ncclInt32, ncclMax,
+                                  self.comm.state()->comm, stream));
+  int failed_at_start = 0;
+  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&failed_at_start, self.ready_flag, sizeof(int),
+                                    cudaMemcpyDeviceToHost, stream));
+  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+  if (not_ready) throw *not_ready;
+  MESHLA_CHECK_ARG(failed_at_start == 0,
+                   name << ": another rank of the group could not start the call (its error is "
+                           "raised there)");
+  // Work queued on the handle's stream may use the caller's workspace: wait for it before an
+  // error leaves, so that the caller does not free memory still in use.
+  struct SynchronizeOnError {
+    cudaStream_t stream;
+    int exceptions = std::uncaught_exceptions();
+    ~SynchronizeOnError() {
+      if (std::uncaught_exceptions() > exceptions) cudaStreamSynchronize(stream);
+    }
+  } synchronize_on_error{stream};
   const BlockCyclicLayout& layout = p.layout;
   const CusolverMpLibrary& lib = self.handle->lib;
   const DType dtype = problem.dtype;
@@ -286,16 +346,40 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   char* base = static_cast<char*>(shard.workspace.data);
 
   // The handle's stream, after the caller's (its inputs); run() returns once it is done.
-  cudaStream_t stream = self.handle->stream;
   cudaEvent_t inputs_ready = nullptr;
   MESHLA_CHECK_CUDA(cudaEventCreateWithFlags(&inputs_ready, cudaEventDisableTiming));
   MESHLA_CHECK_CUDA(cudaEventRecord(inputs_ready, shard.stream));
   MESHLA_CHECK_CUDA(cudaStreamWaitEvent(stream, inputs_ready, 0));
   MESHLA_CHECK_CUDA(cudaEventDestroy(inputs_ready));
 
-  // A's rows into the solver's order (a row shuffle inside this GPU: block_cyclic.hpp).
+  // A' into the working array. The Cholesky solve's: this rank's rows read as columns, shuffled
+  // inside this GPU (block_cyclic.hpp). The LU solve's: A's columns, which every rank's rows cut:
+  // each rank sends every other its r x r block of them, then the columns are put together.
   void* working = p.in_place ? shard.a.data : base + p.working;
-  if (!p.in_place) {
+  if (p.general) {
+    const std::int64_t r = layout.rows_per_part;
+    const std::size_t block = static_cast<std::size_t>(r * r) * element;
+    char* outgoing = base + p.outgoing;
+    char* incoming = base + p.incoming;
+    for (int peer = 0; peer < ranks; ++peer) {  // this rank's rows, the peer's columns
+      MESHLA_CHECK_CUDA(
+          cudaMemcpy2DAsync((peer == rank ? incoming : outgoing) + peer * block, r * element,
+                            static_cast<const char*>(shard.a.data) + peer * r * element,
+                            n * element, r * element, r, cudaMemcpyDeviceToDevice, stream));
+    }
+    {
+      detail::NcclGroup group;
+      for (int peer = 0; peer < ranks; ++peer) {
+        if (peer == rank) continue;
+        MESHLA_CHECK_NCCL(ncclSend(outgoing + peer * block, block, ncclInt8, peer, nccl, stream));
+        MESHLA_CHECK_NCCL(ncclRecv(incoming + peer * block, block, ncclInt8, peer, nccl, stream));
+      }
+      MESHLA_CHECK_NCCL(group.end());
+    }
+    solver::PartPointers rows;
+    for (int peer = 0; peer < ranks; ++peer) rows.data[peer] = incoming + peer * block;
+    solver::columns_to_solver_order(dtype, rows, r, 0, working, p.ld, layout, rank, 1.0, stream);
+  } else if (!p.in_place) {
     solver::rows_to_solver_order(dtype, shard.a.data, n, working, p.ld, layout, rank, 0,
                                  layout.local_columns(), 1.0, stream);
   } else if (layout.renumbers()) {
@@ -308,9 +392,9 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
     }
   }
 
-  // B' on every rank in the solver's order (conj(B) for a complex A: the rows of A read as
-  // columns are conj(A)), its padding rows and columns zero.
-  const bool conjugates = solver::is_complex(dtype);
+  // B' on every rank in the solver's order (conj(B) for a complex A in the Cholesky solve: the
+  // rows of A read as columns are conj(A)), its padding rows and columns zero.
+  const bool conjugates = solver::is_complex(dtype) && !p.general;
   char* gathered = base + p.gathered;
   char* rhs = base + p.rhs;
   const std::size_t block_bytes = static_cast<std::size_t>(layout.rows_per_part * nrhs) * element;
@@ -321,10 +405,10 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   for (int part = 0; part < ranks; ++part) blocks.data[part] = gathered + part * block_bytes;
   solver::gather_rhs(dtype, blocks, rhs, p.ld, layout, nrhs, conjugates, stream);
 
-  // Factor, then solve one right-hand side at a time (cuSOLVERMp 0.8's potrs takes one: its
-  // documentation), each column JB of B' on the rank whose block holds it. Every rank makes every
-  // call, and a call's error status is kept until every rank knows of it (below): thrown here,
-  // it would leave the other ranks waiting in the next collective.
+  // Factor, then solve one right-hand side at a time (cuSOLVERMp 0.8's potrs and getrs take one:
+  // its documentation), each column JB of B' on the rank whose block holds it. Every rank makes
+  // every call, and a call's error status is kept until every rank knows of it (below): thrown
+  // here, it would leave the other ranks waiting in the next collective.
   auto* scalars = reinterpret_cast<Scalars*>(base + p.scalars);
   MESHLA_CHECK_CUDA(cudaMemsetAsync(scalars, 0, sizeof(Scalars), stream));
   MatrixDescriptor a_desc(lib, self.grid, dtype, p.ld, p.ld, layout.tile, layout.tile, p.ld);
@@ -347,12 +431,20 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   auto keep = [&](cusolverStatus_t status) {
     if (failed_status == CUSOLVER_STATUS_SUCCESS) failed_status = status;
   };
+  cusolverMpHandle_t handle = self.handle->handle;
+  auto* pivots = reinterpret_cast<std::int64_t*>(base + p.pivots);
   std::size_t factor_device = 0, factor_host = 0, solve_device = 0, solve_host = 0;
-  keep(lib.potrf_buffer_size(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1,
-                             a_desc.get(), type, &factor_device, &factor_host));
-  keep(lib.potrs_buffer_size(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1,
-                             a_desc.get(), my_columns, 1, 1, b_desc.get(), type, &solve_device,
-                             &solve_host));
+  if (p.general) {
+    keep(lib.getrf_buffer_size(handle, p.ld, p.ld, working, 1, 1, a_desc.get(), pivots, type,
+                               &factor_device, &factor_host));
+    keep(lib.getrs_buffer_size(handle, CUBLAS_OP_N, p.ld, 1, working, 1, 1, a_desc.get(), pivots,
+                               my_columns, 1, 1, b_desc.get(), type, &solve_device, &solve_host));
+  } else {
+    keep(lib.potrf_buffer_size(handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(),
+                               type, &factor_device, &factor_host));
+    keep(lib.potrs_buffer_size(handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1, a_desc.get(),
+                               my_columns, 1, 1, b_desc.get(), type, &solve_device, &solve_host));
+  }
   const std::size_t device_bytes = std::max(factor_device, solve_device);
   StreamAllocation device_work(device_bytes, stream);
   std::vector<std::byte> factor_work(factor_host), solve_work(solve_host);
@@ -370,22 +462,32 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
   MESHLA_CHECK(
       kCusolver, failed_anywhere == 0,
-      "cholesky_solve: cuSOLVERMp's workspace could not be sized or allocated on a rank "
-      "of the group"
-          << (failed_here ? std::string(" (this one: ") +
-                                (device_work.status() != cudaSuccess
-                                     ? cudaGetErrorString(device_work.status())
-                                     : std::string(solver::cusolver_status_name(failed_status))) +
-                                ")"
-                          : std::string())
-          << " (n=" << n << ", tile=" << layout.tile << ")");
-  keep(lib.potrf(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(),
-                 type, device_work.get(), device_bytes, factor_work.data(), factor_host,
-                 &scalars->factor_info));
+      name << ": cuSOLVERMp's workspace could not be sized or allocated on a rank of the group"
+           << (failed_here ? std::string(" (this one: ") +
+                                 (device_work.status() != cudaSuccess
+                                      ? cudaGetErrorString(device_work.status())
+                                      : std::string(solver::cusolver_status_name(failed_status))) +
+                                 ")"
+                           : std::string())
+           << " (n=" << n << ", tile=" << layout.tile << ")");
+  if (p.general) {
+    keep(lib.getrf(handle, p.ld, p.ld, working, 1, 1, a_desc.get(), pivots, type, device_work.get(),
+                   device_bytes, factor_work.data(), factor_host, &scalars->factor_info));
+  } else {
+    keep(lib.potrf(handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(), type,
+                   device_work.get(), device_bytes, factor_work.data(), factor_host,
+                   &scalars->factor_info));
+  }
   for (std::int64_t column = 0; column < nrhs; ++column) {
-    keep(lib.potrs(self.handle->handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1,
-                   a_desc.get(), my_columns, 1, column + 1, b_desc.get(), type, device_work.get(),
-                   device_bytes, solve_work.data(), solve_host, &scalars->solve_info));
+    if (p.general) {
+      keep(lib.getrs(handle, CUBLAS_OP_N, p.ld, 1, working, 1, 1, a_desc.get(), pivots, my_columns,
+                     1, column + 1, b_desc.get(), type, device_work.get(), device_bytes,
+                     solve_work.data(), solve_host, &scalars->solve_info));
+    } else {
+      keep(lib.potrs(handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1, a_desc.get(),
+                     my_columns, 1, column + 1, b_desc.get(), type, device_work.get(), device_bytes,
+                     solve_work.data(), solve_host, &scalars->solve_info));
+    }
   }
   // X' whole on every rank: each solved column block from its owner.
   {
@@ -417,26 +519,29 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
   MESHLA_CHECK(
       kCusolver, agreed.failed_call == 0,
-      "cholesky_solve: a cuSOLVERMp call failed on a rank of the group"
-          << (failed_call ? std::string(" (this one: ") +
-                                std::string(solver::cusolver_status_name(failed_status)) + ")"
-                          : std::string())
-          << " (n=" << n << ", tile=" << layout.tile << ")");
+      name << ": a cuSOLVERMp call failed on a rank of the group"
+           << (failed_call ? std::string(" (this one: ") +
+                                 std::string(solver::cusolver_status_name(failed_status)) + ")"
+                           : std::string())
+           << " (n=" << n << ", tile=" << layout.tile << ")");
   MESHLA_CHECK(kCusolver, agreed.factor_info_min >= 0 && agreed.solve_info_min >= 0,
-               "cholesky_solve: cuSOLVERMp reports parameter "
-                   << -std::min(agreed.factor_info_min, agreed.solve_info_min)
-                   << " as wrong (n=" << n << ", tile=" << layout.tile << ")");
+               name << ": cuSOLVERMp reports parameter "
+                    << -std::min(agreed.factor_info_min, agreed.solve_info_min)
+                    << " as wrong (n=" << n << ", tile=" << layout.tile << ")");
   SolverResult result;
   result.info = agreed.factor_info;
   const bool failed = result.info > 0;
 
-  // Outputs: this rank's rows of X, log det A = Σ log L_jj² over every rank's diagonal.
+  // Outputs: this rank's rows of X; the Cholesky solve's log det A = Σ log L_jj² over every
+  // rank's diagonal.
   if (failed) {
     solver::fill_nan(dtype, shard.out.data, shard.out.numel(), stream);
     result.logdet = std::nan("");
   } else {
     solver::scatter_solution(dtype, rhs, p.ld, shard.out.data, layout, rank, nrhs, conjugates,
                              stream);
+  }
+  if (!failed && !p.general) {
     solver::sum_log_diagonal(dtype, working, p.ld, layout, rank, &scalars->log_sum, stream);
     MESHLA_CHECK_NCCL(
         ncclAllReduce(&scalars->log_sum, &scalars->log_sum, 1, ncclFloat64, ncclSum, nccl, stream));
@@ -450,7 +555,7 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
     MESHLA_CHECK_CUDA(cudaMemcpyAsync(shard.info.data, &result.info, sizeof(int),
                                       cudaMemcpyHostToDevice, stream));
   }
-  if (shard.logdet.data != nullptr) {
+  if (shard.logdet.data != nullptr && !p.general) {
     const float logdet32 = static_cast<float>(result.logdet);
     const bool wide = shard.logdet.dtype == DType::kFloat64;
     MESHLA_CHECK_CUDA(cudaMemcpyAsync(

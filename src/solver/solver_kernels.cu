@@ -186,7 +186,8 @@ __global__ void scatter_solution_kernel(const T* src, Index ld, T* x, BlockCycli
 // block of the part that holds original row r. Loaded along the local columns (contiguous in
 // that row), stored along r (contiguous in the working column).
 template <typename T>
-__global__ void columns_to_solver_order_kernel(PartPointers shards, T* dst, Index ld,
+__global__ void columns_to_solver_order_kernel(PartPointers shards, Index shard_ld,
+                                               Index shard_column0, T* dst, Index ld,
                                                BlockCyclicLayout layout, Index part,
                                                T pad_diagonal) {
   __shared__ T tile[kTile][kTile + 1];
@@ -203,8 +204,8 @@ __global__ void columns_to_solver_order_kernel(PartPointers shards, T* dst, Inde
       if (original_row >= 0 && local < layout.rows_per_part) {
         const Index owner = original_row / layout.rows_per_part;
         const T* row = static_cast<const T*>(shards.data[owner]) +
-                       (original_row - owner * layout.rows_per_part) * layout.n;
-        value = row[part * layout.rows_per_part + local];
+                       (original_row - owner * layout.rows_per_part) * shard_ld;
+        value = row[shard_column0 + local];
       }
       tile[j][threadIdx.x] = value;
     }
@@ -355,7 +356,8 @@ void rows_to_solver_order(DType dtype, const void* src, Index src_ld, void* dst,
   MESHLA_CHECK_CUDA(cudaGetLastError());
 }
 
-void columns_to_solver_order(DType dtype, const PartPointers& shards, void* dst, Index ld,
+void columns_to_solver_order(DType dtype, const PartPointers& shards, Index shard_ld,
+                             Index shard_column0, void* dst, Index ld,
                              const BlockCyclicLayout& layout, Index part, double pad_diagonal,
                              cudaStream_t stream) {
   const Index row_tiles = (layout.padded_n() + kTile - 1) / kTile;
@@ -367,7 +369,8 @@ void columns_to_solver_order(DType dtype, const PartPointers& shards, void* dst,
     using T = decltype(type);
     columns_to_solver_order_kernel<T>
         <<<dim3(static_cast<unsigned>(row_tiles), static_cast<unsigned>(column_tiles)),
-           dim3(kTile, kTileRows), 0, stream>>>(shards, static_cast<T*>(dst), ld, layout, part,
+           dim3(kTile, kTileRows), 0, stream>>>(shards, shard_ld, shard_column0,
+                                                static_cast<T*>(dst), ld, layout, part,
                                                 Element<T>::of_real(pad_diagonal));
   });
   MESHLA_CHECK_CUDA(cudaGetLastError());

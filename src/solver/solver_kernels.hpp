@@ -32,10 +32,15 @@ void rows_to_solver_order(DType dtype, const void* src, std::int64_t src_ld, voi
                           cudaStream_t stream);
 
 // `part`'s local columns of a general A' = Π A Πᵀ in the working array (dst[c*ld + r'] =
-// A'[r', solver column of c]), read from every part's row block of A ([rows_per_part, n]
-// row-major, peers' memory read directly): the transpose of what rows_to_solver_order makes of
-// a row block, which is the same only for a symmetric A. Padding as rows_to_solver_order's.
-void columns_to_solver_order(DType dtype, const PartPointers& shards, void* dst, std::int64_t ld,
+// A'[r', solver column of c]), read from every part's rows of A that meet `part`'s columns:
+// shards.data[q] holds part q's rows, row i's element for `part`'s local column c at
+// shards.data[q][i * shard_ld + shard_column0 + c] (the whole row blocks, [rows_per_part, n]
+// row-major, peers' memory read directly: shard_ld = n, shard_column0 = part * rows_per_part;
+// or blocks received from the other processes, [rows_per_part, rows_per_part]: rows_per_part,
+// 0). The transpose of what rows_to_solver_order makes of a row block, which is the same only
+// for a symmetric A. Padding as rows_to_solver_order's.
+void columns_to_solver_order(DType dtype, const PartPointers& shards, std::int64_t shard_ld,
+                             std::int64_t shard_column0, void* dst, std::int64_t ld,
                              const BlockCyclicLayout& layout, std::int64_t part,
                              double pad_diagonal, cudaStream_t stream);
 

@@ -1,6 +1,6 @@
 """GPU checks of meshla.jax.linalg with one process per GPU under jax.distributed (the script
 launches them), one JSON line per check and process: every routine on a mesh whose devices span
-processes (cho_solve and log det, also on cuSOLVERMp with engine="cusolvermp", lu_solve,
+processes (cho_solve and log det and lu_solve, also on cuSOLVERMp with engine="cusolvermp",
 cholesky_inverse, eigh, and the QR family on a tall and on a square A), in float32, float64,
 complex64 and complex128, against numpy in float64 on every process, from inputs every process
 draws alike; a non-positive-definite and a singular matrix give NaN and info > 0.
@@ -94,10 +94,11 @@ class Checks:
             return int(info) == 0 and residual < tol and logdet_error < tol * n, (
                 f"residual {residual:.2e}, log det error {logdet_error:.2e} (tol {tol:.1e})")
 
-        def lu_solve():
+        def lu_solve(engine="auto", tile=0):
             general = random_general(n, dtype, self.rng)
             x, info = (fetch(v) for v in jax.jit(lambda a, b: linalg.lu_solve(
-                a, b, mesh, return_info=True))(self.rows(general), self.rows(b)))
+                a, b, mesh, tile=tile, return_info=True, engine=engine))(
+                    self.rows(general), self.rows(b)))
             g64 = general.astype(np.complex128)
             residual = relative(g64 @ x - b64, np.linalg.norm(g64, 2) * np.linalg.norm(x))
             return int(info) == 0 and residual < tol, f"residual {residual:.2e}"
@@ -168,6 +169,9 @@ class Checks:
                      lambda: cho_solve("cusolvermp"))
             self.run(f"{label} cho_solve and log det, engine=cusolvermp, tile=48",
                      lambda: cho_solve("cusolvermp", 48))
+            self.run(f"{label} lu_solve, engine=cusolvermp", lambda: lu_solve("cusolvermp"))
+            self.run(f"{label} lu_solve, engine=cusolvermp, tile=48",
+                     lambda: lu_solve("cusolvermp", 48))
         self.run(f"{label} lu_solve", lu_solve)
         self.run(f"{label} cholesky_inverse and eigh", inverse_and_eigh)
         self.run(f"{label} not positive definite, singular: NaN and info > 0", failures)

@@ -15,7 +15,8 @@ poisoned before the call in the memory the solver's outputs reuse.
 
 cho_solve_shard also runs with engine="cusolvermp" (cuSOLVERMp over the ranks' GPUs, the
 nvidia-cusolvermp-cu13 0.8 wheel installed beside meshla; without it those checks fail with the
-reason): padded and unpadded tiles, overwrite_a, and a non-positive-definite matrix.
+reason): padded and unpadded tiles, overwrite_a, and a non-positive-definite matrix; so does
+lu_solve_shard (padded and unpadded tiles).
 
 With --own-gpu each rank sees only its own GPU (a CUDA_VISIBLE_DEVICES of its own, as some
 launchers set it): the first rank cannot reach the others' GPUs, and every rank solves the
@@ -199,7 +200,24 @@ def main():
                                f"logdet error {logdet_error:.2e}")
             return ok, "; ".join(details) + f" (tol {tol:.1e})"
 
+        def lu_on_cusolvermp():
+            # A's columns sent between the ranks first; a tile that pads n/P too.
+            general = random_general(n, dtype, np.random.default_rng(seed[0] + 200 + case))
+            g64 = general.astype(np.complex128 if np.iscomplexobj(general) else np.float64)
+            block = torch.from_numpy(general[rows]).to(device)
+            details, ok = [], True
+            for tile in (0, 120):
+                poison_cache(n // size, 3, torch_dtype, device)
+                solved = torch_linalg.lu_solve_shard(block, b_block, tile=tile,
+                                                     engine="cusolvermp")
+                x = gathered(solved.x)
+                residual = np.linalg.norm(g64 @ x - b) / (np.linalg.norm(g64) * np.linalg.norm(x))
+                ok = ok and solved.info == 0 and residual < tol
+                details.append(f"tile={tile}: residual {residual:.2e}")
+            return ok, "; ".join(details) + f" (tol {tol:.1e})"
+
         for routine, fn in (("cho_solve_shard", solve),
+                            ("lu_solve_shard engine=cusolvermp", lu_on_cusolvermp),
                             ("cho_solve_shard engine=cusolvermp", solve_on_cusolvermp),
                             ("cholesky_inverse_shard", inverse),
                             ("eigh_shard", eigen), ("lu_solve_shard", lu),

@@ -131,6 +131,10 @@ def test_jax_argument_errors(mesh):
                                          "the mesh has cpu devices"):
         linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((16, 1)), mesh), mesh,
                          engine="cusolvermp")
+    with pytest.raises(ValueError, match="lu_solve: engine='cusolvermp' runs on GPU devices; "
+                                         "the mesh has cpu devices"):
+        linalg.lu_solve(put(np.eye(16), mesh), put(np.ones((16, 1)), mesh), mesh,
+                        engine="cusolvermp")
 
 
 def general(n, dtype, seed):
@@ -662,9 +666,11 @@ def _shard_forms(rank, size, results):
             except ValueError as error:
                 routine_errors.append(str(error))
         engine_errors = []
-        for engines in (("cusolvermp", "cusolvermp"), ("auto", "cusolvermp")):
+        for routine, engines in ((torch_linalg.cho_solve_shard, ("cusolvermp", "cusolvermp")),
+                                 (torch_linalg.cho_solve_shard, ("auto", "cusolvermp")),
+                                 (torch_linalg.lu_solve_shard, ("cusolvermp", "cusolvermp"))):
             try:  # cuSOLVERMp on CPU blocks, ranks asking for different engines: on every rank
-                torch_linalg.cho_solve_shard(a[rows], b[rows], engine=engines[rank])
+                routine(a[rows], b[rows], engine=engines[rank])
                 engine_errors.append(None)
             except ValueError as error:
                 engine_errors.append(str(error))
@@ -719,6 +725,8 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
     assert all("rank 1 of the group called cho_solve_shard (cholesky_solve, engine='cusolvermp') "
                "where rank 0 called cho_solve_shard (cholesky_solve)" in results[r][26][1]
                for r in range(size))
+    assert all("lu_solve_shard: engine='cusolvermp' runs on CUDA tensors; a is on cpu (rank 0 "
+               "of the group)" in results[r][26][2] for r in range(size))
     square = torch.from_numpy(tall(n, n, np.float64, 29))
     check_qr(square.numpy(), torch.cat([results[r][18] for r in range(size)]).numpy(),
              results[0][19].numpy(), 1e-13)

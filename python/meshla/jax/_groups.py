@@ -66,14 +66,10 @@ def _make_group(number: int, devices: np.ndarray, mesh_key: str, timeout_s: floa
     local = [d for d in devices if d.process_index == here]
     if not local:
         return
-    if kind == "solver":
-        if len(local) > 1:
-            raise ValueError(
-                f"meshla.jax: engine='cusolvermp' runs one GPU in each process; the group of "
-                f"devices {[int(d.id) for d in devices]} has {len(local)} in this one")
+    if kind == "solver":  # one GPU in each process (the callers check it from the mesh)
         rank = list(devices).index(local[0])
-        unique_id = _shared_unique_id(f"{mesh_key}/{[int(d.id) for d in devices]}", rank,
-                                      timeout_s)
+        unique_id = (_meshla.unique_id() if len(devices) == 1 else _shared_unique_id(
+            f"{mesh_key}/{[int(d.id) for d in devices]}", rank, timeout_s))
         _meshla.register_jax_process_solver(number, _meshla.Communicator(
             unique_id, rank, len(devices), local[0].local_hardware_id, timeout_s))
         return

@@ -244,18 +244,42 @@ def _reference_cholesky(a_full: jax.Array) -> tuple[jax.Array, jax.Array]:
 _ENGINES = ("auto", "cusolvermp")
 
 
-def _check_engine(name: str, engine: str, mesh: Mesh, overwrite_a: bool = False) -> None:
-    """Trace-time checks of ``engine`` in the words of meshla.torch's (the one-GPU-a-process
-    rule is checked where the solvers are made: meshla.jax._groups)."""
+def _check_engine(name: str, engine: str, mesh: Mesh, axis: str,
+                  overwrite_a: bool = False) -> None:
+    """Trace-time checks of ``engine``, in meshla.torch's words, from what every process sees
+    alike (the whole mesh), so that all raise or none does before the solvers are made."""
     if engine not in _ENGINES:
         raise ValueError(f"{name}: engine={engine!r}; expected one of {_ENGINES}")
     if engine == "cusolvermp":
         if any(d.platform != "gpu" for d in mesh.devices.flat):
             raise ValueError(f"{name}: engine='cusolvermp' runs on GPU devices; the mesh has "
                              f"{mesh.devices.flat[0].platform} devices")
+        why = _meshla.ProcessSolver.unavailable_reason()
+        if why:
+            raise ValueError(f"{name}: engine='cusolvermp' cannot run: {why}")
+        for devices in axis_groups(mesh, axis):
+            processes = [d.process_index for d in devices]
+            if len(set(processes)) != len(processes):
+                raise ValueError(
+                    f"{name}: engine='cusolvermp' runs one GPU in each process; the devices "
+                    f"{[int(d.id) for d in devices]} of axis {axis!r} are in processes "
+                    f"{processes}")
         if overwrite_a:
             raise NotImplementedError(f"{name}: overwrite_a with engine='cusolvermp' is not "
                                       "supported in meshla.jax yet")
+
+
+def _on_process_solvers(target: str, op, a_block, b_block, mesh: Mesh, axis: str, tile: int,
+                        timeout_s: float, scalars: tuple) -> tuple:
+    """A right-hand-side solve on cuSOLVERMp (engine="cusolvermp"): X, then ``scalars`` (the
+    handler's other outputs). The call is checked as the other engine's (its tile is the
+    engine's own where 0); the group's solvers are made on the first trace (_groups)."""
+    _layout(op, a_block, mesh, axis, tile, nrhs=b_block.shape[1])
+    register_targets()
+    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(b_block.shape, b_block.dtype),
+                                     *scalars))
+    return call(a_block, b_block, group=np.int64(group_number(mesh, axis, timeout_s, "solver")),
+                tile=np.int64(tile))
 
 
 def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
@@ -283,25 +307,20 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
     (jax.distributed, one host or several; nvidia-cusolvermp-cu13 0.8 installed beside meshla):
     A stays in each GPU. Its solvers are made when the call is first traced, collectively over
     the processes (the NCCL id through jax.distributed's key-value store, within ``timeout_s``).
-    ``ValueError`` for other devices or a process holding several of a group's GPUs. Not yet
-    run on a GPU nor measured (issue 39)."""
+    ``ValueError`` at trace time for other devices, a process holding several of a group's GPUs
+    or cuSOLVERMp missing. Its waits inside the call are NCCL's: a process that never runs it
+    leaves the others waiting (``timeout_s`` bounds only the solvers' making). Not yet run on a
+    GPU nor measured (issue 39)."""
     axis = _axis_of(mesh, axis)
-    _check_engine("cho_solve", engine, mesh)
+    _check_engine("cho_solve", engine, mesh, axis)
     _check_matrix(a_block, "cho_solve")
     rows, n = a_block.shape
     _check_rhs_block("cho_solve", a_block, b_block)
     if engine == "cusolvermp":
-        # The engine's tile is its own (cuSolverMg's layout rules are checked in its run).
-        _layout(_meshla.SolverOp.cholesky_solve, a_block, mesh, axis, tile, nrhs=b_block.shape[1])
-        register_targets()
-        call = jax.ffi.ffi_call(
-            "meshla_process_cholesky_solve",
-            (jax.ShapeDtypeStruct(b_block.shape, b_block.dtype),
-             jax.ShapeDtypeStruct((), _real_dtype(a_block.dtype)),
-             jax.ShapeDtypeStruct((), jnp.int32)))
-        x, logdet, info = call(a_block, b_block,
-                               group=np.int64(group_number(mesh, axis, timeout_s, "solver")),
-                               tile=np.int64(tile))
+        x, logdet, info = _on_process_solvers(
+            "meshla_process_cholesky_solve", _meshla.SolverOp.cholesky_solve, a_block, b_block,
+            mesh, axis, tile, timeout_s, (jax.ShapeDtypeStruct((), _real_dtype(a_block.dtype)),
+                                          jax.ShapeDtypeStruct((), jnp.int32)))
         return CholeskySolve(x, logdet, info, a_block)
     tile, padded = _layout(_meshla.SolverOp.cholesky_solve, a_block, mesh, axis, tile,
                            nrhs=b_block.shape[1])
@@ -328,7 +347,7 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
 
 
 def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, tile: int = 0,
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> LuSolve:
+                   timeout_s: float = DEFAULT_TIMEOUT_S, engine: str = "auto") -> LuSolve:
     """Inside ``shard_map``: this device's rows of a general A ([n/P, n]) and of B ([n/P, nrhs])
     give its rows of X = A⁻¹ B (LU with partial pivoting) and info.
 
@@ -338,11 +357,19 @@ def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, til
     does, and ``ValueError`` for a ``tile`` above 512 on several devices (cuSolverMg's getrf's
     largest); a singular A raises nothing (NaN rows, info > 0). On several GPUs the solver works in
     scratch of its own (the matrix's columns gathered from every GPU); on one it works in A's
-    buffer (``overwritten_a``) unless it pads."""
+    buffer (``overwritten_a``) unless it pads. ``engine`` as in :func:`cho_solve_shard`; with
+    "cusolvermp" every process first sends every other the block of its rows in their columns
+    (cuSOLVERMp factors A's columns)."""
     axis = _axis_of(mesh, axis)
+    _check_engine("lu_solve", engine, mesh, axis)
     _check_matrix(a_block, "lu_solve")
     rows, n = a_block.shape
     _check_rhs_block("lu_solve", a_block, b_block)
+    if engine == "cusolvermp":
+        x, info = _on_process_solvers(
+            "meshla_process_lu_solve", _meshla.SolverOp.lu_solve, a_block, b_block, mesh, axis,
+            tile, timeout_s, (jax.ShapeDtypeStruct((), jnp.int32),))
+        return LuSolve(x, info, a_block)
     tile, padded = _layout(_meshla.SolverOp.lu_solve, a_block, mesh, axis, tile,
                            nrhs=b_block.shape[1])
     if not _cusolvermg_runs(mesh):
@@ -657,7 +684,7 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     ``engine`` as in :func:`cho_solve_shard`; ``overwrite_a`` with ``engine="cusolvermp"``
     raises ``NotImplementedError``."""
     axis = _axis_of(mesh, axis)
-    _check_engine("cho_solve", engine, mesh, overwrite_a)
+    _check_engine("cho_solve", engine, mesh, axis, overwrite_a)
     if a.ndim != 2:
         raise ValueError(f"cho_solve: a has shape {a.shape}; expected [n, n]")
     _check_rhs_block("cho_solve", a, b, vector_ok=True)
@@ -679,7 +706,7 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
 
 def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
              return_info: bool = False, overwrite_a: bool = False,
-             timeout_s: float = DEFAULT_TIMEOUT_S):
+             timeout_s: float = DEFAULT_TIMEOUT_S, engine: str = "auto"):
     """X = A⁻¹ B for a general A (LU with partial pivoting, as ``jnp.linalg.solve``) sharded by
     rows over ``axis`` of ``mesh``; B is [n] or [n, nrhs] (nrhs <= 256) sharded the same way.
     Returns X (sharded like B), or the tuple (X, then info with ``return_info``, the worked-in
@@ -694,8 +721,9 @@ def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     Raises ``ValueError`` at trace time for an ``a`` that is not 2-D and the checks of
     :func:`lu_solve_shard`; ``NotImplementedError`` for ``overwrite_a`` on several GPUs or a
     meshla built without XLA's FFI headers;
-    ``jax.errors.JaxRuntimeError`` from the custom call."""
+    ``jax.errors.JaxRuntimeError`` from the custom call. ``engine`` as in :func:`cho_solve`."""
     axis = _axis_of(mesh, axis)
+    _check_engine("lu_solve", engine, mesh, axis, overwrite_a)
     if a.ndim != 2:
         raise ValueError(f"lu_solve: a has shape {a.shape}; expected [n, n]")
     _check_rhs_block("lu_solve", a, b, vector_ok=True)
@@ -704,7 +732,7 @@ def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
                         nrhs=1 if vector else b.shape[-1], overwrite_a=overwrite_a)
     in_scratch = padded or mesh.shape[axis] > 1  # the placeholder lu_solve_shard returns
     solve = functools.partial(lu_solve_shard, mesh=mesh, axis=axis, tile=tile,
-                              timeout_s=timeout_s)
+                              timeout_s=timeout_s, engine=engine)
     x, info, working = _sharded(
         lambda a_block, b_block: tuple(solve(a_block, b_block)), mesh,
         (P(axis, None), P(axis, None)),

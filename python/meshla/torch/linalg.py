@@ -794,6 +794,16 @@ def _solve_by_processes(name, op, a, b, group, tile, overwrite_a):
     return x, info, logdet
 
 
+def _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a, check_errors, what):
+    """A right-hand-side solve with engine="cusolvermp", agreed on first (_agreed_call):
+    (X block, info, logdet), raising where A failed unless ``check_errors=False``."""
+    _agreed_call(name, op, group, a, b, tile, overwrite_a,
+                 _engine_misfit(name, "cusolvermp", a), "cusolvermp")
+    x, info, logdet = _solve_by_processes(name, op, a, b, group, tile, overwrite_a)
+    _raise_if_failed(name, info, check_errors, what)
+    return x, info, logdet
+
+
 def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 0,
                     overwrite_a: bool = False, check_errors: bool = True,
                     engine: str = "auto") -> CholeskySolve:
@@ -820,15 +830,15 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     each rank's GPU, B and X travel whole through the group's communicator (one of meshla's,
     made on the first such call over ``group``, collectively). CUDA tensors only; a
     ``ValueError`` on every rank where any rank lacks cuSOLVERMp or passes CPU blocks, or where
-    ranks ask for different engines. Not yet measured against "auto" (issue 39)."""
+    ranks ask for different engines. Inside the solve the waits are NCCL's: a rank that dies
+    there leaves the others waiting. Not yet run on a GPU nor measured against "auto" (issue
+    39)."""
     op = _meshla.SolverOp.cholesky_solve
     name = "cho_solve_shard"
     group = group if group is not None else dist.group.WORLD
     if engine == "cusolvermp":
-        _agreed_call(name, op, group, a, b, tile, overwrite_a,
-                     _engine_misfit(name, engine, a), engine)
-        x, info, logdet = _solve_by_processes(name, op, a, b, group, tile, overwrite_a)
-        _raise_if_failed(name, info, check_errors, "a is not positive definite")
+        x, info, logdet = _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a,
+                                                check_errors, "a is not positive definite")
         return CholeskySolve(x, logdet, info)
     whole = _solved_whole(name, op, group, a, b, tile, overwrite_a,
                           _engine_misfit(name, engine, a))
@@ -842,14 +852,24 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
 
 
 def lu_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 0,
-                   overwrite_a: bool = False, check_errors: bool = True) -> LuSolve:
+                   overwrite_a: bool = False, check_errors: bool = True,
+                   engine: str = "auto") -> LuSolve:
     """:func:`lu_solve` with one process per GPU, as :func:`cho_solve_shard` runs
     :func:`cho_solve`: ``a`` and ``b`` are this rank's row blocks; returns a :class:`LuSolve`
     whose ``x`` is this rank's row block of X. Raises as :func:`cho_solve_shard` does, and
     ``torch.linalg.LinAlgError`` on every rank where A is singular unless
-    ``check_errors=False``."""
+    ``check_errors=False``. ``engine`` as in :func:`cho_solve_shard`: with "cusolvermp" every
+    rank first sends every other the block of its rows in their columns (cuSOLVERMp factors A's
+    columns), two more copies of a rank's block in memory."""
     op = _meshla.SolverOp.lu_solve
-    whole = _solved_whole("lu_solve_shard", op, group, a, b, tile, overwrite_a)
+    name = "lu_solve_shard"
+    group = group if group is not None else dist.group.WORLD
+    if engine == "cusolvermp":
+        x, info, _ = _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a, check_errors,
+                                           "a is singular")
+        return LuSolve(x, info)
+    whole = _solved_whole(name, op, group, a, b, tile, overwrite_a,
+                          _engine_misfit(name, engine, a))
     if whole is not None:
         result = lu_solve([whole[0]], [whole[1]], check_errors=check_errors)
         return LuSolve(_own_rows(group, result.x[0]), result.info)

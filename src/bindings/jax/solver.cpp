@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -151,21 +152,48 @@ SolverShard shard_on(cudaStream_t stream, int ordinal, const ffi::AnyBuffer& a,
   return shard;
 }
 
-// A Cholesky solve's shard and problem (either engine); overwrite_a as the caller decides.
-std::pair<SolverShard, SolverProblem> cholesky_solve_call(
-    cudaStream_t stream, int ordinal, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-    ffi::Result<ffi::AnyBuffer>& x, ffi::Result<ffi::AnyBuffer>& logdet,
-    ffi::Result<ffi::Buffer<ffi::S32>>& info, std::int64_t tile, bool overwrite_a) {
+// A right-hand-side solve's shard (A, B, X, info) and problem, for either engine; the Cholesky
+// solve adds log det A's output.
+std::pair<SolverShard, SolverProblem> rhs_solve_call(cudaStream_t stream, int ordinal,
+                                                     const ffi::AnyBuffer& a,
+                                                     const ffi::AnyBuffer& b,
+                                                     ffi::Result<ffi::AnyBuffer>& x,
+                                                     ffi::Result<ffi::Buffer<ffi::S32>>& info,
+                                                     std::int64_t tile, bool overwrite_a) {
   SolverShard shard = shard_on(stream, ordinal, a, info);
   shard.b = view_of(b, ordinal, "b");
   shard.out = view_of(*x, ordinal, "x");
-  shard.logdet = view_of(*logdet, ordinal, "logdet");
   const SolverProblem problem{.n = a.dimensions().back(),
                               .dtype = shard.a.dtype,
                               .nrhs = b.dimensions().back(),
                               .tile = tile,
                               .overwrite_a = overwrite_a};
   return {shard, problem};
+}
+
+// This process's rank of a call on cuSOLVERMp (engine="cusolvermp"): its group's ProcessSolver
+// on this GPU, its workspace from XLA. No rendezvous: one GPU a process, and the solver's own
+// collectives are the meeting.
+void run_on_process_solver(SolverOp op, std::int64_t group, int ordinal,
+                           ffi::ScratchAllocator& scratch, SolverShard shard,
+                           const SolverProblem& problem) {
+  const std::shared_ptr<ProcessSolver> solver = process_solvers().find(group, ordinal);
+  // A workspace XLA could not give still goes into the run, which the ranks start only once
+  // every one of them can (without it the others would wait in the first collective); this
+  // rank then raises the allocation's error.
+  std::optional<Error> allocation;
+  try {
+    shard.workspace = workspace_from(scratch, solver->workspace_bytes(op, problem), ordinal,
+                                     solver_op_name(op).data());
+  } catch (const Error& error) {
+    allocation = error;
+  }
+  try {
+    solver->run(op, problem, shard);
+  } catch (const Error&) {
+    if (allocation) throw *allocation;
+    throw;
+  }
 }
 
 // `working` is the output XLA aliases to `a` when the caller lets the solver work in A's buffer
@@ -184,28 +212,33 @@ ffi::Error cholesky_solve(cudaStream_t stream, std::int32_t ordinal, ffi::Scratc
                           ffi::Span<const std::int64_t> devices, std::int64_t group_size,
                           std::int64_t tile, double timeout_s) {
   return guarded([&] {
-    const auto [shard, problem] =
-        cholesky_solve_call(stream, ordinal, a, b, x, logdet, info, tile, works_in_a(a, *working));
+    auto [shard, problem] =
+        rhs_solve_call(stream, ordinal, a, b, x, info, tile, works_in_a(a, *working));
+    shard.logdet = view_of(*logdet, ordinal, "logdet");
     participate(SolverOp::kCholeskySolve, problem, shard, ordinal, scratch, run_id.run_id, devices,
                 group_size, timeout_s);
   });
 }
 
-// The Cholesky solve on cuSOLVERMp, this process's GPU's part (engine="cusolvermp"): every
-// process's handler runs its rank of the collective call; no rendezvous (one GPU a process).
 ffi::Error process_cholesky_solve(cudaStream_t stream, std::int32_t ordinal,
                                   ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                   ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::AnyBuffer> logdet,
                                   ffi::Result<ffi::Buffer<ffi::S32>> info, std::int64_t group,
                                   std::int64_t tile) {
   return guarded([&] {
-    auto [shard, problem] =
-        cholesky_solve_call(stream, ordinal, a, b, x, logdet, info, tile, /*overwrite_a=*/false);
-    const std::shared_ptr<ProcessSolver> solver = process_solvers().find(group, ordinal);
-    shard.workspace =
-        workspace_from(scratch, solver->workspace_bytes(SolverOp::kCholeskySolve, problem), ordinal,
-                       "cholesky_solve");
-    solver->run(SolverOp::kCholeskySolve, problem, shard);
+    auto [shard, problem] = rhs_solve_call(stream, ordinal, a, b, x, info, tile, false);
+    shard.logdet = view_of(*logdet, ordinal, "logdet");
+    run_on_process_solver(SolverOp::kCholeskySolve, group, ordinal, scratch, shard, problem);
+  });
+}
+
+ffi::Error process_lu_solve(cudaStream_t stream, std::int32_t ordinal,
+                            ffi::ScratchAllocator scratch, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                            ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::Buffer<ffi::S32>> info,
+                            std::int64_t group, std::int64_t tile) {
+  return guarded([&] {
+    const auto [shard, problem] = rhs_solve_call(stream, ordinal, a, b, x, info, tile, false);
+    run_on_process_solver(SolverOp::kLuSolve, group, ordinal, scratch, shard, problem);
   });
 }
 
@@ -215,14 +248,8 @@ ffi::Error lu_solve(cudaStream_t stream, std::int32_t ordinal, ffi::ScratchAlloc
                     ffi::Result<ffi::AnyBuffer> working, ffi::Span<const std::int64_t> devices,
                     std::int64_t group_size, std::int64_t tile, double timeout_s) {
   return guarded([&] {
-    SolverShard shard = shard_on(stream, ordinal, a, info);
-    shard.b = view_of(b, ordinal, "b");
-    shard.out = view_of(*x, ordinal, "x");
-    const SolverProblem problem{.n = a.dimensions().back(),
-                                .dtype = shard.a.dtype,
-                                .nrhs = b.dimensions().back(),
-                                .tile = tile,
-                                .overwrite_a = works_in_a(a, *working)};
+    const auto [shard, problem] =
+        rhs_solve_call(stream, ordinal, a, b, x, info, tile, works_in_a(a, *working));
     participate(SolverOp::kLuSolve, problem, shard, ordinal, scratch, run_id.run_id, devices,
                 group_size, timeout_s);
   });
@@ -333,18 +360,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_eigvalsh, eigvalsh,
                                                            .Ret<ffi::Buffer<ffi::S32>>()
                                                            .Ret<ffi::AnyBuffer>()));
 
+// The engine="cusolvermp" handlers: the caller's stream, its GPU and XLA's allocator, then A and
+// B, then the outputs, then the solver group and the tile (0: the engine's choice).
+#define MESHLA_PROCESS_SOLVER(outputs)                           \
+  ffi::Ffi::Bind()                                               \
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()                  \
+      .Ctx<ffi::DeviceOrdinal>()                                 \
+      .Ctx<ffi::ScratchAllocator>()                              \
+      .Arg<ffi::AnyBuffer>()                                     \
+      .Arg<ffi::AnyBuffer>() outputs.Attr<std::int64_t>("group") \
+      .Attr<std::int64_t>("tile")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_process_cholesky_solve, process_cholesky_solve,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<std::int64_t>("group")
-                                  .Attr<std::int64_t>("tile"));
+                              MESHLA_PROCESS_SOLVER(.Ret<ffi::AnyBuffer>()
+                                                        .Ret<ffi::AnyBuffer>()
+                                                        .Ret<ffi::Buffer<ffi::S32>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    meshla_process_lu_solve, process_lu_solve,
+    MESHLA_PROCESS_SOLVER(.Ret<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::S32>>()));
 
 std::vector<std::pair<std::string, void*>> targets() {
   return {
@@ -353,7 +387,8 @@ std::vector<std::pair<std::string, void*>> targets() {
       {"meshla_cholesky_inverse", reinterpret_cast<void*>(&meshla_cholesky_inverse)},
       {"meshla_eigh", reinterpret_cast<void*>(&meshla_eigh)},
       {"meshla_eigvalsh", reinterpret_cast<void*>(&meshla_eigvalsh)},
-      {"meshla_process_cholesky_solve", reinterpret_cast<void*>(&meshla_process_cholesky_solve)}};
+      {"meshla_process_cholesky_solve", reinterpret_cast<void*>(&meshla_process_cholesky_solve)},
+      {"meshla_process_lu_solve", reinterpret_cast<void*>(&meshla_process_lu_solve)}};
 }
 
 void register_process_solver(std::int64_t group, const Communicator& comm) {

@@ -34,6 +34,10 @@ Loaded load() {
   resolve(handle, "cusolverMpPotrf", &l.potrf, &why);
   resolve(handle, "cusolverMpPotrs_bufferSize", &l.potrs_buffer_size, &why);
   resolve(handle, "cusolverMpPotrs", &l.potrs, &why);
+  resolve(handle, "cusolverMpGetrf_bufferSize", &l.getrf_buffer_size, &why);
+  resolve(handle, "cusolverMpGetrf", &l.getrf, &why);
+  resolve(handle, "cusolverMpGetrs_bufferSize", &l.getrs_buffer_size, &why);
+  resolve(handle, "cusolverMpGetrs", &l.getrs, &why);
   return loaded;
 }
 

@@ -23,6 +23,10 @@ struct CusolverMpLibrary {
   decltype(&cusolverMpPotrf) potrf;
   decltype(&cusolverMpPotrs_bufferSize) potrs_buffer_size;
   decltype(&cusolverMpPotrs) potrs;
+  decltype(&cusolverMpGetrf_bufferSize) getrf_buffer_size;
+  decltype(&cusolverMpGetrf) getrf;
+  decltype(&cusolverMpGetrs_bufferSize) getrs_buffer_size;
+  decltype(&cusolverMpGetrs) getrs;
 };
 
 // The library, opened once per process (MESHLA_CUSOLVERMP_LIBRARY names the file; otherwise
