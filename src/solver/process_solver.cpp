@@ -209,26 +209,28 @@ struct ProcessSolver::Impl {
                                        "on cuSOLVERMp so far");
     const int ranks = comm.size();
     Plan p;
+    // The call's checks, in the words either engine gives; then cuSOLVERMp's own tiles: at most
+    // 1024 by default (cuSolverMg's up to 2048 would leave it one or two a rank; JAXMg measured
+    // its cuSOLVERMp solves fastest with 1024, issue 39; not yet measured here), the LU solve's
+    // within cuSolverMg's limit so that a tile means the same to either engine, and on one rank
+    // tiles too (cuSolverMg's one-GPU LU takes the whole matrix as one, cusolverDn's way).
     p.layout = solver::check_solver_call(op, problem, ranks);
-    if (problem.tile == 0) {
-      // cuSolverMg's tiles (up to 2048) leave cuSOLVERMp one or two a rank; JAXMg measured its
-      // cuSOLVERMp solves fastest with 1024 (issue 39). Not yet measured here.
-      // The LU solve keeps cuSolverMg's limit, so that a tile means the same to either engine.
-      SolverProblem chosen = problem;
-      chosen.tile = solver::choose_tile(
-          problem.n, ranks,
-          op == SolverOp::kLuSolve ? std::min(kLargestTile, solver::kLargestLuTile) : kLargestTile);
-      p.layout = solver::check_solver_call(op, chosen, ranks);
+    const bool general = op == SolverOp::kLuSolve;
+    if (problem.tile == 0 || (general && ranks == 1)) {
+      p.layout = solver::make_block_cyclic_layout(
+          problem.n, ranks, problem.tile,
+          general ? std::min(kLargestTile, solver::kLargestLuTile) : kLargestTile);
     }
     p.ld = p.layout.padded_n();
     p.rhs_blocks = (problem.nrhs + p.layout.tile - 1) / p.layout.tile;
     for (std::int64_t block = comm.rank(); block < p.rhs_blocks; block += ranks) {
       p.my_rhs_columns += std::min(p.layout.tile, problem.nrhs - block * p.layout.tile);
     }
-    // A's own memory is the working matrix only for the Cholesky solve (check_solver_call allows
-    // it only where nothing pads); the LU solve's columns come from every rank.
-    p.in_place = problem.overwrite_a && op == SolverOp::kCholeskySolve;
-    p.general = op == SolverOp::kLuSolve;
+    // A's own memory is the working matrix only for the Cholesky solve, and where its tiles do
+    // not pad (overwrite_a permits, it does not oblige); the LU solve's columns come from every
+    // rank.
+    p.in_place = problem.overwrite_a && !general && !p.layout.padded();
+    p.general = general;
     const std::size_t element = dtype_size(problem.dtype);
     std::size_t offset = 0;
     auto take = [&](std::size_t bytes) {
@@ -268,10 +270,10 @@ ProcessSolver::ProcessSolver(Communicator comm) {
   self.handle = handle_on(self.comm.device());
   detail::DeviceGuard guard(self.comm.device());
   std::lock_guard<std::mutex> lock(self.handle->calls);
-  MESHLA_CHECK_CUDA(cudaMalloc(&self.ready_flag, sizeof(int)));
   MESHLA_CHECK_CUSOLVER(self.handle->lib.create_grid(self.handle->handle, &self.grid,
                                                      self.comm.state()->comm, 1, self.comm.size(),
                                                      CUSOLVERMP_GRID_MAPPING_COL_MAJOR));
+  MESHLA_CHECK_CUDA(cudaMalloc(&self.ready_flag, sizeof(int)));  // freed with the grid
 }
 
 ProcessSolver::~ProcessSolver() = default;
