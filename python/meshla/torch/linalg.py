@@ -765,7 +765,7 @@ def _process_solver(group, device: torch.device) -> _meshla.ProcessSolver:
     return solver
 
 
-def _solve_by_processes(name, op, a, b, group, tile, overwrite_a):
+def _solve_by_processes(op, a, b, group, tile, overwrite_a):
     """A right-hand-side solve on cuSOLVERMp, this rank's part: (X block, info, logdet). The
     ranks agree that each has its solver and memory before any enters the solve's collectives:
     an error on one rank (out of memory, say) is raised on every rank instead of leaving the
@@ -799,7 +799,7 @@ def _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a, check_errors
     (X block, info, logdet), raising where A failed unless ``check_errors=False``."""
     _agreed_call(name, op, group, a, b, tile, overwrite_a,
                  _engine_misfit(name, "cusolvermp", a), "cusolvermp")
-    x, info, logdet = _solve_by_processes(name, op, a, b, group, tile, overwrite_a)
+    x, info, logdet = _solve_by_processes(op, a, b, group, tile, overwrite_a)
     _raise_if_failed(name, info, check_errors, what)
     return x, info, logdet
 
