@@ -11,8 +11,9 @@
 // first (an all-to-all of A; two more copies of a rank's block in its workspace).
 //
 // Calls are collective and synchronous: every rank calls run() with the same problem, and it
-// returns when this rank's outputs are written. A rank that never calls leaves the others waiting
-// in NCCL, as any NCCL communicator does; the front ends agree on the call before they enter.
+// returns when this rank's outputs are written. The front ends agree on the call before they
+// enter; a rank that dies or never calls leaves the others waiting in NCCL until the watchdog
+// (runtime/execution_order.hpp) ends their processes, the communicator's timeout after.
 #pragma once
 
 #include <cstddef>

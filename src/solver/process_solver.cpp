@@ -17,6 +17,7 @@
 #include "core/cuda_checks.hpp"
 #include "core/cuda_handles.hpp"
 #include "core/cuda_types.hpp"
+#include "runtime/execution_order.hpp"
 #include "runtime/releases.hpp"
 #include "solver/block_cyclic.hpp"
 #include "solver/cusolver_checks.hpp"
@@ -157,7 +158,9 @@ struct Scalars {
 }  // namespace
 
 struct ProcessSolver::Impl {
-  explicit Impl(Communicator c) : comm(std::move(c)) {}
+  explicit Impl(Communicator c)
+      : comm(std::move(c)),
+        order(comm.device(), detail::rank_description(*comm.state()), comm.timeout()) {}
   // The grid's destruction is collective (every rank of the grid takes part): off the thread
   // that lets go (release_on_own_thread), so that a peer that is late, or gone, blocks no caller.
   // It deregisters memory from the NCCL communicator, which must outlive it; it takes no handle
@@ -174,6 +177,10 @@ struct ProcessSolver::Impl {
   Impl& operator=(const Impl&) = delete;
 
   Communicator comm;
+  // The runs on the handle's stream, watched: every wait on the peers (NCCL's and cuSOLVERMp's
+  // collectives have no bound of their own) ends the process after the communicator's timeout
+  // with the watchdog's message, instead of waiting forever for a rank that died.
+  detail::ExecutionOrder order;
   std::shared_ptr<Handle> handle;
   cusolverMpGrid_t grid = nullptr;
   // Where the ranks agree that each can start a run (its own memory: a rank's workspace may be
@@ -307,6 +314,27 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   const Impl::Plan p = self.plan(op, problem);
   const std::string_view name = solver_op_name(op);
   cudaStream_t stream = self.handle->stream;
+  // The run is watched from each host wait (wait_for_peers) until it is done; an error ends the
+  // watched run and waits for what is queued (the caller's workspace may be in use).
+  const char* run_name =
+      op == SolverOp::kLuSolve ? "lu_solve (cuSOLVERMp)" : "cholesky_solve (cuSOLVERMp)";
+  self.order.begin(stream, run_name);
+  struct EndOnError {
+    detail::ExecutionOrder& order;
+    cudaStream_t stream;
+    int exceptions = std::uncaught_exceptions();
+    ~EndOnError() {
+      if (std::uncaught_exceptions() > exceptions) {
+        order.end_after_failure(stream);
+        cudaStreamSynchronize(stream);
+      }
+    }
+  } end_on_error{self.order, stream};
+  auto wait_for_peers = [&] {
+    self.order.end(stream);
+    MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+    self.order.begin(stream, run_name);
+  };
   // Every rank's shard checked, then agreed on, before any collective: a rank whose part is
   // wrong or missing (a workspace its caller could not allocate, say) would otherwise leave the
   // others waiting in the first one.
@@ -324,20 +352,11 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   int failed_at_start = 0;
   MESHLA_CHECK_CUDA(cudaMemcpyAsync(&failed_at_start, self.ready_flag, sizeof(int),
                                     cudaMemcpyDeviceToHost, stream));
-  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+  wait_for_peers();
   if (not_ready) throw *not_ready;
   MESHLA_CHECK_ARG(failed_at_start == 0,
                    name << ": another rank of the group could not start the call (its error is "
                            "raised there)");
-  // Work queued on the handle's stream may use the caller's workspace: wait for it before an
-  // error leaves, so that the caller does not free memory still in use.
-  struct SynchronizeOnError {
-    cudaStream_t stream;
-    int exceptions = std::uncaught_exceptions();
-    ~SynchronizeOnError() {
-      if (std::uncaught_exceptions() > exceptions) cudaStreamSynchronize(stream);
-    }
-  } synchronize_on_error{stream};
   const BlockCyclicLayout& layout = p.layout;
   const CusolverMpLibrary& lib = self.handle->lib;
   const DType dtype = problem.dtype;
@@ -461,7 +480,7 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   int failed_anywhere = 0;
   MESHLA_CHECK_CUDA(cudaMemcpyAsync(&failed_anywhere, &scalars->failed_call, sizeof(int),
                                     cudaMemcpyDeviceToHost, stream));
-  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+  wait_for_peers();
   MESHLA_CHECK(
       kCusolver, failed_anywhere == 0,
       name << ": cuSOLVERMp's workspace could not be sized or allocated on a rank of the group"
@@ -518,7 +537,7 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   Scalars agreed{};
   MESHLA_CHECK_CUDA(
       cudaMemcpyAsync(&agreed, scalars, sizeof(Scalars), cudaMemcpyDeviceToHost, stream));
-  MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+  wait_for_peers();
   MESHLA_CHECK(
       kCusolver, agreed.failed_call == 0,
       name << ": a cuSOLVERMp call failed on a rank of the group"
@@ -550,7 +569,7 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
     double sum = 0.0;
     MESHLA_CHECK_CUDA(
         cudaMemcpyAsync(&sum, &scalars->log_sum, sizeof(double), cudaMemcpyDeviceToHost, stream));
-    MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
+    wait_for_peers();
     result.logdet = 2.0 * sum;
   }
   if (shard.info.data != nullptr) {
@@ -565,6 +584,7 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
         wide ? sizeof(double) : sizeof(float), cudaMemcpyHostToDevice, stream));
   }
   // The outputs are written, and the host values' copies read pageable memory that ends here.
+  self.order.end(stream);
   MESHLA_CHECK_CUDA(cudaStreamSynchronize(stream));
   return result;
 }

@@ -308,9 +308,9 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
     A stays in each GPU. Its solvers are made when the call is first traced, collectively over
     the processes (the NCCL id through jax.distributed's key-value store, within ``timeout_s``).
     ``ValueError`` at trace time for other devices, a process holding several of a group's GPUs
-    or cuSOLVERMp missing. Its waits inside the call are NCCL's: a process that never runs it
-    leaves the others waiting (``timeout_s`` bounds only the solvers' making). Not yet run on a
-    GPU nor measured (issue 39)."""
+    or cuSOLVERMp missing. A process that dies or never runs the call leaves the others waiting
+    in NCCL until meshla's watchdog ends their processes ``timeout_s`` later (its message says
+    why). Not yet run on a GPU nor measured (issue 39)."""
     axis = _axis_of(mesh, axis)
     _check_engine("cho_solve", engine, mesh, axis)
     _check_matrix(a_block, "cho_solve")

@@ -736,6 +736,9 @@ def _solve_on_first_rank(name, op, a, b, group, tile, overwrite_a):
 _ENGINES = ("auto", "cusolvermp")
 # Each (process group, GPU)'s cuSOLVERMp solver, with a communicator of its own.
 _PROCESS_SOLVERS: dict = {}
+# How long a cuSOLVERMp solve's ranks wait for each other (meshla.jax.linalg's default too): the
+# watchdog ends a process whose wait on its peers outlasts it; the largest solves take minutes.
+_PROCESS_SOLVER_TIMEOUT_S = 3600.0
 
 
 def _engine_misfit(name: str, engine: str, a: torch.Tensor) -> str | None:
@@ -759,7 +762,7 @@ def _process_solver(group, device: torch.device) -> _meshla.ProcessSolver:
     if solver is None:
         unique = _exchange_unique_id(group)
         comm = _meshla.Communicator(unique, dist.get_rank(group), dist.get_world_size(group),
-                                    device.index)
+                                    device.index, timeout_s=_PROCESS_SOLVER_TIMEOUT_S)
         meshla._release_communicators_no_more_at_exit()
         solver = _PROCESS_SOLVERS[key] = _meshla.ProcessSolver(comm)
     return solver
@@ -830,8 +833,9 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     each rank's GPU, B and X travel whole through the group's communicator (one of meshla's,
     made on the first such call over ``group``, collectively). CUDA tensors only; a
     ``ValueError`` on every rank where any rank lacks cuSOLVERMp or passes CPU blocks, or where
-    ranks ask for different engines. Inside the solve the waits are NCCL's: a rank that dies
-    there leaves the others waiting. Not yet run on a GPU nor measured against "auto" (issue
+    ranks ask for different engines. Inside the solve a rank that died or never made its call
+    leaves the others waiting in NCCL until meshla's watchdog ends their processes, an hour after
+    (the watchdog's message says why). Not yet run on a GPU nor measured against "auto" (issue
     39)."""
     op = _meshla.SolverOp.cholesky_solve
     name = "cho_solve_shard"
