@@ -44,8 +44,10 @@ def group_number(mesh: Mesh, axis: str, timeout_s: float, kind: str = "group") -
     ``kind`` "group": the collective matmuls' communicators (register_jax_group); "solver": a
     cuSOLVERMp solver per GPU of groups with one GPU in each process (register_jax_process_solver,
     on a communicator of its own)."""
+    # A solver group's communicator carries its timeout (the watchdog's, inside every solve):
+    # another timeout_s makes another group.
     key = (mesh.devices.shape, tuple(int(d.id) for d in mesh.devices.flat),
-           tuple(mesh.axis_names), axis, kind)
+           tuple(mesh.axis_names), axis, kind, *((timeout_s,) if kind == "solver" else ()))
     with _lock:
         number = _numbers.get(key)
         if number is None:

@@ -734,10 +734,10 @@ def _solve_on_first_rank(name, op, a, b, group, tile, overwrite_a):
 # The shard forms' engines: "auto" (the first rank over every GPU through CUDA IPC where it can
 # reach them, else every rank alone) and "cusolvermp" (cuSOLVERMp over the ranks' GPUs).
 _ENGINES = ("auto", "cusolvermp")
-# Each (process group, GPU)'s cuSOLVERMp solver, with a communicator of its own.
+# Each (process group, GPU, timeout)'s cuSOLVERMp solver, with a communicator of its own.
 _PROCESS_SOLVERS: dict = {}
-# How long a cuSOLVERMp solve's ranks wait for each other (meshla.jax.linalg's default too): the
-# watchdog ends a process whose wait on its peers outlasts it; the largest solves take minutes.
+# How long a cuSOLVERMp solve's ranks wait for each other by default (meshla.jax.linalg's too):
+# the watchdog ends a process whose wait on its peers outlasts it; the largest solves take minutes.
 _PROCESS_SOLVER_TIMEOUT_S = 3600.0
 
 
@@ -754,28 +754,29 @@ def _engine_misfit(name: str, engine: str, a: torch.Tensor) -> str | None:
     return None
 
 
-def _process_solver(group, device: torch.device) -> _meshla.ProcessSolver:
+def _process_solver(group, device: torch.device, timeout_s: float) -> _meshla.ProcessSolver:
     """The group's cuSOLVERMp solver on this rank's GPU, made on the group's first such call
-    (collective: a communicator of its own, its unique id broadcast over the group)."""
-    key = (group, device.index)
+    with ``timeout_s`` (collective: a communicator of its own, its unique id broadcast over the
+    group; the timeout is the communicator's, and so the watchdog's inside every solve)."""
+    key = (group, device.index, timeout_s)
     solver = _PROCESS_SOLVERS.get(key)
     if solver is None:
         unique = _exchange_unique_id(group)
         comm = _meshla.Communicator(unique, dist.get_rank(group), dist.get_world_size(group),
-                                    device.index, timeout_s=_PROCESS_SOLVER_TIMEOUT_S)
+                                    device.index, timeout_s=timeout_s)
         meshla._release_communicators_no_more_at_exit()
         solver = _PROCESS_SOLVERS[key] = _meshla.ProcessSolver(comm)
     return solver
 
 
-def _solve_by_processes(op, a, b, group, tile, overwrite_a):
+def _solve_by_processes(op, a, b, group, tile, overwrite_a, timeout_s):
     """A right-hand-side solve on cuSOLVERMp, this rank's part: (X block, info, logdet). The
     ranks agree that each has its solver and memory before any enters the solve's collectives:
     an error on one rank (out of memory, say) is raised on every rank instead of leaving the
     others waiting."""
     n, nrhs = a.shape[1], b.shape[1]
     try:
-        solver = _process_solver(group, a.device)
+        solver = _process_solver(group, a.device, timeout_s)
         x = torch.empty_like(b, memory_format=torch.contiguous_format)
         workspace = torch.empty(solver.workspace_bytes(op, n, DTYPES[a.dtype], nrhs, tile,
                                                        overwrite_a),
@@ -789,7 +790,7 @@ def _solve_by_processes(op, a, b, group, tile, overwrite_a):
         if failure is not None:
             # Made on some ranks only, the solver is let go of on all: the next call makes it
             # again on every rank alike.
-            _PROCESS_SOLVERS.pop((group, a.device.index), None)
+            _PROCESS_SOLVERS.pop((group, a.device.index, timeout_s), None)
             raise _ERRORS.get(failure[0], RuntimeError)(f"{failure[1]} (rank {rank} of the group)")
     info, logdet = solver.run(op, n, DTYPES[a.dtype], nrhs, tile, overwrite_a, a.contiguous(),
                               b.contiguous(), x, None, workspace,
@@ -797,19 +798,21 @@ def _solve_by_processes(op, a, b, group, tile, overwrite_a):
     return x, info, logdet
 
 
-def _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a, check_errors, what):
+def _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a, check_errors, what,
+                          timeout_s):
     """A right-hand-side solve with engine="cusolvermp", agreed on first (_agreed_call):
     (X block, info, logdet), raising where A failed unless ``check_errors=False``."""
     _agreed_call(name, op, group, a, b, tile, overwrite_a,
                  _engine_misfit(name, "cusolvermp", a), "cusolvermp")
-    x, info, logdet = _solve_by_processes(op, a, b, group, tile, overwrite_a)
+    x, info, logdet = _solve_by_processes(op, a, b, group, tile, overwrite_a, timeout_s)
     _raise_if_failed(name, info, check_errors, what)
     return x, info, logdet
 
 
 def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 0,
                     overwrite_a: bool = False, check_errors: bool = True,
-                    engine: str = "auto") -> CholeskySolve:
+                    engine: str = "auto",
+                    timeout_s: float = _PROCESS_SOLVER_TIMEOUT_S) -> CholeskySolve:
     """:func:`cho_solve` with one process per GPU: ``a`` is this rank's row block of A and ``b``
     its row block of B, ranks in the order of ``group`` (a torch.distributed process group of any
     backend; default the world). Collective. Returns a :class:`CholeskySolve` whose ``x`` is
@@ -831,18 +834,20 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     ``engine="cusolvermp"`` solves on cuSOLVERMp over every rank's GPU instead, in any process
     model, one host or several (nvidia-cusolvermp-cu13 0.8 installed beside meshla): A stays in
     each rank's GPU, B and X travel whole through the group's communicator (one of meshla's,
-    made on the first such call over ``group``, collectively). CUDA tensors only; a
+    made on the first such call over ``group`` with this ``timeout_s``, collectively). CUDA
+    tensors only; a
     ``ValueError`` on every rank where any rank lacks cuSOLVERMp or passes CPU blocks, or where
     ranks ask for different engines. Inside the solve a rank that died or never made its call
-    leaves the others waiting in NCCL until meshla's watchdog ends their processes, an hour after
-    (the watchdog's message says why). Not yet run on a GPU nor measured against "auto" (issue
-    39)."""
+    leaves the others waiting in NCCL until meshla's watchdog ends their processes ``timeout_s``
+    after (an hour by default; the watchdog's message says why). Not yet run on a GPU nor
+    measured against "auto" (issue 39)."""
     op = _meshla.SolverOp.cholesky_solve
     name = "cho_solve_shard"
     group = group if group is not None else dist.group.WORLD
     if engine == "cusolvermp":
         x, info, logdet = _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a,
-                                                check_errors, "a is not positive definite")
+                                                check_errors, "a is not positive definite",
+                                                timeout_s)
         return CholeskySolve(x, logdet, info)
     whole = _solved_whole(name, op, group, a, b, tile, overwrite_a,
                           _engine_misfit(name, engine, a))
@@ -857,20 +862,20 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
 
 def lu_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 0,
                    overwrite_a: bool = False, check_errors: bool = True,
-                   engine: str = "auto") -> LuSolve:
+                   engine: str = "auto", timeout_s: float = _PROCESS_SOLVER_TIMEOUT_S) -> LuSolve:
     """:func:`lu_solve` with one process per GPU, as :func:`cho_solve_shard` runs
     :func:`cho_solve`: ``a`` and ``b`` are this rank's row blocks; returns a :class:`LuSolve`
     whose ``x`` is this rank's row block of X. Raises as :func:`cho_solve_shard` does, and
     ``torch.linalg.LinAlgError`` on every rank where A is singular unless
-    ``check_errors=False``. ``engine`` as in :func:`cho_solve_shard`: with "cusolvermp" every
-    rank first sends every other the block of its rows in their columns (cuSOLVERMp factors A's
-    columns), two more copies of a rank's block in memory."""
+    ``check_errors=False``. ``engine`` and ``timeout_s`` as in :func:`cho_solve_shard`: with
+    "cusolvermp" every rank first sends every other the block of its rows in their columns
+    (cuSOLVERMp factors A's columns), two more copies of a rank's block in memory."""
     op = _meshla.SolverOp.lu_solve
     name = "lu_solve_shard"
     group = group if group is not None else dist.group.WORLD
     if engine == "cusolvermp":
         x, info, _ = _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a, check_errors,
-                                           "a is singular")
+                                           "a is singular", timeout_s)
         return LuSolve(x, info)
     whole = _solved_whole(name, op, group, a, b, tile, overwrite_a,
                           _engine_misfit(name, engine, a))
