@@ -48,6 +48,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshla import _meshla
+from meshla._solver_engines import engine_misfit
 from meshla.jax._dtypes import dtype_of
 from meshla.jax._ffi import register_targets
 from meshla.jax._groups import axis_groups, group_number
@@ -239,24 +240,16 @@ def _reference_cholesky(a_full: jax.Array) -> tuple[jax.Array, jax.Array]:
     return factor, info
 
 
-# The engines of cho_solve: "auto" (cuSolverMg over one process's GPUs; elsewhere each device
-# solves the gathered A) and "cusolvermp" (cuSOLVERMp over one GPU in each process).
-_ENGINES = ("auto", "cusolvermp")
-
-
 def _check_engine(name: str, engine: str, mesh: Mesh, axis: str,
                   overwrite_a: bool = False) -> None:
     """Trace-time checks of ``engine``, in meshla.torch's words, from what every process sees
     alike (the whole mesh), so that all raise or none does before the solvers are made."""
-    if engine not in _ENGINES:
-        raise ValueError(f"{name}: engine={engine!r}; expected one of {_ENGINES}")
+    others = [d.platform for d in mesh.devices.flat if d.platform != "gpu"]
+    misfit = engine_misfit(name, engine,
+                           f"GPU devices; the mesh has {others[0]} devices" if others else None)
+    if misfit is not None:
+        raise ValueError(misfit)
     if engine == "cusolvermp":
-        if any(d.platform != "gpu" for d in mesh.devices.flat):
-            raise ValueError(f"{name}: engine='cusolvermp' runs on GPU devices; the mesh has "
-                             f"{mesh.devices.flat[0].platform} devices")
-        why = _meshla.ProcessSolver.unavailable_reason()
-        if why:
-            raise ValueError(f"{name}: engine='cusolvermp' cannot run: {why}")
         for devices in axis_groups(mesh, axis):
             processes = [d.process_index for d in devices]
             if len(set(processes)) != len(processes):

@@ -29,6 +29,7 @@ import meshla
 from meshla import _meshla
 from meshla.torch import _library, _square
 from meshla.torch._dtypes import DTYPES, dtype_of
+from meshla._solver_engines import engine_misfit
 from meshla.torch._group import _exchange_unique_id
 
 __all__ = [
@@ -731,9 +732,6 @@ def _solve_on_first_rank(name, op, a, b, group, tile, overwrite_a):
     return x, _on_first_rank(name, group, [a.contiguous(), b.contiguous(), x], work)
 
 
-# The shard forms' engines: "auto" (the first rank over every GPU through CUDA IPC where it can
-# reach them, else every rank alone) and "cusolvermp" (cuSOLVERMp over the ranks' GPUs).
-_ENGINES = ("auto", "cusolvermp")
 # Each (process group, GPU, timeout)'s cuSOLVERMp solver, with a communicator of its own.
 _PROCESS_SOLVERS: dict = {}
 # How long a cuSOLVERMp solve's ranks wait for each other by default (meshla.jax.linalg's too):
@@ -743,15 +741,8 @@ _PROCESS_SOLVER_TIMEOUT_S = 3600.0
 
 def _engine_misfit(name: str, engine: str, a: torch.Tensor) -> str | None:
     """This rank's reason it cannot run ``engine`` (to be raised on every rank), or None."""
-    if engine not in _ENGINES:
-        return f"{name}: engine={engine!r}; expected one of {_ENGINES}"
-    if engine == "cusolvermp":
-        if a.device.type != "cuda":
-            return f"{name}: engine='cusolvermp' runs on CUDA tensors; a is on {a.device.type}"
-        why = _meshla.ProcessSolver.unavailable_reason()
-        if why:
-            return f"{name}: engine='cusolvermp' cannot run: {why}"
-    return None
+    return engine_misfit(name, engine, None if a.device.type == "cuda"
+                         else f"CUDA tensors; a is on {a.device.type}")
 
 
 def _process_solver(group, device: torch.device, timeout_s: float) -> _meshla.ProcessSolver:

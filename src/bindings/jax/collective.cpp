@@ -37,39 +37,9 @@ class GroupPart {
   CollectivePlans plans_;
 };
 
-// Every registered group's parts in this process, by (group, CUDA ordinal).
-class GroupRegistry {
- public:
-  void add(std::int64_t group, const Communicator& comm) {
-    auto part = std::make_shared<GroupPart>(comm);
-    std::lock_guard lock(mutex_);
-    MESHLA_CHECK_ARG(
-        parts_.try_emplace({group, comm.device()}, std::move(part)).second,
-        "meshla.jax: group " << group << " already has cuda:" << comm.device() << " registered");
-  }
-
-  std::shared_ptr<GroupPart> find(std::int64_t group, int device, std::string_view op) {
-    std::lock_guard lock(mutex_);
-    const auto found = parts_.find({group, device});
-    MESHLA_CHECK_ARG(found != parts_.end(),
-                     op << ": no tensor-parallel group " << group << " holds cuda:" << device
-                        << " in this process (meshla.jax makes a group when it traces a call on "
-                           "its mesh; was the call traced by another process?)");
-    return found->second;
-  }
-
-  void clear() {
-    std::lock_guard lock(mutex_);
-    parts_.clear();
-  }
-
- private:
-  std::mutex mutex_;
-  std::map<std::pair<std::int64_t, int>, std::shared_ptr<GroupPart>> parts_;
-};
-
-GroupRegistry& groups() {
-  static GroupRegistry registry;
+// Every registered group's parts in this process.
+GroupParts<GroupPart>& groups() {
+  static GroupParts<GroupPart> registry("tensor-parallel group");
   return registry;
 }
 
@@ -248,7 +218,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(meshla_matmul_all_reduce_execute,
                               with_attributes(execute_operands()),
                               {ffi::Traits::kCmdBufferCompatible});
 
-void register_group(std::int64_t group, const Communicator& comm) { groups().add(group, comm); }
+void register_group(std::int64_t group, const Communicator& comm) {
+  groups().add(group, comm.device(), std::make_shared<GroupPart>(comm));
+}
 
 std::vector<std::pair<std::string, std::vector<std::pair<std::string, void*>>>>
 collective_targets() {

@@ -2,11 +2,14 @@
 // exception crosses into XLA).
 #pragma once
 
+#include <cstdint>
 #include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <utility>
 
 #include "core/checks.hpp"
 #include "meshla/error.hpp"
@@ -123,6 +126,43 @@ class PerDevice {
   };
   std::mutex mutex_;
   std::map<int, std::shared_ptr<Entry>> entries_;
+};
+
+// What meshla.jax registers for a mesh's groups when it traces a call on it (a collective
+// group's communicator parts, a solver group's solvers), by (group number, CUDA ordinal), for
+// the handlers of this process to find. `what` names the kind in messages ("tensor-parallel
+// group").
+template <typename Part>
+class GroupParts {
+ public:
+  explicit GroupParts(const char* what) : what_(what) {}
+
+  void add(std::int64_t group, int device, std::shared_ptr<Part> part) {
+    std::lock_guard lock(mutex_);
+    MESHLA_CHECK_ARG(
+        parts_.try_emplace({group, device}, std::move(part)).second,
+        "meshla.jax: " << what_ << " " << group << " already has cuda:" << device << " registered");
+  }
+
+  std::shared_ptr<Part> find(std::int64_t group, int device, std::string_view op) {
+    std::lock_guard lock(mutex_);
+    const auto found = parts_.find({group, device});
+    MESHLA_CHECK_ARG(found != parts_.end(),
+                     op << ": no " << what_ << " " << group << " holds cuda:" << device
+                        << " in this process (meshla.jax makes a group when it traces a call on "
+                           "its mesh; was the call traced by another process?)");
+    return found->second;
+  }
+
+  void clear() {
+    std::lock_guard lock(mutex_);
+    parts_.clear();
+  }
+
+ private:
+  const char* what_;
+  std::mutex mutex_;
+  std::map<std::pair<std::int64_t, int>, std::shared_ptr<Part>> parts_;
 };
 
 }  // namespace meshla::jax_ffi

@@ -53,35 +53,8 @@ SolverRegistry& solvers() {
 // The ProcessSolvers of this process by (group, CUDA ordinal): a mesh axis's groups with one GPU
 // in each process, registered by meshla.jax when it traces a call with engine="cusolvermp"
 // (making each is collective over its group's processes).
-class ProcessSolverRegistry {
- public:
-  void add(std::int64_t group, std::shared_ptr<ProcessSolver> solver, int device) {
-    std::lock_guard lock(mutex_);
-    MESHLA_CHECK_ARG(
-        solvers_.try_emplace({group, device}, std::move(solver)).second,
-        "meshla.jax: solver group " << group << " already has cuda:" << device << " registered");
-  }
-  std::shared_ptr<ProcessSolver> find(std::int64_t group, int device) {
-    std::lock_guard lock(mutex_);
-    const auto found = solvers_.find({group, device});
-    MESHLA_CHECK_ARG(found != solvers_.end(), "cholesky_solve: no solver group "
-                                                  << group << " holds cuda:" << device
-                                                  << " in this process (meshla.jax makes "
-                                                     "it when it traces the call)");
-    return found->second;
-  }
-  void clear() {
-    std::lock_guard lock(mutex_);
-    solvers_.clear();
-  }
-
- private:
-  std::mutex mutex_;
-  std::map<std::pair<std::int64_t, int>, std::shared_ptr<ProcessSolver>> solvers_;
-};
-
-ProcessSolverRegistry& process_solvers() {
-  static ProcessSolverRegistry registry;
+GroupParts<ProcessSolver>& process_solvers() {
+  static GroupParts<ProcessSolver> registry("solver group");
   return registry;
 }
 
@@ -177,7 +150,8 @@ std::pair<SolverShard, SolverProblem> rhs_solve_call(cudaStream_t stream, int or
 void run_on_process_solver(SolverOp op, std::int64_t group, int ordinal,
                            ffi::ScratchAllocator& scratch, SolverShard shard,
                            const SolverProblem& problem) {
-  const std::shared_ptr<ProcessSolver> solver = process_solvers().find(group, ordinal);
+  const std::shared_ptr<ProcessSolver> solver =
+      process_solvers().find(group, ordinal, solver_op_name(op));
   // A workspace XLA could not give still goes into the run, which the ranks start only once
   // every one of them can (without it the others would wait in the first collective); this
   // rank then raises the allocation's error.
@@ -392,7 +366,7 @@ std::vector<std::pair<std::string, void*>> targets() {
 }
 
 void register_process_solver(std::int64_t group, const Communicator& comm) {
-  process_solvers().add(group, std::make_shared<ProcessSolver>(comm), comm.device());
+  process_solvers().add(group, comm.device(), std::make_shared<ProcessSolver>(comm));
 }
 
 void release_solvers() {
