@@ -117,6 +117,11 @@ MODELS = (
     # The same where each rank sees only its GPU: every rank solves the gathered A alone.
     Model("solver-processes-own-gpu-tp2", _torchrun("check_solver_processes.py", "--own-gpu"),
           ("routines", "special"), gpus=2),
+    # The same over NCCL's network transport, the path between nodes (issue 39: cuSOLVERMp's
+    # engine and the gathered solves with no NVLink or shared memory between the ranks).
+    Model("solver-processes-network-tp2", _torchrun("check_solver_processes.py", "--own-gpu"),
+          ("routines", "special"), gpus=2,
+          env=(("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"))),
     # A collective matmul that never finishes ends its process at the timeout.
     Model("watchdog", _python("check_watchdog.py"), WATCHDOG_CASES[:4], gpus=1),
     Model("watchdog-two-gpus", _python("check_watchdog.py"), WATCHDOG_CASES[4:], gpus=2),
