@@ -208,12 +208,16 @@ def _devices(name: str, shards: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(shard.device.index for shard in shards)
 
 
+def _workspace(nbytes, device):
+    # int64 words (the bindings take no byte dtype); the caching allocator's blocks start on
+    # 512-byte boundaries.
+    return torch.empty(-(-nbytes // 8), dtype=torch.int64, device=device)
+
+
 def _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices, cholesky="meshla"):
-    # int64 words: the caching allocator's blocks start on 512-byte boundaries.
     return [
-        torch.empty(-(-solver.workspace_bytes(op, n, DTYPES[dtype], nrhs, tile, overwrite_a, p,
-                                              cholesky=cholesky) // 8),
-                    dtype=torch.int64, device=device)
+        _workspace(solver.workspace_bytes(op, n, DTYPES[dtype], nrhs, tile, overwrite_a, p,
+                                          cholesky=cholesky), device)
         for p, device in enumerate(devices)
     ]
 
@@ -769,9 +773,8 @@ def _solve_by_processes(op, a, b, group, tile, overwrite_a, timeout_s):
     try:
         solver = _process_solver(group, a.device, timeout_s)
         x = torch.empty_like(b, memory_format=torch.contiguous_format)
-        workspace = torch.empty(solver.workspace_bytes(op, n, DTYPES[a.dtype], nrhs, tile,
-                                                       overwrite_a),
-                                dtype=torch.uint8, device=a.device)
+        workspace = _workspace(solver.workspace_bytes(op, n, DTYPES[a.dtype], nrhs, tile,
+                                                      overwrite_a), a.device)
         ready = None
     except Exception as error:  # reaches every rank below
         ready = (type(error).__name__, str(error))
