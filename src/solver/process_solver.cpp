@@ -142,15 +142,13 @@ class StreamAllocation {
   cudaError_t status_ = cudaSuccess;
 };
 
-// Device scalars of a run: what every rank agrees on after the solve. The first three are
-// all-reduced by max, the last two (copies of the first two) by min, so that a parameter error
-// (a negative info) reported by any rank reaches every rank.
+// Device scalars of a run: what every rank agrees on after each step. `info` (the last
+// cuSOLVERMp call's) and `failed` are all-reduced by max, `info_min` (a copy of info) by min, so
+// that a parameter error (a negative info) reported by any rank reaches every rank.
 struct Scalars {
-  int factor_info;
-  int solve_info;
-  int failed_call;  // a cuSOLVERMp call returned an error status on this rank
-  int factor_info_min;
-  int solve_info_min;
+  int info;
+  int failed;  // a cuSOLVERMp call returned an error status on this rank
+  int info_min;
   int unused;
   double log_sum;  // this rank's Σ log diag L, then the group's
 };
@@ -426,12 +424,27 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   for (int part = 0; part < ranks; ++part) blocks.data[part] = gathered + part * block_bytes;
   solver::gather_rhs(dtype, blocks, rhs, p.ld, layout, nrhs, conjugates, stream);
 
-  // Factor, then solve one right-hand side at a time (cuSOLVERMp 0.8's potrs and getrs take one:
-  // its documentation), each column JB of B' on the rank whose block holds it. Every rank makes
-  // every call, and a call's error status is kept until every rank knows of it (below): thrown
-  // here, it would leave the other ranks waiting in the next collective.
+  // Factor, then solve: every rank makes every call.
   auto* scalars = reinterpret_cast<Scalars*>(base + p.scalars);
   MESHLA_CHECK_CUDA(cudaMemsetAsync(scalars, 0, sizeof(Scalars), stream));
+  // The group's infos and failures so far: every rank learns of any rank's before the next
+  // collective call, so that all make it or none does.
+  auto agree = [&](bool failed_here) {
+    const int failed = failed_here ? 1 : 0;
+    MESHLA_CHECK_CUDA(
+        cudaMemcpyAsync(&scalars->failed, &failed, sizeof(int), cudaMemcpyHostToDevice, stream));
+    MESHLA_CHECK_CUDA(cudaMemcpyAsync(&scalars->info_min, &scalars->info, sizeof(int),
+                                      cudaMemcpyDeviceToDevice, stream));
+    MESHLA_CHECK_NCCL(
+        ncclAllReduce(&scalars->info, &scalars->info, 2, ncclInt32, ncclMax, nccl, stream));
+    MESHLA_CHECK_NCCL(
+        ncclAllReduce(&scalars->info_min, &scalars->info_min, 1, ncclInt32, ncclMin, nccl, stream));
+    Scalars agreed{};
+    MESHLA_CHECK_CUDA(
+        cudaMemcpyAsync(&agreed, scalars, sizeof(Scalars), cudaMemcpyDeviceToHost, stream));
+    wait_for_peers();
+    return agreed;
+  };
   MatrixDescriptor a_desc(lib, self.grid, dtype, p.ld, p.ld, layout.tile, layout.tile, p.ld);
   MatrixDescriptor b_desc(lib, self.grid, dtype, p.ld, nrhs, layout.tile, layout.tile, p.ld);
   const cudaDataType_t type = detail::cuda_data_type(dtype);
@@ -448,70 +461,98 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
                                       rhs + block * tile_bytes, block_bytes_of(block),
                                       cudaMemcpyDeviceToDevice, stream));
   }
+  // A call's error status is kept (the first, with the call's name) until every rank knows of
+  // it: thrown at once, it would leave the other ranks waiting in the next collective.
   cusolverStatus_t failed_status = CUSOLVER_STATUS_SUCCESS;
-  auto keep = [&](cusolverStatus_t status) {
-    if (failed_status == CUSOLVER_STATUS_SUCCESS) failed_status = status;
+  const char* failed_call = nullptr;
+  auto keep = [&](const char* call, cusolverStatus_t status) {
+    if (failed_status != CUSOLVER_STATUS_SUCCESS || status == CUSOLVER_STATUS_SUCCESS) return;
+    failed_status = status;
+    failed_call = call;
+  };
+  auto this_rank = [&] {
+    return failed_call == nullptr
+               ? std::string()
+               : std::string(" (this one: ") + failed_call + " returned " +
+                     std::string(solver::cusolver_status_name(failed_status)) + ")";
   };
   cusolverMpHandle_t handle = self.handle->handle;
   auto* pivots = reinterpret_cast<std::int64_t*>(base + p.pivots);
   std::size_t factor_device = 0, factor_host = 0, solve_device = 0, solve_host = 0;
   if (p.general) {
-    keep(lib.getrf_buffer_size(handle, p.ld, p.ld, working, 1, 1, a_desc.get(), pivots, type,
-                               &factor_device, &factor_host));
-    keep(lib.getrs_buffer_size(handle, CUBLAS_OP_N, p.ld, 1, working, 1, 1, a_desc.get(), pivots,
+    keep("getrf_bufferSize", lib.getrf_buffer_size(handle, p.ld, p.ld, working, 1, 1, a_desc.get(),
+                                                   pivots, type, &factor_device, &factor_host));
+    keep("getrs_bufferSize",
+         lib.getrs_buffer_size(handle, CUBLAS_OP_N, p.ld, 1, working, 1, 1, a_desc.get(), pivots,
                                my_columns, 1, 1, b_desc.get(), type, &solve_device, &solve_host));
   } else {
-    keep(lib.potrf_buffer_size(handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(),
+    keep("potrf_bufferSize",
+         lib.potrf_buffer_size(handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(),
                                type, &factor_device, &factor_host));
-    keep(lib.potrs_buffer_size(handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1, a_desc.get(),
+    keep("potrs_bufferSize",
+         lib.potrs_buffer_size(handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1, a_desc.get(),
                                my_columns, 1, 1, b_desc.get(), type, &solve_device, &solve_host));
   }
   const std::size_t device_bytes = std::max(factor_device, solve_device);
   StreamAllocation device_work(device_bytes, stream);
   std::vector<std::byte> factor_work(factor_host), solve_work(solve_host);
-  // The queries and the allocation are this rank's alone: every rank learns of any failure
-  // before the collective calls, so that all make them or none does.
-  const int failed_here =
-      failed_status != CUSOLVER_STATUS_SUCCESS || device_work.status() != cudaSuccess;
-  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&scalars->failed_call, &failed_here, sizeof(int),
-                                    cudaMemcpyHostToDevice, stream));
-  MESHLA_CHECK_NCCL(ncclAllReduce(&scalars->failed_call, &scalars->failed_call, 1, ncclInt32,
-                                  ncclMax, nccl, stream));
-  int failed_anywhere = 0;
-  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&failed_anywhere, &scalars->failed_call, sizeof(int),
-                                    cudaMemcpyDeviceToHost, stream));
-  wait_for_peers();
+  const Scalars sized = agree(failed_call != nullptr || device_work.status() != cudaSuccess);
   MESHLA_CHECK(
-      kCusolver, failed_anywhere == 0,
-      name << ": cuSOLVERMp's workspace could not be sized or allocated on a rank of the group"
-           << (failed_here ? std::string(" (this one: ") +
-                                 (device_work.status() != cudaSuccess
-                                      ? cudaGetErrorString(device_work.status())
-                                      : std::string(solver::cusolver_status_name(failed_status))) +
-                                 ")"
-                           : std::string())
+      kCusolver, sized.failed == 0,
+      name << ": cuSOLVERMp's workspace could not be sized or allocated on a rank of the "
+              "group"
+           << (device_work.status() != cudaSuccess
+                   ? std::string(" (this one: ") + cudaGetErrorString(device_work.status()) + ")"
+                   : this_rank())
            << " (n=" << n << ", tile=" << layout.tile << ")");
+  auto check_parameters = [&](const Scalars& agreed) {
+    MESHLA_CHECK(kCusolver, agreed.info_min >= 0,
+                 name << ": cuSOLVERMp reports parameter " << -agreed.info_min
+                      << " as wrong (n=" << n << ", tile=" << layout.tile << ")");
+  };
+  auto check_calls = [&](const Scalars& agreed) {
+    MESHLA_CHECK(kCusolver, agreed.failed == 0,
+                 name << ": a cuSOLVERMp call failed on a rank of the group" << this_rank()
+                      << " (n=" << n << ", tile=" << layout.tile << ")");
+  };
+
   if (p.general) {
-    keep(lib.getrf(handle, p.ld, p.ld, working, 1, 1, a_desc.get(), pivots, type, device_work.get(),
-                   device_bytes, factor_work.data(), factor_host, &scalars->factor_info));
+    keep("getrf",
+         lib.getrf(handle, p.ld, p.ld, working, 1, 1, a_desc.get(), pivots, type, device_work.get(),
+                   device_bytes, factor_work.data(), factor_host, &scalars->info));
   } else {
-    keep(lib.potrf(handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(), type,
-                   device_work.get(), device_bytes, factor_work.data(), factor_host,
-                   &scalars->factor_info));
+    keep("potrf", lib.potrf(handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(), type,
+                            device_work.get(), device_bytes, factor_work.data(), factor_host,
+                            &scalars->info));
   }
-  for (std::int64_t column = 0; column < nrhs; ++column) {
-    if (p.general) {
-      keep(lib.getrs(handle, CUBLAS_OP_N, p.ld, 1, working, 1, 1, a_desc.get(), pivots, my_columns,
-                     1, column + 1, b_desc.get(), type, device_work.get(), device_bytes,
-                     solve_work.data(), solve_host, &scalars->solve_info));
-    } else {
-      keep(lib.potrs(handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1, a_desc.get(),
-                     my_columns, 1, column + 1, b_desc.get(), type, device_work.get(), device_bytes,
-                     solve_work.data(), solve_host, &scalars->solve_info));
+  const Scalars factored = agree(failed_call != nullptr);
+  check_parameters(factored);
+  SolverResult result;
+  // A matrix that is not positive definite (singular, for the LU solve) is an answer, info > 0,
+  // whatever status the factorization returned with it (cuSOLVERMp 0.8's potrf returned
+  // CUSOLVER_STATUS_INTERNAL_ERROR with one: bench/NOTES.md 112); the solves are not made.
+  result.info = factored.info;
+  const bool failed = result.info > 0;
+  if (!failed) {
+    check_calls(factored);
+    // One right-hand side at a time (cuSOLVERMp 0.8's potrs and getrs take one: its
+    // documentation), each column JB of B' on the rank whose block holds it.
+    for (std::int64_t column = 0; column < nrhs; ++column) {
+      if (p.general) {
+        keep("getrs", lib.getrs(handle, CUBLAS_OP_N, p.ld, 1, working, 1, 1, a_desc.get(), pivots,
+                                my_columns, 1, column + 1, b_desc.get(), type, device_work.get(),
+                                device_bytes, solve_work.data(), solve_host, &scalars->info));
+      } else {
+        keep("potrs",
+             lib.potrs(handle, CUBLAS_FILL_MODE_LOWER, p.ld, 1, working, 1, 1, a_desc.get(),
+                       my_columns, 1, column + 1, b_desc.get(), type, device_work.get(),
+                       device_bytes, solve_work.data(), solve_host, &scalars->info));
+      }
     }
-  }
-  // X' whole on every rank: each solved column block from its owner.
-  {
+    const Scalars solved = agree(failed_call != nullptr);
+    check_calls(solved);
+    check_parameters(solved);
+    // X' whole on every rank: each solved column block from its owner.
     detail::NcclGroup group;
     for (std::int64_t block = 0; block < p.rhs_blocks; ++block) {
       const int owner = static_cast<int>(block % ranks);
@@ -523,35 +564,6 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
     }
     MESHLA_CHECK_NCCL(group.end());
   }
-  // What every rank must agree on: infos (the factorization's is the whole matrix's), failed
-  // calls, and the parameter errors (negative infos) any rank saw.
-  const int failed_call = failed_status == CUSOLVER_STATUS_SUCCESS ? 0 : 1;
-  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&scalars->failed_call, &failed_call, sizeof(int),
-                                    cudaMemcpyHostToDevice, stream));
-  MESHLA_CHECK_CUDA(cudaMemcpyAsync(&scalars->factor_info_min, &scalars->factor_info,
-                                    2 * sizeof(int), cudaMemcpyDeviceToDevice, stream));
-  MESHLA_CHECK_NCCL(ncclAllReduce(&scalars->factor_info, &scalars->factor_info, 3, ncclInt32,
-                                  ncclMax, nccl, stream));
-  MESHLA_CHECK_NCCL(ncclAllReduce(&scalars->factor_info_min, &scalars->factor_info_min, 2,
-                                  ncclInt32, ncclMin, nccl, stream));
-  Scalars agreed{};
-  MESHLA_CHECK_CUDA(
-      cudaMemcpyAsync(&agreed, scalars, sizeof(Scalars), cudaMemcpyDeviceToHost, stream));
-  wait_for_peers();
-  MESHLA_CHECK(
-      kCusolver, agreed.failed_call == 0,
-      name << ": a cuSOLVERMp call failed on a rank of the group"
-           << (failed_call ? std::string(" (this one: ") +
-                                 std::string(solver::cusolver_status_name(failed_status)) + ")"
-                           : std::string())
-           << " (n=" << n << ", tile=" << layout.tile << ")");
-  MESHLA_CHECK(kCusolver, agreed.factor_info_min >= 0 && agreed.solve_info_min >= 0,
-               name << ": cuSOLVERMp reports parameter "
-                    << -std::min(agreed.factor_info_min, agreed.solve_info_min)
-                    << " as wrong (n=" << n << ", tile=" << layout.tile << ")");
-  SolverResult result;
-  result.info = agreed.factor_info;
-  const bool failed = result.info > 0;
 
   // Outputs: this rank's rows of X; the Cholesky solve's log det A = Σ log L_jj² over every
   // rank's diagonal.

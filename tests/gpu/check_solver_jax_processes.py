@@ -3,7 +3,8 @@ launches them), one JSON line per check and process: every routine on a mesh who
 processes (cho_solve and log det and lu_solve, also on cuSOLVERMp with engine="cusolvermp",
 cholesky_inverse, eigh, and the QR family on a tall and on a square A), in float32, float64,
 complex64 and complex128, against numpy in float64 on every process, from inputs every process
-draws alike; a non-positive-definite and a singular matrix give NaN and info > 0.
+draws alike; a non-positive-definite and a singular matrix give NaN and info > 0 (on cuSOLVERMp
+too).
 
   python tests/gpu/check_solver_jax_processes.py --processes 2 --results FILE
 """
@@ -120,12 +121,14 @@ class Checks:
             return ok, (f"inverse residual {residual:.2e}, eigh residual {eig_residual:.2e}, "
                         f"orthogonality {orthogonality:.2e}, eigenvalues {value_error:.2e}")
 
-        def failures():
+        def failures(engine="auto"):
             # -A is not positive definite; a zero column makes A singular.
-            x, info = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh, return_info=True))(
+            x, info = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh, return_info=True,
+                                                            engine=engine))(
                 self.rows(-a), self.rows(b))
             singular = random_general(n, dtype, self.rng, singular_column=n // 3)
-            y, lu_info = jax.jit(lambda a, b: linalg.lu_solve(a, b, mesh, return_info=True))(
+            y, lu_info = jax.jit(lambda a, b: linalg.lu_solve(a, b, mesh, return_info=True,
+                                                              engine=engine))(
                 self.rows(singular), self.rows(b))
             # Every fetch is a collective: all of them on every process, then the comparisons.
             info, x, lu_info, y = (fetch(v) for v in (info, x, lu_info, y))
@@ -172,6 +175,8 @@ class Checks:
             self.run(f"{label} lu_solve, engine=cusolvermp", lambda: lu_solve("cusolvermp"))
             self.run(f"{label} lu_solve, engine=cusolvermp, tile=48",
                      lambda: lu_solve("cusolvermp", 48))
+            self.run(f"{label} not positive definite, singular: NaN and info > 0, "
+                     "engine=cusolvermp", lambda: failures("cusolvermp"))
         self.run(f"{label} lu_solve", lu_solve)
         self.run(f"{label} cholesky_inverse and eigh", inverse_and_eigh)
         self.run(f"{label} not positive definite, singular: NaN and info > 0", failures)

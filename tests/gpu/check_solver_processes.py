@@ -16,7 +16,7 @@ poisoned before the call in the memory the solver's outputs reuse.
 cho_solve_shard also runs with engine="cusolvermp" (cuSOLVERMp over the ranks' GPUs, the
 nvidia-cusolvermp-cu13 0.8 wheel installed beside meshla; without it those checks fail with the
 reason): padded and unpadded tiles, overwrite_a, and a non-positive-definite matrix; so does
-lu_solve_shard (padded and unpadded tiles).
+lu_solve_shard (padded and unpadded tiles, and a singular matrix).
 
 With --own-gpu each rank sees only its own GPU (a CUDA_VISIBLE_DEVICES of its own, as some
 launchers set it): the first rank cannot reach the others' GPUs, and every rank solves the
@@ -264,17 +264,17 @@ def main():
         return info == 0 and same and residual < tol, (
             f"residual {residual:.2e} (tol {tol:.1e}), written over a: {same}")
 
-    def singular():
+    def singular(engine="auto"):
         n = 512
         a = random_general(n, np.float64, np.random.default_rng(seed[0] + 9), singular_column=7)
         block = torch.from_numpy(a[rank * n // size:(rank + 1) * n // size]).to(device)
         ones = torch.ones(n // size, 1, dtype=torch.float64, device=device)
         try:
-            torch_linalg.lu_solve_shard(block, ones)
+            torch_linalg.lu_solve_shard(block, ones, engine=engine)
             return False, "no error for a singular matrix"
         except torch.linalg.LinAlgError as e:
             raised = "a is singular" in str(e)
-        failed = torch_linalg.lu_solve_shard(block, ones, check_errors=False)
+        failed = torch_linalg.lu_solve_shard(block, ones, check_errors=False, engine=engine)
         nan = bool(torch.isnan(failed.x).all())
         return raised and failed.info > 0 and nan, f"raised; info {failed.info}, NaN: {nan}"
 
@@ -282,6 +282,8 @@ def main():
     check(reporter, "special", f"{label}/cho_solve_shard/not_spd/cusolvermp", rank,
           not_spd_on_cusolvermp)
     check(reporter, "special", f"{label}/lu_solve_shard/singular", rank, singular)
+    check(reporter, "special", f"{label}/lu_solve_shard/singular/cusolvermp", rank,
+          lambda: singular("cusolvermp"))
     check(reporter, "special", f"{label}/cholesky_inverse_shard/overwrite_a", rank,
           inverse_in_place)
     dist.barrier()
