@@ -520,6 +520,7 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
     keep("getrf",
          lib.getrf(handle, p.ld, p.ld, working, 1, 1, a_desc.get(), pivots, type, device_work.get(),
                    device_bytes, factor_work.data(), factor_host, &scalars->info));
+    solver::mark_zero_pivot(dtype, working, p.ld, layout, rank, &scalars->info, stream);
   } else {
     keep("potrf", lib.potrf(handle, CUBLAS_FILL_MODE_LOWER, p.ld, working, 1, 1, a_desc.get(), type,
                             device_work.get(), device_bytes, factor_work.data(), factor_host,
@@ -530,7 +531,8 @@ SolverResult ProcessSolver::run(SolverOp op, const SolverProblem& problem,
   SolverResult result;
   // A matrix that is not positive definite (singular, for the LU solve) is an answer, info > 0,
   // whatever status the factorization returned with it (cuSOLVERMp 0.8's potrf returned
-  // CUSOLVER_STATUS_INTERNAL_ERROR with one: bench/NOTES.md 112); the solves are not made.
+  // CUSOLVER_STATUS_INTERNAL_ERROR with one, and its getrf info 0 for a zero pivot, which
+  // mark_zero_pivot finds: bench/NOTES.md 112); the solves are not made.
   result.info = factored.info;
   const bool failed = result.info > 0;
   if (!failed) {

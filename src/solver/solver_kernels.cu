@@ -3,6 +3,7 @@
 #include <cuComplex.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cub/block/block_reduce.cuh>
 
@@ -294,6 +295,21 @@ __global__ void sum_log_diagonal_kernel(const T* working, Index ld, BlockCyclicL
 }
 
 template <typename T>
+__global__ void mark_zero_pivot_kernel(const T* working, Index ld, BlockCyclicLayout layout,
+                                       Index part, int* info) {
+  __shared__ int first;
+  if (threadIdx.x == 0) first = INT_MAX;
+  __syncthreads();
+  for (Index local = threadIdx.x; local < layout.local_columns(); local += blockDim.x) {
+    // Padding columns hold 1 on the diagonal.
+    const Index j = layout.solver_index_of_local(part, local);
+    if (Element<T>::abs(working[local * ld + j]) == 0.0) atomicMin(&first, static_cast<int>(j));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && *info == 0 && first != INT_MAX) *info = first + 1;
+}
+
+template <typename T>
 __global__ void max_abs_row_sum_kernel(const T* shard, Index rows, Index n, double* result) {
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage storage;
@@ -448,6 +464,16 @@ void sum_log_diagonal(DType dtype, const void* working, Index ld, const BlockCyc
     using T = decltype(type);
     sum_log_diagonal_kernel<T>
         <<<1, kThreads, 0, stream>>>(static_cast<const T*>(working), ld, layout, part, result);
+  });
+  MESHLA_CHECK_CUDA(cudaGetLastError());
+}
+
+void mark_zero_pivot(DType dtype, const void* working, Index ld, const BlockCyclicLayout& layout,
+                     Index part, int* info, cudaStream_t stream) {
+  dispatch(dtype, "mark_zero_pivot", [&](auto type) {
+    using T = decltype(type);
+    mark_zero_pivot_kernel<T>
+        <<<1, kThreads, 0, stream>>>(static_cast<const T*>(working), ld, layout, part, info);
   });
   MESHLA_CHECK_CUDA(cudaGetLastError());
 }

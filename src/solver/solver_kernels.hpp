@@ -78,6 +78,13 @@ void sum_log_diagonal(DType dtype, const void* working, std::int64_t ld,
                       const BlockCyclicLayout& layout, std::int64_t part, double* result,
                       cudaStream_t stream);
 
+// Where *info is 0 and `part`'s local columns of an LU factor U' hold an exactly zero pivot
+// U'[j,j], *info = j + 1 (the smallest such j of this part): cuSOLVERMp 0.8's getrf leaves info
+// 0 for an exactly singular A.
+void mark_zero_pivot(DType dtype, const void* working, std::int64_t ld,
+                     const BlockCyclicLayout& layout, std::int64_t part, int* info,
+                     cudaStream_t stream);
+
 // *result = max over the shard's rows of Σ_q |A[row, q]| (float64; *result must start at 0).
 void max_abs_row_sum(DType dtype, const void* shard, std::int64_t rows, std::int64_t n,
                      double* result, cudaStream_t stream);
