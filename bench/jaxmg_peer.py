@@ -9,7 +9,9 @@ syevd, least_squares, qr, gesvd and polar of an n x n matrix (--sizes) row-shard
 (P("x", None)), tile --tile, inputs kept (donate=False), one right-hand side; meshla's routine
 for each in the same processes beside it (cho_solve, lu_solve and eigh gather A on every device
 and solve it there, cuSolverMg driving one process's GPUs; qr, least_squares, svd and polar run
-the tall-skinny QR, whose stacked factors are as large as A when square). Also qr,
+the tall-skinny QR, whose stacked factors are as large as A when square); with --engines
+meshla-cusolvermp, in a run of its own, cho_solve and lu_solve on meshla's cuSOLVERMp 0.8 engine
+at its own tiles. Also qr,
 least_squares, svd and polar of the tall shapes (--tall m:n) in both. meshla's one-process
 solvers are timed by bench/dense_solver.py in the same job. Matrices are
 bench/dense_solver.py's: h(i + j) + n·I (SPD; symmetric for syevd), h(i + 2j) + n·I for the
@@ -45,7 +47,10 @@ def parse_args():
     parser.add_argument("--tall", default="262144:1024")
     parser.add_argument("--tile", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--engines", default="jaxmg,meshla")
+    parser.add_argument("--engines", default="jaxmg,meshla",
+                        help="of jaxmg, meshla, meshla-cusolvermp (meshla's cho_solve and "
+                        "lu_solve on its cuSOLVERMp 0.8 engine: a run of its own, without JAXMg's "
+                        "stack, whose cuSOLVERMp 0.9.1 has the same library name)")
     parser.add_argument("--case-timeout", type=float, default=300,
                         help="seconds a rank may spend in one case before it dumps its stacks "
                         "and exits")
@@ -54,6 +59,9 @@ def parse_args():
     parser.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
     return parser.parse_args()
+
+
+ENGINES = ("jaxmg", "meshla", "meshla-cusolvermp")
 
 
 def launch(args):
@@ -147,6 +155,12 @@ def run(args):
         "syevd": lambda a, b: linalg.eigh(a, mesh),
         **tall_meshla,
     }
+    # meshla's engine over the processes' GPUs at its own tiles (the Cholesky solve's 1024, as
+    # JAXMg's; the LU solve's within cuSolverMg's limit).
+    square_engine = {
+        "potrs": lambda a, b: linalg.cho_solve(a, b, mesh, engine="cusolvermp"),
+        "lu_solve": lambda a, b: linalg.lu_solve(a, b, mesh, engine="cusolvermp"),
+    }
     cases = []  # the tall shapes, then the square ones from the smallest: a short run says much
     for shape in (s for s in args.tall.split(",") if s):
         m, n = (int(v) for v in shape.split(":"))
@@ -158,6 +172,8 @@ def run(args):
         for op, (stride, engine_call) in square.items():
             if "meshla" in engines:
                 cases.append((op, square_meshla[op], "meshla", n, n, stride))
+            if "meshla-cusolvermp" in engines and op in square_engine:
+                cases.append((op, square_engine[op], "meshla-cusolvermp", n, n, stride))
             if jaxmg is not None:
                 cases.append((op, engine_call, "jaxmg", n, n, stride))
     record = {"device": jax.devices()[0].device_kind, "processes": args.processes,
@@ -193,5 +209,10 @@ def run(args):
 
 if __name__ == "__main__":
     arguments = parse_args()
+    asked = set(arguments.engines.split(","))
+    if not asked <= set(ENGINES) or {"jaxmg", "meshla-cusolvermp"} <= asked:
+        sys.exit(f"jaxmg_peer: --engines {arguments.engines}: a comma-separated subset of "
+                 f"{', '.join(ENGINES)}, without both jaxmg and meshla-cusolvermp (one "
+                 "cuSOLVERMp library a process)")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     launch(arguments) if arguments.rank < 0 else run(arguments)
