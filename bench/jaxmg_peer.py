@@ -149,9 +149,9 @@ def run(args):
         "gesvd": lambda a, b: linalg.svd(a, mesh),
         "polar": lambda a, b: linalg.polar(a, mesh),
     }
-    square_meshla = {
-        "potrs": lambda a, b: linalg.cho_solve(a, b, mesh),
-        "lu_solve": lambda a, b: linalg.lu_solve(a, b, mesh),
+    square_meshla = {  # cuSolverMg's paths: JAXMg's cuSOLVERMp is not meshla's release
+        "potrs": lambda a, b: linalg.cho_solve(a, b, mesh, engine="cusolvermg"),
+        "lu_solve": lambda a, b: linalg.lu_solve(a, b, mesh, engine="cusolvermg"),
         "syevd": lambda a, b: linalg.eigh(a, mesh),
         **tall_meshla,
     }

@@ -1,18 +1,18 @@
-"""cho_solve_shard's engines with one process per GPU, one run (issue 39's engine choice):
+"""The process solvers' engines with one process per GPU, one run (issue 39's engine choice):
 
     torchrun --nproc-per-node=P bench/process_solver.py --commit SHA --out FILE.json \
         [--sizes 16384,32768,49152] [--dtypes float64,float32]
 
 For each dtype and n, on the same row blocks of A = h(i + j) + n I (a Hankel matrix made
 diagonally dominant, so positive definite; h(k) = sin(0.618 k)) and one right-hand side of ones:
-meshla.torch.linalg.cho_solve_shard with engine="auto" (where every process sees every GPU, the
-group's first rank solves over all of them through CUDA IPC: meshla's Cholesky on cuSolverMg's
-layout) and engine="cusolvermp" (cuSOLVERMp over the ranks' GPUs), then on rank 0 alone
+meshla.torch.linalg.cho_solve_shard and lu_solve_shard with engine="cusolvermg" (where every
+process sees every GPU, the group's first rank solves over all of them through CUDA IPC:
+meshla's Cholesky and cuSolverMg's LU on cuSolverMg's layout) and engine="cusolvermp"
+(cuSOLVERMp over the ranks' GPUs, what "auto" takes), then on rank 0 alone
 torch.linalg.cholesky + cholesky_solve of the whole A (one GPU's time). Times are the median of
 ``--repeats`` calls from the ranks' barrier to the last rank's return; each solve's relative
 residual ||A x - b|| / (||A|| ||x||) is checked. Rows are printed as they come and the JSON (with
-device, date, commit) written after each n.
-"""
+device, date, commit) written after each n."""
 
 import argparse
 import datetime
@@ -72,14 +72,15 @@ def measure(n, dtype, repeats, rank, size, device):
     a = hankel_rows(rank * rows, rows, n, dtype, device)
     b = torch.ones(rows, 1, dtype=dtype, device=device)
     row = {"dtype": str(dtype)[6:], "n": n, "gpus": size}
-    for engine in ("auto", "cusolvermp"):
-        try:
-            seconds, solved = timed(
-                lambda engine=engine: torch_linalg.cho_solve_shard(a, b, engine=engine), repeats)
-            row[engine] = {"seconds": seconds,
-                           "residual": relative_residual(a, solved.x, b, size)}
-        except Exception as error:  # raised on every rank alike: recorded, the run goes on
-            row[engine] = {"error": f"{type(error).__name__}: {error}"[:400]}
+    for routine in (torch_linalg.cho_solve_shard, torch_linalg.lu_solve_shard):
+        for engine in ("cusolvermg", "cusolvermp"):
+            try:
+                seconds, solved = timed(
+                    lambda routine=routine, engine=engine: routine(a, b, engine=engine), repeats)
+                result = {"seconds": seconds, "residual": relative_residual(a, solved.x, b, size)}
+            except Exception as error:  # raised on every rank alike: recorded, the run goes on
+                result = {"error": f"{type(error).__name__}: {error}"[:400]}
+            row.setdefault(routine.__name__, {})[engine] = result
     a = b = None  # their memory for rank 0's whole A
     if rank == 0:
         whole = hankel_rows(0, n, n, dtype, device)

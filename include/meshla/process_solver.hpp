@@ -33,7 +33,7 @@ class MESHLA_API ProcessSolver {
   // (cuSOLVERMp allows one per process and GPU; every ProcessSolver on the device shares it) and
   // the group's 1 x P grid. Give it a communicator of its own: cuSOLVERMp's collectives must not
   // interleave with other work on the same NCCL communicator. Raises kNotImplemented where
-  // cuSOLVERMp cannot run (see unavailable_reason), or for more than 16 ranks.
+  // cuSOLVERMp cannot run (see unavailable_reason), or for more than max_ranks() ranks.
   explicit ProcessSolver(Communicator comm);
   ~ProcessSolver();
   ProcessSolver(ProcessSolver&&) noexcept;
@@ -44,6 +44,8 @@ class MESHLA_API ProcessSolver {
   // Why cuSOLVERMp cannot be opened in this process ("" where it can): not installed, or lacking
   // a function meshla calls. The version is checked when the handle is made.
   static std::string unavailable_reason();
+  // The most ranks a solver takes (the gather of B: the parts the layout kernels address).
+  static int max_ranks();
 
   int rank() const;
   int size() const;

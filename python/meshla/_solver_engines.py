@@ -1,13 +1,16 @@
 """The dense solvers' engines, one set of rules and words for meshla.torch and meshla.jax:
-"auto" (cuSolverMg over one process's GPUs, or each device solving the gathered A where that
-cannot reach) and "cusolvermp" (cuSOLVERMp over one GPU in each process). Each front end adds
-its own device rule (CUDA tensors, GPU devices)."""
+"cusolvermg" (cuSolverMg over one process's GPUs, or each device solving the gathered A where
+that cannot reach), "cusolvermp" (cuSOLVERMp over one GPU in each process), and "auto": the
+Cholesky and LU solves on cuSOLVERMp where their GPUs are in several processes, one each, and
+every process has it (on 2x H200 2.5-3.3x the first rank's cuSolverMg through CUDA IPC, and up
+to 1.7x one GPU, where the others gather A: bench/NOTES.md 112), cuSolverMg otherwise. Each
+front end adds its own device rule (CUDA tensors, GPU devices)."""
 
 from __future__ import annotations
 
 from meshla import _meshla
 
-ENGINES = ("auto", "cusolvermp")
+ENGINES = ("auto", "cusolvermg", "cusolvermp")
 
 
 def engine_misfit(name: str, engine: str, not_on_gpus: str | None) -> str | None:
@@ -23,3 +26,13 @@ def engine_misfit(name: str, engine: str, not_on_gpus: str | None) -> str | None
         if why:
             return f"{name}: engine='cusolvermp' cannot run: {why}"
     return None
+
+
+def auto_takes_cusolvermp(ranks: int) -> bool:
+    """This process's side of "auto"'s choice for a solve over ``ranks`` processes, one GPU
+    each: several of them, no more than cuSOLVERMp's solver takes, and cuSOLVERMp installed
+    (meshla built with it, a library that opens; its version is checked when the solver is
+    made, and another release installed instead of 0.8 raises then: engine="cusolvermg" avoids
+    it). Every process must see the same answer: torch agrees on it, JAX assumes it."""
+    return (1 < ranks <= _meshla.ProcessSolver.max_ranks()
+            and not _meshla.ProcessSolver.unavailable_reason())

@@ -30,6 +30,8 @@
 
 namespace meshla {
 
+int ProcessSolver::max_ranks() { return solver::kMaxParts; }
+
 #ifdef MESHLA_WITH_CUSOLVERMP
 namespace {
 
@@ -267,8 +269,8 @@ struct ProcessSolver::Impl {
 };
 
 ProcessSolver::ProcessSolver(Communicator comm) {
-  MESHLA_CHECK(kNotImplemented, comm.size() <= solver::kMaxParts,
-               "ProcessSolver: " << comm.size() << " ranks; at most " << solver::kMaxParts
+  MESHLA_CHECK(kNotImplemented, comm.size() <= max_ranks(),
+               "ProcessSolver: " << comm.size() << " ranks; at most " << max_ranks()
                                  << " so far (B's gather)");
   impl_ = std::make_unique<Impl>(std::move(comm));
   Impl& self = *impl_;

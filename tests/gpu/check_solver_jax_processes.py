@@ -1,7 +1,8 @@
 """GPU checks of meshla.jax.linalg with one process per GPU under jax.distributed (the script
 launches them), one JSON line per check and process: every routine on a mesh whose devices span
-processes (cho_solve and log det and lu_solve, also on cuSOLVERMp with engine="cusolvermp",
-cholesky_inverse, eigh, and the QR family on a tall and on a square A), in float32, float64,
+processes (cho_solve and log det and lu_solve on cuSolverMg's gathered path, also on cuSOLVERMp
+with engine="cusolvermp", which engine="auto" takes; cholesky_inverse, eigh, and the QR family on
+a tall and on a square A), in float32, float64,
 complex64 and complex128, against numpy in float64 on every process, from inputs every process
 draws alike; a non-positive-definite and a singular matrix give NaN and info > 0 (on cuSOLVERMp
 too).
@@ -86,7 +87,7 @@ class Checks:
         b = random_general(n, dtype, self.rng, columns=3)
         a64, b64 = a.astype(np.complex128), b.astype(np.complex128)
 
-        def cho_solve(engine="auto", tile=0):
+        def cho_solve(engine="cusolvermg", tile=0):
             x, logdet, info = (fetch(v) for v in jax.jit(lambda a, b: linalg.cho_solve(
                 a, b, mesh, tile=tile, return_logdet=True, return_info=True, engine=engine))(
                     self.rows(a), self.rows(b)))
@@ -95,7 +96,7 @@ class Checks:
             return int(info) == 0 and residual < tol and logdet_error < tol * n, (
                 f"residual {residual:.2e}, log det error {logdet_error:.2e} (tol {tol:.1e})")
 
-        def lu_solve(engine="auto", tile=0):
+        def lu_solve(engine="cusolvermg", tile=0):
             general = random_general(n, dtype, self.rng)
             x, info = (fetch(v) for v in jax.jit(lambda a, b: linalg.lu_solve(
                 a, b, mesh, tile=tile, return_info=True, engine=engine))(
@@ -121,7 +122,7 @@ class Checks:
             return ok, (f"inverse residual {residual:.2e}, eigh residual {eig_residual:.2e}, "
                         f"orthogonality {orthogonality:.2e}, eigenvalues {value_error:.2e}")
 
-        def failures(engine="auto"):
+        def failures(engine="cusolvermg"):
             # -A is not positive definite; a zero column makes A singular.
             x, info = jax.jit(lambda a, b: linalg.cho_solve(a, b, mesh, return_info=True,
                                                             engine=engine))(
@@ -166,8 +167,18 @@ class Checks:
                 f"[{m}, {k}]: " + ", ".join(f"{name} {e:.2e}" for name, e in errors.items())
                 + f" (tol {tall_tol:.1e})")
 
+        def auto_engine():
+            # "auto" takes cuSOLVERMp here (one GPU a process, installed): its custom calls.
+            lowered = [jax.jit(lambda a, b: solve(a, b, mesh)).lower(
+                self.rows(a), self.rows(b)).as_text() for solve in (linalg.cho_solve,
+                                                                     linalg.lu_solve)]
+            targets = ("meshla_process_cholesky_solve", "meshla_process_lu_solve")
+            found = [target in text for target, text in zip(targets, lowered)]
+            return all(found), f"{dict(zip(targets, found))} in the lowered calls"
+
         self.run(f"{label} cho_solve and log det", cho_solve)
         if not args.cpu:  # cuSOLVERMp over the processes' GPUs: its own tile, and 48 (padded)
+            self.run(f"{label} engine=auto is cuSOLVERMp", auto_engine)
             self.run(f"{label} cho_solve and log det, engine=cusolvermp",
                      lambda: cho_solve("cusolvermp"))
             self.run(f"{label} cho_solve and log det, engine=cusolvermp, tile=48",

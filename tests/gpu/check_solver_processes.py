@@ -13,10 +13,11 @@ non-positive-definite matrix and a singular one (LinAlgError on every rank; NaN 
 without the check), an inverse written over a's own buffers, and a rank whose outputs were
 poisoned before the call in the memory the solver's outputs reuse.
 
+The checks above run on engine="cusolvermg" (the first rank's cuSolverMg, or each rank alone).
 cho_solve_shard also runs with engine="cusolvermp" (cuSOLVERMp over the ranks' GPUs, the
 nvidia-cusolvermp-cu13 0.8 wheel installed beside meshla; without it those checks fail with the
 reason): padded and unpadded tiles, overwrite_a, and a non-positive-definite matrix; so does
-lu_solve_shard (padded and unpadded tiles, and a singular matrix).
+lu_solve_shard (padded and unpadded tiles, and a singular matrix); engine="auto" takes it.
 
 With --own-gpu each rank sees only its own GPU (a CUDA_VISIBLE_DEVICES of its own, as some
 launchers set it): the first rank cannot reach the others' GPUs, and every rank solves the
@@ -105,7 +106,7 @@ def main():
 
         def solve():
             poison_cache(n // size, 3, torch_dtype, device)
-            solved = torch_linalg.cho_solve_shard(a_block, b_block)
+            solved = torch_linalg.cho_solve_shard(a_block, b_block, engine="cusolvermg")
             x = gathered(solved.x)
             residual = np.linalg.norm(a64 @ x - b) / (np.linalg.norm(a64) * np.linalg.norm(x))
             logdet_error = abs(solved.logdet - np.linalg.slogdet(a64)[1]) / n
@@ -139,7 +140,7 @@ def main():
             block = torch.from_numpy(general[rows]).to(device)
             g64 = general.astype(a64.dtype)
             poison_cache(n // size, 3, torch_dtype, device)
-            solved = torch_linalg.lu_solve_shard(block, b_block)
+            solved = torch_linalg.lu_solve_shard(block, b_block, engine="cusolvermg")
             x = gathered(solved.x)
             residual = np.linalg.norm(g64 @ x - b) / (np.linalg.norm(g64) * np.linalg.norm(x))
             return solved.info == 0 and residual < tol, f"residual {residual:.2e} (tol {tol:.1e})"
@@ -231,7 +232,7 @@ def main():
         block = torch.from_numpy(a[rank * n // size:(rank + 1) * n // size]).to(device)
         try:
             torch_linalg.cho_solve_shard(block, torch.ones(n // size, 1, dtype=torch.float64,
-                                                           device=device))
+                                                           device=device), engine="cusolvermg")
             return False, "no error for a non-positive-definite matrix"
         except torch.linalg.LinAlgError as e:
             return "not positive definite" in str(e), f"raised: {e}"
@@ -264,7 +265,7 @@ def main():
         return info == 0 and same and residual < tol, (
             f"residual {residual:.2e} (tol {tol:.1e}), written over a: {same}")
 
-    def singular(engine="auto"):
+    def singular(engine="cusolvermg"):
         n = 512
         a = random_general(n, np.float64, np.random.default_rng(seed[0] + 9), singular_column=7)
         block = torch.from_numpy(a[rank * n // size:(rank + 1) * n // size]).to(device)
@@ -278,6 +279,27 @@ def main():
         nan = bool(torch.isnan(failed.x).all())
         return raised and failed.info > 0 and nan, f"raised; info {failed.info}, NaN: {nan}"
 
+    def auto_is_cusolvermp():
+        # Every rank sees CUDA tensors and has cuSOLVERMp: "auto" makes the group's cuSOLVERMp
+        # solver (a new group's, so that no earlier call made it), and both solves are right.
+        group = dist.new_group(list(range(size)))
+        n = 512
+        a = random_spd(n, np.float64, np.random.default_rng(seed[0] + 11))
+        block = torch.from_numpy(a[rank * n // size:(rank + 1) * n // size]).to(device)
+        ones = torch.ones(n // size, 1, dtype=torch.float64, device=device)
+        x = gathered(torch_linalg.cho_solve_shard(block, ones, group).x)
+        made = any(key[0] is group for key in torch_linalg._PROCESS_SOLVERS)
+        lu_x = gathered(torch_linalg.lu_solve_shard(block, ones, group).x)
+        residuals = [np.linalg.norm(a @ solution - 1.0) / (np.linalg.norm(a)
+                                                           * np.linalg.norm(solution))
+                     for solution in (x, lu_x)]
+        tol = tolerance(np.float64, n)
+        return made and max(residuals) < tol, (
+            f"cuSOLVERMp solver made: {made}, residuals (cho, lu) {residuals[0]:.2e}, "
+            f"{residuals[1]:.2e}")
+
+    check(reporter, "special", f"{label}/cho_solve_shard/auto_is_cusolvermp", rank,
+          auto_is_cusolvermp)
     check(reporter, "special", f"{label}/cho_solve_shard/not_spd", rank, not_spd)
     check(reporter, "special", f"{label}/cho_solve_shard/not_spd/cusolvermp", rank,
           not_spd_on_cusolvermp)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: build, GPU suite, benchmark. Everything lands in $OUT.
 #   tests/gpu/job.sh COMMIT [suite] [bench] [mlp-bench] [grouped-bench] [one-rank-bench] [solver-bench]
-#     [cusolvermp-bench]
+#     [cusolvermp-bench] [process-solver-bench]
 #   (default: suite and bench; SUITE_K selects suite tests as pytest's -k does, e.g.
 #   SUITE_K="threads or grouped"; BENCH_TP the group sizes of bench,
 #   2 and 4 by default; CUSOLVERMP_GPUS the world sizes of cusolvermp-bench, CUSOLVERMP_BENCH_ARGS
-#   its grids, sizes and blocks)
+#   its grids, sizes and blocks; PROCESS_SOLVER_GPUS the world size of process-solver-bench, 2 by
+#   default, PROCESS_SOLVER_ARGS its sizes and dtypes)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -62,6 +63,15 @@ for step in $steps; do
           ${CUSOLVERMP_BENCH_ARGS:-} 2>&1 | grep -v '^W1' >"$OUT/cusolvermp_p$p.txt"
         grep -v -E '^\s|^Traceback|^torch\.distributed' "$OUT/cusolvermp_p$p.txt" | tail -40
       done
+      ;;
+    process-solver-bench)
+      # The shard solves' engines, one process per GPU (bench/process_solver.py).
+      p=${PROCESS_SOLVER_GPUS:-2}
+      CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((p - 1))) timeout "${BENCH_TIMEOUT:-400}" \
+        torchrun --standalone --nproc-per-node=$p bench/process_solver.py --commit "$commit" \
+        --out "$OUT/process_solver_$(date -u +%Y%m%dT%H%M%SZ).json" ${PROCESS_SOLVER_ARGS:-} \
+        2>&1 | grep -v '^W1' >"$OUT/process_solver_bench.txt"
+      grep '^{' "$OUT/process_solver_bench.txt"; tail -5 "$OUT/process_solver_bench.txt"
       ;;
     mlp-bench)
       # A tensor-parallel MLP's training step, meshla's layers against PyTorch's (MLP_BENCH_TP:

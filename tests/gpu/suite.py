@@ -104,13 +104,14 @@ MODELS = (
     Model("jax-collective-processes", _python("check_jax_collective.py", "--processes", "{gpus}"),
           JAX_FAMILIES, min_gpus=2),
     # meshla.jax.linalg on a mesh that spans processes: one process per GPU (the script starts
-    # them), every device solving the gathered A. About 7 s a check on 2x H200, most of it
-    # XLA compiling each routine for each dtype in both processes.
+    # them), every device solving the gathered A, and the solves on cuSOLVERMp. About 7 s a check
+    # on 2x H200, most of it XLA compiling each routine for each dtype in both processes.
     Model("solver-jax-processes",
           _python("check_solver_jax_processes.py", "--processes", "{gpus}"), ("routines",),
           min_gpus=2, timeout_s=600.0),
-    # The solvers' *_shard forms, one process per GPU (CUDA IPC to the first rank); torch warns
-    # at a process's exit of tensors it shared through CUDA IPC that were never released.
+    # The solvers' *_shard forms, one process per GPU (CUDA IPC to the first rank, and
+    # cuSOLVERMp); torch warns at a process's exit of tensors it shared through CUDA IPC that were
+    # never released.
     *(Model(f"solver-processes-tp{tp}", _torchrun("check_solver_processes.py"),
             ("routines", "special"), gpus=tp,
             log_must_not_contain=("shared CUDA tensors released",)) for tp in (2, 4)),

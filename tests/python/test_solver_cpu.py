@@ -124,9 +124,16 @@ def test_jax_argument_errors(mesh):
         linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((8, 1)), mesh), mesh)
     # The engines, in meshla.torch's words: cuSOLVERMp runs on GPUs, one in each process.
     with pytest.raises(ValueError, match=r"cho_solve: engine='lapack'; expected one of "
-                                         r"\('auto', 'cusolvermp'\)"):
+                                         r"\('auto', 'cusolvermg', 'cusolvermp'\)"):
         linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((16, 1)), mesh), mesh,
                          engine="lapack")
+    # "auto" on CPU devices is cuSolverMg's path (here its reference), the same as asking for it.
+    assert linalg._engine("cho_solve", "auto", mesh, "x") == "cusolvermg"
+    spd_16 = spd(16, np.float64, 3)
+    np.testing.assert_array_equal(
+        np.asarray(linalg.cho_solve(put(spd_16, mesh), put(np.ones((16, 1)), mesh), mesh,
+                                    engine="cusolvermg")),
+        np.asarray(linalg.cho_solve(put(spd_16, mesh), put(np.ones((16, 1)), mesh), mesh)))
     with pytest.raises(ValueError, match="cho_solve: engine='cusolvermp' runs on GPU devices; "
                                          "the mesh has cpu devices"):
         linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((16, 1)), mesh), mesh,
@@ -668,7 +675,9 @@ def _shard_forms(rank, size, results):
         engine_errors = []
         for routine, engines in ((torch_linalg.cho_solve_shard, ("cusolvermp", "cusolvermp")),
                                  (torch_linalg.cho_solve_shard, ("auto", "cusolvermp")),
-                                 (torch_linalg.lu_solve_shard, ("cusolvermp", "cusolvermp"))):
+                                 (torch_linalg.lu_solve_shard, ("cusolvermp", "cusolvermp")),
+                                 (torch_linalg.cho_solve_shard, ("cusolvermg", "cusolvermg")),
+                                 (torch_linalg.lu_solve_shard, ("auto", "cusolvermg"))):
             try:  # cuSOLVERMp on CPU blocks, ranks asking for different engines: on every rank
                 routine(a[rows], b[rows], engine=engines[rank])
                 engine_errors.append(None)
@@ -727,6 +736,11 @@ def test_torch_shard_forms_on_cpu_ranks(gloo_env):
                for r in range(size))
     assert all("lu_solve_shard: engine='cusolvermp' runs on CUDA tensors; a is on cpu (rank 0 "
                "of the group)" in results[r][26][2] for r in range(size))
+    # cuSolverMg's path asked for by name runs (on CPU blocks, its reference); "auto" and it are
+    # two engines to the ranks' agreement.
+    assert all(results[r][26][3] is None for r in range(size))
+    assert all("rank 1 of the group called lu_solve_shard (lu_solve, engine='cusolvermg') where "
+               "rank 0 called lu_solve_shard (lu_solve)" in results[r][26][4] for r in range(size))
     square = torch.from_numpy(tall(n, n, np.float64, 29))
     check_qr(square.numpy(), torch.cat([results[r][18] for r in range(size)]).numpy(),
              results[0][19].numpy(), 1e-13)

@@ -31,9 +31,10 @@ stderr once ``timeout_s`` has passed).
 Every function also has a ``*_shard`` form for use inside ``jax.shard_map`` over the same mesh.
 On CPU devices the same functions run a reference (gather the rows, solve with ``jax.numpy``), so
 code written for GPUs runs unchanged on a development machine. So do meshes whose devices span
-processes (jax.distributed, one process per GPU, one host or several): each device gathers A's
-rows and solves alone, at one GPU's speed and with A whole in each GPU's memory, since
-cuSolverMg drives the GPUs of one process.
+processes (jax.distributed, one process per GPU, one host or several): cho_solve and lu_solve
+run on cuSOLVERMp over the processes' GPUs where it is installed (``engine``); otherwise, and for
+the other routines, each device gathers A's rows and solves alone, at one GPU's speed and with A
+whole in each GPU's memory, since cuSolverMg drives the GPUs of one process.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshla import _meshla
-from meshla._solver_engines import engine_misfit
+from meshla._solver_engines import auto_takes_cusolvermp, engine_misfit
 from meshla.jax._dtypes import dtype_of
 from meshla.jax._ffi import register_targets
 from meshla.jax._groups import axis_groups, group_number
@@ -240,18 +241,25 @@ def _reference_cholesky(a_full: jax.Array) -> tuple[jax.Array, jax.Array]:
     return factor, info
 
 
-def _check_engine(name: str, engine: str, mesh: Mesh, axis: str,
-                  overwrite_a: bool = False) -> None:
-    """Trace-time checks of ``engine``, in meshla.torch's words, from what every process sees
-    alike (the whole mesh), so that all raise or none does before the solvers are made."""
+def _engine(name: str, engine: str, mesh: Mesh, axis: str, overwrite_a: bool = False) -> str:
+    """``engine`` checked at trace time, in meshla.torch's words, from what every process sees
+    alike (the whole mesh), so that all raise or none does before the solvers are made; "auto"
+    resolved (meshla._solver_engines): "cusolvermp" where each of the axis's groups is GPUs of
+    2 to 16 processes, one each, cuSOLVERMp is installed and A is not overwritten, else
+    "cusolvermg"."""
     others = [d.platform for d in mesh.devices.flat if d.platform != "gpu"]
     misfit = engine_misfit(name, engine,
                            f"GPU devices; the mesh has {others[0]} devices" if others else None)
     if misfit is not None:
         raise ValueError(misfit)
+    groups = [[d.process_index for d in devices] for devices in axis_groups(mesh, axis)]
+    one_gpu_a_process = all(len(set(processes)) == len(processes) for processes in groups)
+    if engine == "auto":
+        return ("cusolvermp" if not others and one_gpu_a_process and not overwrite_a
+                and all(auto_takes_cusolvermp(len(processes)) for processes in groups)
+                else "cusolvermg")
     if engine == "cusolvermp":
-        for devices in axis_groups(mesh, axis):
-            processes = [d.process_index for d in devices]
+        for devices, processes in zip(axis_groups(mesh, axis), groups):
             if len(set(processes)) != len(processes):
                 raise ValueError(
                     f"{name}: engine='cusolvermp' runs one GPU in each process; the devices "
@@ -260,6 +268,7 @@ def _check_engine(name: str, engine: str, mesh: Mesh, axis: str,
         if overwrite_a:
             raise NotImplementedError(f"{name}: overwrite_a with engine='cusolvermp' is not "
                                       "supported in meshla.jax yet")
+    return engine
 
 
 def _on_process_solvers(target: str, op, a_block, b_block, mesh: Mesh, axis: str, tile: int,
@@ -296,16 +305,20 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
     never arrives within ``timeout_s`` included; see the module's notes) surface as
     ``jax.errors.JaxRuntimeError``.
 
-    ``engine="cusolvermp"`` solves on cuSOLVERMp over the axis's GPUs, one in each process
+    ``engine``: "cusolvermp" solves on cuSOLVERMp over the axis's GPUs, one in each process
     (jax.distributed, one host or several; nvidia-cusolvermp-cu13 0.8 installed beside meshla):
     A stays in each GPU. Its solvers are made when the call is first traced, collectively over
     the processes (the NCCL id through jax.distributed's key-value store, within ``timeout_s``).
     ``ValueError`` at trace time for other devices, a process holding several of a group's GPUs
     or cuSOLVERMp missing. A process that dies or never runs the call leaves the others waiting
     in NCCL until meshla's watchdog ends their processes ``timeout_s`` later (its message says
-    why). Not yet run on a GPU nor measured (issue 39)."""
+    why). "cusolvermg": cuSolverMg over the GPUs of one process, or, on a mesh whose devices
+    span processes, every device solving the gathered A (see the module's notes). "auto" (the
+    default): "cusolvermp" where every group of the axis is GPUs of 2 to 16 processes, one each,
+    and cuSOLVERMp is installed (decided at trace time on each process alone: install it on all
+    or none), else "cusolvermg". Times in ``docs/guides/solvers.md``."""
     axis = _axis_of(mesh, axis)
-    _check_engine("cho_solve", engine, mesh, axis)
+    engine = _engine("cho_solve", engine, mesh, axis)
     _check_matrix(a_block, "cho_solve")
     rows, n = a_block.shape
     _check_rhs_block("cho_solve", a_block, b_block)
@@ -354,7 +367,7 @@ def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, til
     "cusolvermp" every process first sends every other the block of its rows in their columns
     (cuSOLVERMp factors A's columns)."""
     axis = _axis_of(mesh, axis)
-    _check_engine("lu_solve", engine, mesh, axis)
+    engine = _engine("lu_solve", engine, mesh, axis)
     _check_matrix(a_block, "lu_solve")
     rows, n = a_block.shape
     _check_rhs_block("lu_solve", a_block, b_block)
@@ -675,9 +688,9 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     and log det A are NaN and info > 0. Failures inside the custom call, a device whose handler
     never arrives within ``timeout_s`` included, surface as ``jax.errors.JaxRuntimeError``.
     ``engine`` as in :func:`cho_solve_shard`; ``overwrite_a`` with ``engine="cusolvermp"``
-    raises ``NotImplementedError``."""
+    raises ``NotImplementedError`` ("auto" then takes "cusolvermg")."""
     axis = _axis_of(mesh, axis)
-    _check_engine("cho_solve", engine, mesh, axis, overwrite_a)
+    engine = _engine("cho_solve", engine, mesh, axis, overwrite_a)
     if a.ndim != 2:
         raise ValueError(f"cho_solve: a has shape {a.shape}; expected [n, n]")
     _check_rhs_block("cho_solve", a, b, vector_ok=True)
@@ -716,7 +729,7 @@ def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     meshla built without XLA's FFI headers;
     ``jax.errors.JaxRuntimeError`` from the custom call. ``engine`` as in :func:`cho_solve`."""
     axis = _axis_of(mesh, axis)
-    _check_engine("lu_solve", engine, mesh, axis, overwrite_a)
+    engine = _engine("lu_solve", engine, mesh, axis, overwrite_a)
     if a.ndim != 2:
         raise ValueError(f"lu_solve: a has shape {a.shape}; expected [n, n]")
     _check_rhs_block("lu_solve", a, b, vector_ok=True)

@@ -2,9 +2,11 @@
 row blocks, one per GPU (``a_shards[p]`` holds rows ``[p*n/P, (p+1)*n/P)`` of A on its device),
 as :mod:`meshla.jax.linalg` takes a row-sharded array; cuSolverMg runs over all of them from the
 calling thread (see ``include/meshla/dense_solver.hpp`` for the layout). With one process per GPU,
-the ``*_shard`` forms take this rank's row block and a torch.distributed group: the group's first
-rank drives every GPU through CUDA IPC, on copies of the other ranks' blocks that it owns (so each
-GPU holds its blocks twice, and the first rank's process opens a context on every GPU).
+the ``*_shard`` forms take this rank's row block and a torch.distributed group: the Cholesky and
+LU solves run on cuSOLVERMp over the ranks' GPUs where it is installed (``engine``); otherwise,
+and for the other routines, the group's first rank drives every GPU through CUDA IPC, on copies
+of the other ranks' blocks that it owns (so each GPU holds its blocks twice, and the first rank's
+process opens a context on every GPU).
 
 Calls wait for each device's current stream (their inputs) and return when the outputs are
 written. A matrix that is not positive definite (a singular one for the LU solve, or an
@@ -29,7 +31,7 @@ import meshla
 from meshla import _meshla
 from meshla.torch import _library, _square
 from meshla.torch._dtypes import DTYPES, dtype_of
-from meshla._solver_engines import engine_misfit
+from meshla._solver_engines import auto_takes_cusolvermp, engine_misfit
 from meshla.torch._group import _exchange_unique_id
 
 __all__ = [
@@ -567,9 +569,10 @@ def _eigh_cuda(devices, n, dtype, a_shards, vectors, values, tile, overwrite_a):
     return info
 
 
-# One process per GPU. Every rank hands its row blocks (and the buffers for its outputs) to the
-# group's first rank through CUDA IPC; that process drives cuSolverMg over every rank's GPU with
-# the same solver as above, and broadcasts the status. The handles and the outcome travel over the
+# One process per GPU, cuSolverMg's way (engine="cusolvermg", and "auto" where cuSOLVERMp does
+# not run). Every rank hands its row blocks (and the buffers for its outputs) to the group's first
+# rank through CUDA IPC; that process drives cuSolverMg over every rank's GPU with the same solver
+# as above, and broadcasts the status. The handles and the outcome travel over the
 # torch.distributed group (any backend), whose timeout bounds every wait.
 
 _ERRORS = {cls.__name__: cls for cls in
@@ -619,10 +622,11 @@ def _on_first_rank(name, group, tensors, work):
 
 def _agreed_call(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, tile: int,
                  overwrite_a: bool, misfit: str | None = None, engine: str = "auto") -> list:
-    """Every rank's (device index, GPU uuid, the first rank's visible GPUs' uuids), from one
-    exchange of every rank's routine and ``engine``, blocks' shapes, dtypes and places, its GPU
-    and any ``misfit`` (a rank's own error): blocks that do not fit, ranks that disagree, and the
-    call's checks raise on every rank before anything is copied or waited for."""
+    """Every rank's (device index, GPU uuid, the first rank's visible GPUs' uuids, whether
+    "auto" may take cuSOLVERMp on its side), from one exchange of every rank's routine and
+    ``engine``, blocks' shapes, dtypes and places, its GPU and any ``misfit`` (a rank's own
+    error): blocks that do not fit, ranks that disagree, and the call's checks raise on every
+    rank before anything is copied or waited for."""
     group = group if group is not None else dist.group.WORLD
     misfit = misfit or _rhs_misfit(name, a, b)
     cuda = a.device.type == "cuda"
@@ -634,7 +638,8 @@ def _agreed_call(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, 
     routine = f"{name} ({op.name})" if engine == "auto" else f"{name} ({op.name}, {engine=})"
     places = _exchanged(name, group, routine, misfit,
                         f"a {tuple(a.shape)} {a.dtype} on {a.device.type} (b {rhs})",
-                        (a.device.index, uuid, seen))
+                        (a.device.index, uuid, seen,
+                         cuda and auto_takes_cusolvermp(dist.get_world_size(group))))
     # Every rank's blocks are alike: the call's checks on stand-ins for them, on every rank.
     parts = len(places)
     a_blocks = [torch.empty(a.shape, dtype=a.dtype, device="meta")] * parts
@@ -645,17 +650,15 @@ def _agreed_call(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, 
     return places
 
 
-def _solved_whole(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, tile: int,
-                  overwrite_a: bool, misfit: str | None = None):
+def _gathered_unless_reachable(places, a: torch.Tensor, b: torch.Tensor | None, group):
     """(A, B) whole on this rank's device where every rank solves A alone, else None (the
-    group's first rank solves over every GPU through CUDA IPC). Alone: CPU blocks, or GPUs the
-    first rank cannot reach under their numbers (ranks on several hosts, or a CUDA_VISIBLE_DEVICES
-    of their own), at one GPU's speed with A whole on each. Decided alike on every rank from
-    _agreed_call's exchange, which raises first where the call cannot run."""
-    places = _agreed_call(name, op, group, a, b, tile, overwrite_a, misfit)
+    group's first rank solves over every GPU through CUDA IPC), from _agreed_call's ``places``
+    (alike on every rank). Alone: CPU blocks, or GPUs the first rank cannot reach under their
+    numbers (ranks on several hosts, or a CUDA_VISIBLE_DEVICES of their own), at one GPU's speed
+    with A whole on each."""
     visible = places[0][2] or []
     if a.device.type == "cuda" and all(index < len(visible) and visible[index] == uuid
-                                       for index, uuid, _ in places):
+                                       for index, uuid, *_ in places):
         return None
     return _gathered(a, group), None if b is None else _gathered(b, group)
 
@@ -792,13 +795,25 @@ def _solve_by_processes(op, a, b, group, tile, overwrite_a, timeout_s):
     return x, info, logdet
 
 
-def _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a, check_errors, what,
-                          timeout_s):
-    """A right-hand-side solve with engine="cusolvermp", agreed on first (_agreed_call):
-    (X block, info, logdet), raising where A failed unless ``check_errors=False``."""
-    _agreed_call(name, op, group, a, b, tile, overwrite_a,
-                 _engine_misfit(name, "cusolvermp", a), "cusolvermp")
-    x, info, logdet = _solve_by_processes(op, a, b, group, tile, overwrite_a, timeout_s)
+def _solved_shard(name, op, a, b, group, tile, overwrite_a, check_errors, what, engine,
+                  timeout_s, alone):
+    """A right-hand-side solve of every rank's blocks, this rank's part: (X block, info, log det
+    or None), raising where A failed (``what``) unless ``check_errors=False``. On cuSOLVERMp for
+    engine="cusolvermp", and for "auto" where every rank of a group of several can run it
+    (meshla._solver_engines); else the first rank drives every GPU, or, where it cannot reach
+    them, every rank solves the gathered A alone with ``alone(A, B)``."""
+    places = _agreed_call(name, op, group, a, b, tile, overwrite_a,
+                          _engine_misfit(name, engine, a), engine)
+    one_gpu_each = len({uuid for _, uuid, *_ in places}) == len(places)
+    if engine == "cusolvermp" or (engine == "auto" and one_gpu_each
+                                  and all(ready for *_, ready in places)):
+        x, info, logdet = _solve_by_processes(op, a, b, group, tile, overwrite_a, timeout_s)
+    else:
+        whole = _gathered_unless_reachable(places, a, b, group)
+        if whole is not None:
+            result = alone(*whole)
+            return _own_rows(group, result.x[0]), result.info, getattr(result, "logdet", None)
+        x, (info, logdet) = _solve_on_first_rank(name, op, a, b, group, tile, overwrite_a)
     _raise_if_failed(name, info, check_errors, what)
     return x, info, logdet
 
@@ -811,46 +826,37 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     its row block of B, ranks in the order of ``group`` (a torch.distributed process group of any
     backend; default the world). Collective. Returns a :class:`CholeskySolve` whose ``x`` is
     this rank's row block of X. ``tile``, ``overwrite_a`` and ``check_errors`` as in
-    :func:`cho_solve`. Where every process sees every GPU under the same number (one host,
-    torchrun's default) the group's first rank solves over all of them through CUDA IPC;
-    otherwise (ranks on several hosts, or each with a CUDA_VISIBLE_DEVICES of its own) every
-    rank gathers A and solves it alone on its GPU (one GPU's speed, A whole on each).
+    :func:`cho_solve`.
 
-    The checks of :func:`cho_solve` run on the group's first rank (alone: on every rank), and its
-    error (``ValueError``, ``NotImplementedError``, ``RuntimeError`` or
-    ``torch.linalg.LinAlgError``; any other as ``RuntimeError``) is raised on every rank; so is
-    a ``ValueError`` where the ranks' blocks differ in shape or dtype. A matrix that is not
+    ``engine``: "cusolvermp" solves on cuSOLVERMp over every rank's GPU, in any process model,
+    one host or several (nvidia-cusolvermp-cu13 0.8 installed beside meshla): A stays in each
+    rank's GPU, B and X travel whole through the group's communicator (one of meshla's, made on
+    the first such call over ``group`` with this ``timeout_s``, collectively). "cusolvermg":
+    where every process sees every GPU under the same number (one host, torchrun's default) the
+    group's first rank solves over all of them with cuSolverMg through CUDA IPC; otherwise (ranks
+    on several hosts, or each with a CUDA_VISIBLE_DEVICES of its own) every rank gathers A and
+    solves it alone on its GPU (one GPU's speed, A whole on each). "auto" (the default):
+    cuSOLVERMp where the group has 2 to 16 ranks on GPUs of their own, every one with CUDA
+    tensors and cuSOLVERMp, else cuSolverMg (on 2x H200, float64 n = 49152: 0.56 s on
+    cuSOLVERMp, 1.39 s through CUDA IPC, 0.93 s on one GPU; ``docs/guides/solvers.md``).
+
+    The checks of :func:`cho_solve` run on every rank before any solve, and an error
+    (``ValueError``, ``NotImplementedError``, ``RuntimeError`` or ``torch.linalg.LinAlgError``;
+    any other as ``RuntimeError``) is raised on every rank; so is a ``ValueError`` where the
+    ranks' blocks differ in shape or dtype, where they ask for different engines, or, for
+    "cusolvermp", where any rank lacks cuSOLVERMp or passes CPU blocks. A matrix that is not
     positive definite raises ``torch.linalg.LinAlgError`` on every rank unless
     ``check_errors=False``. Where every rank solves alone, a failure of one rank's own solve (out
-    of memory, say) raises on that rank only. The waits are torch.distributed's, bounded by the
-    group's own timeout.
-
-    ``engine="cusolvermp"`` solves on cuSOLVERMp over every rank's GPU instead, in any process
-    model, one host or several (nvidia-cusolvermp-cu13 0.8 installed beside meshla): A stays in
-    each rank's GPU, B and X travel whole through the group's communicator (one of meshla's,
-    made on the first such call over ``group`` with this ``timeout_s``, collectively). CUDA
-    tensors only; a
-    ``ValueError`` on every rank where any rank lacks cuSOLVERMp or passes CPU blocks, or where
-    ranks ask for different engines. Inside the solve a rank that died or never made its call
-    leaves the others waiting in NCCL until meshla's watchdog ends their processes ``timeout_s``
-    after (an hour by default; the watchdog's message says why). Not yet run on a GPU nor
-    measured against "auto" (issue 39)."""
+    of memory, say) raises on that rank only. cuSolverMg's waits are torch.distributed's,
+    bounded by the group's own timeout; inside a cuSOLVERMp solve a rank that died or never made
+    its call leaves the others waiting in NCCL until meshla's watchdog ends their processes
+    ``timeout_s`` after (an hour by default; the watchdog's message says why)."""
     op = _meshla.SolverOp.cholesky_solve
     name = "cho_solve_shard"
     group = group if group is not None else dist.group.WORLD
-    if engine == "cusolvermp":
-        x, info, logdet = _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a,
-                                                check_errors, "a is not positive definite",
-                                                timeout_s)
-        return CholeskySolve(x, logdet, info)
-    whole = _solved_whole(name, op, group, a, b, tile, overwrite_a,
-                          _engine_misfit(name, engine, a))
-    if whole is not None:
-        result = cho_solve([whole[0]], [whole[1]], check_errors=check_errors)
-        return CholeskySolve(_own_rows(group, result.x[0]), result.logdet, result.info)
-    x, (info, logdet) = _solve_on_first_rank("cho_solve_shard", op, a, b, group, tile,
-                                             overwrite_a)
-    _raise_if_failed("cho_solve_shard", info, check_errors, "a is not positive definite")
+    x, info, logdet = _solved_shard(
+        name, op, a, b, group, tile, overwrite_a, check_errors, "a is not positive definite",
+        engine, timeout_s, lambda a, b: cho_solve([a], [b], check_errors=check_errors))
     return CholeskySolve(x, logdet, info)
 
 
@@ -861,23 +867,15 @@ def lu_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int = 
     :func:`cho_solve`: ``a`` and ``b`` are this rank's row blocks; returns a :class:`LuSolve`
     whose ``x`` is this rank's row block of X. Raises as :func:`cho_solve_shard` does, and
     ``torch.linalg.LinAlgError`` on every rank where A is singular unless
-    ``check_errors=False``. ``engine`` and ``timeout_s`` as in :func:`cho_solve_shard`: with
-    "cusolvermp" every rank first sends every other the block of its rows in their columns
+    ``check_errors=False``. ``engine`` and ``timeout_s`` as in :func:`cho_solve_shard`: on
+    cuSOLVERMp every rank first sends every other the block of its rows in their columns
     (cuSOLVERMp factors A's columns), two more copies of a rank's block in memory."""
     op = _meshla.SolverOp.lu_solve
     name = "lu_solve_shard"
     group = group if group is not None else dist.group.WORLD
-    if engine == "cusolvermp":
-        x, info, _ = _solved_on_cusolvermp(name, op, a, b, group, tile, overwrite_a, check_errors,
-                                           "a is singular", timeout_s)
-        return LuSolve(x, info)
-    whole = _solved_whole(name, op, group, a, b, tile, overwrite_a,
-                          _engine_misfit(name, engine, a))
-    if whole is not None:
-        result = lu_solve([whole[0]], [whole[1]], check_errors=check_errors)
-        return LuSolve(_own_rows(group, result.x[0]), result.info)
-    x, (info, _) = _solve_on_first_rank("lu_solve_shard", op, a, b, group, tile, overwrite_a)
-    _raise_if_failed("lu_solve_shard", info, check_errors, "a is singular")
+    x, info, _ = _solved_shard(
+        name, op, a, b, group, tile, overwrite_a, check_errors, "a is singular", engine,
+        timeout_s, lambda a, b: lu_solve([a], [b], check_errors=check_errors))
     return LuSolve(x, info)
 
 
@@ -967,8 +965,9 @@ def cholesky_inverse_shard(a: torch.Tensor, group=None, *, tile: int = 0,
     every rank."""
     misfit = ("cholesky_inverse_shard: overwrite_a needs a contiguous a"
               if overwrite_a and a.is_cuda and not a.is_contiguous() else None)
-    whole = _solved_whole("cholesky_inverse_shard", _meshla.SolverOp.cholesky_inverse, group,
+    places = _agreed_call("cholesky_inverse_shard", _meshla.SolverOp.cholesky_inverse, group,
                           a, None, tile, overwrite_a, misfit)
+    whole = _gathered_unless_reachable(places, a, None, group)
     if whole is not None:
         inverse, info = cholesky_inverse([whole[0]], check_errors=check_errors)
         mine = _own_rows(group, inverse[0])
@@ -996,7 +995,8 @@ def eigh_shard(a: torch.Tensor, group=None, *, eigvals_only: bool = False, tile:
     with :func:`eigh`'s checks, and ``torch.linalg.LinAlgError`` on every rank where the
     eigensolver does not converge, unless ``check_errors=False``."""
     op = _meshla.SolverOp.eigvalsh if eigvals_only else _meshla.SolverOp.eigh
-    whole = _solved_whole("eigh_shard", op, group, a, None, tile, overwrite_a)
+    whole = _gathered_unless_reachable(
+        _agreed_call("eigh_shard", op, group, a, None, tile, overwrite_a), a, None, group)
     if whole is not None:
         result = eigh([whole[0]], eigvals_only=eigvals_only, check_errors=check_errors)
         vectors = None if eigvals_only else _own_rows(group, result.eigenvectors[0])

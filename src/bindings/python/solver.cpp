@@ -155,6 +155,7 @@ void bind_solver(nb::module_& m) {
           "comm"_a, "Collective over the communicator's ranks.")
       .def_static("unavailable_reason", &ProcessSolver::unavailable_reason,
                   "Why cuSOLVERMp cannot run in this process; '' where it can.")
+      .def_static("max_ranks", &ProcessSolver::max_ranks, "The most ranks a solver takes.")
       .def_prop_ro("rank", &ProcessSolver::rank)
       .def_prop_ro("size", &ProcessSolver::size)
       .def(
