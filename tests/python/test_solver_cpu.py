@@ -698,6 +698,37 @@ def _shard_forms(rank, size, results):
         dist.destroy_process_group()
 
 
+def _first_rank_outcomes(rank, size, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        # Each rank offers its own; every rank gets the first rank's, call after call, and the
+        # store keeps no key once every rank has read.
+        got = [torch_linalg._from_first_rank(dist.group.WORLD, ("ok", call, rank))
+               for call in range(3)]
+        dist.barrier()
+        store = dist.distributed_c10d._get_default_store()
+        left = [key for call in (1, 2, 3) for key in (f"meshla/first_rank/0,1,2/{call}",
+                                                      f"meshla/first_rank/0,1,2/{call}/read")
+                if store.check([key])]
+        results[rank] = (got, left)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_first_rank_outcome_reaches_every_rank_through_the_store(gloo_env):
+    import torch.multiprocessing as mp
+
+    size = 3
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_first_rank_outcomes, args=(size, results), nprocs=size)
+    for rank in range(size):
+        got, left = results[rank]
+        assert got == [("ok", call, 0) for call in range(3)]
+        assert left == []
+
+
 def test_torch_shard_forms_on_cpu_ranks(gloo_env):
     """One process per rank over gloo: each rank gets its row block of X, A⁻¹ and V."""
     import torch.multiprocessing as mp

@@ -18,6 +18,7 @@ torch.linalg reference.
 from __future__ import annotations
 
 import atexit
+import pickle
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -572,8 +573,8 @@ def _eigh_cuda(devices, n, dtype, a_shards, vectors, values, tile, overwrite_a):
 # One process per GPU, cuSolverMg's way (engine="cusolvermg", and "auto" where cuSOLVERMp does
 # not run). Every rank hands its row blocks (and the buffers for its outputs) to the group's first
 # rank through CUDA IPC; that process drives cuSolverMg over every rank's GPU with the same solver
-# as above, and broadcasts the status. The handles and the outcome travel over the
-# torch.distributed group (any backend), whose timeout bounds every wait.
+# as above. The handles travel over the torch.distributed group (any backend), the outcome
+# through its key-value store; their timeouts bound every wait.
 
 _ERRORS = {cls.__name__: cls for cls in
            (ValueError, NotImplementedError, RuntimeError, torch.linalg.LinAlgError)}
@@ -613,11 +614,37 @@ def _on_first_rank(name, group, tensors, work):
             del imported, staged  # close the imported memory before the owners may free it
         except Exception as error:  # reaches every rank below
             outcome = ("error", type(error).__name__, str(error))
-    box = [outcome]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    if box[0][0] == "error":
-        raise _ERRORS.get(box[0][1], RuntimeError)(box[0][2])
-    return box[0][1]
+    outcome = _from_first_rank(group, outcome)
+    if outcome[0] == "error":
+        raise _ERRORS.get(outcome[1], RuntimeError)(outcome[2])
+    return outcome[1]
+
+
+# Per group (its global ranks), how many outcomes its first rank has handed out: alike on every
+# rank, since every rank makes the same calls in the same order.
+_FIRST_RANK_OUTCOMES: dict = {}
+
+
+def _from_first_rank(group, outcome):
+    """The group's first rank's (picklable) ``outcome`` on every rank, through torch.distributed's
+    key-value store: the other ranks wait for it on the host. A collective (an NCCL group's
+    broadcast) would wait in a kernel spinning on their GPUs while the first rank's solver works
+    there, and two processes' contexts take turns on a GPU (bench/NOTES.md 112). Bounded by the
+    store's timeout."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if len(ranks) == 1:
+        return outcome
+    count = _FIRST_RANK_OUTCOMES[ranks] = _FIRST_RANK_OUTCOMES.get(ranks, 0) + 1
+    key = f"meshla/first_rank/{','.join(map(str, ranks))}/{count}"
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank(group) == 0:
+        store.set(key, pickle.dumps(outcome))
+        return outcome
+    outcome = pickle.loads(store.get(key))
+    if store.add(f"{key}/read", 1) == len(ranks) - 1:  # the last reader tidies up
+        store.delete_key(key)
+        store.delete_key(f"{key}/read")
+    return outcome
 
 
 def _agreed_call(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, tile: int,
