@@ -875,9 +875,10 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     positive definite raises ``torch.linalg.LinAlgError`` on every rank unless
     ``check_errors=False``. Where every rank solves alone, a failure of one rank's own solve (out
     of memory, say) raises on that rank only. cuSolverMg's waits are torch.distributed's,
-    bounded by the group's own timeout; inside a cuSOLVERMp solve a rank that died or never made
-    its call leaves the others waiting in NCCL until meshla's watchdog ends their processes
-    ``timeout_s`` after (an hour by default; the watchdog's message says why)."""
+    bounded by the group's and its key-value store's timeouts; inside a cuSOLVERMp solve a
+    rank that died or never made its call leaves the others waiting in NCCL until meshla's
+    watchdog ends their processes ``timeout_s`` after (an hour by default; the watchdog's
+    message says why)."""
     op = _meshla.SolverOp.cholesky_solve
     name = "cho_solve_shard"
     group = group if group is not None else dist.group.WORLD
