@@ -28,11 +28,15 @@ def engine_misfit(name: str, engine: str, not_on_gpus: str | None) -> str | None
     return None
 
 
-def auto_takes_cusolvermp(ranks: int) -> bool:
-    """This process's side of "auto"'s choice for a solve over ``ranks`` processes, one GPU
-    each: several of them, no more than cuSOLVERMp's solver takes, and cuSOLVERMp installed
-    (meshla built with it, a library that opens; its version is checked when the solver is
-    made, and another release installed instead of 0.8 raises then: engine="cusolvermg" avoids
-    it). Every process must see the same answer: torch agrees on it, JAX assumes it."""
-    return (1 < ranks <= _meshla.ProcessSolver.max_ranks()
-            and not _meshla.ProcessSolver.unavailable_reason())
+def cusolvermp_takes(ranks: int) -> bool:
+    """Whether "auto" may take cuSOLVERMp for a solve over ``ranks`` processes, one GPU each:
+    several of them, no more than its solver takes."""
+    return 1 < ranks <= _meshla.ProcessSolver.max_ranks()
+
+
+def cusolvermp_installed() -> bool:
+    """Whether this process has cuSOLVERMp (meshla built with it, a library that opens; its
+    version is checked when the solver is made, and another release installed instead of 0.8
+    raises then: engine="cusolvermg" avoids it). "auto" takes it only where every process has
+    it: torch agrees on that in the call's exchange, JAX through jax.distributed's store."""
+    return not _meshla.ProcessSolver.unavailable_reason()

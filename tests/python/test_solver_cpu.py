@@ -128,7 +128,7 @@ def test_jax_argument_errors(mesh):
         linalg.cho_solve(put(np.eye(16), mesh), put(np.ones((16, 1)), mesh), mesh,
                          engine="lapack")
     # "auto" on CPU devices is cuSolverMg's path (here its reference), the same as asking for it.
-    assert linalg._engine("cho_solve", "auto", mesh, "x") == "cusolvermg"
+    assert linalg._engine("cho_solve", "auto", mesh, "x", 60.0) == "cusolvermg"
     spd_16 = spd(16, np.float64, 3)
     np.testing.assert_array_equal(
         np.asarray(linalg.cho_solve(put(spd_16, mesh), put(np.ones((16, 1)), mesh), mesh,
@@ -352,6 +352,12 @@ solved_rows = sorted(solved.addressable_shards, key=lambda shard: shard.index[0]
 start = solved_rows[0].index[0].start
 solved_rows = np.concatenate([np.asarray(shard.data) for shard in solved_rows])
 want = np.linalg.solve(spd, b[:8])[start:start + len(solved_rows)]
+# What every process answers (here, process 0 alone says yes), then the kept answer.
+from meshla.jax._groups import agreed_everywhere
+some = agreed_everywhere("only process 0", jax.process_index() == 0, [0, 1], 60.0)
+every = agreed_everywhere("every process", True, [0, 1], 60.0)
+kept = agreed_everywhere("only process 0", True, [0, 1], 60.0)
+disagreement = float(some is not False) + float(every is not True) + float(kept is not False)
 mine = sorted(q.addressable_shards, key=lambda shard: shard.index[0].start)
 first = mine[0].index[0].start
 q_rows = np.concatenate([np.asarray(shard.data) for shard in mine])
@@ -360,7 +366,7 @@ print(np.abs(q_rows @ r - a[first:first + len(q_rows)]).max(),
       np.abs(np.asarray(x.addressable_shards[0].data)
              - np.linalg.lstsq(a, b, rcond=None)[0]).max(),
       np.abs(np.asarray(s.addressable_shards[0].data) - np.linalg.svd(a, compute_uv=False)).max(),
-      np.abs(solved_rows - want).max())
+      np.abs(solved_rows - want).max(), disagreement)
 jax.distributed.shutdown()
 """
 
@@ -368,7 +374,8 @@ jax.distributed.shutdown()
 def test_jax_tall_routines_run_with_one_process_per_device_group():
     """The tall-skinny routines and cho_solve under jax.distributed: two processes of two host
     devices each (gloo's CPU collectives), each process's rows of Q, X, the singular values and
-    cho_solve's X against numpy; the same code runs one process per GPU."""
+    cho_solve's X against numpy; the same code runs one process per GPU. Also the processes'
+    agreement through the key-value store that "auto" asks for (agreed_everywhere)."""
     import socket
     import subprocess
     import sys

@@ -93,15 +93,41 @@ def _make_group(number: int, devices: np.ndarray, mesh_key: str, timeout_s: floa
         _meshla.register_jax_group(number, comm)
 
 
-def _shared_unique_id(group_key: str, rank: int, timeout_s: float) -> bytes:
-    """The group's NCCL id: made by its rank 0, passed to the others by jax.distributed."""
+_answers: dict[str, bool] = {}
+
+
+def agreed_everywhere(question: str, answer: bool, processes: list[int], timeout_s: float) -> bool:
+    """Whether every one of ``processes`` answers ``question`` yes: this process's answer goes to
+    jax.distributed's key-value store, the others' are read there (waiting up to ``timeout_s``
+    for each). Asked once per question in a process's life, the agreed answer kept; collective
+    like making a group (every process of the mesh traces the same calls)."""
+    with _lock:
+        if question not in _answers:
+            client = _client()
+            key = "meshla/jax/answer/" + hashlib.sha256(question.encode()).hexdigest()
+            # Overwritable: an earlier attempt that timed out waiting for a peer set it already.
+            client.key_value_set(f"{key}/{jax.process_index()}", "1" if answer else "0",
+                                 allow_overwrite=True)
+            _answers[question] = all(
+                client.blocking_key_value_get(f"{key}/{process}", int(timeout_s * 1000)) == "1"
+                for process in processes)
+        return _answers[question]
+
+
+def _client():
     from jax._src import distributed
 
     client = distributed.global_state.client
     if client is None:
         raise ValueError(
-            "meshla.jax: a tensor-parallel group spans processes, but jax.distributed is not "
+            "meshla.jax: a group of devices spans processes, but jax.distributed is not "
             "initialized; call jax.distributed.initialize() first")
+    return client
+
+
+def _shared_unique_id(group_key: str, rank: int, timeout_s: float) -> bytes:
+    """The group's NCCL id: made by its rank 0, passed to the others by jax.distributed."""
+    client = _client()
     key = "meshla/jax/group/" + hashlib.sha256(group_key.encode()).hexdigest()
     if rank == 0:
         unique_id = _meshla.unique_id()

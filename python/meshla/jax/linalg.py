@@ -49,10 +49,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from meshla import _meshla
-from meshla._solver_engines import auto_takes_cusolvermp, engine_misfit
+from meshla._solver_engines import cusolvermp_installed, cusolvermp_takes, engine_misfit
 from meshla.jax._dtypes import dtype_of
 from meshla.jax._ffi import register_targets
-from meshla.jax._groups import axis_groups, group_number
+from meshla.jax._groups import agreed_everywhere, axis_groups, group_number
 
 __all__ = [
     "cho_solve",
@@ -241,11 +241,13 @@ def _reference_cholesky(a_full: jax.Array) -> tuple[jax.Array, jax.Array]:
     return factor, info
 
 
-def _engine(name: str, engine: str, mesh: Mesh, axis: str, overwrite_a: bool = False) -> str:
+def _engine(name: str, engine: str, mesh: Mesh, axis: str, timeout_s: float,
+            overwrite_a: bool = False) -> str:
     """``engine`` checked at trace time, in meshla.torch's words, from what every process sees
     alike (the whole mesh), so that all raise or none does before the solvers are made; "auto"
     resolved (meshla._solver_engines): "cusolvermp" where each of the axis's groups is GPUs of
-    2 to 16 processes, one each, cuSOLVERMp is installed and A is not overwritten, else
+    2 to 16 processes, one each, A is not overwritten and every process of the mesh has
+    cuSOLVERMp (agreed through jax.distributed's store, within ``timeout_s``), else
     "cusolvermg"."""
     others = [d.platform for d in mesh.devices.flat if d.platform != "gpu"]
     misfit = engine_misfit(name, engine,
@@ -255,9 +257,12 @@ def _engine(name: str, engine: str, mesh: Mesh, axis: str, overwrite_a: bool = F
     groups = [[d.process_index for d in devices] for devices in axis_groups(mesh, axis)]
     one_gpu_a_process = all(len(set(processes)) == len(processes) for processes in groups)
     if engine == "auto":
-        return ("cusolvermp" if not others and one_gpu_a_process and not overwrite_a
-                and all(auto_takes_cusolvermp(len(processes)) for processes in groups)
-                else "cusolvermg")
+        fits = (not others and one_gpu_a_process and not overwrite_a
+                and all(cusolvermp_takes(len(processes)) for processes in groups))
+        return ("cusolvermp" if fits and agreed_everywhere(
+            f"cusolvermp installed: {[int(d.id) for d in mesh.devices.flat]}",
+            cusolvermp_installed(), sorted({d.process_index for d in mesh.devices.flat}),
+            timeout_s) else "cusolvermg")
     if engine == "cusolvermp":
         for devices, processes in zip(axis_groups(mesh, axis), groups):
             if len(set(processes)) != len(processes):
@@ -315,10 +320,10 @@ def cho_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, ti
     why). "cusolvermg": cuSolverMg over the GPUs of one process, or, on a mesh whose devices
     span processes, every device solving the gathered A (see the module's notes). "auto" (the
     default): "cusolvermp" where every group of the axis is GPUs of 2 to 16 processes, one each,
-    and cuSOLVERMp is installed (decided at trace time on each process alone: install it on all
-    or none), else "cusolvermg". Times in ``docs/guides/solvers.md``."""
+    and every process has cuSOLVERMp (agreed at trace time through jax.distributed's key-value
+    store), else "cusolvermg". Times in ``docs/guides/solvers.md``."""
     axis = _axis_of(mesh, axis)
-    engine = _engine("cho_solve", engine, mesh, axis)
+    engine = _engine("cho_solve", engine, mesh, axis, timeout_s)
     _check_matrix(a_block, "cho_solve")
     rows, n = a_block.shape
     _check_rhs_block("cho_solve", a_block, b_block)
@@ -367,7 +372,7 @@ def lu_solve_shard(a_block, b_block, *, mesh: Mesh, axis: str | None = None, til
     "cusolvermp" every process first sends every other the block of its rows in their columns
     (cuSOLVERMp factors A's columns)."""
     axis = _axis_of(mesh, axis)
-    engine = _engine("lu_solve", engine, mesh, axis)
+    engine = _engine("lu_solve", engine, mesh, axis, timeout_s)
     _check_matrix(a_block, "lu_solve")
     rows, n = a_block.shape
     _check_rhs_block("lu_solve", a_block, b_block)
@@ -690,7 +695,7 @@ def cho_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     ``engine`` as in :func:`cho_solve_shard`; ``overwrite_a`` with ``engine="cusolvermp"``
     raises ``NotImplementedError`` ("auto" then takes "cusolvermg")."""
     axis = _axis_of(mesh, axis)
-    engine = _engine("cho_solve", engine, mesh, axis, overwrite_a)
+    engine = _engine("cho_solve", engine, mesh, axis, timeout_s, overwrite_a)
     if a.ndim != 2:
         raise ValueError(f"cho_solve: a has shape {a.shape}; expected [n, n]")
     _check_rhs_block("cho_solve", a, b, vector_ok=True)
@@ -729,7 +734,7 @@ def lu_solve(a, b, mesh: Mesh, axis: str | None = None, *, tile: int = 0,
     meshla built without XLA's FFI headers;
     ``jax.errors.JaxRuntimeError`` from the custom call. ``engine`` as in :func:`cho_solve`."""
     axis = _axis_of(mesh, axis)
-    engine = _engine("lu_solve", engine, mesh, axis, overwrite_a)
+    engine = _engine("lu_solve", engine, mesh, axis, timeout_s, overwrite_a)
     if a.ndim != 2:
         raise ValueError(f"lu_solve: a has shape {a.shape}; expected [n, n]")
     _check_rhs_block("lu_solve", a, b, vector_ok=True)

@@ -32,7 +32,7 @@ import meshla
 from meshla import _meshla
 from meshla.torch import _library, _square
 from meshla.torch._dtypes import DTYPES, dtype_of
-from meshla._solver_engines import auto_takes_cusolvermp, engine_misfit
+from meshla._solver_engines import cusolvermp_installed, cusolvermp_takes, engine_misfit
 from meshla.torch._group import _exchange_unique_id
 
 __all__ = [
@@ -666,7 +666,8 @@ def _agreed_call(name: str, op, group, a: torch.Tensor, b: torch.Tensor | None, 
     places = _exchanged(name, group, routine, misfit,
                         f"a {tuple(a.shape)} {a.dtype} on {a.device.type} (b {rhs})",
                         (a.device.index, uuid, seen,
-                         cuda and auto_takes_cusolvermp(dist.get_world_size(group))))
+                         cuda and cusolvermp_takes(dist.get_world_size(group))
+                         and cusolvermp_installed()))
     # Every rank's blocks are alike: the call's checks on stand-ins for them, on every rank.
     parts = len(places)
     a_blocks = [torch.empty(a.shape, dtype=a.dtype, device="meta")] * parts
