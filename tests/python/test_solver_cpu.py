@@ -716,8 +716,9 @@ def _first_rank_outcomes(rank, size, results):
                for call in range(3)]
         dist.barrier()
         store = dist.distributed_c10d._get_default_store()
-        left = [key for call in (1, 2, 3) for key in (f"meshla/first_rank/0,1,2/{call}",
-                                                      f"meshla/first_rank/0,1,2/{call}/read")
+        name = dist.group.WORLD.group_name
+        left = [key for call in (1, 2, 3) for key in (f"meshla/first_rank/{name}/{call}",
+                                                      f"meshla/first_rank/{name}/{call}/read")
                 if store.check([key])]
         results[rank] = (got, left)
     finally:

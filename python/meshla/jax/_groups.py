@@ -94,21 +94,23 @@ def _make_group(number: int, devices: np.ndarray, mesh_key: str, timeout_s: floa
 
 
 _answers: dict[str, bool] = {}
+_answers_lock = threading.Lock()  # not _lock: the waits below would hold up group_number
 
 
 def agreed_everywhere(question: str, answer: bool, processes: list[int], timeout_s: float) -> bool:
     """Whether every one of ``processes`` answers ``question`` yes: this process's answer goes to
     jax.distributed's key-value store, the others' are read there (waiting up to ``timeout_s``
-    for each). Asked once per question in a process's life, the agreed answer kept; collective
-    like making a group (every process of the mesh traces the same calls)."""
-    with _lock:
+    for each; a process that answers no waits for none). Asked once per question in a
+    process's life, the agreed answer kept; collective like making a group (every process of
+    the mesh traces the same calls)."""
+    with _answers_lock:
         if question not in _answers:
             client = _client()
             key = "meshla/jax/answer/" + hashlib.sha256(question.encode()).hexdigest()
             # Overwritable: an earlier attempt that timed out waiting for a peer set it already.
             client.key_value_set(f"{key}/{jax.process_index()}", "1" if answer else "0",
                                  allow_overwrite=True)
-            _answers[question] = all(
+            _answers[question] = answer and all(
                 client.blocking_key_value_get(f"{key}/{process}", int(timeout_s * 1000)) == "1"
                 for process in processes)
         return _answers[question]

@@ -573,8 +573,9 @@ def _eigh_cuda(devices, n, dtype, a_shards, vectors, values, tile, overwrite_a):
 # One process per GPU, cuSolverMg's way (engine="cusolvermg", and "auto" where cuSOLVERMp does
 # not run). Every rank hands its row blocks (and the buffers for its outputs) to the group's first
 # rank through CUDA IPC; that process drives cuSolverMg over every rank's GPU with the same solver
-# as above. The handles travel over the torch.distributed group (any backend), the outcome
-# through its key-value store; their timeouts bound every wait.
+# as above. The handles travel over the torch.distributed group (any backend but MPI, whose
+# key-value store does nothing), the outcome through the default store; their timeouts bound
+# every wait.
 
 _ERRORS = {cls.__name__: cls for cls in
            (ValueError, NotImplementedError, RuntimeError, torch.linalg.LinAlgError)}
@@ -620,28 +621,31 @@ def _on_first_rank(name, group, tensors, work):
     return outcome[1]
 
 
-# Per group (its global ranks), how many outcomes its first rank has handed out: alike on every
-# rank, since every rank makes the same calls in the same order.
+# Per group (its name, the same on every rank), how many outcomes its first rank has handed out:
+# alike on every rank, since every rank makes the same calls on a group in the same order.
 _FIRST_RANK_OUTCOMES: dict = {}
+_FIRST_RANK_LOCK = threading.Lock()
 
 
 def _from_first_rank(group, outcome):
     """The group's first rank's (picklable) ``outcome`` on every rank, through torch.distributed's
-    key-value store: the other ranks wait for it on the host. A collective (an NCCL group's
-    broadcast) would wait in a kernel spinning on their GPUs while the first rank's solver works
-    there, and two processes' contexts take turns on a GPU (bench/NOTES.md 112). Bounded by the
-    store's timeout."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if len(ranks) == 1:
+    default key-value store: the other ranks wait for it on the host, up to the store's timeout.
+    A collective (an NCCL group's broadcast) would wait in a kernel spinning on their GPUs while
+    the first rank's solver works there, and two processes' contexts take turns on a GPU
+    (bench/NOTES.md 113)."""
+    size = dist.get_world_size(group)
+    if size == 1:
         return outcome
-    count = _FIRST_RANK_OUTCOMES[ranks] = _FIRST_RANK_OUTCOMES.get(ranks, 0) + 1
-    key = f"meshla/first_rank/{','.join(map(str, ranks))}/{count}"
+    with _FIRST_RANK_LOCK:
+        count = _FIRST_RANK_OUTCOMES[group.group_name] = (
+            _FIRST_RANK_OUTCOMES.get(group.group_name, 0) + 1)
+    key = f"meshla/first_rank/{group.group_name}/{count}"
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank(group) == 0:
         store.set(key, pickle.dumps(outcome))
         return outcome
     outcome = pickle.loads(store.get(key))
-    if store.add(f"{key}/read", 1) == len(ranks) - 1:  # the last reader tidies up
+    if store.add(f"{key}/read", 1) == size - 1:  # the last reader tidies up
         store.delete_key(key)
         store.delete_key(f"{key}/read")
     return outcome
@@ -876,7 +880,7 @@ def cho_solve_shard(a: torch.Tensor, b: torch.Tensor, group=None, *, tile: int =
     positive definite raises ``torch.linalg.LinAlgError`` on every rank unless
     ``check_errors=False``. Where every rank solves alone, a failure of one rank's own solve (out
     of memory, say) raises on that rank only. cuSolverMg's waits are torch.distributed's,
-    bounded by the group's and its key-value store's timeouts; inside a cuSOLVERMp solve a
+    bounded by the group's timeout and the default key-value store's; inside a cuSOLVERMp solve a
     rank that died or never made its call leaves the others waiting in NCCL until meshla's
     watchdog ends their processes ``timeout_s`` after (an hour by default; the watchdog's
     message says why)."""
