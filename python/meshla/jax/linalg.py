@@ -254,7 +254,8 @@ def _engine(name: str, engine: str, mesh: Mesh, axis: str, timeout_s: float,
                            f"GPU devices; the mesh has {others[0]} devices" if others else None)
     if misfit is not None:
         raise ValueError(misfit)
-    groups = [[d.process_index for d in devices] for devices in axis_groups(mesh, axis)]
+    device_groups = axis_groups(mesh, axis)
+    groups = [[d.process_index for d in devices] for devices in device_groups]
     one_gpu_a_process = all(len(set(processes)) == len(processes) for processes in groups)
     if engine == "auto":
         fits = (not others and one_gpu_a_process and not overwrite_a
@@ -264,7 +265,7 @@ def _engine(name: str, engine: str, mesh: Mesh, axis: str, timeout_s: float,
             cusolvermp_installed(), sorted({d.process_index for d in mesh.devices.flat}),
             timeout_s) else "cusolvermg")
     if engine == "cusolvermp":
-        for devices, processes in zip(axis_groups(mesh, axis), groups):
+        for devices, processes in zip(device_groups, groups):
             if len(set(processes)) != len(processes):
                 raise ValueError(
                     f"{name}: engine='cusolvermp' runs one GPU in each process; the devices "

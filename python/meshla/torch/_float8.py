@@ -96,12 +96,9 @@ def local_scaled_mm(a, a_scale, b, b_scale, rowwise: bool, out_dtype):
     if device not in _matmuls:
         _matmuls[device] = _meshla.Matmul(device)
     out = a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
-    # The call's own workspace (the caching allocator's, stream-ordered, in int64 words): calls
-    # on other streams do not share one.
-    workspace = torch.empty(_meshla.matmul_workspace_bytes // 8, dtype=torch.int64,
-                            device=a.device)
     _matmuls[device].run(a, b, out, None, True, "rowwise" if rowwise else "tensorwise", a_scale,
-                         b_scale, _library.current_stream(device), workspace)
+                         b_scale, _library.current_stream(device),
+                         _library.workspace(_meshla.matmul_workspace_bytes, a.device))
     return out
 
 

@@ -90,6 +90,13 @@ def capsule(t):
     return None if t is None else to_dlpack(t)
 
 
+def workspace(nbytes: int, device) -> torch.Tensor:
+    """``nbytes`` of the device's memory for the extension: int64 words (DLPack hands it no uint8;
+    the caching allocator's blocks start on 512-byte boundaries), stream-ordered, so that calls on
+    other streams do not share one."""
+    return torch.empty(-(-nbytes // 8), dtype=torch.int64, device=device)
+
+
 def current_stream(index: int) -> int:
     """The current CUDA stream of device ``index`` as the extension takes it, its raw handle: every
     call pays this on the host, and ``torch.cuda.current_stream(device).cuda_stream``, which builds

@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 from meshla import _meshla
 from meshla._grouped import RAGGED_NAMES
 from meshla.torch._dtypes import DTYPES, meta
-from meshla.torch._library import capsule, current_stream, op
+from meshla.torch._library import capsule, current_stream, op, workspace
 from meshla.torch._main_grad import added_to_main_grad, main_grad_buffer, overwrites_main_grad
 
 __all__ = ["GroupedLinear", "check_device_errors", "grouped_linear", "grouped_matmul",
@@ -154,10 +154,8 @@ def _run(grouped_pass, m_splits, lead, accumulate=False, layout=_LAYOUT.out_in, 
             grouped_pass, meta(_named("m_splits", layout), m_splits), accumulate=accumulate,
             weight_layout=layout,
             **_metas({name: t for name, t in tensors.items() if t is not None}, layout))
-    # int64 words: DLPack hands the extension no uint8, and the size is counted in bytes.
-    workspace = torch.empty((size + 7) // 8, dtype=torch.int64, device=lead.device)
-    _engine(index).run(grouped_pass, capsule(m_splits), capsule(workspace), current_stream(index),
-                       accumulate=accumulate, weight_layout=layout,
+    _engine(index).run(grouped_pass, capsule(m_splits), capsule(workspace(size, lead.device)),
+                       current_stream(index), accumulate=accumulate, weight_layout=layout,
                        **{name: capsule(t) for name, t in tensors.items()})
 
 

@@ -211,16 +211,10 @@ def _devices(name: str, shards: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(shard.device.index for shard in shards)
 
 
-def _workspace(nbytes, device):
-    # int64 words (the bindings take no byte dtype); the caching allocator's blocks start on
-    # 512-byte boundaries.
-    return torch.empty(-(-nbytes // 8), dtype=torch.int64, device=device)
-
-
 def _workspaces(solver, op, n, dtype, nrhs, tile, overwrite_a, devices, cholesky="meshla"):
     return [
-        _workspace(solver.workspace_bytes(op, n, DTYPES[dtype], nrhs, tile, overwrite_a, p,
-                                          cholesky=cholesky), device)
+        _library.workspace(solver.workspace_bytes(op, n, DTYPES[dtype], nrhs, tile, overwrite_a,
+                                                  p, cholesky=cholesky), device)
         for p, device in enumerate(devices)
     ]
 
@@ -808,8 +802,8 @@ def _solve_by_processes(op, a, b, group, tile, overwrite_a, timeout_s):
     try:
         solver = _process_solver(group, a.device, timeout_s)
         x = torch.empty_like(b, memory_format=torch.contiguous_format)
-        workspace = _workspace(solver.workspace_bytes(op, n, DTYPES[a.dtype], nrhs, tile,
-                                                      overwrite_a), a.device)
+        workspace = _library.workspace(
+            solver.workspace_bytes(op, n, DTYPES[a.dtype], nrhs, tile, overwrite_a), a.device)
         ready = None
     except Exception as error:  # reaches every rank below
         ready = (type(error).__name__, str(error))
